@@ -1,0 +1,8 @@
+"""gridshard: data, 1D/2D tensor and pipeline parallelism for transformer training on PyTorch."""
+from .errors import GridshardError, LayoutError, ShapeError, ConfigError, CheckpointError
+from .mesh import ParallelMesh, Axis, build_mesh, init_distributed, validate_layout
+from .comm.ledger import LEDGER
+
+__version__ = "0.1.0"
+__all__ = ["GridshardError", "LayoutError", "ShapeError", "ConfigError", "CheckpointError",
+           "ParallelMesh", "Axis", "build_mesh", "init_distributed", "validate_layout", "LEDGER"]

@@ -1,0 +1,108 @@
+"""Recorded collectives: the only module in gridshard that calls ``torch.distributed``
+communication functions. Each function
+
+* is a no-op (returns its input or a view of it) on an axis of size 1, recording nothing;
+* records the call in :data:`gridshard.comm.ledger.LEDGER` with the payload bytes
+  defined there (full tensor for all-gather/reduce-scatter).
+
+Shapes (group of n ranks, ``dim`` = d):
+
+* ``all_reduce(x)``: x → x summed over the group (in place on a contiguous copy).
+* ``all_gather(x, d)``: local [.., m, ..] → [.., n·m, ..], member k's block at k·m.
+* ``reduce_scatter(x, d)``: [.., n·m, ..] → member k gets the sum over ranks of block k.
+* ``broadcast(x, src)``: x on group member ``src`` → every member (async optional).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import Axis
+from .ledger import LEDGER
+
+# torch >= 2.13 names the flat-buffer collectives *_single; older releases *_tensor.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
+    """Sum (or max) ``x`` over ``axis``; returns a new contiguous tensor."""
+    if axis.size == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    entry = LEDGER.add("all_reduce", axis.name, _nbytes(out), axis.size)
+    red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    with LEDGER.timed(entry, out.device):
+        dist.all_reduce(out, op=red, group=axis.group)
+    return out
+
+
+def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+    """Concatenate every member's ``x`` along ``dim`` in group-rank order."""
+    if axis.size == 1:
+        return x
+    x = x.contiguous()
+    n = axis.size
+    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    entry = LEDGER.add("all_gather", axis.name, _nbytes(out), n)
+    with LEDGER.timed(entry, x.device):
+        _all_gather_flat(out, x, group=axis.group)
+    dim = dim % x.dim()
+    if dim == 0:
+        return out
+    return torch.cat(out.chunk(n, 0), dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this member's 1/n block along ``dim``."""
+    if axis.size == 1:
+        return x
+    n = axis.size
+    dim = dim % x.dim()
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible by the group size {n}")
+    # member k receives slab k of the input viewed as [n, *block]: put the blocks of ``dim`` in front
+    stacked = x.contiguous() if dim == 0 else torch.stack(x.chunk(n, dim=dim), dim=0).contiguous()
+    block_shape = list(x.shape)
+    block_shape[dim] //= n
+    out = torch.empty(block_shape, dtype=x.dtype, device=x.device)
+    entry = LEDGER.add("reduce_scatter", axis.name, _nbytes(x), n)
+    with LEDGER.timed(entry, x.device):
+        _reduce_scatter_flat(out, stacked.view(n * block_shape[0], *block_shape[1:]), group=axis.group)
+    return out
+
+
+class PendingCollective:
+    """Handle of an async collective; ``wait()`` returns the received tensor."""
+
+    def __init__(self, work, tensor: torch.Tensor, entry):
+        self._work, self.tensor, self._entry = work, tensor, entry
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with LEDGER.timed(self._entry, self.tensor.device):
+                self._work.wait()
+            self._work = None
+        return self.tensor
+
+
+def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
+    """Send ``x`` from group member ``src`` (an index into ``axis.ranks``) to every member.
+
+    Non-source members pass a buffer of the source's shape and dtype. With
+    ``async_op`` a :class:`PendingCollective` is returned; otherwise the tensor.
+    """
+    if axis.size == 1:
+        return PendingCollective(None, x, None) if async_op else x
+    x = x.contiguous()
+    entry = LEDGER.add("broadcast", axis.name, _nbytes(x), axis.size)
+    if async_op:
+        work = dist.broadcast(x, src=axis.global_rank(src), group=axis.group, async_op=True)
+        return PendingCollective(work, x, entry)
+    with LEDGER.timed(entry, x.device):
+        dist.broadcast(x, src=axis.global_rank(src), group=axis.group)
+    return x

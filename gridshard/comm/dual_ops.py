@@ -1,0 +1,142 @@
+"""Autograd functions whose backward is the dual of their forward (Megatron's trick).
+
+A tensor-parallel layer puts all its communication in these six functions; the
+autograd engine then runs the dual collective in backward automatically.
+
+=========================  ======================  ======================
+function                   forward                 backward
+=========================  ======================  ======================
+``copy_to_group``          identity                all-reduce
+``reduce_from_group``      all-reduce              identity
+``scatter_to_group``       split along ``dim``     all-gather along ``dim``
+``gather_from_group``      all-gather ``dim``      split along ``dim``
+``gather_sequence``        all-gather ``dim``      reduce-scatter ``dim``
+``reduce_scatter_sequence`` reduce-scatter ``dim``  all-gather ``dim``
+=========================  ======================  ======================
+
+Why each pair is right, for a group of n ranks that all compute the same loss L:
+
+* ``copy_to_group``: y = x is used by every rank with a different weight shard,
+  so ∂L/∂x = Σ_ranks ∂L/∂y_rank → all-reduce.
+* ``reduce_from_group``: y = Σ_r x_r and every rank holds the same y and the same
+  ∂L/∂y, which is exactly ∂L/∂x_r → identity.
+* ``scatter_to_group``/``gather_from_group``: a slice and a concatenation are each
+  other's adjoint when the gathered tensor is replicated (identical ∂L/∂y on every
+  rank), so the gradient of a gather is "take my slice".
+* ``gather_sequence``/``reduce_scatter_sequence`` (sequence parallelism): the
+  gathered full-sequence activation feeds a column-parallel matmul whose
+  gradient on every rank is a *partial* sum; the adjoint of all-gather over
+  partial gradients is reduce-scatter, and vice versa.
+
+The group is given as a :class:`gridshard.mesh.Axis`; on an axis of size 1 every
+function is the identity.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..mesh import Axis
+from . import collectives as C
+
+
+def _split(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    if axis.size == 1:
+        return x
+    if x.shape[dim] % axis.size:
+        raise ValueError(f"cannot split size {x.shape[dim]} of dim {dim} over {axis.size} ranks of axis '{axis.name}'")
+    return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_reduce(g, ctx.axis), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        return C.all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _split(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_gather(g, ctx.axis, ctx.dim), None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.axis, ctx.dim), None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.reduce_scatter(g, ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_gather(g, ctx.axis, ctx.dim), None, None
+
+
+def copy_to_group(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Forward identity, backward all-reduce over ``axis``."""
+    return x if axis.size == 1 else _CopyToGroup.apply(x, axis)
+
+
+def reduce_from_group(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Forward all-reduce over ``axis``, backward identity."""
+    return x if axis.size == 1 else _ReduceFromGroup.apply(x, axis)
+
+
+def scatter_to_group(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+    """Forward keep my 1/n slice along ``dim``, backward all-gather along ``dim``."""
+    return x if axis.size == 1 else _ScatterToGroup.apply(x, axis, dim)
+
+
+def gather_from_group(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+    """Forward all-gather along ``dim``, backward keep my slice."""
+    return x if axis.size == 1 else _GatherFromGroup.apply(x, axis, dim)
+
+
+def gather_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    """Sequence parallelism entry: forward all-gather along ``dim``, backward reduce-scatter."""
+    return x if axis.size == 1 else _GatherSequence.apply(x, axis, dim)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    """Sequence parallelism exit: forward reduce-scatter along ``dim``, backward all-gather."""
+    return x if axis.size == 1 else _ReduceScatterSequence.apply(x, axis, dim)

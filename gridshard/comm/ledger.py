@@ -1,0 +1,127 @@
+"""The communication ledger: every collective gridshard issues is written here.
+
+Each record is keyed by ``(op, axis)`` and accumulates
+
+* ``count``: number of calls;
+* ``payload_bytes``: bytes of the logical tensor the collective is about — for
+  ``all_reduce`` and ``broadcast`` the tensor itself; for ``all_gather`` the full
+  (gathered) output; for ``reduce_scatter`` the full (unscattered) input. With
+  this convention Megatron's rule "sequence parallelism moves the same volume as
+  the all-reduces it replaces" holds exactly: an all-reduce of B bytes and an
+  all-gather + reduce-scatter of B bytes each count B.
+* ``wire_bytes``: what one rank sends on a ring (bandwidth-optimal) algorithm
+  for a group of n ranks: all-reduce 2(n−1)/n·B, all-gather and reduce-scatter
+  (n−1)/n·B, broadcast (n−1)/n·B (pipelined). This is the figure that sets the
+  bandwidth term of the time; it is what the planner uses.
+* ``seconds``: wall time spent inside the call (or waiting for an async call),
+  only when timing is switched on (``LEDGER.timing = True``). On CUDA the timer
+  synchronises the device, so leave timing off where speed matters more than
+  the breakdown.
+
+The ledger is public API: ``gridshard.LEDGER.summary()`` shows what a step moved.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
+    """Bytes one rank sends for ``op`` on a ring of ``group_size`` ranks (see module doc)."""
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n * payload_bytes
+    if op in ("all_gather", "reduce_scatter", "broadcast"):
+        return (n - 1) / n * payload_bytes
+    return float(payload_bytes)
+
+
+@dataclass
+class LedgerEntry:
+    """Totals of one (op, axis) pair."""
+
+    op: str
+    axis: str
+    count: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommLedger:
+    """Accumulates collectives by (op, axis). See the module docstring for the fields."""
+
+    enabled: bool = True
+    timing: bool = False
+    entries: dict = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    def add(self, op: str, axis: str, payload_bytes: int, group_size: int, seconds: float = 0.0) -> LedgerEntry:
+        entry = self.entries.get((op, axis))
+        if entry is None:
+            entry = self.entries[(op, axis)] = LedgerEntry(op, axis)
+        if self.enabled:
+            entry.count += 1
+            entry.payload_bytes += int(payload_bytes)
+            entry.wire_bytes += ring_wire_bytes(op, payload_bytes, group_size)
+            entry.seconds += seconds
+        return entry
+
+    @contextmanager
+    def timed(self, entry: LedgerEntry, device: torch.device):
+        """Adds the wall time of the block to ``entry`` when timing is on."""
+        if not (self.timing and self.enabled):
+            yield
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            entry.seconds += time.perf_counter() - t0
+
+    def total(self, field_name: str = "payload_bytes", op: str | None = None, axis: str | None = None):
+        """Sum of ``field_name`` over entries, optionally filtered by op and/or axis."""
+        return sum(getattr(e, field_name) for (o, a), e in self.entries.items()
+                   if (op is None or o == op) and (axis is None or a == axis))
+
+    def count(self, op: str | None = None, axis: str | None = None) -> int:
+        return self.total("count", op, axis)
+
+    def payload_bytes(self, op: str | None = None, axis: str | None = None) -> int:
+        return self.total("payload_bytes", op, axis)
+
+    def seconds(self) -> float:
+        return self.total("seconds")
+
+    def summary(self) -> str:
+        """A small table of all entries, one line per (op, axis)."""
+        lines = [f"{'op':<15}{'axis':<10}{'count':>7}{'payload MiB':>13}{'wire MiB':>11}{'seconds':>10}"]
+        for (op, axis), e in sorted(self.entries.items()):
+            lines.append(f"{op:<15}{axis:<10}{e.count:>7}{e.payload_bytes / 2**20:>13.3f}"
+                         f"{e.wire_bytes / 2**20:>11.3f}{e.seconds:>10.4f}")
+        return "\n".join(lines)
+
+    @contextmanager
+    def paused(self):
+        """Do not record collectives issued inside the block (e.g. metrics reductions)."""
+        prev = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = prev
+
+
+LEDGER = CommLedger()

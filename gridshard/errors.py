@@ -1,0 +1,37 @@
+"""Error types. Every error names the offending value, the rule it breaks and a fix."""
+
+
+class GridshardError(Exception):
+    """Base class of all gridshard errors."""
+
+
+class LayoutError(GridshardError, ValueError):
+    """A device layout (D, P, T, grid) that cannot be built on this world size."""
+
+
+class ShapeError(GridshardError, ValueError):
+    """A tensor or layer size that the parallel layout cannot split evenly."""
+
+
+class ConfigError(GridshardError, ValueError):
+    """A bad field in a YAML/dict config."""
+
+
+class CheckpointError(GridshardError, RuntimeError):
+    """A checkpoint that is corrupt or does not match the model."""
+
+
+def check_divisible(value: int, divisor: int, what: str, by: str, fix: str = "") -> None:
+    """Raise ShapeError unless ``divisor`` divides ``value``.
+
+    ``what`` names the value (e.g. ``"out_features"``), ``by`` names the divisor
+    (e.g. ``"tensor-parallel size T"``).
+    """
+    if divisor <= 0 or value % divisor != 0:
+        lo = (value // divisor) * divisor if divisor > 0 else 0
+        hi = lo + divisor
+        hint = fix or f"use a multiple of {divisor} (e.g. {lo or hi} or {hi}) or change {by}"
+        raise ShapeError(
+            f"{what}={value} is not divisible by {by}={divisor}: "
+            f"{what} must be a multiple of {by}. Fix: {hint}."
+        )

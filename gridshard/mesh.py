@@ -1,0 +1,240 @@
+"""The device layout: data × pipeline × tensor, built on ``torch.distributed.device_mesh``.
+
+Every rank of a job of ``G`` processes sits at one coordinate of a mesh of shape
+``(D, P, T)`` with dims named ``("data", "pipeline", "tensor")``; tensor is the
+innermost (fastest varying) dim, so a tensor-parallel group is a block of
+consecutive global ranks and stays inside a node::
+
+    global_rank = (d * P + p) * T + t
+
+For 2D tensor parallelism (SUMMA) the tensor dim is itself laid out as a q×q grid,
+``T = q²``, and the mesh has shape ``(D, P, q, q)`` with dims
+``("data", "pipeline", "grid_row", "grid_col")`` plus the flattened ``"tensor"``
+dim. The rank at grid position (i, j) has tensor rank ``t = i*q + j``.
+
+Naming of the 2D groups follows the SUMMA text, not the mesh dim:
+
+* ``row`` axis: the q ranks that share my grid row i (they differ in column j);
+  it is the group *along* the mesh dim ``grid_col``. SUMMA broadcasts A's panels
+  along it.
+* ``col`` axis: the q ranks that share my grid column j (they differ in row i);
+  it is the group along ``grid_row``. SUMMA broadcasts B's panels along it.
+
+All size checks happen in :func:`validate_layout`, before any process group is
+created, so a bad layout fails with a message instead of hanging.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .errors import LayoutError
+
+TENSOR_MODES = ("none", "1d", "2d")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One dimension of the mesh as seen from this rank.
+
+    ``ranks`` lists the global ranks of the group in group-rank order, so
+    ``ranks[k]`` is the global rank of group member ``k`` (what ``broadcast``'s
+    ``src`` needs). ``group`` is ``None`` when the axis has size 1.
+    """
+
+    name: str
+    size: int
+    rank: int
+    ranks: tuple
+    group: Optional[dist.ProcessGroup]
+
+    def global_rank(self, index: int) -> int:
+        return self.ranks[index]
+
+
+def factorizations(world_size: int, pipeline: Optional[int] = None, square_tensor: bool = False):
+    """All (D, P, T) with D·P·T = world_size for the given P (all P if ``pipeline`` is None).
+
+    With ``square_tensor`` only layouts whose T is a perfect square are listed.
+    """
+    out = []
+    pipes = [pipeline] if pipeline else [p for p in range(1, world_size + 1) if world_size % p == 0]
+    for p in pipes:
+        if world_size % p:
+            continue
+        rest = world_size // p
+        for t in range(1, rest + 1):
+            if rest % t:
+                continue
+            if square_tensor and math.isqrt(t) ** 2 != t:
+                continue
+            out.append((rest // t, p, t))
+    return out
+
+
+def nearest_squares(t: int):
+    """The perfect squares just below and above ``t`` (for error messages)."""
+    r = math.isqrt(t)
+    below = r * r if r >= 1 else 1
+    above = (r + 1) ** 2
+    return below, above
+
+
+def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tensor_mode: str = "1d") -> None:
+    """Check that ``data × pipeline × tensor == world_size`` and that the tensor mode fits.
+
+    Raises :class:`LayoutError` naming the numbers, the rule and valid choices.
+    Pure function: touches no process group.
+    """
+    for name, v in (("data", data), ("pipeline", pipeline), ("tensor", tensor)):
+        if not isinstance(v, int) or v < 1:
+            raise LayoutError(f"parallel.{name}={v!r} is invalid: every parallel size must be an integer >= 1.")
+    if tensor_mode not in TENSOR_MODES:
+        raise LayoutError(
+            f"tensor_mode={tensor_mode!r} is unknown: it must be one of {TENSOR_MODES}. "
+            f"Fix: use '1d' (Megatron column/row) or '2d' (SUMMA on a q×q grid)."
+        )
+    if tensor_mode == "none" and tensor != 1:
+        raise LayoutError(
+            f"tensor_mode='none' with tensor={tensor}: without tensor parallelism T must be 1. "
+            f"Fix: set tensor_mode to '1d' or '2d', or tensor=1."
+        )
+    if tensor_mode == "2d":
+        q = math.isqrt(tensor)
+        if q * q != tensor:
+            lo, hi = nearest_squares(tensor)
+            raise LayoutError(
+                f"tensor={tensor} is not a perfect square: 2D tensor parallelism lays the T ranks out "
+                f"as a q×q grid, so T must be q². Fix: use tensor={lo} or tensor={hi}, or tensor_mode='1d'."
+            )
+    if data * pipeline * tensor != world_size:
+        valid = factorizations(world_size, pipeline if world_size % pipeline == 0 else None,
+                               square_tensor=(tensor_mode == "2d"))
+        shown = ", ".join(f"(D={d}, P={p}, T={t})" for d, p, t in valid[:12])
+        raise LayoutError(
+            f"data×pipeline×tensor = {data}×{pipeline}×{tensor} = {data * pipeline * tensor} but the world "
+            f"size is {world_size}: the product of the parallel sizes must equal the number of processes. "
+            f"Fix: choose one of {shown}, or launch {data * pipeline * tensor} processes."
+        )
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, ``gloo`` otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def default_device() -> torch.device:
+    """The device this rank computes on: its local CUDA device, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group from torchrun's environment.
+
+    Uses ``nccl`` on GPUs and ``gloo`` on CPUs. A single process with no launcher
+    environment becomes a world of one. Idempotent.
+    """
+    if dist.is_initialized():
+        return
+    import datetime
+
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(default_device())
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _axis(mesh: DeviceMesh, dim: str, name: Optional[str] = None) -> Axis:
+    sub = mesh[dim]
+    size = sub.size()
+    ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
+    rank = ranks.index(dist.get_rank())
+    return Axis(name or dim, size, rank, ranks, sub.get_group() if size > 1 else None)
+
+
+class ParallelMesh:
+    """The (data, pipeline, tensor) layout of this job, with one :class:`Axis` per dim.
+
+    Build with :func:`build_mesh`. Attributes:
+
+    * ``data``, ``pipeline``, ``tensor``: axes; ``tensor`` is the flattened grid in 2D.
+    * ``tensor_mode``: ``"none"``, ``"1d"`` or ``"2d"``.
+    * 2D only: ``q`` (grid side), ``grid_row``/``grid_col`` (my coordinates), and
+      ``row``/``col`` axes (see the module docstring for which ranks they hold).
+    """
+
+    def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str):
+        self.device_mesh = device_mesh
+        self.sizes = (data, pipeline, tensor)
+        self.tensor_mode = tensor_mode
+        self.data = _axis(device_mesh, "data")
+        self.pipeline = _axis(device_mesh, "pipeline")
+        self.tensor = _axis(device_mesh, "tensor")
+        self.q = None
+        if tensor_mode == "2d":
+            self.q = math.isqrt(tensor)
+            self.row = _axis(device_mesh, "grid_col", "row")
+            self.col = _axis(device_mesh, "grid_row", "col")
+            self.grid_row = self.col.rank
+            self.grid_col = self.row.rank
+            assert self.tensor.rank == self.grid_row * self.q + self.grid_col
+
+    @property
+    def world_size(self) -> int:
+        return self.sizes[0] * self.sizes[1] * self.sizes[2]
+
+    def __repr__(self) -> str:
+        d, p, t = self.sizes
+        return f"ParallelMesh(D={d}, P={p}, T={t}, mode={self.tensor_mode!r}, rank={dist.get_rank()})"
+
+
+_MESH_CACHE: dict = {}
+
+
+def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None) -> ParallelMesh:
+    """Validate the layout, then build (or reuse) the DeviceMesh for it.
+
+    ``tensor_mode`` defaults to ``"none"`` for T=1 and ``"1d"`` otherwise.
+    The process group must already be initialised (:func:`init_distributed`).
+    Meshes are cached per layout, so calling this repeatedly creates no new groups.
+    """
+    if tensor_mode is None:
+        tensor_mode = "none" if tensor == 1 else "1d"
+    if not dist.is_initialized():
+        raise LayoutError("build_mesh() needs an initialised process group: call gridshard.init_distributed() first.")
+    world = dist.get_world_size()
+    validate_layout(world, data, pipeline, tensor, tensor_mode)
+    key = (id(dist.group.WORLD), world, data, pipeline, tensor, tensor_mode)
+    if key in _MESH_CACHE:
+        return _MESH_CACHE[key]
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if tensor_mode == "2d":
+        q = math.isqrt(tensor)
+        dm = init_device_mesh(device_type, (data, pipeline, q, q),
+                              mesh_dim_names=("data", "pipeline", "grid_row", "grid_col"))
+        dm["grid_row", "grid_col"]._flatten("tensor")
+    else:
+        dm = init_device_mesh(device_type, (data, pipeline, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
+    mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode)
+    _MESH_CACHE[key] = mesh
+    return mesh

@@ -1,0 +1,214 @@
+"""Run a function on N gloo CPU ranks, reusing the worker processes across calls.
+
+``run_on_ranks(n, fn, *args)`` pickles ``fn`` by reference (it must be a module
+level function), runs ``fn(*args)`` on each of n ranks of a live process group,
+and returns the list of per-rank return values. Workers of a given size are
+started once (importing torch costs ~1 s per process) and kept for later calls.
+
+Failure handling:
+
+* an exception on any rank raises :class:`RankFailure` with that rank's traceback;
+* ranks that have not answered ``grace_s`` seconds after a failure, or when the
+  overall ``timeout`` passes, are treated as stuck: each one dumps all its thread
+  stacks (``faulthandler`` on SIGUSR1) and the stacks go into the error, so a
+  deadlock fails within a bounded time and shows where each rank waits;
+* a worker that dies (segfault, OOM kill) is reported with its exit code;
+* after any failure the worker group is torn down and rebuilt on the next call,
+  since its collectives may be out of step.
+
+Before each call every worker resets the communication ledger, its timing flag
+and the RNG seed (``torch.manual_seed(1234 + rank)``), so calls are independent.
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+_GROUPS: dict = {}
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed, died or got stuck."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file):
+    import faulthandler
+
+    sys.path[:] = sys_path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    fh = open(stack_file, "w")
+    faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=300))
+    from gridshard.comm.ledger import LEDGER
+
+    result_q.put((rank, "ready", None))
+    while True:
+        item = task_q.get()
+        if item is None:
+            break
+        call_id, fn, args, kwargs = item
+        LEDGER.reset()
+        LEDGER.enabled, LEDGER.timing = True, False
+        torch.manual_seed(1234 + rank)
+        try:
+            out = fn(*args, **kwargs)
+            result_q.put((rank, "ok", (call_id, out)))
+        except BaseException:  # noqa: BLE001 - report everything, the parent decides
+            result_q.put((rank, "error", (call_id, traceback.format_exc())))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerGroup:
+    """``world_size`` worker processes joined in one gloo process group."""
+
+    def __init__(self, world_size: int, start_timeout: float = 120.0):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.port = _free_port()
+        self.result_q = ctx.Queue()
+        self.task_qs = [ctx.Queue() for _ in range(world_size)]
+        self.tmpdir = tempfile.mkdtemp(prefix=f"gridshard-w{world_size}-")
+        self.stack_files = [os.path.join(self.tmpdir, f"rank{r}.stack") for r in range(world_size)]
+        self.procs = []
+        self._calls = 0
+        for r in range(world_size):
+            p = ctx.Process(target=_worker_main, daemon=True,
+                            args=(r, world_size, self.port, list(sys.path), self.task_qs[r],
+                                  self.result_q, self.stack_files[r]))
+            p.start()
+            self.procs.append(p)
+        ready = set()
+        deadline = time.monotonic() + start_timeout
+        while len(ready) < world_size:
+            rank, kind, _ = self._get(deadline, "start-up", ready)
+            ready.add(rank)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def _get(self, deadline, what, answered):
+        while True:
+            try:
+                return self.result_q.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in answered]
+            if dead:
+                codes = {r: self.procs[r].exitcode for r in dead}
+                self._fail(f"rank(s) {dead} died during {what} with exit codes {codes}", answered)
+            if time.monotonic() > deadline:
+                self._fail(f"timeout during {what}: rank(s) {sorted(set(range(self.world_size)) - set(answered))} "
+                           f"did not answer (deadlock or too slow)", answered)
+
+    def _stacks(self, ranks) -> str:
+        for r in ranks:
+            if self.procs[r].is_alive():
+                try:
+                    os.kill(self.procs[r].pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(1.0)
+        parts = []
+        for r in ranks:
+            try:
+                with open(self.stack_files[r]) as f:
+                    text = f.read()
+            except OSError:
+                text = "(no stack)"
+            parts.append(f"--- stack of rank {r} ---\n{text[-6000:]}")
+        return "\n".join(parts)
+
+    def _fail(self, message, answered, errors=None):
+        stuck = [r for r in range(self.world_size) if r not in answered]
+        details = ""
+        if errors:
+            details += "\n".join(f"--- traceback of rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        if stuck:
+            details += "\n" + self._stacks(stuck)
+        self.close(force=True)
+        raise RankFailure(f"{message}\n{details}")
+
+    def run(self, fn, *args, timeout: float = 120.0, grace_s: float = 10.0, **kwargs):
+        if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
+            raise TypeError(f"run_on_ranks needs a module-level function importable by workers, got {fn!r}")
+        self._calls += 1
+        call_id = self._calls
+        for q in self.task_qs:
+            q.put((call_id, fn, args, kwargs))
+        results, errors, answered = {}, {}, set()
+        deadline = time.monotonic() + timeout
+        while len(answered) < self.world_size:
+            if errors:
+                deadline = min(deadline, first_error_at + grace_s)
+            rank, kind, payload = self._get(deadline, f"{fn.__qualname__}", answered)
+            cid, value = payload
+            if cid != call_id:
+                continue
+            answered.add(rank)
+            if kind == "ok":
+                results[rank] = value
+            else:
+                if not errors:
+                    first_error_at = time.monotonic()
+                errors[rank] = value
+        if errors:
+            self._fail(f"{fn.__qualname__} failed on rank(s) {sorted(errors)} of {self.world_size}", answered, errors)
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False):
+        for q in self.task_qs:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=0.5 if force else 5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        _GROUPS.pop(self.world_size, None) if _GROUPS.get(self.world_size) is self else None
+
+
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return per-rank results."""
+    group = _GROUPS.get(world_size)
+    if group is None or not group.alive():
+        if group is not None:
+            group.close(force=True)
+        group = _GROUPS[world_size] = WorkerGroup(world_size)
+    return group.run(fn, *args, timeout=timeout, **kwargs)
+
+
+def shutdown_all():
+    """Stop every worker group."""
+    for g in list(_GROUPS.values()):
+        g.close()
+    _GROUPS.clear()
+
+
+atexit.register(shutdown_all)

@@ -1,0 +1,59 @@
+"""Mesh layout: validation before any process group, coordinates from DeviceMesh."""
+import pytest
+import torch.distributed as dist
+
+from gridshard.errors import LayoutError
+from gridshard.mesh import build_mesh, factorizations, validate_layout
+from gridshard.testing import run_on_ranks
+
+
+def test_product_must_equal_world_size_and_error_lists_valid_layouts():
+    with pytest.raises(LayoutError) as e:
+        validate_layout(8, data=2, pipeline=1, tensor=3)
+    msg = str(e.value)
+    assert "2×1×3 = 6" in msg and "world size is 8" in msg and "(D=2, P=1, T=4)" in msg
+
+
+def test_non_square_2d_names_nearest_squares():
+    with pytest.raises(LayoutError) as e:
+        validate_layout(8, data=1, pipeline=1, tensor=8, tensor_mode="2d")
+    assert "tensor=8" in str(e.value) and "tensor=4" in str(e.value) and "tensor=9" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [dict(data=0), dict(tensor=-1), dict(tensor_mode="3d"), dict(tensor_mode="none", tensor=2)])
+def test_bad_fields(bad):
+    kw = dict(data=1, pipeline=1, tensor=2, tensor_mode="1d")
+    kw.update(bad)
+    with pytest.raises(LayoutError):
+        validate_layout(2 if kw["tensor"] == 2 else 1, **kw)
+
+
+def test_factorizations():
+    assert sorted(factorizations(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    assert factorizations(8, pipeline=1, square_tensor=True) == [(8, 1, 1), (2, 1, 4)]
+
+
+def _coords_1d():
+    m = build_mesh(data=2, pipeline=1, tensor=2)
+    assert build_mesh(data=2, pipeline=1, tensor=2) is m  # cached, no new groups
+    return dist.get_rank(), m.data.rank, m.tensor.rank, m.tensor.ranks, m.data.ranks
+
+
+def test_1d_mesh_coordinates_tensor_innermost():
+    res = run_on_ranks(4, _coords_1d)
+    for rank, d, t, tranks, dranks in res:
+        assert rank == d * 2 + t
+        assert tranks == (d * 2, d * 2 + 1)
+        assert dranks == (t, 2 + t)
+
+
+def _coords_2d():
+    m = build_mesh(data=1, pipeline=1, tensor=4, tensor_mode="2d")
+    return dist.get_rank(), m.grid_row, m.grid_col, m.row.ranks, m.col.ranks, m.tensor.rank
+
+
+def test_2d_grid_row_and_col_groups():
+    for rank, i, j, row, col, t in run_on_ranks(4, _coords_2d):
+        assert t == rank == i * 2 + j
+        assert row == (i * 2, i * 2 + 1)      # same grid row, varying column
+        assert col == (j, 2 + j)              # same grid column, varying row
