@@ -35,6 +35,7 @@ from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
+from torch.nn.utils import skip_init  # no RNG draws at construction: see the init contract
 
 
 class TensorParallelStyle(ABC):
@@ -108,7 +109,7 @@ class NoTensorParallel(TensorParallelStyle):
         check_divisible(hidden, heads, "hidden", "heads")
 
     def embedding(self, vocab, hidden, init_std):
-        emb = nn.Embedding(vocab, hidden)
+        emb = skip_init(nn.Embedding, vocab, hidden)
         with torch.no_grad():
             emb.weight.normal_(0.0, init_std)
         return emb
@@ -123,7 +124,7 @@ class NoTensorParallel(TensorParallelStyle):
         return _plain_linear(in_features, out_features, bias, init_std)
 
     def lm_head(self, hidden, vocab, init_std, tied=None):
-        head = nn.Linear(hidden, vocab, bias=False)
+        head = skip_init(nn.Linear, hidden, vocab, bias=False)
         if tied is not None:
             head.weight = tied.weight
         else:
@@ -137,7 +138,7 @@ class NoTensorParallel(TensorParallelStyle):
 
 
 def _plain_linear(in_features, out_features, bias, init_std):
-    lin = nn.Linear(in_features, out_features, bias=bias)
+    lin = skip_init(nn.Linear, in_features, out_features, bias=bias)
     with torch.no_grad():
         lin.weight.normal_(0.0, init_std)
         if bias:
