@@ -1,0 +1,19 @@
+# One-command set-up: every target installs what it needs into .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r requirements.txt
+	touch $@
+
+.PHONY: install test train
+install: $(VENV)/.installed
+
+## Run the whole test suite (what CI runs).
+test: install
+	$(PY) -m pytest -q
+
+## The main job: train the default tiny model on 4 local CPU workers.
+train: install
+	$(VENV)/bin/gridshard train --nproc 4 --run-dir runs/default
