@@ -11,6 +11,7 @@ Shapes (group of n ranks, ``dim`` = d):
 * ``all_gather(x, d)``: local [.., m, ..] → [.., n·m, ..], member k's block at k·m.
 * ``reduce_scatter(x, d)``: [.., n·m, ..] → member k gets the sum over ranks of block k.
 * ``broadcast(x, src)``: x on group member ``src`` → every member (async optional).
+* ``reduce(x, dst)``: x summed over the group → member ``dst`` only (async optional).
 """
 from __future__ import annotations
 
@@ -106,3 +107,24 @@ def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
     with LEDGER.timed(entry, x.device):
         dist.broadcast(x, src=axis.global_rank(src), group=axis.group)
     return x
+
+
+def reduce(x: torch.Tensor, axis: Axis, dst: int, async_op: bool = False):
+    """Sum ``x`` over ``axis`` into group member ``dst`` (an index into ``axis.ranks``).
+
+    Every member passes its contribution (same shape); only member ``dst`` receives
+    the sum, in the returned tensor (a contiguous copy of its ``x``). Other members
+    get back their (possibly overwritten) scratch copy and must not read it.
+    Ledger payload: the tensor itself, like ``all_reduce`` and ``broadcast``. With
+    ``async_op`` a :class:`PendingCollective` is returned.
+    """
+    if axis.size == 1:
+        return PendingCollective(None, x, None) if async_op else x
+    out = x.clone(memory_format=torch.contiguous_format)
+    entry = LEDGER.add("reduce", axis.name, _nbytes(out), axis.size)
+    if async_op:
+        work = dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+        return PendingCollective(work, out, entry)
+    with LEDGER.timed(entry, out.device):
+        dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group)
+    return out
