@@ -1,0 +1,229 @@
+"""Megatron 1D tensor-parallel linear layers: column-parallel and row-parallel.
+
+Notation: T ranks in the tensor group, rank t; a linear layer y = x Wᵀ + b with a
+global weight W [out, in] (PyTorch layout, drawn ``normal_(0, init_std)``).
+
+Column-parallel (W split along ``out``)
+---------------------------------------
+Rank t holds W_t = rows t·out/T … (t+1)·out/T of W, [out/T, in], and b_t [out/T].
+Given the full input x [b, s, in] it computes its block of output columns
+
+    y_t = x W_tᵀ + b_t                                   [b, s, out/T]
+
+with no communication. The input is used by all T ranks, so its gradient is the
+sum of T partials: ``copy_to_group`` (forward identity, backward all-reduce of
+b·s·in). With ``fused_parts = k`` (gate|up k=2, q|k|v k=3) W is k equal parts
+stacked along ``out`` and each part is split separately, so rank t holds
+[part₀ block t; part₁ block t; …] and its output chunks back into the k parts.
+
+Under sequence parallelism the input arrives as the sequence block x_t
+[b, s/T, in]; ``gather_sequence`` all-gathers the full x along dim 1 (forward,
+b·s·in) and reduce-scatters its gradient (backward, b·s·in) instead of the copy.
+
+``gather_output=True`` all-gathers y along the last dim (and reorders fused parts
+back to the global order) so every rank gets the full [b, s, out].
+
+Row-parallel (W split along ``in``)
+-----------------------------------
+Rank t holds W_t = columns t·in/T … of W, [out, in/T], and the *full* bias b [out].
+Its input is x_t [b, s, in/T] (the output of a column layer: ``input_is_parallel``)
+and it computes the partial product p_t = x_t W_tᵀ [b, s, out]. The output is
+
+    y = Σ_t p_t + b      (all-reduce of b·s·out; backward identity)
+
+or, under sequence parallelism, the sequence block t of that sum
+(``reduce_scatter_sequence``: forward reduce-scatter of b·s·out, backward
+all-gather of b·s·out). The bias is added exactly once, after the reduction. Under
+SP the bias meets only the sequence block t, so its gradient is partial over the
+tensor group; it is used through ``copy_to_group`` (backward all-reduce of
+out·bytes) and its spec is marked ``partial_grad_axes=("tensor",)`` (already
+reduced inside the layer: do not reduce again).
+
+Column → row needs no communication between them (the column output block t is
+exactly the row input block t), hence one all-reduce forward and one backward per
+pair (or one all-gather + one reduce-scatter each way under SP).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.dual_ops import (copy_to_group, gather_from_group, gather_sequence, reduce_from_group,
+                             reduce_scatter_sequence, scatter_to_group)
+from ..errors import LayoutError, ShapeError, check_divisible
+from .sharding import ShardSpec, sharded_parameter
+
+T_NAME = "tensor-parallel size T"
+
+
+def _normal(std: float) -> Callable[[torch.Tensor], None]:
+    return lambda full: full.normal_(0.0, std)
+
+
+def _zeros(full: torch.Tensor) -> None:
+    full.zero_()
+
+
+def check_last_dim(x: torch.Tensor, expected: int, layer: str, fix: str) -> None:
+    """ShapeError unless ``x.shape[-1] == expected`` (checked before any collective)."""
+    if x.dim() == 0 or x.shape[-1] != expected:
+        raise ShapeError(f"{layer}: input of shape {tuple(x.shape)} has last dim "
+                         f"{x.shape[-1] if x.dim() else None}, expected {expected}. Fix: {fix}.")
+
+
+def check_sequence_input(x: torch.Tensor, layer: str) -> None:
+    """Sequence-parallel activations are [b, s, h] with the sequence on dim 1."""
+    if x.dim() != 3:
+        raise ShapeError(f"{layer}: sequence parallelism needs a 3-D activation [batch, seq, hidden] with the "
+                         f"sequence on dim 1, got shape {tuple(x.shape)}. Fix: reshape the input to [b, s, h].")
+
+
+def check_sequence_divisible(x: torch.Tensor, T: int, layer: str) -> None:
+    """The full sequence must split evenly into T blocks before a reduce-scatter along it."""
+    check_sequence_input(x, layer)
+    check_divisible(x.shape[1], T, f"{layer}: sequence length s", T_NAME,
+                    f"use a sequence length that is a multiple of {T}, or turn sequence_parallel off")
+
+
+def _unfuse_gathered(y: torch.Tensor, T: int, parts: int) -> torch.Tensor:
+    """[.., T·parts·m] laid out as (rank, part, m) → global order (part, rank, m)."""
+    if parts == 1 or T == 1:
+        return y
+    m = y.shape[-1] // (T * parts)
+    lead = y.shape[:-1]
+    return y.reshape(*lead, T, parts, m).transpose(-3, -2).reshape(*lead, T * parts * m)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_t = x W_tᵀ + b_t with W [out, in] split along ``out`` over ``mesh.tensor``.
+
+    Input: [.., in] replicated (or [b, s/T, in] sequence block with ``sequence_parallel``).
+    Output: [.., out/T] this rank's column block ([.., out] with ``gather_output``).
+    With ``skip_bias_add`` returns ``(output, bias)`` (bias shard, or the full bias when
+    gathering; ``None`` without bias) and leaves the addition to the caller.
+    ``weight_init`` (global [out, in] tensor → None, in place) overrides the default
+    ``normal_(0, init_std)``; ``shared_weight`` reuses an existing parameter of the same
+    spec (e.g. a tied embedding) and draws nothing.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
+                 fused_parts: int = 1, dtype: torch.dtype = torch.float32, device=None,
+                 weight_init: Optional[Callable[[torch.Tensor], None]] = None,
+                 shared_weight: Optional[nn.Parameter] = None):
+        super().__init__()
+        self.axis = mesh.tensor
+        T = self.axis.size
+        check_divisible(out_features, T * fused_parts,
+                        f"ColumnParallelLinear out_features" + (f" (fused_parts={fused_parts})" if fused_parts > 1 else ""),
+                        f"{T_NAME} × fused_parts" if fused_parts > 1 else T_NAME,
+                        f"use out_features that is a multiple of {T * fused_parts}, or a tensor size dividing "
+                        f"{out_features // fused_parts}")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_local = out_features // T
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel and T > 1
+        self.fused_parts = fused_parts
+        w_spec = ShardSpec((out_features, in_features), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0)
+        if shared_weight is not None:
+            if getattr(shared_weight, "shard_spec", None) != w_spec:
+                raise LayoutError(f"ColumnParallelLinear: shared_weight has spec "
+                                  f"{getattr(shared_weight, 'shard_spec', None)}, expected {w_spec}. Fix: share a "
+                                  f"weight split the same way (global [{out_features}, {in_features}], rows over T).")
+            self.weight = shared_weight
+        else:
+            self.weight = sharded_parameter(w_spec, mesh, weight_init or _normal(init_std), dtype, device)
+        if bias:
+            b_spec = ShardSpec((out_features,), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0)
+            self.bias = sharded_parameter(b_spec, mesh, _zeros, dtype, device)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        name = "ColumnParallelLinear"
+        check_last_dim(x, self.in_features, name, f"feed [.., {self.in_features}] (the layer's in_features)")
+        if self.sequence_parallel:
+            check_sequence_input(x, name)
+            x = gather_sequence(x, self.axis, 1)
+        else:
+            x = copy_to_group(x, self.axis)
+        bias = self.bias
+        y = F.linear(x, self.weight, None if self.skip_bias_add else bias)
+        if self.gather_output:
+            y = _unfuse_gathered(gather_from_group(y, self.axis, -1), self.axis.size, self.fused_parts)
+            if self.skip_bias_add and bias is not None:
+                bias = _unfuse_gathered(gather_from_group(bias, self.axis, -1), self.axis.size, self.fused_parts)
+        return (y, bias) if self.skip_bias_add else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.out_local}), "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}, fused_parts={self.fused_parts}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_t x_t W_tᵀ + b with W [out, in] split along ``in`` over ``mesh.tensor``.
+
+    Input: [.., in/T] this rank's block (``input_is_parallel``) or [.., in] replicated
+    (then split here). Output: [.., out] replicated, or the sequence block [b, s/T, out]
+    with ``sequence_parallel``. The full bias is added once, after the reduction;
+    ``skip_bias_add`` returns ``(output, bias)`` instead.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, input_is_parallel: bool = True,
+                 skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.axis = mesh.tensor
+        T = self.axis.size
+        check_divisible(in_features, T, "RowParallelLinear in_features", T_NAME)
+        if sequence_parallel and not input_is_parallel and T > 1:
+            raise LayoutError("RowParallelLinear(sequence_parallel=True, input_is_parallel=False): under sequence "
+                              "parallelism the row layer's input must be the column-split activation. "
+                              "Fix: set input_is_parallel=True (feed it the output of a ColumnParallelLinear).")
+        self.in_features, self.out_features = in_features, out_features
+        self.in_local = in_features // T
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.sequence_parallel = sequence_parallel and T > 1
+        w_spec = ShardSpec((out_features, in_features), ((1, "tensor"),))
+        self.weight = sharded_parameter(w_spec, mesh, _normal(init_std), dtype, device)
+        if bias:
+            b_spec = ShardSpec((out_features,), (), partial_grad_axes=("tensor",) if self.sequence_parallel else ())
+            self.bias = sharded_parameter(b_spec, mesh, _zeros, dtype, device)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        name = "RowParallelLinear"
+        T = self.axis.size
+        if self.input_is_parallel:
+            if T > 1 and x.dim() and x.shape[-1] == self.in_features:
+                raise ShapeError(
+                    f"{name}(input_is_parallel=True): input last dim is {x.shape[-1]} = the FULL in_features, but "
+                    f"this rank expects its block of in_features/T = {self.in_local}. The input was probably "
+                    f"gathered (a preceding ColumnParallelLinear with gather_output=True). Fix: use "
+                    f"gather_output=False before a row layer, or input_is_parallel=False.")
+            check_last_dim(x, self.in_local, name, f"feed this rank's block [.., in_features/T = {self.in_local}]")
+        else:
+            check_last_dim(x, self.in_features, name, f"feed the full input [.., {self.in_features}]")
+        if self.sequence_parallel:
+            check_sequence_divisible(x, T, name)
+        if not self.input_is_parallel:
+            x = scatter_to_group(x, self.axis, -1)
+        partial = F.linear(x, self.weight)
+        y = reduce_scatter_sequence(partial, self.axis, 1) if self.sequence_parallel \
+            else reduce_from_group(partial, self.axis)
+        bias = self.bias
+        if bias is not None and self.sequence_parallel:
+            bias = copy_to_group(bias, self.axis)
+        if self.skip_bias_add:
+            return y, bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.in_local}), out={self.out_features}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")

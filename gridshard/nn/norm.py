@@ -1,0 +1,62 @@
+"""RMSNorm that also works inside a sequence-parallel region.
+
+    y = x / sqrt(mean(x², -1) + eps) · w,     x [.., h], w [h] (ones at init)
+
+The weight is replicated on every tensor rank. Without sequence parallelism every
+tensor rank sees the same full activation [b, s, h], so every rank computes the
+same, complete ∂L/∂w and nothing needs to be communicated.
+
+With sequence parallelism rank t holds only the sequence block t, x_t [b, s/T, h],
+and its local weight gradient is the partial sum over that block:
+
+    ∂L/∂w = Σ_t Σ_{tokens of block t} g ⊙ x̂      (x̂ = normalised x)
+
+so the T partial gradients must be summed over the tensor group. The layer does
+it itself, exactly once, by using the weight through ``copy_to_group(w, tensor)``
+(forward identity, backward all-reduce of h elements). After ``backward`` the
+``.grad`` of the weight is therefore already complete and identical on all tensor
+ranks. The weight's :class:`ShardSpec` carries ``partial_grad_axes=("tensor",)`` to
+record that its gradient is born partial over ``tensor`` — reduced inside the layer,
+so callers must NOT all-reduce it again over that axis.
+
+Communication per forward+backward under SP: one all-reduce of h·bytes (backward).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.dual_ops import copy_to_group
+from ..errors import LayoutError
+from .sharding import ShardSpec, set_spec
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim with a replicated ``weight`` [hidden] (ones).
+
+    ``mesh`` is only needed with ``sequence_parallel=True`` (the weight gradient is
+    then all-reduced over ``mesh.tensor``); otherwise this is a plain RMSNorm with
+    the same numerics as :class:`torch.nn.RMSNorm`.
+    """
+
+    def __init__(self, hidden: int, eps: float = 1e-5, mesh=None, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        if sequence_parallel and mesh is None:
+            raise LayoutError("RMSNorm(sequence_parallel=True) needs the mesh: its weight gradient is a partial "
+                              "sum over the tensor group. Fix: pass mesh=<ParallelMesh>.")
+        self.hidden, self.eps = hidden, eps
+        self.sequence_parallel = bool(sequence_parallel and mesh is not None and mesh.tensor.size > 1)
+        self.axis = mesh.tensor if mesh is not None else None
+        spec = ShardSpec((hidden,), (), partial_grad_axes=("tensor",) if self.sequence_parallel else ())
+        self.weight = set_spec(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = copy_to_group(self.weight, self.axis) if self.sequence_parallel else self.weight
+        return F.rms_norm(x, (self.hidden,), w, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

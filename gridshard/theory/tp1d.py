@@ -1,0 +1,145 @@
+"""Megatron 1D tensor parallelism (± sequence parallelism): bytes moved and stored per rank.
+
+Notation: T tensor ranks, batch b, sequence s, hidden h, MLP width f, vocabulary V
+(padded V_p = ⌈V/T⌉·T), e = bytes per element of activations/parameters, and
+A = b·s·h·e, the size of one full residual activation. Payload bytes follow the
+ledger convention (all-reduce: the tensor; all-gather: the gathered output;
+reduce-scatter: the unscattered input). With T = 1 nothing is communicated.
+
+Column → row pair (one MLP, or attention's qkv → proj), forward + backward
+--------------------------------------------------------------------------
+* no SP: the row output is all-reduced forward (A) and the column input gradient
+  is all-reduced backward (A): 2 all-reduces of A.
+* SP: the column input is all-gathered along the sequence forward (A) and its
+  gradient reduce-scattered backward (A); the row output is reduce-scattered
+  forward (A) and its gradient all-gathered backward (A): 2 all-gathers + 2
+  reduce-scatters of A. A row bias (replicated, seen by one sequence block per
+  rank) adds an all-reduce of h·e for its gradient.
+
+Ring wire bytes are equal in both cases (2·2(T−1)/T·A): SP moves the same volume,
+it only splits the all-reduce into its two halves, and stores the residual
+activations 1/T as large.
+
+Transformer block (2 pairs, 2 RMSNorms, no biases)
+--------------------------------------------------
+* no SP: 4 all-reduces of A (2 forward at the row outputs, 2 backward at the
+  column inputs);
+* SP: 4 all-gathers of A + 4 reduce-scatters of A, plus 2 all-reduces of h·e for
+  the norm weight gradients (partial over the sequence blocks).
+
+Whole model (L blocks, vocab-parallel embedding, final norm, head, loss)
+-----------------------------------------------------------------------
+The embedding adds one all-reduce of A forward (SP: reduce-scatter forward,
+all-gather backward), the head one column input (no SP: all-reduce of its
+gradient; SP: all-gather forward, reduce-scatter backward), the final norm (SP)
+one all-reduce of h·e, and the vocab-parallel cross-entropy over N = b·s tokens
+one all-reduce(max) of 4N bytes and one all-reduce(sum) of 8N bytes (fp32,
+forward only).
+
+Parameters per rank
+-------------------
+block: (4h² + 3hf)/T + 2h elements (qkv 3h·h/T, proj h·h/T, gate|up 2f·h/T,
+down h·f/T, two replicated norm weights h); embedding and head V_p/T·h each
+(one if tied); final norm h.
+"""
+from __future__ import annotations
+
+from . import CommVolume
+
+
+def residual_bytes(batch: int, seq: int, hidden: int, bytes_per_elem: int = 4) -> int:
+    """A = b·s·h·e: one full residual activation."""
+    return batch * seq * hidden * bytes_per_elem
+
+
+def column_row_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
+                    bytes_per_elem: int = 4, row_bias: bool = False) -> CommVolume:
+    """One ColumnParallelLinear(h→n) → RowParallelLinear(n→h) pair, forward + backward
+    (see the module docstring): no SP 2 all-reduces of A; SP 2 all-gathers + 2
+    reduce-scatters of A (+ one all-reduce of h·e for a row bias)."""
+    a = residual_bytes(batch, seq, hidden, bytes_per_elem)
+    v = CommVolume(T)
+    if sequence_parallel:
+        v.add("all_gather", a, 2).add("reduce_scatter", a, 2)
+        if row_bias:
+            v.add("all_reduce", hidden * bytes_per_elem)
+    else:
+        v.add("all_reduce", a, 2)
+    return v
+
+
+def norm_comm(hidden: int, T: int, sequence_parallel: bool, bytes_per_elem: int = 4) -> CommVolume:
+    """An RMSNorm: under SP its weight gradient is all-reduced (h·e); otherwise nothing."""
+    return CommVolume(T).add("all_reduce", hidden * bytes_per_elem, 1 if sequence_parallel else 0)
+
+
+def block_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
+               bytes_per_elem: int = 4) -> CommVolume:
+    """One TransformerBlock forward + backward: attention and MLP pairs plus two norms."""
+    pair = column_row_comm(batch, seq, hidden, T, sequence_parallel, bytes_per_elem)
+    norm = norm_comm(hidden, T, sequence_parallel, bytes_per_elem)
+    return pair + pair + norm + norm
+
+
+def embedding_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
+                   bytes_per_elem: int = 4) -> CommVolume:
+    """VocabParallelEmbedding forward + backward: no SP one all-reduce of A (forward only);
+    SP one reduce-scatter of A forward and one all-gather of A backward."""
+    a = residual_bytes(batch, seq, hidden, bytes_per_elem)
+    v = CommVolume(T)
+    if sequence_parallel:
+        return v.add("reduce_scatter", a).add("all_gather", a)
+    return v.add("all_reduce", a)
+
+
+def head_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
+              bytes_per_elem: int = 4) -> CommVolume:
+    """Column-parallel LM head input: no SP one all-reduce of A (backward); SP one
+    all-gather of A forward and one reduce-scatter of A backward."""
+    a = residual_bytes(batch, seq, hidden, bytes_per_elem)
+    v = CommVolume(T)
+    if sequence_parallel:
+        return v.add("all_gather", a).add("reduce_scatter", a)
+    return v.add("all_reduce", a)
+
+
+def cross_entropy_comm(tokens: int, T: int) -> CommVolume:
+    """Vocab-parallel cross-entropy of ``tokens`` tokens: all-reduce(max) of 4N bytes and
+    one all-reduce(sum) of 8N bytes (sum-exp and target logit stacked), fp32, forward."""
+    return CommVolume(T).add("all_reduce", 4 * tokens).add("all_reduce", 8 * tokens)
+
+
+def transformer_comm(layers: int, batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
+                     bytes_per_elem: int = 4) -> CommVolume:
+    """One training step (forward + backward + loss) of ``gridshard.models.Transformer``."""
+    sp = sequence_parallel
+    v = embedding_comm(batch, seq, hidden, T, sp, bytes_per_elem)
+    for _ in range(layers):
+        v = v + block_comm(batch, seq, hidden, T, sp, bytes_per_elem)
+    v = v + norm_comm(hidden, T, sp, bytes_per_elem) + head_comm(batch, seq, hidden, T, sp, bytes_per_elem)
+    return v + cross_entropy_comm(batch * seq, T)
+
+
+def block_param_elems(hidden: int, ffn: int, T: int) -> int:
+    """(4h² + 3hf)/T + 2h parameters of one block on each tensor rank."""
+    return (4 * hidden * hidden + 3 * hidden * ffn) // T + 2 * hidden
+
+
+def block_param_bytes(hidden: int, ffn: int, T: int, bytes_per_elem: int = 4) -> int:
+    """Bytes of one block's parameters on each tensor rank (the same with or without SP)."""
+    return block_param_elems(hidden, ffn, T) * bytes_per_elem
+
+
+def transformer_param_bytes(layers: int, hidden: int, ffn: int, vocab: int, T: int, tied: bool = False,
+                            bytes_per_elem: int = 4) -> int:
+    """Bytes of the whole model's parameters on each tensor rank, vocabulary padding included."""
+    padded = -(-vocab // T) * T
+    vocab_tables = (1 if tied else 2) * (padded // T) * hidden
+    return (layers * block_param_elems(hidden, ffn, T) + vocab_tables + hidden) * bytes_per_elem
+
+
+def residual_activation_bytes(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
+                              bytes_per_elem: int = 4) -> int:
+    """One residual-stream activation on each rank: A without SP, A/T with SP."""
+    a = residual_bytes(batch, seq, hidden, bytes_per_elem)
+    return a // T if sequence_parallel else a

@@ -1,0 +1,261 @@
+"""1D tensor-parallel layers against plain single-process PyTorch on the same global weights.
+
+For T ∈ {1, 2, 4}, with and without sequence parallelism, on fresh random inputs
+and two shapes each: forward output, input gradient and every parameter gradient
+of ColumnParallelLinear, RowParallelLinear, a column → row SwiGLU MLP,
+VocabParallelEmbedding, vocab_parallel_cross_entropy and RMSNorm equal the
+reference (fp32, relative error ≤ 1e-5), and the ledger equals gridshard.theory.tp1d.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gridshard.comm import LEDGER
+from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
+from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
+from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+from gridshard.nn.norm import RMSNorm
+from gridshard.nn.style import NoTensorParallel, _plain_linear
+from gridshard.nn.style_1d import Megatron1DStyle
+from gridshard.testing import assert_close, run_on_ranks
+from gridshard.theory import tp1d
+
+from .test_tp1d_helpers import (TOL, compare_parameters, expected_shard, last_dim_shard, mesh_1d, pad_to,
+                                randint, randn, seq_block)
+
+SHAPES = [(2, 8, 16), (3, 12, 24)]           # (batch, seq, hidden); seq divisible by 4 for SP
+
+
+def _input(X, mesh, sp):
+    """The rank's view of a residual-layout input, as a leaf that collects its gradient."""
+    return (seq_block(X, mesh) if sp else X.detach().clone()).requires_grad_()
+
+
+def _residual(Y, mesh, sp):
+    return seq_block(Y, mesh) if sp else Y.detach()
+
+
+def _check_column(mesh, sp, b, s, h, seed):
+    T = mesh.tensor.size
+    combos = [  # (bias, fused_parts, gather_output, skip_bias_add)
+        (True, 1, False, False), (False, 2, False, False), (True, 3, True, True), (True, 2, True, False),
+        (True, 1, False, True)]
+    for k, (bias, parts, gather, skip) in enumerate(combos):
+        out = 12 * parts
+        what = f"column(bias={bias}, parts={parts}, gather={gather}, skip={skip}, b,s,h={b},{s},{h})"
+        torch.manual_seed(seed + k)
+        ref = _plain_linear(h, out, bias, 0.05)
+        torch.manual_seed(seed + k)
+        par = ColumnParallelLinear(h, out, mesh, bias=bias, gather_output=gather, skip_bias_add=skip,
+                                   sequence_parallel=sp, init_std=0.05, fused_parts=parts)
+        with torch.no_grad():   # a non-zero bias, so the bias path is really exercised
+            for m in (ref, par):
+                if m.bias is not None:
+                    m.bias.copy_(expected_shard(torch.linspace(-1, 1, out), m.bias.shard_spec, mesh)
+                                 if m is par else torch.linspace(-1, 1, out))
+        X = randn((b, s, h), seed + 100 + k).requires_grad_()
+        G = randn((b, s, out), seed + 200 + k)
+        Y = ref(X)
+        Y.backward(G)
+        x = _input(X, mesh, sp)
+        y = par(x)
+        if skip:
+            y, bb = y
+            assert (bb is None) == (not bias)
+            y = y if bb is None else y + bb
+        expect = Y.detach() if gather else last_dim_shard(Y, mesh, parts)
+        assert_close(y, expect, TOL, f"{what} forward")
+        y.backward(G if gather else last_dim_shard(G, mesh, parts))
+        assert_close(x.grad, _residual(X.grad, mesh, sp), TOL, f"{what} input grad")
+        compare_parameters(par, ref, mesh, what)
+        assert par.weight.shape == (out // T, h)
+
+
+def _check_row(mesh, sp, b, s, h, seed):
+    T = mesh.tensor.size
+    combos = [(True, True, False), (False, True, False), (True, True, True)]   # (bias, input_is_parallel, skip)
+    if not sp:
+        combos += [(True, False, True), (True, False, False)]
+    n = 8 * T
+    for k, (bias, parallel_in, skip) in enumerate(combos):
+        what = f"row(bias={bias}, input_is_parallel={parallel_in}, skip={skip}, b,s,h={b},{s},{h})"
+        torch.manual_seed(seed + k)
+        ref = _plain_linear(n, h, bias, 0.05)
+        torch.manual_seed(seed + k)
+        par = RowParallelLinear(n, h, mesh, bias=bias, input_is_parallel=parallel_in, skip_bias_add=skip,
+                                sequence_parallel=sp, init_std=0.05)
+        with torch.no_grad():
+            for m in (ref, par):
+                if m.bias is not None:
+                    m.bias.copy_(torch.linspace(-1, 1, h))
+        X = randn((b, s, n), seed + 100 + k).requires_grad_()
+        G = randn((b, s, h), seed + 200 + k)
+        Y = ref(X)
+        Y.backward(G)
+        x = (last_dim_shard(X, mesh) if parallel_in else X.detach().clone()).requires_grad_()
+        y = par(x)
+        if skip:
+            y, bb = y
+            y = y if bb is None else y + bb
+        assert_close(y, _residual(Y, mesh, sp), TOL, f"{what} forward")
+        y.backward(_residual(G, mesh, sp))
+        assert_close(x.grad, last_dim_shard(X.grad, mesh) if parallel_in else X.grad, TOL, f"{what} input grad")
+        compare_parameters(par, ref, mesh, what)
+        assert par.weight.shape == (h, n // T)
+
+
+def _check_mlp_and_ledger(mesh, sp, b, s, h, seed):
+    """Column(h→2f, gate|up, bias) → SwiGLU → Row(f→h, bias): the Megatron pair; ledger == theory."""
+    T, f = mesh.tensor.size, 4 * h
+    what = f"mlp(b,s,h={b},{s},{h})"
+    torch.manual_seed(seed)
+    ref_up, ref_down = _plain_linear(h, 2 * f, True, 0.05), _plain_linear(f, h, True, 0.05)
+    torch.manual_seed(seed)
+    up = ColumnParallelLinear(h, 2 * f, mesh, bias=True, sequence_parallel=sp, init_std=0.05, fused_parts=2)
+    down = RowParallelLinear(f, h, mesh, bias=True, sequence_parallel=sp, init_std=0.05)
+    with torch.no_grad():
+        ref_up.bias.normal_(generator=torch.Generator().manual_seed(seed + 1))
+        ref_down.bias.normal_(generator=torch.Generator().manual_seed(seed + 2))
+        up.bias.copy_(expected_shard(ref_up.bias, up.bias.shard_spec, mesh))
+        down.bias.copy_(ref_down.bias)
+
+    def mlp(x, a, c):
+        gate, u = a(x).chunk(2, -1)
+        return c(F.silu(gate) * u)
+
+    X = randn((b, s, h), seed + 3).requires_grad_()
+    G = randn((b, s, h), seed + 4)
+    Y = mlp(X, ref_up, ref_down)
+    Y.backward(G)
+    x = _input(X, mesh, sp)
+    LEDGER.reset()
+    y = mlp(x, up, down)
+    y.backward(_residual(G, mesh, sp))
+    assert_close(y, _residual(Y, mesh, sp), TOL, f"{what} forward")
+    assert_close(x.grad, _residual(X.grad, mesh, sp), TOL, f"{what} input grad")
+    compare_parameters(up, ref_up, mesh, what + " up")
+    compare_parameters(down, ref_down, mesh, what + " down")
+    theory = tp1d.column_row_comm(b, s, h, T, sp, row_bias=True)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        assert LEDGER.count(op) == theory.count(op), f"{what} {op} count {LEDGER.count(op)} != {theory.count(op)}"
+        assert LEDGER.payload_bytes(op) == theory.payload_bytes(op), f"{what} {op} bytes"
+    assert LEDGER.total("wire_bytes") == pytest.approx(theory.wire_bytes())
+
+
+def _check_embedding(mesh, sp, b, s, h, seed):
+    T = mesh.tensor.size
+    for vocab in (37, 5, 40):
+        what = f"embedding(V={vocab}, b,s,h={b},{s},{h})"
+        torch.manual_seed(seed)
+        ref = NoTensorParallel(None).embedding(vocab, h, 0.05)
+        torch.manual_seed(seed)
+        par = VocabParallelEmbedding(vocab, h, mesh, init_std=0.05, sequence_parallel=sp)
+        assert par.padded_vocab == padded_vocab_size(vocab, T) and par.weight.shape[0] == par.padded_vocab // T
+        tokens = randint(vocab, (b, s), seed + 1)
+        tokens[0, 0], tokens[-1, -1] = vocab - 1, 0
+        G = randn((b, s, h), seed + 2)
+        Y = ref(tokens)
+        Y.backward(G)
+        LEDGER.reset()
+        y = par(tokens)
+        y.backward(_residual(G, mesh, sp))
+        assert_close(y, _residual(Y, mesh, sp), TOL, f"{what} forward")
+        compare_parameters(par, ref, mesh, what)
+        theory = tp1d.embedding_comm(b, s, h, T, sp)
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            assert (LEDGER.count(op), LEDGER.payload_bytes(op)) == (theory.count(op), theory.payload_bytes(op)), \
+                f"{what} ledger {op}"
+
+
+def _check_cross_entropy(mesh, b, s, seed):
+    """Per-token loss and logit gradient; padding columns hold large garbage that must not count."""
+    T = mesh.tensor.size
+    for vocab in (37, 5, 40):
+        what = f"cross_entropy(V={vocab}, b,s={b},{s})"
+        padded = padded_vocab_size(vocab, T)
+        Z = (randn((b, s, vocab), seed + 1, scale=3.0)).requires_grad_()
+        targets = randint(vocab, (b, s), seed + 2)
+        targets[0, 1], targets[-1, 0] = -100, vocab - 1
+        W = randn((b, s), seed + 3)
+        L = F.cross_entropy(Z.reshape(-1, vocab), targets.reshape(-1), ignore_index=-100, reduction="none")
+        L.backward(W.reshape(-1))
+        garbage = pad_to(Z.detach(), (b, s, padded), fill=50.0)
+        z = last_dim_shard(garbage, mesh).requires_grad_()
+        LEDGER.reset()
+        loss = vocab_parallel_cross_entropy(z, targets, mesh, ignore_index=-100, vocab_size=vocab)
+        assert loss.shape == targets.shape
+        assert_close(loss, L.detach().reshape(b, s), TOL, f"{what} per-token loss")
+        assert float(loss[0, 1]) == 0.0
+        loss.backward(W)
+        assert_close(z.grad, last_dim_shard(pad_to(Z.grad, (b, s, padded)), mesh), TOL, f"{what} logits grad")
+        theory = tp1d.cross_entropy_comm(b * s, T)
+        assert (LEDGER.count("all_reduce"), LEDGER.payload_bytes("all_reduce")) == \
+               (theory.count("all_reduce"), theory.payload_bytes("all_reduce")), f"{what} ledger"
+        # the style's loss: mean over the non-ignored tokens, the same scalar as F.cross_entropy
+        style = Megatron1DStyle(mesh)
+        style.vocab_size = vocab
+        mean = style.loss(z.detach(), targets)
+        assert_close(mean, F.cross_entropy(Z.detach().reshape(-1, vocab), targets.reshape(-1)), TOL, f"{what} mean")
+    # without padding and without vocab_size (V = T·V_l)
+    Z = randn((b, s, 8 * T), seed + 4)
+    targets = randint(8 * T, (b, s), seed + 5)
+    loss = vocab_parallel_cross_entropy(last_dim_shard(Z, mesh), targets, mesh.tensor)
+    assert_close(loss, F.cross_entropy(Z.reshape(-1, 8 * T), targets.reshape(-1), reduction="none").reshape(b, s),
+                 TOL, "cross_entropy without padding")
+
+
+def _check_norm(mesh, sp, b, s, h, seed):
+    T = mesh.tensor.size
+    what = f"rmsnorm(b,s,h={b},{s},{h})"
+    ref = nn.RMSNorm(h, eps=1e-5)
+    par = RMSNorm(h, 1e-5, mesh, sequence_parallel=sp)
+    with torch.no_grad():
+        w = 1.0 + 0.1 * randn((h,), seed)
+        ref.weight.copy_(w)
+        par.weight.copy_(w)
+    X = randn((b, s, h), seed + 1).requires_grad_()
+    G = randn((b, s, h), seed + 2)
+    Y = ref(X)
+    Y.backward(G)
+    x = _input(X, mesh, sp)
+    LEDGER.reset()
+    y = par(x)
+    y.backward(_residual(G, mesh, sp))
+    assert_close(y, _residual(Y, mesh, sp), TOL, f"{what} forward")
+    assert_close(x.grad, _residual(X.grad, mesh, sp), TOL, f"{what} input grad")
+    assert_close(par.weight.grad, ref.weight.grad, TOL, f"{what} weight grad")
+    assert par.weight.shard_spec.partial_grad_axes == (("tensor",) if sp and T > 1 else ())
+    theory = tp1d.norm_comm(h, T, sp)
+    assert (LEDGER.count(), LEDGER.payload_bytes()) == (theory.count("all_reduce"), theory.payload_bytes())
+
+
+def _layers(T, sp):
+    mesh = mesh_1d(T)
+    for i, (b, s, h) in enumerate(SHAPES):
+        seed = 1000 * (i + 1) + 10 * T + int(sp)
+        _check_column(mesh, sp, b, s, h, seed)
+        _check_row(mesh, sp, b, s, h, seed + 300)
+        _check_mlp_and_ledger(mesh, sp, b, s, h, seed + 500)
+        _check_embedding(mesh, sp, b, s, h, seed + 600)
+        _check_norm(mesh, sp, b, s, h, seed + 700)
+        if not sp:
+            _check_cross_entropy(mesh, b, s, seed + 800)
+    return True
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_layers_match_reference(T, sp):
+    assert all(run_on_ranks(T, _layers, T, sp, timeout=120))
+
+
+def test_theory_sequence_parallel_moves_the_same_wire_volume():
+    for T in (2, 4, 8):
+        plain, sp = tp1d.block_comm(2, 16, 64, T, False), tp1d.block_comm(2, 16, 64, T, True)
+        norm = tp1d.norm_comm(64, T, True).wire_bytes() * 2
+        assert sp.wire_bytes() - norm == pytest.approx(plain.wire_bytes())
+        assert plain.payload_bytes("all_reduce") == 4 * 2 * 16 * 64 * 4
+        assert sp.payload_bytes("all_gather") == sp.payload_bytes("reduce_scatter") == 4 * 2 * 16 * 64 * 4
+    assert tp1d.block_comm(2, 16, 64, 1, True).payload_bytes() == 0
+    assert tp1d.residual_activation_bytes(2, 16, 64, 4, True) * 4 == tp1d.residual_activation_bytes(2, 16, 64, 4, False)
