@@ -1,0 +1,123 @@
+"""Collectives with autograd for the q×q tensor grid (2D tensor parallelism).
+
+Activation layout: rank (i, j) holds batch block i and hidden block j of a
+[b, s, h] activation, i.e. [b/q, s, h/q]. ``mesh.row`` groups the q ranks of my
+grid row (same batch block, the q hidden blocks); ``mesh.col`` the q ranks of my
+grid column (same hidden block, the q batch blocks).
+
+==========================  ==============================  ==============================
+function                    forward                         backward
+==========================  ==============================  ==============================
+``gather_along(x, ax, d)``  all-gather along ``ax``, dim d  reduce-scatter along ``ax``
+``reduce_scatter_along``    reduce-scatter along ``ax``     all-gather along ``ax``
+``sum_along(x, ax)``        all-reduce along ``ax``         all-reduce along ``ax``
+``reduce_by_batch(x, m)``   all-reduce along ``m.col``      identity
+``split_batch(x, m, d)``    keep batch block i of dim d     all-gather on ``col``, then
+                                                            all-reduce on ``row``
+==========================  ==============================  ==============================
+
+Why each backward is right (every rank computes the same global loss L and
+backpropagates through its own graph, so a rank's upstream gradient is the exact
+∂L/∂(its output)):
+
+* ``gather_along``: y = [x_0 … x_{q−1}] is used *differently* on every member (e.g. a
+  parameter shard gathered along the column and applied to a different batch
+  block on each member), so ∂L/∂x_k = Σ_members (∂L/∂y)[block k]: reduce-scatter.
+  Used for biases and norm weights stored as out/q² shards.
+* ``reduce_scatter_along``: the adjoint of the above: all-gather.
+* ``sum_along``: a statistic summed over the row (e.g. Σx² over hidden blocks) that
+  every member then uses with its *own* block: the gradient of the sum is the sum
+  of the members' gradients: all-reduce both ways.
+* ``reduce_by_batch``: a value summed over batch blocks that every member then uses
+  *identically* (the loss): identity backward (Megatron's reduce).
+* ``split_batch``: the input is replicated on all q² ranks; rank (i, j) feeds its
+  batch block i to its part j of the computation, so ∂L/∂X[block i] is the sum over
+  the row, and the full ∂L/∂X the concatenation over the column.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import check_divisible
+from . import collectives as C
+from .dual_ops import reduce_from_group
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.all_gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.reduce_scatter(g, ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_gather(g, ctx.axis, ctx.dim), None, None
+
+
+class _SumAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return C.all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return C.all_reduce(g, ctx.axis), None
+
+
+class _SplitBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, dim):
+        ctx.mesh, ctx.dim = mesh, dim
+        return x.chunk(mesh.q, dim)[mesh.grid_row].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = C.all_reduce(g, ctx.mesh.row)
+        return C.all_gather(g, ctx.mesh.col, ctx.dim), None, None
+
+
+def gather_along(x: torch.Tensor, axis, dim: int = -1) -> torch.Tensor:
+    """Forward all-gather along ``axis`` (member order) on ``dim``; backward reduce-scatter."""
+    return x if axis.size == 1 else _GatherAlong.apply(x, axis, dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, axis, dim: int = 0) -> torch.Tensor:
+    """Forward reduce-scatter along ``axis`` on ``dim`` (member k keeps block k); backward all-gather."""
+    if axis.size > 1:
+        check_divisible(x.shape[dim], axis.size, f"size of dim {dim} of a {tuple(x.shape)} tensor",
+                        f"the '{axis.name}' group size")
+    return x if axis.size == 1 else _ReduceScatterAlong.apply(x, axis, dim)
+
+
+def sum_along(x: torch.Tensor, axis) -> torch.Tensor:
+    """Forward all-reduce along ``axis``; backward all-reduce (members use the sum differently)."""
+    return x if axis.size == 1 else _SumAlong.apply(x, axis)
+
+
+def reduce_by_batch(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Sum over the q batch blocks (the column group); backward identity (e.g. the loss)."""
+    return reduce_from_group(x, mesh.col)
+
+
+def split_batch(x: torch.Tensor, mesh, dim: int = 0) -> torch.Tensor:
+    """Keep batch block ``mesh.grid_row`` of a tensor replicated on every rank of the grid.
+
+    Raises ShapeError before any collective when the batch is not divisible by q.
+    """
+    check_divisible(x.shape[dim], mesh.q, "batch", "grid side q",
+                    f"use a batch that is a multiple of q={mesh.q}")
+    if mesh.q == 1:
+        return x
+    return _SplitBatch.apply(x, mesh, dim)

@@ -1,0 +1,104 @@
+"""Output layers on the 2D layout: a small classifier and the vocabulary-parallel LM head.
+
+``Classifier2D`` (ViT / classification head, few classes C): input block
+[b/q, …, h/q] at rank (i, j); weight [C, h] (global drawn [out=C, in=h] per the init
+contract) stored as W[:, sub-block i of hidden block j] [C, h/q²]; output the *full*
+logits of batch block i, [b/q, …, C], the same on every rank of row i.
+
+    forward: all-gather W along the column → [C, h/q] (hidden block j);
+             partial = x·W_jᵀ; all-reduce along the row (sum of hidden blocks);
+             + bias (replicated [C], applied once).
+    backward: the row all-reduce's dual is identity (every rank of the row holds the
+             same logits and the same upstream gradient); dW_j is reduce-scattered
+             along the column; the bias gradient is all-reduced along the column
+             (sum of the q batch blocks), after which it is exact on every rank.
+
+``VocabParallelClassifier2D`` (LM head): a Linear2D h → V_pad without bias; logits
+block [b/q, s, V_pad/q] at (i, j) = logits[batch block i, :, vocab block j]. The global
+weight is drawn as [V, h] (init contract), zero rows are appended to V_pad = ⌈V/q⌉·q and
+the table is transposed to [h, V_pad]. The padded logits are 0; the 2D cross-entropy
+masks them (``vocab_size`` tells it where the real vocabulary ends).
+
+``TiedVocabHead2D``: logits = x·Eᵀ with the table E of a VocabParallelEmbedding2D
+(block (i, j) = E[vocab block i, hidden block j]): that is exactly SUMMA A·Bᵀ, so the
+head shares the embedding's parameter with no extra copy and the same output layout.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm.dual_ops import copy_to_group, reduce_from_group
+from ..comm.grid_ops import gather_along
+from ..comm.summa import summa_abt
+from ..errors import ShapeError, check_divisible
+from .embedding_2d import VocabParallelEmbedding2D, padded_table_init, padded_vocab
+from .linear_2d import Linear2D
+from .sharding import ShardSpec, sharded_parameter
+
+
+class Classifier2D(nn.Module):
+    """Few-class head: [b/q, …, h/q] → full logits [b/q, …, C] (see module docstring)."""
+
+    def __init__(self, in_features: int, num_classes: int, mesh, bias: bool = True, init_std: float = 0.02,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        q = mesh.q
+        check_divisible(in_features, q * q, "in_features (Classifier2D splits it into q² blocks)", "q²",
+                        f"use in_features a multiple of {q * q}")
+        self.mesh, self.in_features, self.num_classes = mesh, in_features, num_classes
+        self.in_local = in_features // q
+        spec = ShardSpec((num_classes, in_features), ((1, "grid_col"), (1, "grid_row")))
+        self.weight = sharded_parameter(spec, mesh, lambda full: full.normal_(0.0, init_std), dtype)
+        if bias:
+            self.bias = sharded_parameter(ShardSpec((num_classes,)), mesh, nn.init.zeros_, dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_local:
+            raise ShapeError(f"Classifier2D({self.in_features}→{self.num_classes}) got a local input with last dim "
+                             f"{x.shape[-1]}; each rank holds in/q = {self.in_local}. "
+                             f"Fix: pass this rank's [b/q, …, h/q] block.")
+        w = gather_along(self.weight, self.mesh.col, 1)      # [C, h/q]
+        logits = reduce_from_group(x @ w.t(), self.mesh.row)
+        if self.bias is not None:
+            logits = logits + copy_to_group(self.bias, self.mesh.col)
+        return logits
+
+
+class VocabParallelClassifier2D(Linear2D):
+    """LM head: Linear2D h → V_pad, no bias, global weight drawn [V, h] (see module docstring)."""
+
+    def __init__(self, hidden: int, vocab: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32):
+        padded = padded_vocab(vocab, mesh.q)
+        draw = padded_table_init(vocab, hidden, init_std, padded)
+
+        def init(full: torch.Tensor) -> None:  # full is [h, V_pad]
+            table = torch.empty(padded, hidden)
+            draw(table)
+            full.copy_(table.t())
+
+        super().__init__(hidden, padded, mesh, bias=False, weight_init=init, dtype=dtype)
+        self.vocab_size, self.padded_vocab = vocab, padded
+
+
+class TiedVocabHead2D(nn.Module):
+    """LM head sharing a VocabParallelEmbedding2D table: logits = x·Eᵀ by SUMMA A·Bᵀ."""
+
+    def __init__(self, embedding: VocabParallelEmbedding2D):
+        super().__init__()
+        if not isinstance(embedding, VocabParallelEmbedding2D):
+            raise TypeError(f"TiedVocabHead2D needs a VocabParallelEmbedding2D, got {type(embedding).__name__}")
+        self._embedding = [embedding]  # not a submodule: the parameter is registered by the embedding
+        self.mesh = embedding.mesh
+        self.vocab_size, self.padded_vocab = embedding.vocab, embedding.padded_vocab
+        self.hidden_local = embedding.hidden // self.mesh.q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_local:
+            raise ShapeError(f"TiedVocabHead2D got a local input with last dim {x.shape[-1]}; each rank holds "
+                             f"hidden/q = {self.hidden_local}. Fix: pass this rank's [b/q, s, h/q] block.")
+        table = self._embedding[0].weight                 # [V_pad/q, h/q]
+        y = summa_abt(x.reshape(-1, self.hidden_local), table, self.mesh)
+        return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,105 @@
+"""Linear2D: y = x·W + b with both x and W split over the q×q grid (SUMMA).
+
+Layout (rank (i, j) = (``mesh.grid_row``, ``mesh.grid_col``)):
+
+* input  x [b, s, in]  → block [b/q, s, in/q]  = x[batch block i, :, in block j];
+* weight W [in, out]   → block [in/q, out/q]   = W[in block i, out block j]
+  (stored [in, out]; the *global* weight is drawn as [out, in] with
+  ``normal_(0, init_std)`` per the init contract of :mod:`gridshard.nn.style`, then
+  transposed, so the same seed gives the same global model as a plain nn.Linear);
+* bias   b [out]       → block [out/q²]        = sub-block i of out block j;
+* output y [b, s, out] → block [b/q, s, out/q] = y[batch block i, :, out block j].
+
+Forward: the token matrix X [b·s, in] (rows ordered batch-major, so batch block i is
+row block i) times W by :func:`gridshard.comm.summa.summa_ab`; the bias is
+all-gathered along the column (the q ranks holding out block j) to [out/q] and
+added once per output element. Backward (autograd): dX = dY·Wᵀ (SUMMA ABᵀ),
+dW = Xᵀ·dY (SUMMA AᵀB), db = reduce-scatter along the column of Σ_tokens dY.
+
+``fused_parts`` = k (gate|up: 2, q|k|v: 3): the out dim is k equal parts each split
+over the q columns, so rank (i, j) computes [part₀ block j, part₁ block j, …] and
+``chunk(k, -1)`` of its output gives its block of every part (whole heads/neurons).
+
+Per rank: parameters (in·out + out)/q² elements; saved for backward the input block
+b·s·in/q² elements (the weight block is a parameter). Communication:
+:func:`gridshard.theory.tp2d.linear2d_comm`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..comm.grid_ops import gather_along
+from ..comm.summa import summa_ab
+from ..errors import ShapeError, check_divisible
+from .sharding import ShardSpec, sharded_parameter
+
+
+def weight_spec_2d(in_features: int, out_features: int, fused_parts: int = 1) -> ShardSpec:
+    """[in, out] weight: in split by grid row, out (fused parts separately) by grid column."""
+    return ShardSpec((in_features, out_features), ((0, "grid_row"), (1, "grid_col")),
+                     fused_parts=fused_parts, fused_dim=1)
+
+
+def bias_spec_2d(out_features: int, fused_parts: int = 1) -> ShardSpec:
+    """[out] vector: out block j (grid column), then its sub-block i (grid row): out/q² per rank."""
+    return ShardSpec((out_features,), ((0, "grid_col"), (0, "grid_row")), fused_parts=fused_parts, fused_dim=0)
+
+
+def gather_vector_2d(shard: torch.Tensor, mesh, fused_parts: int = 1) -> torch.Tensor:
+    """All-gather a :func:`bias_spec_2d` shard [n/q²] along the column → block j [n/q]
+    (backward: reduce-scatter). With fused parts the gathered pieces are reordered
+    from [i][part] to [part][i] so the result is [part₀ block j, part₁ block j, …]."""
+    full = gather_along(shard, mesh.col, 0)
+    if fused_parts > 1 and mesh.q > 1:
+        full = full.view(mesh.q, fused_parts, -1).transpose(0, 1).reshape(-1)
+    return full
+
+
+def _transposed_normal(out_features: int, in_features: int, std: float) -> Callable[[torch.Tensor], None]:
+    def init(full: torch.Tensor) -> None:
+        full.copy_(torch.empty(out_features, in_features).normal_(0.0, std).t())
+    return init
+
+
+class Linear2D(nn.Module):
+    """2D tensor-parallel linear layer (see the module docstring for the layout)."""
+
+    def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,
+                 fused_parts: int = 1, weight_init: Optional[Callable[[torch.Tensor], None]] = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        q = mesh.q
+        check_divisible(in_features, q, "in_features", "grid side q")
+        check_divisible(out_features, q * fused_parts, "out_features",
+                        "grid side q × fused_parts" if fused_parts > 1 else "grid side q")
+        if bias:
+            check_divisible(out_features, q * q * fused_parts, "out_features (bias is split into q² blocks)",
+                            "q² × fused_parts" if fused_parts > 1 else "q²",
+                            f"use out_features a multiple of {q * q * fused_parts} or bias=False")
+        self.mesh, self.in_features, self.out_features = mesh, in_features, out_features
+        self.fused_parts = fused_parts
+        self.in_local, self.out_local = in_features // q, out_features // q
+        init = weight_init or _transposed_normal(out_features, in_features, init_std)
+        self.weight = sharded_parameter(weight_spec_2d(in_features, out_features, fused_parts), mesh, init, dtype)
+        if bias:
+            self.bias = sharded_parameter(bias_spec_2d(out_features, fused_parts), mesh, nn.init.zeros_, dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_local:
+            raise ShapeError(f"Linear2D({self.in_features}→{self.out_features}) got a local input with last dim "
+                             f"{x.shape[-1]}: on a q={self.mesh.q} grid each rank holds in/q = {self.in_local} "
+                             f"features. Fix: pass this rank's [b/q, s, in/q] block.")
+        y = summa_ab(x.reshape(-1, self.in_local), self.weight, self.mesh)
+        y = y.view(*x.shape[:-1], self.out_local)
+        if self.bias is not None:
+            y = y + gather_vector_2d(self.bias, self.mesh, self.fused_parts)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, q={self.mesh.q}, "
+                f"fused_parts={self.fused_parts}, bias={self.bias is not None}")

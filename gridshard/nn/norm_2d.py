@@ -1,0 +1,120 @@
+"""RMSNorm2D and LayerNorm2D on the 2D activation layout [b/q, s, h/q].
+
+Rank (i, j) holds x[batch block i, :, hidden block j]. A token's hidden vector is
+spread over the q ranks of grid row i, so the statistics are all-reduced along
+``mesh.row`` (one [b/q, s, 1] tensor per reduction). The affine weight (and bias)
+[h] is stored as h/q² shards like a Linear2D bias (sub-block i of hidden block j)
+and all-gathered along ``mesh.col`` to block j [h/q] (backward: reduce-scatter of
+the weight gradient, summing the q batch blocks).
+
+RMSNorm (r = (Σ_global x²/h + ε)^(−1/2), y = x·r·w):
+
+    dx = r·(g∘w) − x·r³·Σ_global(g∘w∘x)/h,   dw = Σ_tokens g∘x·r
+
+LayerNorm (μ = Σx/h, x̂ = (x − μ)·r, r = (Σ(x − μ)²/h + ε)^(−1/2), y = x̂∘w + b):
+
+    dx = r·(g∘w − mean(g∘w) − x̂·mean(g∘w∘x̂)),   dw = Σ g∘x̂,   db = Σ g
+
+where Σ_global / mean run over the full hidden dim (all-reduce along the row).
+Communication per forward+backward: RMSNorm 2 row all-reduces of [b/q, s, 1];
+LayerNorm 3 (two for μ and var, one for the two backward means stacked). Saved for
+backward per rank: x (or x̂) [b/q, s, h/q] and r [b/q, s, 1].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from ..errors import ShapeError, check_divisible
+from .linear_2d import bias_spec_2d, gather_vector_2d
+from .sharding import sharded_parameter
+
+
+class _RMSNorm2DFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, row, hidden, eps):
+        ss = C.all_reduce(x.pow(2).sum(-1, keepdim=True), row)
+        r = torch.rsqrt(ss / hidden + eps)
+        ctx.save_for_backward(x, r, w)
+        ctx.row, ctx.hidden = row, hidden
+        return x * r * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, r, w = ctx.saved_tensors
+        gw = g * w
+        dot = C.all_reduce((gw * x).sum(-1, keepdim=True), ctx.row)
+        dx = r * gw - x * (r.pow(3) * dot / ctx.hidden)
+        dw = (g * x * r).reshape(-1, x.shape[-1]).sum(0)
+        return dx, dw, None, None, None
+
+
+class _LayerNorm2DFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, row, hidden, eps):
+        mu = C.all_reduce(x.sum(-1, keepdim=True), row) / hidden
+        xc = x - mu
+        var = C.all_reduce(xc.pow(2).sum(-1, keepdim=True), row) / hidden
+        r = torch.rsqrt(var + eps)
+        xhat = xc * r
+        ctx.save_for_backward(xhat, r, w)
+        ctx.row, ctx.hidden = row, hidden
+        return xhat * w + b
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, r, w = ctx.saved_tensors
+        gw = g * w
+        sums = C.all_reduce(torch.cat([gw.sum(-1, keepdim=True), (gw * xhat).sum(-1, keepdim=True)], -1), ctx.row)
+        m1, m2 = (sums / ctx.hidden).split(1, -1)
+        dx = r * (gw - m1 - xhat * m2)
+        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        return dx, flat(g * xhat).sum(0), flat(g).sum(0), None, None, None
+
+
+class _Norm2DBase(nn.Module):
+    def __init__(self, hidden: int, mesh, eps: float):
+        super().__init__()
+        q = mesh.q
+        check_divisible(hidden, q * q, "hidden (norm weights are split into q² blocks)", "q²",
+                        f"use hidden a multiple of {q * q}")
+        self.mesh, self.hidden, self.eps = mesh, hidden, eps
+        self.hidden_local = hidden // q
+
+    def _check(self, x):
+        if x.shape[-1] != self.hidden_local:
+            raise ShapeError(f"{type(self).__name__}({self.hidden}) got a local input with last dim {x.shape[-1]}: "
+                             f"on a q={self.mesh.q} grid each rank holds hidden/q = {self.hidden_local}. "
+                             f"Fix: pass this rank's [b/q, s, h/q] block.")
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, q={self.mesh.q}, eps={self.eps}"
+
+
+class RMSNorm2D(_Norm2DBase):
+    """RMSNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, h/q² per rank)."""
+
+    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
+        super().__init__(hidden, mesh, eps)
+        self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check(x)
+        w = gather_vector_2d(self.weight, self.mesh)
+        return _RMSNorm2DFn.apply(x, w, self.mesh.row, self.hidden, self.eps)
+
+
+class LayerNorm2D(_Norm2DBase):
+    """LayerNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, bias zeros, h/q² each)."""
+
+    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
+        super().__init__(hidden, mesh, eps)
+        self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype)
+        self.bias = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.zeros_, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check(x)
+        w = gather_vector_2d(self.weight, self.mesh)
+        b = gather_vector_2d(self.bias, self.mesh)
+        return _LayerNorm2DFn.apply(x, w, b, self.mesh.row, self.hidden, self.eps)
