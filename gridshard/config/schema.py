@@ -1,0 +1,122 @@
+"""The typed schema of a training config: four sections, strict types, no unknown keys.
+
+```yaml
+parallel: {data: 2, tensor: 2, tensor_mode: 1d, sequence_parallel: false, pipeline: 1}
+model:    {preset: tiny}                # or explicit fields, which override the preset's
+data:     {kind: stdlib, seq_len: 128}  # stdlib | text (path) | tokens (path, token_dtype)
+train:    {global_batch: 16, micro_batch: 4, lr: 3.0e-3, steps: 100, precision: fp32, ...}
+```
+
+Types are strict (``tensor: "2"`` or ``lr: true`` are errors, an int is accepted where
+a float is asked). Cross-field and world-size rules live in
+:mod:`gridshard.config.validate`; every failure becomes one :class:`ConfigError`.
+See ``docs/config.md`` for every key.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..models.llama import ModelConfig
+from ..models.presets import preset_fields
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class ParallelSection(BaseModel):
+    """Device layout: D·P·T must equal the number of processes."""
+
+    model_config = _STRICT
+    data: int = Field(1, description="data-parallel replicas D")
+    tensor: int = Field(1, description="tensor-parallel ranks T (q² in 2d)")
+    tensor_mode: Literal["none", "1d", "2d"] = Field("none", description="none | 1d (Megatron) | 2d (SUMMA)")
+    sequence_parallel: bool = Field(False, description="1d only: split the residual stream along the sequence")
+    pipeline: int = Field(1, description="pipeline stages P (must be 1 for now)")
+
+
+class ModelSection(BaseModel):
+    """A preset name and/or explicit fields; explicit fields win over the preset's."""
+
+    model_config = _STRICT
+    preset: Optional[str] = Field("tiny", description="tiny | 125m | 1.3b | 7b | 13b | 70b, or null")
+    vocab_size: Optional[int] = None
+    hidden: Optional[int] = None
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    tie_embeddings: Optional[bool] = None
+    init_std: Optional[float] = None
+
+    def explicit_fields(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
+
+    def resolve(self) -> ModelConfig:
+        """Preset fields (if any) updated with the explicit ones. KeyError for an unknown preset."""
+        fields = preset_fields(self.preset) if self.preset is not None else {}
+        fields.update(self.explicit_fields())
+        return ModelConfig(**fields)
+
+
+class DataSection(BaseModel):
+    """Where tokens come from. ``stdlib`` and ``text`` are bytes (vocabulary 256)."""
+
+    model_config = _STRICT
+    kind: Literal["stdlib", "text", "tokens"] = Field("stdlib", description="stdlib | text | tokens")
+    path: Optional[str] = Field(None, description="text file/folder, or token file (tokens)")
+    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of a tokens file")
+    seq_len: int = Field(128, description="tokens per training sequence")
+    max_bytes: int = Field(4 << 20, description="cap on bytes read for stdlib/text corpora")
+
+
+class TrainSection(BaseModel):
+    """Batch, optimizer, schedule, precision and logging."""
+
+    model_config = _STRICT
+    global_batch: int = Field(16, description="sequences per optimizer step, over all data ranks")
+    micro_batch: int = Field(4, description="sequences per forward/backward on one data rank")
+    steps: int = Field(100, description="optimizer steps")
+    lr: float = Field(3e-3, description="peak learning rate")
+    min_lr: float = Field(3e-4, description="learning rate at the end of the decay")
+    warmup_steps: int = Field(10, description="linear warm-up steps")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="decay after warm-up")
+    decay_steps: Optional[int] = Field(None, description="step where decay ends (default: steps)")
+    weight_decay: float = Field(0.1, description="AdamW decay of matrices and embeddings")
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = Field(1.0, description="max global gradient norm; 0 disables clipping")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32 | bf16 autocast | fp16 (GPU)")
+    seed: int = Field(0, description="seeds the model initialisation and the batch order")
+    log_interval: int = Field(10, description="steps between metrics lines")
+    save_interval: int = Field(0, description="steps between checkpoints; 0 = never")
+    bucket_mb: float = Field(25.0, description="size of the data-parallel gradient all-reduce buckets")
+    time_comm: bool = Field(True, description="time collectives for comm_share (syncs CUDA)")
+
+
+class TrainConfig(BaseModel):
+    """The whole config (see the module docstring)."""
+
+    model_config = _STRICT
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.data * p.pipeline * p.tensor
+
+    def model_shape(self) -> ModelConfig:
+        return self.model.resolve()
+
+    def resolved(self) -> dict:
+        """Plain dict with the model fields spelled out (what ``RUN_DIR/config.yaml`` holds);
+        loading it back gives the same config."""
+        out = self.model_dump()
+        out["model"] = {"preset": self.model.preset, **vars(self.model.resolve())}
+        return out

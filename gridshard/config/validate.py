@@ -1,0 +1,141 @@
+"""Cross-field rules of a config against the world size, checked before any process group.
+
+Order of checks (the first failure is raised as one :class:`ConfigError`):
+
+1. positive sizes, pipeline == 1 (no pipeline engine yet);
+2. layout: D·P·T == world size, T == 1 for ``none``, T = q² for ``2d``
+   (:func:`gridshard.mesh.validate_layout`); sequence parallelism only in ``1d`` with T > 1;
+3. batch: global_batch % (micro_batch·D) == 0 (the accumulation count is
+   global_batch / (micro_batch·D));
+4. model shapes for the mode (:func:`gridshard.nn.shape_rules.model_shape_rules`),
+   seq_len ≤ max_seq_len;
+5. data: path present and readable, enough tokens, byte corpora need vocab ≥ 256;
+6. optimizer: lr ≥ 0, min_lr ≤ lr, intervals ≥ 1; precision fp16 needs CUDA;
+   save_interval must be 0 until the trainer saves checkpoints.
+"""
+from __future__ import annotations
+
+from ..errors import ConfigError, LayoutError
+from ..mesh import validate_layout
+from ..nn.shape_rules import model_shape_rules
+from .schema import TrainConfig
+
+# where each shape-rule name lives in the config
+_SHAPE_FIELDS = {"hidden": "model.hidden", "heads": "model.heads", "ffn_hidden": "model.ffn_hidden",
+                 "head_dim": "model.hidden/model.heads", "seq_len": "data.seq_len",
+                 "micro_batch": "train.micro_batch"}
+
+
+def _fail(field: str, value, rule: str, fix: str):
+    raise ConfigError(f"{field}={value!r} is invalid: {rule}. Fix: {fix}.")
+
+
+def _positive(cfg: TrainConfig):
+    checks = [("parallel.data", cfg.parallel.data), ("parallel.tensor", cfg.parallel.tensor),
+              ("parallel.pipeline", cfg.parallel.pipeline), ("train.global_batch", cfg.train.global_batch),
+              ("train.micro_batch", cfg.train.micro_batch), ("train.steps", cfg.train.steps),
+              ("train.log_interval", cfg.train.log_interval), ("data.seq_len", cfg.data.seq_len),
+              ("data.max_bytes", cfg.data.max_bytes)]
+    m = cfg.model.resolve()
+    checks += [(f"model.{k}", getattr(m, k)) for k in ("vocab_size", "hidden", "layers", "heads", "ffn_hidden",
+                                                      "max_seq_len")]
+    for field, v in checks:
+        if v < 1:
+            _fail(field, v, "it must be an integer >= 1", f"set {field} to a positive integer")
+    for field, v in (("train.warmup_steps", cfg.train.warmup_steps), ("train.save_interval", cfg.train.save_interval),
+                     ("train.weight_decay", cfg.train.weight_decay), ("train.grad_clip", cfg.train.grad_clip)):
+        if v < 0:
+            _fail(field, v, "it must be >= 0", f"set {field} to 0 or more")
+    if m.init_std <= 0 or m.norm_eps <= 0:
+        _fail("model.init_std" if m.init_std <= 0 else "model.norm_eps",
+              m.init_std if m.init_std <= 0 else m.norm_eps, "it must be > 0", "use e.g. 0.02 / 1e-5")
+
+
+def _layout(cfg: TrainConfig, world_size: int):
+    p = cfg.parallel
+    if p.pipeline != 1:
+        _fail("parallel.pipeline", p.pipeline, "pipeline parallelism is not implemented yet, so it must be 1",
+              f"set parallel.pipeline=1 and put the {p.pipeline}x into parallel.data or parallel.tensor")
+    try:
+        validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode)
+    except LayoutError as e:
+        raise ConfigError(f"parallel section: {e} (world size {world_size} = --nproc or WORLD_SIZE)") from None
+    if p.sequence_parallel and not (p.tensor_mode == "1d" and p.tensor > 1):
+        _fail("parallel.sequence_parallel", True,
+              f"sequence parallelism splits the 1d tensor group's activations, but tensor_mode={p.tensor_mode!r} "
+              f"and tensor={p.tensor}", "set parallel.sequence_parallel=false, or tensor_mode=1d with tensor>1")
+
+
+def _batch(cfg: TrainConfig):
+    t, d = cfg.train, cfg.parallel.data
+    if t.global_batch % (t.micro_batch * d):
+        per_step = t.micro_batch * d
+        lo = max(per_step, (t.global_batch // per_step) * per_step)
+        _fail("train.global_batch", t.global_batch,
+              f"it must be a multiple of train.micro_batch × parallel.data = {t.micro_batch}×{d} = {per_step} "
+              f"(each optimizer step accumulates whole micro-batches on every data rank)",
+              f"use train.global_batch={lo} or {lo + per_step}, or change train.micro_batch")
+
+
+def _shapes(cfg: TrainConfig):
+    p, m = cfg.parallel, cfg.model.resolve()
+    rules = model_shape_rules(p.tensor_mode, p.tensor, p.sequence_parallel, cfg.train.micro_batch,
+                              cfg.data.seq_len, m.hidden, m.heads, m.ffn_hidden)
+    for rule in rules:
+        if not rule.holds:
+            raise ConfigError(f"{_SHAPE_FIELDS.get(rule.what, rule.what)} ({p.tensor_mode} mode, tensor={p.tensor}): "
+                              f"{rule.message()}")
+    if cfg.data.seq_len > m.max_seq_len:
+        _fail("data.seq_len", cfg.data.seq_len, f"it exceeds model.max_seq_len={m.max_seq_len} (the RoPE table length)",
+              f"set data.seq_len <= {m.max_seq_len} or model.max_seq_len >= {cfg.data.seq_len}")
+
+
+def _data(cfg: TrainConfig):
+    from ..data.sources import source_size_tokens  # pure file inspection, no process group
+
+    d, m = cfg.data, cfg.model.resolve()
+    if d.kind == "stdlib" and d.path is not None:
+        _fail("data.path", d.path, "data.kind=stdlib reads Python's own library and takes no path",
+              "remove data.path, or set data.kind=text / tokens")
+    if d.kind in ("text", "tokens") and not d.path:
+        _fail("data.path", d.path, f"data.kind={d.kind} needs a path",
+              "set data.path to a text file/folder (text) or a token file (tokens)")
+    if d.kind in ("stdlib", "text") and m.vocab_size < 256:
+        _fail("model.vocab_size", m.vocab_size, f"data.kind={d.kind} yields bytes 0..255",
+              "set model.vocab_size >= 256 (the tiny preset uses 256)")
+    n_tokens = source_size_tokens(d.kind, d.path, d.token_dtype, d.max_bytes)
+    if n_tokens < d.seq_len + 1:
+        _fail("data.path" if d.path else "data.kind", d.path or d.kind,
+              f"the data holds {n_tokens} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
+              "use more data or a shorter data.seq_len")
+
+
+def _optim(cfg: TrainConfig, cuda_available: bool):
+    t = cfg.train
+    if t.lr < 0:
+        _fail("train.lr", t.lr, "a learning rate must be >= 0", "use a positive value such as 3e-4")
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        _fail("train.min_lr", t.min_lr, f"it must lie in [0, train.lr={t.lr}]", f"set train.min_lr <= {t.lr}")
+    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+        _fail("train.beta1/beta2", (t.beta1, t.beta2), "Adam betas lie in [0, 1)", "use 0.9 and 0.95")
+    if t.decay_steps is not None and t.decay_steps < 1:
+        _fail("train.decay_steps", t.decay_steps, "it must be >= 1", "remove it (defaults to train.steps)")
+    if t.bucket_mb <= 0:
+        _fail("train.bucket_mb", t.bucket_mb, "the all-reduce bucket size must be > 0", "use e.g. 25")
+    if t.precision == "fp16" and not cuda_available:
+        _fail("train.precision", "fp16", "fp16 with loss scaling runs on CUDA GPUs only, and none is visible",
+              "use train.precision=bf16 (autocast, works on CPU) or fp32")
+    if t.save_interval > 0:
+        _fail("train.save_interval", t.save_interval, "the trainer does not save checkpoints yet "
+              "(sharded checkpointing is a separate module still being wired in)", "set train.save_interval=0")
+
+
+def validate_config(cfg: TrainConfig, world_size: int, cuda_available: bool = False) -> TrainConfig:
+    """Raise :class:`ConfigError` on the first broken rule (module docstring); return ``cfg``."""
+    _positive(cfg)
+    _layout(cfg, world_size)
+    _batch(cfg)
+    _shapes(cfg)
+    _data(cfg)
+    _optim(cfg, cuda_available)
+    return cfg

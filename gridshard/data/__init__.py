@@ -1,0 +1,6 @@
+"""Training data: download-free token sources and layout-independent batch sharding."""
+from .batches import BatchPlan, rank_rows, step_offsets, windows
+from .sources import load_tokens, read_bytes_corpus, source_size_tokens, stdlib_root
+
+__all__ = ["BatchPlan", "rank_rows", "step_offsets", "windows", "load_tokens", "read_bytes_corpus",
+           "source_size_tokens", "stdlib_root"]

@@ -1,0 +1,69 @@
+"""Deterministic global batches, identical at every layout, sharded over data ranks.
+
+Step k's global batch is ``G`` windows of ``s + 1`` consecutive tokens; window i starts
+at ``offset[k, i]``, drawn uniformly from ``[0, n − s − 1]`` by numpy's PCG64 seeded with
+``(seed, k)`` — so it depends only on (data, seed, step, G, s), never on the layout.
+Tokens are ``window[:-1]`` and targets ``window[1:]``.
+
+Sharding: with D data ranks and micro-batch m, each optimizer step accumulates
+``A = G / (m·D)`` micro-batches per rank. Data rank d owns the contiguous rows
+``[d·G/D, (d+1)·G/D)`` and feeds them in order as A micro-batches of m rows. Every
+global row is used exactly once per step, and because every micro-batch has the same
+number of tokens, mean-over-micro-batches then mean-over-ranks equals the mean over the
+global batch. (In 2D the tensor group further splits a micro-batch over its grid rows
+with ``style.shard_tokens``.)
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+
+def step_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int) -> np.ndarray:
+    """Start positions [G] of step ``step``'s windows (see the module docstring)."""
+    high = n_tokens - seq_len - 1
+    if high < 0:
+        raise ConfigError(f"the data holds {n_tokens} tokens but a sequence needs data.seq_len+1 = {seq_len + 1}. "
+                          f"Fix: use more data or a shorter data.seq_len.")
+    rng = np.random.Generator(np.random.PCG64([seed, step]))
+    return rng.integers(0, high, size=global_batch, endpoint=True)
+
+
+def rank_rows(global_batch: int, data_size: int, data_rank: int) -> slice:
+    """Rows of the global batch owned by data rank ``data_rank``."""
+    per = global_batch // data_size
+    return slice(data_rank * per, (data_rank + 1) * per)
+
+
+def windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int, vocab_size: int) -> torch.Tensor:
+    """[len(offsets), s+1] int64 tensor of token windows; rejects ids ≥ ``vocab_size``."""
+    idx = offsets[:, None] + np.arange(seq_len + 1)[None, :]
+    out = np.asarray(tokens[idx], dtype=np.int64)
+    if out.size and int(out.max()) >= vocab_size:
+        raise ConfigError(f"the data contains token id {int(out.max())} but model.vocab_size={vocab_size}: every id "
+                          f"must be < vocab_size. Fix: raise model.vocab_size or check data.token_dtype.")
+    return torch.from_numpy(out)
+
+
+class BatchPlan:
+    """Which tokens this data rank feeds at each step (module docstring)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, micro_batch: int,
+                 data_size: int, data_rank: int, seed: int, vocab_size: int):
+        self.tokens, self.seq_len, self.seed, self.vocab_size = tokens, seq_len, seed, vocab_size
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.rows = rank_rows(global_batch, data_size, data_rank)
+        self.accumulation = global_batch // (micro_batch * data_size)
+
+    def global_windows(self, step: int) -> torch.Tensor:
+        """The whole global batch of ``step`` [G, s+1] (for tests and references)."""
+        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step)
+        return windows(self.tokens, offs, self.seq_len, self.vocab_size)
+
+    def micro_batches(self, step: int) -> list:
+        """``accumulation`` pairs (tokens [m, s], targets [m, s]) of this rank for ``step``."""
+        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step)[self.rows]
+        w = windows(self.tokens, offs, self.seq_len, self.vocab_size)
+        return [(c[:, :-1], c[:, 1:]) for c in w.split(self.micro_batch, dim=0)]

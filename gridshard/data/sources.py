@@ -1,0 +1,108 @@
+"""Token sources with no download: Python's own standard library, user text, token files.
+
+* ``stdlib``: the bytes of the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``
+  (site-packages excluded), walked in sorted order and joined by ``\\n`` until
+  ``max_bytes``; byte vocabulary 0..255. Deterministic on one Python installation.
+* ``text``: one file, or every regular file under a folder (sorted, hidden entries
+  skipped), as bytes, capped at ``max_bytes``.
+* ``tokens``: a flat binary file of ``uint16``/``uint32`` token ids, read lazily with
+  ``numpy.memmap`` (nothing is loaded until a batch touches it; no cap).
+
+Every source is a 1-D numpy array of token ids.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from typing import Iterator, Optional
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def _walk_files(root: str, suffix: Optional[str]) -> Iterator[str]:
+    """Regular files under ``root`` in sorted order (dirs sorted too), skipping hidden
+    entries, ``site-packages``/``dist-packages`` and ``__pycache__``."""
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith(".") or (suffix and not name.endswith(suffix)):
+                continue
+            path = os.path.join(dirpath, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                yield path
+
+
+def _files_for(kind: str, path: Optional[str]) -> list:
+    if kind == "stdlib":
+        return list(_walk_files(stdlib_root(), ".py"))
+    if os.path.isdir(path):
+        return list(_walk_files(path, None))
+    return [path]
+
+
+def _check_exists(path: str, kind: str):
+    if not os.path.exists(path):
+        raise ConfigError(f"data.path={path!r} does not exist: data.kind={kind} reads it. "
+                          f"Fix: point data.path at an existing {'file' if kind == 'tokens' else 'file or folder'}.")
+
+
+def read_bytes_corpus(kind: str, path: Optional[str], max_bytes: int) -> np.ndarray:
+    """The capped byte corpus of a ``stdlib`` or ``text`` source as ``uint8``."""
+    if kind == "text":
+        _check_exists(path, kind)
+    out, total = bytearray(), 0
+    for f in _files_for(kind, path):
+        with open(f, "rb") as fh:
+            chunk = fh.read(max_bytes - total)
+        out += chunk
+        total += len(chunk)
+        if total < max_bytes:
+            out += b"\n"
+            total += 1
+        if total >= max_bytes:
+            break
+    return np.frombuffer(bytes(out[:max_bytes]), dtype=np.uint8)
+
+
+def open_token_file(path: str, token_dtype: str) -> np.ndarray:
+    """A read-only memmap of a flat token file."""
+    _check_exists(path, "tokens")
+    dtype = np.dtype(token_dtype)
+    size = os.path.getsize(path)
+    if size % dtype.itemsize:
+        raise ConfigError(f"data.path={path!r} has {size} bytes, not a multiple of {dtype.itemsize} "
+                          f"(data.token_dtype={token_dtype}). Fix: set data.token_dtype to the dtype the file "
+                          f"was written with.")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def source_size_tokens(kind: str, path: Optional[str], token_dtype: str, max_bytes: int) -> int:
+    """Number of tokens the source yields, from file sizes only (cheap; used by validation)."""
+    if kind == "tokens":
+        _check_exists(path, kind)
+        return os.path.getsize(path) // np.dtype(token_dtype).itemsize
+    if kind == "text":
+        _check_exists(path, kind)
+    total = 0
+    for f in _files_for(kind, path):
+        total += os.path.getsize(f) + 1
+        if total >= max_bytes:
+            return max_bytes
+    return total
+
+
+def load_tokens(kind: str, path: Optional[str] = None, token_dtype: str = "uint16",
+                max_bytes: int = 4 << 20) -> np.ndarray:
+    """The 1-D token array of a source (see the module docstring)."""
+    if kind == "tokens":
+        return open_token_file(path, token_dtype)
+    return read_bytes_corpus(kind, path, max_bytes)

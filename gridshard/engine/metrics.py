@@ -1,0 +1,86 @@
+"""What a training run reports: throughput, MFU, memory, communication share, and the files.
+
+Per log line (every ``log_interval`` steps) — see ``docs/training.md``:
+
+* ``loss``: global mean cross-entropy of that step's batch (nats/token);
+* ``lr``, ``grad_norm`` (global, before clipping);
+* ``tokens_per_s``: global tokens of the interval / its wall time;
+* ``mfu``: :func:`gridshard.theory.training.mfu` over the device's dense peak
+  (:data:`PEAK_FLOPS`, null when unknown, e.g. on CPU);
+* ``peak_mem_bytes``: the largest over ranks of CUDA max allocated, or of the
+  process's max RSS on CPU; ``peak_mem_bytes_per_rank`` lists all;
+* ``comm_share``: time inside recorded collectives / wall time of the interval,
+  averaged over ranks (``LEDGER.timing``);
+* ``step``, ``step_time_s``, ``tokens``, ``elapsed_s``, ``loss_scale`` (fp16).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from typing import Optional
+
+import torch
+
+# Dense peak FLOP/s per device (vendor datasheets, no sparsity). fp32 means plain fp32
+# matmuls (PyTorch's default, TF32 off); the SXM figure is used for H100.
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
+
+
+def device_peak_flops(device: torch.device, precision: str) -> Optional[float]:
+    """Peak of this device for ``precision``, or None (CPU, unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_FLOPS.items():
+        if key in name:
+            return peaks.get(precision)
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class RunFiles:
+    """``RUN_DIR/config.yaml`` and ``RUN_DIR/metrics.jsonl`` (written by rank 0 only)."""
+
+    def __init__(self, run_dir: Optional[str], active: bool):
+        self.run_dir = run_dir if active else None
+        if self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+            open(self.metrics_path, "w").close()
+
+    def write_config(self, resolved: dict) -> None:
+        if self.run_dir:
+            import yaml
+
+            with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(resolved, f, sort_keys=False)
+
+    def append(self, record: dict) -> None:
+        if self.run_dir:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def format_postfix(rec: dict) -> dict:
+    """Short fields for the progress bar."""
+    out = {"loss": f"{rec['loss']:.4f}", "lr": f"{rec['lr']:.2e}", "gnorm": f"{rec['grad_norm']:.3f}",
+           "tok/s": f"{rec['tokens_per_s']:.0f}", "mem": f"{rec['peak_mem_bytes'] / 2**20:.0f}MiB",
+           "comm": f"{rec['comm_share']:.0%}" if rec["comm_share"] is not None else "-"}
+    if rec.get("mfu") is not None:
+        out["mfu"] = f"{rec['mfu']:.1%}"
+    return out

@@ -1,0 +1,173 @@
+"""The training loop, callable inside an already-initialised process group.
+
+``train(config, run_dir=None) -> [loss per step]`` runs on every rank of the job
+(torchrun workers, the CLI's elastic workers, or the test harness's gloo groups).
+One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
+
+    lr ← schedule(k)
+    for each of my A micro-batches (tokens, targets) [m, s]:   (2D: style.shard_tokens → [m/q, s])
+        loss_a = model.loss(tokens, targets)                   global mean over the tensor group's micro-batch
+        backward(loss_a / A)                                   (× loss scale in fp16)
+    grads ← mean over data ranks (bucketed all-reduce, DataParallelGradSync)
+    ‖g‖  ← global norm, every parameter once (one all-reduce over tensor)
+    clip to train.grad_clip; AdamW step
+
+Because every micro-batch holds the same number of tokens, the mean over a rank's
+micro-batches and then over data ranks is the mean over the global batch: the loss,
+the gradient and hence the whole trajectory are the same at every layout (up to
+floating-point summation order). The step's loss is reduced over data ranks only at
+log steps (one small all-reduce of the interval's losses, not recorded in the ledger).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm import collectives as C
+from ..comm.ledger import LEDGER
+from ..config import TrainConfig, resolve_config
+from ..data import BatchPlan, load_tokens
+from ..mesh import Axis, build_mesh, default_device, init_distributed
+from ..models import Transformer
+from ..nn import make_style
+from ..theory.training import flops_per_token, mfu
+from .clip import clip_gradients, global_grad_norm
+from .grad_sync import DataParallelGradSync
+from .metrics import RunFiles, device_peak_flops, format_postfix, peak_memory_bytes
+from .optim import build_optimizer, set_lr
+from .precision import Precision
+from .schedule import lr_at
+
+
+def world_axis() -> Axis:
+    """All ranks as one :class:`Axis` (for gathering metrics)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    return Axis("world", n, r, tuple(range(n)), dist.group.WORLD if n > 1 else None)
+
+
+class Trainer:
+    """Builds mesh, style, model, optimizer and data plan from a validated config."""
+
+    def __init__(self, config, run_dir: Optional[str] = None, progress: bool = True, overrides=()):
+        if not dist.is_initialized():
+            init_distributed()
+        world = dist.get_world_size()
+        self.device = default_device()
+        cfg: TrainConfig = resolve_config(config, overrides, world_size=world,
+                                          cuda_available=self.device.type == "cuda")
+        self.cfg, p, t = cfg, cfg.parallel, cfg.train
+        self.rank = dist.get_rank()
+        self.mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode)
+        self.style = make_style(self.mesh, p.sequence_parallel)
+        self.model_cfg = cfg.model.resolve()
+        mc = self.model_cfg
+        self.style.check_shapes(t.micro_batch, cfg.data.seq_len, mc.hidden, mc.heads, mc.ffn_hidden, mc.vocab_size)
+        torch.manual_seed(t.seed)                      # same global weights at every layout
+        self.model = Transformer(mc, self.style).to(self.device)
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps)
+        self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20))
+        self.precision = Precision(t.precision, self.device)
+        tokens = load_tokens(cfg.data.kind, cfg.data.path, cfg.data.token_dtype, cfg.data.max_bytes)
+        self.plan = BatchPlan(tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data,
+                              self.mesh.data.rank, t.seed, mc.vocab_size)
+        self.decay_steps = t.decay_steps or t.steps
+        self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, cfg.data.seq_len)
+        self.peak_flops = device_peak_flops(self.device, t.precision)
+        self.files = RunFiles(run_dir, active=self.rank == 0)
+        self.files.write_config(cfg.resolved())
+        self.progress = progress
+        self.history: list = []                        # metrics records (every rank)
+
+    # ---- one optimizer step -----------------------------------------------------------
+    def step(self, k: int):
+        """Run optimizer step ``k``; returns (this data rank's mean loss, global grad norm,
+        lr) as tensors/floats without synchronising the host."""
+        t = self.cfg.train
+        lr = lr_at(k, t.lr, t.min_lr, t.warmup_steps, self.decay_steps, t.schedule)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = self.plan.micro_batches(k)
+        losses = []
+        for tokens, targets in micro:
+            tokens = self.style.shard_tokens(tokens).to(self.device, non_blocking=True)
+            targets = self.style.shard_tokens(targets).to(self.device, non_blocking=True)
+            with self.precision.autocast():
+                loss = self.model.loss(tokens, targets)
+            self.precision.scale(loss / len(micro)).backward()
+            losses.append(loss.detach())
+        self.grad_sync.sync()
+        self.precision.unscale(self.optimizer)
+        norm = global_grad_norm(self.params, self.mesh)
+        self.precision.agree_on_overflow(self.optimizer, norm)
+        clip_gradients(self.params, norm, t.grad_clip)
+        self.precision.step(self.optimizer)
+        return torch.stack(losses).float().mean(), norm, lr
+
+    def _global_losses(self, local: list) -> list:
+        """Mean over data ranks of each step's loss (one all-reduce, not in the ledger)."""
+        with LEDGER.paused():
+            vec = C.all_reduce(torch.stack(local).double(), self.mesh.data) / self.mesh.data.size
+        return [float(x) for x in vec.cpu()]
+
+    def _gather_rank_stats(self, comm_s: float, wall_s: float) -> tuple:
+        stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device))]],
+                             dtype=torch.float64, device=self.device)
+        with LEDGER.paused():
+            allr = C.all_gather(stats, world_axis(), dim=0).cpu()
+        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]]
+
+    # ---- the loop --------------------------------------------------------------------
+    def run(self) -> list:
+        """Train ``train.steps`` steps; returns the global loss of every step."""
+        from tqdm import tqdm
+
+        t = self.cfg.train
+        tokens_per_step = t.global_batch * self.cfg.data.seq_len
+        prev_timing = LEDGER.timing
+        LEDGER.timing = t.time_comm
+        bar = tqdm(total=t.steps, disable=not (self.progress and self.rank == 0), file=sys.stderr,
+                   dynamic_ncols=True, desc="train")
+        all_losses, pending = [], []
+        start = last = time.perf_counter()
+        comm_at_last, steps_at_last = LEDGER.seconds(), 0
+        try:
+            for k in range(t.steps):
+                loss, norm, lr = self.step(k)
+                pending.append(loss)
+                bar.update(1)
+                if (k + 1) % t.log_interval and k + 1 != t.steps:
+                    continue
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                now = time.perf_counter()
+                wall, n_steps = now - last, k + 1 - steps_at_last
+                comm_share, mems = self._gather_rank_stats(LEDGER.seconds() - comm_at_last, wall)
+                losses = self._global_losses(pending)
+                all_losses += losses
+                tps = n_steps * tokens_per_step / wall
+                rec = {"step": k + 1, "loss": losses[-1], "lr": lr, "grad_norm": float(norm),
+                       "tokens_per_s": tps, "mfu": mfu(self.flops_token, tps, self.peak_flops, dist.get_world_size()),
+                       "comm_share": comm_share if t.time_comm else None, "peak_mem_bytes": max(mems),
+                       "peak_mem_bytes_per_rank": mems, "step_time_s": wall / n_steps,
+                       "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - start,
+                       "loss_scale": self.precision.loss_scale()}
+                self.history.append(rec)
+                self.files.append(rec)
+                bar.set_postfix(format_postfix(rec), refresh=False)
+                pending, last, steps_at_last = [], time.perf_counter(), k + 1
+                comm_at_last = LEDGER.seconds()
+        finally:
+            bar.close()
+            LEDGER.timing = prev_timing
+        return all_losses
+
+
+def train(config=None, run_dir: Optional[str] = None, overrides=(), progress: bool = False) -> list:
+    """Validate ``config`` against this process group, train, return the per-step global losses
+    (the same list on every rank). ``config``: YAML path, dict, TrainConfig or None (default)."""
+    return Trainer(config, run_dir=run_dir, progress=progress, overrides=overrides).run()

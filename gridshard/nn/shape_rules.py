@@ -1,0 +1,79 @@
+"""Which model and batch sizes each tensor mode can lay out: pure functions, no process groups.
+
+The config validator checks these before any worker starts; a style's ``check_shapes``
+can call :func:`check_model_shapes` too, so both agree. Rules (T tensor ranks, q = √T):
+
+======== ==========================================================================
+mode     rule
+======== ==========================================================================
+all      hidden % heads == 0 (whole heads) and head_dim even (rotate-half RoPE)
+1d       heads % T == 0, ffn % T == 0 (each rank holds whole heads / neurons), hidden % T == 0
+1d + SP  additionally seq % T == 0 (residual stream split along the sequence)
+2d       hidden % q, heads % q, ffn % q == 0 (hidden and split dims in q blocks),
+         micro-batch % q == 0 (grid row i holds batch block i)
+======== ==========================================================================
+
+The vocabulary needs no rule: the vocab-parallel layers pad it to a multiple of the
+split (padding rows are zero and never targeted).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import ShapeError
+
+
+@dataclass(frozen=True)
+class DivisibilityRule:
+    """``value`` (the size called ``what``) must be a multiple of ``divisor`` (called ``by``)."""
+
+    what: str
+    value: int
+    divisor: int
+    by: str
+    why: str
+
+    @property
+    def holds(self) -> bool:
+        return self.divisor > 0 and self.value % self.divisor == 0
+
+    def message(self) -> str:
+        lo = (self.value // self.divisor) * self.divisor
+        near = sorted({x for x in (lo, lo + self.divisor) if x > 0})
+        return (f"{self.what}={self.value} is not divisible by {self.by}={self.divisor}: {self.why}. "
+                f"Fix: use {self.what} in {near} or change {self.by}.")
+
+
+def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,
+                      hidden: int, heads: int, ffn: int) -> list:
+    """All divisibility rules for one layout; ``batch`` is the micro-batch of one tensor group."""
+    rules = [DivisibilityRule("hidden", hidden, heads, "heads", "every head needs hidden/heads channels")]
+    if heads > 0 and hidden % heads == 0:
+        rules.append(DivisibilityRule("head_dim", hidden // heads, 2, "2",
+                                      "rotary embeddings rotate channel pairs"))
+    if mode == "1d":
+        why = "1D tensor parallelism gives every rank whole heads and whole MLP neurons"
+        rules += [DivisibilityRule("heads", heads, tensor, "tensor", why),
+                  DivisibilityRule("ffn_hidden", ffn, tensor, "tensor", why),
+                  DivisibilityRule("hidden", hidden, tensor, "tensor", why)]
+        if sequence_parallel:
+            rules.append(DivisibilityRule("seq_len", seq, tensor, "tensor",
+                                          "sequence parallelism splits the residual stream along the sequence"))
+    elif mode == "2d":
+        q = math.isqrt(tensor)
+        why = "2D tensor parallelism splits hidden and the projection widths into q blocks (q = sqrt(tensor))"
+        rules += [DivisibilityRule("hidden", hidden, q, "q", why),
+                  DivisibilityRule("heads", heads, q, "q", why),
+                  DivisibilityRule("ffn_hidden", ffn, q, "q", why),
+                  DivisibilityRule("micro_batch", batch, q, "q",
+                                   "2D tensor parallelism splits each micro-batch over the q grid rows")]
+    return rules
+
+
+def check_model_shapes(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,
+                       hidden: int, heads: int, ffn: int) -> None:
+    """Raise :class:`ShapeError` for the first rule of :func:`model_shape_rules` that fails."""
+    for rule in model_shape_rules(mode, tensor, sequence_parallel, batch, seq, hidden, heads, ffn):
+        if not rule.holds:
+            raise ShapeError(rule.message())

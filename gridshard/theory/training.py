@@ -1,0 +1,71 @@
+"""Training-step formulas: model FLOPs, data-parallel gradient traffic, MFU.
+
+**FLOPs per token** (forward + backward, dense, the PaLM/Megatron convention). Every
+weight of a matmul costs 2 FLOPs per token forward and 4 backward (input grad and
+weight grad), so 6 per token. The matmul weights of the reference model are
+
+    N_mm = L·(4h² + 3h·f) + V·h            (qkv 3h², proj h², gate|up 2hf, down hf; lm head)
+
+(the embedding lookup and the norms are not matmuls). Attention adds, per layer and
+token, QKᵀ and P·V: 2·s·h + 2·s·h FLOPs forward, ×3 with backward = 12·s·h. The full
+square is counted although the causal mask skips half (the usual MFU convention)::
+
+    flops_per_token = 6·N_mm + 12·L·s·h
+
+**MFU** = flops_per_token · tokens_per_s / (peak_flops_per_device · devices).
+
+**Data-parallel gradient all-reduce.** After the last micro-batch each rank sums its
+local gradients over the D data ranks, bucket by bucket (flat buffers of at most
+``bucket_bytes``), then divides by D. One optimizer step therefore issues ``buckets``
+all-reduces whose payloads add up to every local gradient once::
+
+    payload = Σ_params numel_local · bytes_per_elem          (per step, axis "data")
+    wire    = 2(D−1)/D · payload                              (ring all-reduce)
+
+independent of the number of micro-batches (accumulation happens locally first).
+"""
+from __future__ import annotations
+
+from . import CommVolume
+
+
+def matmul_params(vocab: int, hidden: int, layers: int, ffn: int) -> int:
+    """N_mm = L·(4h² + 3h·f) + V·h."""
+    return layers * (4 * hidden * hidden + 3 * hidden * ffn) + vocab * hidden
+
+
+def flops_per_token(vocab: int, hidden: int, layers: int, ffn: int, seq_len: int) -> float:
+    """6·N_mm + 12·L·s·h (module docstring)."""
+    return 6.0 * matmul_params(vocab, hidden, layers, ffn) + 12.0 * layers * seq_len * hidden
+
+
+def mfu(flops_token: float, tokens_per_s: float, peak_flops: float | None, devices: int) -> float | None:
+    """Model FLOPs utilisation, or None when the device peak is unknown (CPU)."""
+    if not peak_flops:
+        return None
+    return flops_token * tokens_per_s / (peak_flops * devices)
+
+
+def dp_gradient_allreduce(bucket_elems: list, data_size: int, bytes_per_elem: int = 4) -> CommVolume:
+    """One optimizer step's data-parallel gradient all-reduces: one call per bucket,
+    payload = Σ bucket elements · bytes (module docstring)."""
+    vol = CommVolume(data_size)
+    for n in bucket_elems:
+        vol.add("all_reduce", n * bytes_per_elem)
+    return vol
+
+
+def bucket_partition(numels: list, bytes_per_elem: int, bucket_bytes: int) -> list:
+    """Greedy partition of consecutive gradients into buckets of ≤ ``bucket_bytes``
+    (a single larger gradient gets a bucket of its own). Returns lists of indices."""
+    buckets, cur, cur_bytes = [], [], 0
+    for i, n in enumerate(numels):
+        b = n * bytes_per_elem
+        if cur and cur_bytes + b > bucket_bytes:
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += b
+    if cur:
+        buckets.append(cur)
+    return buckets
