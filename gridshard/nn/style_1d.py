@@ -59,9 +59,9 @@ class Megatron1DStyle(TensorParallelStyle):
 
     def check_shapes(self, batch: int, seq: int, hidden: int, heads: int, ffn: int, vocab: int) -> None:
         check_divisible(hidden, heads, "hidden", "heads", "choose hidden = heads × head_dim")
+        check_divisible(hidden, self.T, "hidden", T_NAME)
         check_divisible(heads, self.T, "heads", T_NAME, "each rank must hold whole attention heads")
         check_divisible(ffn, self.T, "ffn_hidden", T_NAME)
-        check_divisible(hidden, self.T, "hidden", T_NAME)
         if self.sequence_parallel:
             check_divisible(seq, self.T, "seq (sequence length)", T_NAME,
                             f"use a multiple of {self.T}, or turn sequence_parallel off")

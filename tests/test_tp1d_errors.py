@@ -1,0 +1,102 @@
+"""Bad input to the 1D layers fails with one clear error, raised before any collective.
+
+Every case runs on all ranks of the tensor group; each rank must raise the
+expected error (message naming the value and the rule) with an empty ledger, so
+no rank can be left waiting in a collective (the harness timeout would turn such a
+hang into a failure with stacks).
+"""
+import pytest
+import torch
+
+from gridshard.comm import LEDGER
+from gridshard.errors import LayoutError, ShapeError
+from gridshard.models import ModelConfig, TransformerBlock
+from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
+from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
+from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+from gridshard.nn.norm import RMSNorm
+from gridshard.nn.style_1d import Megatron1DStyle
+from gridshard.testing import run_on_ranks
+
+from .test_tp1d_helpers import mesh_1d
+
+
+def _raises(exc, match, fn):
+    """``fn()`` raises ``exc`` matching ``match`` and issued no collective before raising."""
+    LEDGER.reset()
+    with pytest.raises(exc, match=match):
+        fn()
+    assert LEDGER.count() == 0, f"a collective ran before the error: {LEDGER.summary()}"
+
+
+def _errors(T):
+    mesh = mesh_1d(T)
+    x = lambda *shape: torch.randn(*shape)
+
+    # construction: sizes that do not split over T
+    _raises(ShapeError, rf"out_features={2 * T + 1} is not divisible by tensor-parallel size T={T}",
+            lambda: ColumnParallelLinear(8, 2 * T + 1, mesh))
+    _raises(ShapeError, r"fused_parts=3.*not divisible",
+            lambda: ColumnParallelLinear(8, 3 * (T + 1), mesh, fused_parts=3))
+    _raises(ShapeError, rf"in_features={2 * T + 1} is not divisible by tensor-parallel size T={T}",
+            lambda: RowParallelLinear(2 * T + 1, 8, mesh))
+    _raises(LayoutError, r"input_is_parallel=True",
+            lambda: RowParallelLinear(4 * T, 8, mesh, input_is_parallel=False, sequence_parallel=True))
+    _raises(LayoutError, r"needs the mesh", lambda: RMSNorm(8, sequence_parallel=True))
+
+    # forward: the misuse is detected before the layer's collective
+    row = RowParallelLinear(4 * T, 8, mesh)
+    _raises(ShapeError, r"FULL in_features.*gather_output=True", lambda: row(x(2, 3, 4 * T)))
+    _raises(ShapeError, r"last dim 5, expected 4", lambda: row(x(2, 3, 5)))
+    col = ColumnParallelLinear(8, 4 * T, mesh, gather_output=True)
+    _raises(ShapeError, r"last dim 7, expected 8", lambda: col(x(2, 3, 7)))
+    # the chained misuse: only the column's gather ran, the row refused before its all-reduce
+    LEDGER.reset()
+    with pytest.raises(ShapeError, match="gather_output=True"):
+        row(col(x(2, 3, 8)))
+    assert LEDGER.count("all_reduce") == 0 and LEDGER.count("all_gather") == LEDGER.count() == 1
+
+    row_sp = RowParallelLinear(4 * T, 8, mesh, sequence_parallel=True)
+    _raises(ShapeError, rf"sequence length s={2 * T + 1} is not divisible by tensor-parallel size T={T}",
+            lambda: row_sp(x(2, 2 * T + 1, 4)))
+    col_sp = ColumnParallelLinear(8, 4 * T, mesh, sequence_parallel=True)
+    _raises(ShapeError, r"3-D activation", lambda: col_sp(x(6, 8)))
+
+    emb = VocabParallelEmbedding(37, 8, mesh, sequence_parallel=True)
+    _raises(ShapeError, r"id 37 is outside the vocabulary \[0, 37\)", lambda: emb(torch.tensor([[1, 37] * T])))
+    _raises(ShapeError, r"id -1 is outside", lambda: emb(torch.tensor([[-1, 3] * T])))
+    _raises(ShapeError, r"integer tensor", lambda: emb(torch.zeros(2, 2 * T)))
+    _raises(ShapeError, rf"sequence length s={2 * T + 1} is not divisible",
+            lambda: emb(torch.zeros(2, 2 * T + 1, dtype=torch.long)))
+
+    logits = x(2, 4, padded_vocab_size(37, T) // T)
+    _raises(ShapeError, r"id 37 is outside the vocabulary \[0, 37\)",
+            lambda: vocab_parallel_cross_entropy(logits, torch.full((2, 4), 37), mesh, vocab_size=37))
+    _raises(ShapeError, r"disagree", lambda: vocab_parallel_cross_entropy(logits, torch.zeros(2, 5).long(), mesh))
+    _raises(ShapeError, r"vocab_size=20 does not fit",
+            lambda: vocab_parallel_cross_entropy(logits, torch.zeros(2, 4).long(), mesh, vocab_size=20))
+
+    # the style's shape check and the model construction
+    style = Megatron1DStyle(mesh, sequence_parallel=True)
+    ok = dict(batch=2, seq=4 * T, hidden=8 * T, heads=T, ffn=4 * T, vocab=37)
+    style.check_shapes(**ok)
+    if T > 1:
+        _raises(ShapeError, rf"hidden={T + 1} is not divisible by tensor-parallel size T={T}",
+                lambda: style.check_shapes(**{**ok, "hidden": T + 1, "heads": 1}))
+        _raises(ShapeError, rf"heads={T + 1} is not divisible by tensor-parallel size T={T}",
+                lambda: style.check_shapes(**{**ok, "hidden": 8 * (T + 1), "heads": T + 1}))
+        _raises(ShapeError, rf"ffn_hidden={4 * T + 1} is not divisible",
+                lambda: style.check_shapes(**{**ok, "ffn": 4 * T + 1}))
+        _raises(ShapeError, rf"seq \(sequence length\)={4 * T + 1} is not divisible",
+                lambda: style.check_shapes(**{**ok, "seq": 4 * T + 1}))
+        Megatron1DStyle(mesh, sequence_parallel=False).check_shapes(**{**ok, "seq": 4 * T + 1})
+        cfg = ModelConfig(hidden=8 * (T + 1), heads=T + 1, ffn_hidden=4 * T)
+        _raises(ShapeError, rf"heads={T + 1} is not divisible", lambda: TransformerBlock(cfg, style))
+    _raises(ShapeError, r"hidden=10 is not divisible by heads=4",
+            lambda: style.check_shapes(**{**ok, "hidden": 10, "heads": 4}))
+    return True
+
+
+@pytest.mark.parametrize("T", [2, 4])
+def test_bad_input_raises_before_any_collective(T):
+    assert all(run_on_ranks(T, _errors, T, timeout=60))
