@@ -65,13 +65,11 @@ class Summa2DStyle(TensorParallelStyle):
         return tokens.chunk(self.q, 0)[self.mesh.grid_row].contiguous()
 
     def check_shapes(self, batch: int, seq: int, hidden: int, heads: int, ffn: int, vocab: int) -> None:
-        q = self.q
-        check_divisible(batch, q, "batch", "grid side q", f"use a batch that is a multiple of q={q}")
-        check_divisible(hidden, heads, "hidden", "heads")
-        check_divisible(heads, q, "heads", "grid side q", f"use heads a multiple of q={q}")
-        check_divisible(ffn, q, "ffn_hidden", "grid side q", f"use ffn_hidden a multiple of q={q}")
-        check_divisible(hidden, q * q, "hidden (norm weights are split into q² blocks)", "q²",
-                        f"use hidden a multiple of {q * q}")
+        """The 2D rules of :mod:`gridshard.nn.shape_rules` (shared with the config validator):
+        batch, heads, ffn_hidden % q; hidden % q²; whole even-sized heads. Vocab is padded."""
+        from .shape_rules import check_model_shapes
+
+        check_model_shapes("2d", self.q * self.q, False, batch, seq, hidden, heads, ffn)
 
     # ---- layers --------------------------------------------------------------------
     def embedding(self, vocab, hidden, init_std):

@@ -1,0 +1,131 @@
+"""Shared helpers of the 2D tensor-parallel tests (no tests here).
+
+Every rank builds the plain single-process reference from the same seed as the 2D
+module, runs it on the same global input, and compares *its* blocks: rank (i, j)
+holds batch block i and last-dim block j of an activation, and the shard of every
+parameter given by the parameter's ``shard_spec``.
+"""
+import random
+
+import torch
+import torch.nn.functional as F
+
+from gridshard.comm import LEDGER
+from gridshard.mesh import build_mesh
+from gridshard.nn.linear_2d import Linear2D
+from gridshard.nn.sharding import get_spec, shard_from_global
+from gridshard.testing import assert_close
+
+TOL = 1e-5
+
+
+def fresh_seed() -> int:
+    """A new seed per test run (fresh random inputs); tests put it in every message."""
+    return random.SystemRandom().randrange(1, 2**30)
+
+
+def mesh_2d(q):
+    return build_mesh(tensor=q * q, tensor_mode="2d")
+
+
+def randn(shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * scale
+
+
+def randint(high, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, high, shape, generator=g)
+
+
+def block(t, mesh, batch_dim=0, last=True):
+    """My block of a global tensor: batch block i along ``batch_dim`` and (if ``last``)
+    block j of the last dim."""
+    t = t.detach().chunk(mesh.q, batch_dim)[mesh.grid_row]
+    if last:
+        t = t.chunk(mesh.q, -1)[mesh.grid_col]
+    return t.contiguous()
+
+
+def fused_block(t, mesh, parts):
+    """My block of a [b, s, k·n] tensor whose last dim is k fused parts each split over q columns."""
+    t = t.detach().chunk(mesh.q, 0)[mesh.grid_row]
+    return torch.cat([p.chunk(mesh.q, -1)[mesh.grid_col] for p in t.chunk(parts, -1)], -1).contiguous()
+
+
+def pad_to(t, shape):
+    if tuple(t.shape) == tuple(shape):
+        return t
+    pads = []
+    for have, want in reversed(list(zip(t.shape, shape))):
+        pads += [0, want - have]
+    return F.pad(t, pads)
+
+
+def transposed_names(module):
+    """Names of parameters stored transposed relative to PyTorch's [out, in] (Linear2D weights)."""
+    return {f"{name}.weight" if name else "weight" for name, m in module.named_modules() if isinstance(m, Linear2D)}
+
+
+def expected_shard(ref, spec, mesh, transposed=False):
+    """This rank's block of reference tensor ``ref`` (transposed/zero-padded to the spec's global shape)."""
+    ref = ref.detach()
+    if transposed:
+        ref = ref.t()
+    return shard_from_global(pad_to(ref, spec.global_shape), spec, mesh)
+
+
+def compare_parameters(par, ref, mesh, what, tol=TOL):
+    """Every parameter of ``par`` and its gradient equal their shard of the same-named
+    reference parameter (same module structure, so the same names)."""
+    refs = dict(ref.named_parameters())
+    trans = transposed_names(par)
+    names = [n for n, _ in par.named_parameters()]
+    assert sorted(names) == sorted(refs), f"{what}: parameter names {sorted(names)} != reference {sorted(refs)}"
+    for name, p in par.named_parameters():
+        spec = get_spec(p)
+        assert spec is not None, f"{what}: {name} has no shard spec"
+        r = refs[name]
+        assert_close(p, expected_shard(r, spec, mesh, name in trans), tol, f"{what} {name} value")
+        assert p.grad is not None, f"{what}: {name} got no gradient"
+        assert_close(p.grad, expected_shard(r.grad, spec, mesh, name in trans), tol, f"{what} {name} grad")
+
+
+def ledger_matches(vol, what):
+    """The ledger's (op, axis) entries equal a ``{"row": CommVolume, "col": CommVolume}`` volume exactly."""
+    seen = {}
+    for (op, axis), e in LEDGER.entries.items():
+        if e.count:
+            seen[(op, axis)] = (e.count, e.payload_bytes)
+    expect = {}
+    for axis, v in vol.items():
+        for op in v.calls:
+            expect[(op, axis)] = (v.calls[op], v.payload[op])
+    assert seen == expect, f"{what}: ledger {sorted(seen.items())} != theory {sorted(expect.items())}"
+
+
+class SavedActivations:
+    """Bytes of the distinct storages autograd saves for backward inside the block,
+    excluding parameters (``saved_tensors_hooks``)."""
+
+    def __init__(self, module):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages = {}
+
+    def _pack(self, t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.param_ptrs:
+            self.storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
