@@ -200,7 +200,10 @@ def _collective_counter_class():
         funcol.broadcast.default: ("broadcast", lambda a, k: _bytes(a[0])),
         funcol.broadcast_.default: ("broadcast", lambda a, k: _bytes(a[0])),
     }
+    # not collectives: waiting on an async result, and wrapping a result for autograd
     ignored = {funcol.wait_tensor.default}
+    if hasattr(funcol, "_wrap_tensor_autograd"):
+        ignored.add(funcol._wrap_tensor_autograd.default)
 
     class CollectiveCounter(TorchDispatchMode):
         """Counts DTensor's functional collectives: ``counts[op]``, ``payload[op]`` (bytes,
