@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gridshard.comm import LEDGER
+from gridshard.mesh import build_mesh
 from gridshard.models import ModelConfig, Transformer, TransformerBlock
 from gridshard.nn import make_style
 from gridshard.nn.style import NoTensorParallel
@@ -65,15 +66,16 @@ def _block(T, sp):
     return True
 
 
-def _transformer(T, sp):
-    mesh = mesh_1d(T)
+def _transformer(T, sp, data=1):
+    """With ``data`` > 1 the replicas see different tokens: the layers must use only the tensor group."""
+    mesh = build_mesh(data=data, tensor=T, tensor_mode="1d")
     cases = [  # (vocab, tied, batch, seq)
         (37, False, 2, 8),
         (37, True, 3, 4),
     ]
     for k, (vocab, tied, b, s) in enumerate(cases):
         what = f"transformer(T={T}, sp={sp}, V={vocab}, tied={tied}, b,s={b},{s})"
-        seed = 90 + 11 * k + T
+        seed = 90 + 11 * k + T + 1000 * mesh.data.rank
         cfg = ModelConfig(vocab_size=vocab, hidden=32, layers=2, heads=4, ffn_hidden=48, max_seq_len=16,
                           tie_embeddings=tied, init_std=0.05)
         style = make_style(mesh, sequence_parallel=sp) if T > 1 else Megatron1DStyle(mesh, sp)
@@ -100,6 +102,7 @@ def _transformer(T, sp):
         assert_close(loss, ref_loss.detach(), TOL, f"{what} loss")
         compare_parameters(par, ref, mesh, what)
         _assert_ledger(tp1d.transformer_comm(cfg.layers, b, s, cfg.hidden, T, sp), what)
+        assert LEDGER.count(axis="tensor") == LEDGER.count(), f"{what}: a collective left the tensor axis"
         assert local_param_bytes(par) == tp1d.transformer_param_bytes(cfg.layers, cfg.hidden, cfg.ffn_hidden, vocab,
                                                                       T, tied), f"{what}: parameter bytes"
         if T == 1:
@@ -117,3 +120,8 @@ def test_block_matches_reference(T, sp):
 @pytest.mark.parametrize("T", [1, 2, 4])
 def test_transformer_matches_reference(T, sp):
     assert all(run_on_ranks(T, _transformer, T, sp, timeout=120))
+
+
+def test_transformer_on_a_data_by_tensor_mesh():
+    """D=2 × T=2 on 4 ranks, different tokens per data replica, SP on."""
+    assert all(run_on_ranks(4, _transformer, 2, True, 2, timeout=120))
