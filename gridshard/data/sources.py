@@ -71,16 +71,25 @@ def read_bytes_corpus(kind: str, path: Optional[str], max_bytes: int) -> np.ndar
     return np.frombuffer(bytes(out[:max_bytes]), dtype=np.uint8)
 
 
-def open_token_file(path: str, token_dtype: str) -> np.ndarray:
-    """A read-only memmap of a flat token file."""
+def token_file_length(path: str, token_dtype: str) -> int:
+    """Tokens in a flat token file; ConfigError if it is missing or its size is not whole tokens."""
     _check_exists(path, "tokens")
-    dtype = np.dtype(token_dtype)
+    if not os.path.isfile(path):
+        raise ConfigError(f"data.path={path!r} is not a file: data.kind=tokens reads one flat binary file. "
+                          f"Fix: point data.path at the token file, or use data.kind=text for a folder.")
+    itemsize = np.dtype(token_dtype).itemsize
     size = os.path.getsize(path)
-    if size % dtype.itemsize:
-        raise ConfigError(f"data.path={path!r} has {size} bytes, not a multiple of {dtype.itemsize} "
+    if size % itemsize:
+        raise ConfigError(f"data.path={path!r} has {size} bytes, not a multiple of {itemsize} "
                           f"(data.token_dtype={token_dtype}). Fix: set data.token_dtype to the dtype the file "
                           f"was written with.")
-    if size == 0:
+    return size // itemsize
+
+
+def open_token_file(path: str, token_dtype: str) -> np.ndarray:
+    """A read-only memmap of a flat token file."""
+    dtype = np.dtype(token_dtype)
+    if token_file_length(path, token_dtype) == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")
 
@@ -88,8 +97,7 @@ def open_token_file(path: str, token_dtype: str) -> np.ndarray:
 def source_size_tokens(kind: str, path: Optional[str], token_dtype: str, max_bytes: int) -> int:
     """Number of tokens the source yields, from file sizes only (cheap; used by validation)."""
     if kind == "tokens":
-        _check_exists(path, kind)
-        return os.path.getsize(path) // np.dtype(token_dtype).itemsize
+        return token_file_length(path, token_dtype)
     if kind == "text":
         _check_exists(path, kind)
     total = 0

@@ -9,8 +9,9 @@ mode     rule
 all      hidden % heads == 0 (whole heads) and head_dim even (rotate-half RoPE)
 1d       heads % T == 0, ffn % T == 0 (each rank holds whole heads / neurons), hidden % T == 0
 1d + SP  additionally seq % T == 0 (residual stream split along the sequence)
-2d       hidden % q, heads % q, ffn % q == 0 (hidden and split dims in q blocks),
-         micro-batch % q == 0 (grid row i holds batch block i)
+2d       heads % q, ffn % q == 0 (split dims in q blocks), hidden % q² == 0 (the
+         norm weights are stored in q² blocks), micro-batch % q == 0 (grid row i
+         holds batch block i)
 ======== ==========================================================================
 
 The vocabulary needs no rule: the vocab-parallel layers pad it to a multiple of the
@@ -62,8 +63,9 @@ def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: in
                                           "sequence parallelism splits the residual stream along the sequence"))
     elif mode == "2d":
         q = math.isqrt(tensor)
-        why = "2D tensor parallelism splits hidden and the projection widths into q blocks (q = sqrt(tensor))"
-        rules += [DivisibilityRule("hidden", hidden, q, "q", why),
+        why = "2D tensor parallelism splits the projection widths into q blocks (q = sqrt(tensor))"
+        rules += [DivisibilityRule("hidden", hidden, q * q, "q²",
+                                   "2D norm weights (like Linear2D biases) are stored in q² blocks"),
                   DivisibilityRule("heads", heads, q, "q", why),
                   DivisibilityRule("ffn_hidden", ffn, q, "q", why),
                   DivisibilityRule("micro_batch", batch, q, "q",

@@ -1,0 +1,56 @@
+"""Starting the workers of a training job.
+
+* Under ``torchrun`` (or any launcher that sets ``RANK`` and ``WORLD_SIZE``) this process
+  *is* one worker: :func:`under_launcher` is true and the CLI trains in-process.
+* Otherwise :func:`launch_local` starts ``nproc`` workers on this machine through
+  PyTorch's elastic launcher used as a library
+  (``torch.distributed.launcher.api.elastic_launch``, the engine behind ``torchrun``):
+  c10d rendezvous on a free local port, no restarts, ``spawn`` start method. Each
+  worker calls ``entry(*args)``; the launcher sets RANK/WORLD_SIZE/MASTER_ADDR/... and
+  the worker's :func:`gridshard.mesh.init_distributed` picks nccl on GPUs, gloo otherwise.
+
+On CPU the cores are shared out: ``OMP_NUM_THREADS = max(1, cores // nproc)`` unless
+the user set it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+
+def under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launcher_world_size() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_threads(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def launch_local(nproc: int, entry, *args) -> dict:
+    """Run ``entry(*args)`` on ``nproc`` local workers; returns {rank: return value}.
+
+    A failing worker raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``
+    carrying its traceback.
+    """
+    import torch
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gridshard-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          start_method="spawn", monitor_interval=0.1)
+    return elastic_launch(config, entry)(*args)

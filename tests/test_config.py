@@ -1,0 +1,171 @@
+"""Config schema, overrides and validation: each bad config gives one clear ConfigError."""
+import numpy as np
+import pytest
+import yaml
+
+from gridshard.config import apply_overrides, default_config_dict, load_config, resolve_config
+from gridshard.errors import ConfigError
+from gridshard.models.presets import PRESETS, model_config
+
+
+def _cfg(**sections):
+    """A small valid config (world 1) with sections updated."""
+    base = {"parallel": {"data": 1, "tensor": 1, "tensor_mode": "none"}, "model": {"preset": "tiny"},
+            "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 100000},
+            "train": {"global_batch": 4, "micro_batch": 2, "steps": 3}}
+    for name, fields in sections.items():
+        base[name] = {**base.get(name, {}), **fields}
+    return base
+
+
+# (name, config dict, world size, words the message must contain)
+BAD = [
+    ("unknown field", _cfg(train={"lrr": 1e-3}), 1, ["train.lrr", "did you mean train.lr"]),
+    ("unknown section", {**_cfg(), "optim": {"lr": 1}}, 1, ["optim", "unknown field"]),
+    ("wrong type", _cfg(parallel={"tensor": "2"}), 1, ["parallel.tensor", "'2'", "an integer"]),
+    ("bool type", _cfg(parallel={"sequence_parallel": 1}), 1, ["parallel.sequence_parallel", "true or false"]),
+    ("unknown mode", _cfg(parallel={"tensor_mode": "3d"}), 1, ["parallel.tensor_mode", "'3d'", "'1d'"]),
+    ("world mismatch", _cfg(parallel={"data": 2, "tensor": 2, "tensor_mode": "1d"}), 2,
+     ["2×1×2 = 4", "world size is 2", "Fix"]),
+    ("non-square 2d", _cfg(parallel={"tensor": 2, "tensor_mode": "2d"}), 2, ["tensor=2", "perfect square", "tensor=1"]),
+    ("tensor without mode", _cfg(parallel={"tensor": 2}), 2, ["tensor_mode='none'", "tensor=2"]),
+    ("pipeline", _cfg(parallel={"pipeline": 2}), 2, ["parallel.pipeline=2", "not implemented", "parallel.pipeline=1"]),
+    ("heads indivisible 1d", _cfg(parallel={"tensor": 8, "tensor_mode": "1d"}), 8,
+     ["model.heads", "heads=4", "tensor=8"]),
+    ("ffn indivisible 1d", _cfg(parallel={"tensor": 2, "tensor_mode": "1d"}, model={"ffn_hidden": 175}), 2,
+     ["model.ffn_hidden", "175"]),
+    ("hidden/heads", _cfg(model={"hidden": 66}), 1, ["model.hidden", "66", "heads"]),
+    ("SP sequence", _cfg(parallel={"tensor": 4, "tensor_mode": "1d", "sequence_parallel": True},
+                         data={"seq_len": 30}), 4, ["data.seq_len", "30", "tensor=4"]),
+    ("SP without 1d", _cfg(parallel={"sequence_parallel": True}), 1, ["parallel.sequence_parallel", "1d"]),
+    ("2d micro-batch", _cfg(parallel={"tensor": 4, "tensor_mode": "2d"}, train={"micro_batch": 1}), 4,
+     ["train.micro_batch", "micro_batch=1", "q=2"]),
+    ("2d hidden q^2", _cfg(parallel={"tensor": 9, "tensor_mode": "2d"}, model={"hidden": 60, "heads": 3,
+                                                                            "ffn_hidden": 177}),
+     9, ["model.hidden", "60", "q²=9"]),
+    ("global batch", _cfg(parallel={"data": 2}, train={"global_batch": 6, "micro_batch": 2}), 2,
+     ["train.global_batch=6", "2×2 = 4", "train.global_batch=4 or 8"]),
+    ("negative lr", _cfg(train={"lr": -1e-3}), 1, ["train.lr", "-0.001", ">= 0"]),
+    ("min_lr above lr", _cfg(train={"lr": 1e-3, "min_lr": 1e-2}), 1, ["train.min_lr", "0.01"]),
+    ("zero steps", _cfg(train={"steps": 0}), 1, ["train.steps=0", ">= 1"]),
+    ("missing text path", _cfg(data={"kind": "text"}), 1, ["data.path", "data.kind=text needs a path"]),
+    ("text path absent", _cfg(data={"kind": "text", "path": "/nonexistent/corpus"}), 1,
+     ["data.path='/nonexistent/corpus'", "does not exist"]),
+    ("stdlib with path", _cfg(data={"path": "x.txt"}), 1, ["data.path", "stdlib"]),
+    ("byte vocab", _cfg(model={"vocab_size": 100}), 1, ["model.vocab_size=100", "256"]),
+    ("seq over max", _cfg(data={"seq_len": 256}), 1, ["data.seq_len=256", "max_seq_len=128"]),
+    ("fp16 on CPU", _cfg(train={"precision": "fp16"}), 1, ["train.precision", "fp16", "bf16"]),
+    ("unknown preset", _cfg(model={"preset": "tiny2"}), 1, ["model.preset='tiny2'", "'tiny'"]),
+    ("preset null, no fields", _cfg(model={"preset": None}), 1, ["model.vocab_size", "required"]),
+    ("checkpoints", _cfg(train={"save_interval": 10}), 1, ["train.save_interval=10", "save_interval=0"]),
+]
+
+
+@pytest.mark.parametrize("name,raw,world,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_gives_one_clear_error(name, raw, world, words):
+    with pytest.raises(ConfigError) as info:
+        resolve_config(raw, world_size=world, cuda_available=False)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, f"{name}: {w!r} missing from: {msg}"
+    assert "Fix" in msg or "fix" in msg or "did you mean" in msg, msg
+
+
+def test_valid_configs_pass_at_their_world_size():
+    for par, world in [({"data": 2}, 2), ({"tensor": 2, "tensor_mode": "1d", "sequence_parallel": True}, 2),
+                       ({"tensor": 4, "tensor_mode": "2d"}, 4), ({"data": 2, "tensor": 2, "tensor_mode": "1d"}, 4)]:
+        cfg = resolve_config(_cfg(parallel=par), world_size=world, cuda_available=False)
+        assert cfg.world_size == world
+
+
+def test_default_config_is_valid_for_four_workers():
+    cfg = resolve_config(None, world_size=4, cuda_available=False)
+    assert (cfg.parallel.data, cfg.parallel.tensor, cfg.parallel.tensor_mode) == (2, 2, "1d")
+    with pytest.raises(ConfigError, match="world size is 2"):
+        resolve_config(None, world_size=2, cuda_available=False)
+
+
+def test_yaml_file_overrides_and_exponent_floats(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 3e-4\n  steps: 5\nmodel:\n  preset: tiny\n")
+    cfg = load_config(str(path), ["train.min_lr=1e-5", "parallel.data=2", "model.hidden=32", "train.precision=bf16"])
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.train.min_lr == 1e-5 and cfg.parallel.data == 2
+    assert cfg.model.resolve().hidden == 32 and cfg.model.resolve().heads == 4
+    assert cfg.train.precision == "bf16"
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        apply_overrides({}, ["train.lr"])
+    with pytest.raises(ConfigError, match="train.lr is a value"):
+        apply_overrides({"train": {"lr": 1}}, ["train.lr.x=2"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = resolve_config(_cfg(model={"preset": "tiny", "hidden": 32}), world_size=1, cuda_available=False)
+    text = yaml.safe_dump(cfg.resolved())
+    again = resolve_config(yaml.safe_load(text), world_size=1, cuda_available=False)
+    assert again.resolved() == cfg.resolved()
+    assert again.model.resolve() == cfg.model.resolve()
+
+
+def test_changing_tensor_mode_changes_only_the_parallel_section():
+    layouts = [({"data": 1, "tensor": 1, "tensor_mode": "none"}, 1), ({"data": 2, "tensor": 1, "tensor_mode": "none"}, 2),
+               ({"data": 1, "tensor": 2, "tensor_mode": "1d"}, 2),
+               ({"data": 1, "tensor": 2, "tensor_mode": "1d", "sequence_parallel": True}, 2),
+               ({"data": 1, "tensor": 4, "tensor_mode": "2d"}, 4), ({"data": 2, "tensor": 2, "tensor_mode": "1d"}, 4)]
+    resolved = []
+    for par, world in layouts:
+        raw = apply_overrides(_cfg(), [f"parallel.{k}={str(v).lower()}" for k, v in par.items()])
+        resolved.append(resolve_config(raw, world_size=world, cuda_available=False).resolved())
+    for r in resolved[1:]:
+        assert {k: v for k, v in r.items() if k != "parallel"} == \
+               {k: v for k, v in resolved[0].items() if k != "parallel"}
+        assert r["parallel"] != resolved[0]["parallel"]
+
+
+def test_presets_have_their_nominal_sizes():
+    nominal = {"tiny": None, "125m": 125e6, "1.3b": 1.3e9, "7b": 7e9, "13b": 13e9, "70b": 70e9}
+    assert set(PRESETS) == set(nominal)
+    for name, n in nominal.items():
+        cfg = model_config(name)
+        assert cfg.hidden % cfg.heads == 0
+        if n:
+            assert abs(cfg.num_parameters() - n) / n < 0.05, (name, cfg.num_parameters())
+    tiny = model_config("tiny")
+    assert (tiny.hidden, tiny.layers, tiny.heads, tiny.vocab_size) == (64, 2, 4, 256)
+
+
+def test_presets_validate_for_real_layouts():
+    for name, par, world in [("7b", {"data": 8, "tensor": 8, "tensor_mode": "1d"}, 64),
+                             ("70b", {"data": 4, "tensor": 16, "tensor_mode": "2d"}, 64),
+                             ("1.3b", {"data": 16, "tensor": 4, "tensor_mode": "1d", "sequence_parallel": True}, 64)]:
+        raw = _cfg(parallel=par, model={"preset": name}, data={"seq_len": 2048},
+                   train={"global_batch": 256, "micro_batch": 4, "precision": "bf16"})
+        assert resolve_config(raw, world_size=world, cuda_available=False).model.resolve().hidden > 0
+
+
+def test_token_file_checks(tmp_path):
+    path = tmp_path / "tok.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    ok = _cfg(data={"kind": "tokens", "path": str(path), "token_dtype": "uint16"}, model={"vocab_size": 1000})
+    assert resolve_config(ok, world_size=1, cuda_available=False).data.kind == "tokens"
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x00" * 1001)
+    with pytest.raises(ConfigError, match="not a multiple of 2"):
+        resolve_config(_cfg(data={"kind": "tokens", "path": str(odd)}), world_size=1, cuda_available=False)
+    short = tmp_path / "short.bin"
+    np.arange(10, dtype=np.uint32).tofile(short)
+    with pytest.raises(ConfigError, match="holds 10 tokens"):
+        resolve_config(_cfg(data={"kind": "tokens", "path": str(short), "token_dtype": "uint32"}),
+                       world_size=1, cuda_available=False)
+
+
+def test_default_config_dict_is_a_fresh_copy():
+    a = default_config_dict()
+    a["train"]["steps"] = 1
+    assert default_config_dict()["train"]["steps"] != 1
