@@ -117,11 +117,11 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.axis = mesh.tensor
         T = self.axis.size
-        check_divisible(out_features, T * fused_parts,
-                        f"ColumnParallelLinear out_features" + (f" (fused_parts={fused_parts})" if fused_parts > 1 else ""),
+        fused_note = f" (fused_parts={fused_parts})" if fused_parts > 1 else ""
+        check_divisible(out_features, T * fused_parts, f"ColumnParallelLinear out_features{fused_note}",
                         f"{T_NAME} × fused_parts" if fused_parts > 1 else T_NAME,
-                        f"use out_features that is a multiple of {T * fused_parts}, or a tensor size dividing "
-                        f"{out_features // fused_parts}")
+                        f"use out_features that is a multiple of {T * fused_parts}, or a tensor size that "
+                        f"divides out_features/fused_parts = {out_features / fused_parts:g}")
         self.in_features, self.out_features = in_features, out_features
         self.out_local = out_features // T
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add

@@ -23,7 +23,6 @@ Communication per forward+backward under SP: one all-reduce of h·bytes (backwar
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
