@@ -37,8 +37,11 @@ class ShardSpec:
     splits: Tuple[Tuple[int, str], ...] = ()
     fused_parts: int = 1
     fused_dim: int = 0
-    # mesh axes over which this (replicated) parameter's gradient is a partial sum and
-    # must be all-reduced (e.g. a norm weight applied to sequence-sharded activations).
+    # mesh axes over which each rank's contribution to this (replicated) parameter's
+    # gradient is partial (e.g. a norm weight applied to sequence-sharded activations).
+    # The layer itself sums it (it uses the parameter through ``copy_to_group``), so the
+    # .grad after backward is already complete: this mark is informational and must not
+    # trigger a second reduction.
     partial_grad_axes: Tuple[str, ...] = field(default=())
 
     def local_shape(self, sizes: dict) -> Tuple[int, ...]:
