@@ -40,7 +40,9 @@ def parse_yaml(text: str, where: str = "config"):
 
 def read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist. Fix: give the path of a YAML file "
+        hint = f" (an override needs a value: {path}=VALUE)" if "." in path and not path.endswith(
+            (".yaml", ".yml")) else ""
+        raise ConfigError(f"config file {path!r} does not exist{hint}. Fix: give the path of a YAML file "
                           f"(e.g. configs/tiny.yaml) or no CONFIG for the built-in default.")
     with open(path) as f:
         raw = parse_yaml(f.read(), path)

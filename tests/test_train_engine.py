@@ -1,0 +1,166 @@
+"""Engine pieces: DP gradient traffic = theory, schedule, loss-scaling agreement, bf16,
+tied embeddings at every mode, metrics and run files."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from gridshard.comm.ledger import LEDGER
+from gridshard.engine import Trainer, train
+from gridshard.engine.clip import counts_here
+from gridshard.engine.optim import build_optimizer
+from gridshard.engine.precision import Precision
+from gridshard.engine.schedule import lr_at
+from gridshard.models import ModelConfig, Transformer
+from gridshard.nn import NoTensorParallel
+from gridshard.testing import run_on_ranks
+from gridshard.theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token, matmul_params
+
+SMALL = {"model": {"preset": "tiny"}, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 100_000},
+         "train": {"global_batch": 4, "micro_batch": 1, "steps": 3, "log_interval": 1, "lr": 1e-3}}
+
+
+def _with(par, **train_fields):
+    return {**SMALL, "parallel": par, "train": {**SMALL["train"], **train_fields}}
+
+
+def _ledger_body(cfg):
+    LEDGER.reset()
+    trainer = Trainer(cfg, progress=False)
+    trainer.run()
+    steps = cfg["train"]["steps"]
+    expected = dp_gradient_allreduce(trainer.grad_sync.bucket_elems(), trainer.mesh.data.size, 4)
+    return (LEDGER.count("all_reduce", "data"), LEDGER.payload_bytes("all_reduce", "data"),
+            steps * expected.count("all_reduce"), steps * expected.payload_bytes("all_reduce"),
+            len(trainer.grad_sync.buckets), sum(p.numel() for p in trainer.params))
+
+
+@pytest.mark.parametrize("par", [{"data": 2}, {"data": 2, "tensor": 2, "tensor_mode": "1d"}],
+                         ids=["D2", "D2-T2-1d"])
+def test_data_parallel_traffic_equals_theory(par):
+    world = par["data"] * par.get("tensor", 1)
+    cfg = _with(par, bucket_mb=0.02)                  # ~20 KB buckets: several per step
+    for count, payload, want_count, want_payload, buckets, numel in run_on_ranks(world, _ledger_body, cfg):
+        assert buckets > 2
+        assert (count, payload) == (want_count, want_payload)
+        assert payload == 3 * numel * 4               # every local gradient once per step, any accumulation
+
+
+def test_bucket_partition_and_flops_formula():
+    assert bucket_partition([10, 10, 10, 50, 5], 4, 80) == [[0, 1], [2], [3], [4]]
+    assert matmul_params(256, 64, 2, 176) == 2 * (4 * 64 * 64 + 3 * 64 * 176) + 256 * 64
+    cfg = ModelConfig()
+    linear = sum(m.weight.numel() for m in Transformer(cfg, NoTensorParallel(None)).modules()
+                 if isinstance(m, torch.nn.Linear))
+    assert matmul_params(cfg.vocab_size, cfg.hidden, cfg.layers, cfg.ffn_hidden) == linear
+    assert flops_per_token(256, 64, 2, 176, 32) == 6 * linear + 12 * 2 * 32 * 64
+
+
+def test_schedule_warmup_cosine_constant():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14)
+    assert [lr_at(k, **kw) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, **kw) == pytest.approx(1.0)
+    assert lr_at(9, **kw) == pytest.approx(0.55)
+    assert lr_at(14, **kw) == pytest.approx(0.1) and lr_at(100, **kw) == pytest.approx(0.1)
+    assert lr_at(50, schedule="constant", **kw) == 1.0
+
+
+def test_weight_decay_only_on_matrices():
+    model = Transformer(ModelConfig(), NoTensorParallel(None))
+    decay, no_decay = build_optimizer(model, 1e-3, 0.1).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(no_decay["params"]) == 2 * 2 + 1
+
+
+def test_norm_ownership_counts_each_parameter_once():
+    class _Ax:
+        def __init__(self, r, n):
+            self.rank, self.size = r, n
+
+    class _Mesh2D:
+        def __init__(self, i, j):
+            self.q, self.grid_row, self.grid_col, self.tensor = 2, i, j, _Ax(2 * i + j, 4)
+
+    from gridshard.nn.sharding import ShardSpec, set_spec
+    specs = {"replicated": None, "col-split": ShardSpec((8,), ((0, "grid_col"),)),
+             "both": ShardSpec((8, 8), ((0, "grid_row"), (1, "grid_col"))),
+             "flat": ShardSpec((8,), ((0, "tensor"),))}
+    for name, spec in specs.items():
+        p = torch.nn.Parameter(torch.zeros(2))
+        if spec is not None:
+            set_spec(p, spec)
+        owners = [(i, j) for i in range(2) for j in range(2) if counts_here(p, _Mesh2D(i, j))]
+        blocks = {None: 1, "col-split": 2, "both": 4, "flat": 4}[name if spec else None]
+        assert len(owners) == blocks, (name, owners)
+
+
+def test_fp16_overflow_decision_is_the_global_one():
+    """One rank's shard overflowing must make every rank skip: the verdict comes from the
+    global norm, not from the local gradients (which are finite here)."""
+    for global_norm, should_step in ((torch.tensor(float("inf")), False), (torch.tensor(3.0), True)):
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.AdamW([p], lr=0.1)
+        prec = Precision("fp16", torch.device("cpu"))
+        scale0 = prec.loss_scale()
+        prec.scale((p * 2).sum()).backward()
+        prec.unscale(opt)
+        assert torch.allclose(p.grad, torch.full((4,), 2.0))
+        prec.agree_on_overflow(opt, global_norm)
+        prec.step(opt)
+        assert (not torch.equal(p.detach(), torch.ones(4))) == should_step
+        assert (prec.loss_scale() < scale0) == (not should_step)
+
+
+def _bf16_body(cfg):
+    return train(cfg)
+
+
+def test_bf16_autocast_trains_close_to_fp32():
+    cfg = _with({"data": 1}, steps=8, precision="bf16", lr=3e-3)
+    bf16 = run_on_ranks(1, _bf16_body, cfg)[0]
+    fp32 = run_on_ranks(1, _bf16_body, _with({"data": 1}, steps=8, precision="fp32", lr=3e-3))[0]
+    assert bf16 != fp32, "bf16 autocast changed nothing"
+    assert max(abs(a - b) / b for a, b in zip(bf16, fp32)) < 0.03
+    assert bf16[-1] < bf16[0]
+
+
+@pytest.mark.parametrize("par", [{"data": 1}, {"tensor": 2, "tensor_mode": "1d"},
+                                 {"tensor": 4, "tensor_mode": "2d"}], ids=["none", "1d", "2d"])
+def test_tied_embeddings_match_at_every_mode(par):
+    cfg = {**_with(par, steps=4, micro_batch=2), "model": {"preset": "tiny", "tie_embeddings": True}}
+    world = par.get("tensor", 1)
+    losses = run_on_ranks(world, _bf16_body, cfg)[0]
+    ref = run_on_ranks(1, _bf16_body, {**cfg, "parallel": {"data": 1}})[0]
+    assert max(abs(a - b) / b for a, b in zip(losses, ref)) <= 1e-4
+
+
+def _metrics_body(cfg, run_dir):
+    trainer = Trainer(cfg, run_dir=run_dir, progress=False)
+    return trainer.run(), trainer.history
+
+
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_share", "peak_mem_bytes",
+               "peak_mem_bytes_per_rank", "step_time_s", "tokens", "elapsed_s", "loss_scale"}
+
+
+def test_metrics_and_run_files(tmp_path):
+    cfg = _with({"data": 2}, steps=5, log_interval=2)
+    out = run_on_ranks(2, _metrics_body, cfg, str(tmp_path))
+    losses, history = out[0]
+    assert [h["step"] for h in history] == [2, 4, 5]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and all(set(rec) == METRIC_KEYS for rec in lines)
+    for rec, step in zip(lines, (2, 4, 5)):
+        assert rec["loss"] == pytest.approx(losses[step - 1])
+        assert 0.0 < rec["comm_share"] < 1.0 and rec["mfu"] is None        # CPU: no peak known
+        assert len(rec["peak_mem_bytes_per_rank"]) == 2 and rec["peak_mem_bytes"] > 50 * 2**20
+        assert rec["tokens"] == step * 4 * 32 and rec["tokens_per_s"] > 0
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "tensor_mode: none" in saved and "hidden: 64" in saved
+    same = ("step", "loss", "lr", "grad_norm", "comm_share", "peak_mem_bytes_per_rank", "tokens")
+    assert [{k: h[k] for k in same} for h in out[1][1]] == [{k: h[k] for k in same} for h in history]
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "metrics.jsonl"]      # rank 0 writes, nothing else
+    assert math.isfinite(losses[-1])
