@@ -105,11 +105,13 @@ def ledger_matches(vol, what):
 
 
 class SavedActivations:
-    """Bytes of the distinct storages autograd saves for backward inside the block,
-    excluding parameters (``saved_tensors_hooks``)."""
+    """Bytes of the distinct storages autograd saves for backward inside the block
+    (``saved_tensors_hooks``), excluding the module's parameters and buffers (e.g. the
+    RoPE tables): those are model state, not activations."""
 
     def __init__(self, module):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        state = list(module.parameters()) + list(module.buffers())
+        self.param_ptrs = {t.untyped_storage().data_ptr() for t in state}
         self.storages = {}
 
     def _pack(self, t):

@@ -179,7 +179,7 @@ def _head_and_loss(q, b, s, vocab, h, tied, seed):
     loss.backward()
     assert_close(x.grad, block(X.grad, mesh), TOL, f"{what} input grad")
     compare_parameters(par, ref, mesh, what)
-    return float(loss)
+    return float(loss.detach())
 
 
 @pytest.mark.parametrize("tied", [False, True])
