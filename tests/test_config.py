@@ -1,4 +1,6 @@
 """Config schema, overrides and validation: each bad config gives one clear ConfigError."""
+import os
+
 import numpy as np
 import pytest
 import yaml
@@ -169,3 +171,17 @@ def test_default_config_dict_is_a_fresh_copy():
     a = default_config_dict()
     a["train"]["steps"] = 1
     assert default_config_dict()["train"]["steps"] != 1
+
+
+def test_shipped_configs_validate_at_their_world_size():
+    import glob
+
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
+    assert len(paths) >= 4
+    for path in paths:
+        cfg = load_config(path)
+        overrides = [] if cfg.data.kind == "stdlib" else ["data.kind=stdlib", "data.path=null"]  # no token file here
+        resolved = resolve_config(path, overrides, world_size=cfg.world_size, cuda_available=True)
+        assert resolved.world_size == cfg.world_size, path
+    tiny = resolve_config(os.path.join(os.path.dirname(paths[0]), "tiny.yaml"), world_size=4, cuda_available=False)
+    assert tiny.resolved() == resolve_config(None, world_size=4, cuda_available=False).resolved()
