@@ -108,7 +108,8 @@ def train(args, nproc, run_dir, check, no_progress):
             world = load_config(source, overrides).world_size
         cfg = resolve_config(source, overrides, world_size=world, cuda_available=torch.cuda.is_available())
     except ConfigError as e:
-        click.echo(f"config error: {e}", err=True)
+        if not launched or os.environ.get("RANK") == "0":      # under torchrun: one message, from rank 0
+            click.echo(f"config error: {e}", err=True)
         sys.exit(EXIT_CONFIG)
     if check:
         import yaml
