@@ -17,3 +17,12 @@ test: install
 ## The main job: train the default tiny model on 4 local CPU workers.
 train: install
 	$(VENV)/bin/gridshard train --nproc 4 --run-dir runs/default
+
+.PHONY: plot bench-train
+## Plot the default run (after `make train`).
+plot: install
+	$(VENV)/bin/gridshard plot runs/default
+
+## Training-step overhead against a plain PyTorch loop (docs/training.md).
+bench-train: install
+	$(PY) benchmarks/bench_train_overhead.py
