@@ -1,0 +1,319 @@
+"""2D tensor parallelism (SUMMA on a q×q grid) against one device and Megatron 1D at the
+same device count T = q², on CPU/gloo, in one run, one table.
+
+Blocks (global shapes; b = batch, s = sequence, h = hidden, f = SwiGLU width):
+
+* ``mlp``: Linear h→4h, GELU, Linear 4h→h, with biases (2D: two Linear2D; 1D: column →
+  row).
+* ``transformer``: the Llama-style block of :mod:`gridshard.models.llama` built by the
+  style of each row (NoTensorParallel, Megatron1DStyle ± SP, Summa2DStyle).
+
+Rows: single device; for each q: 1D at T = q² (without and with sequence parallelism),
+2D with double-buffered async SUMMA broadcasts ("2d"), and 2D with blocking broadcasts
+and reduces ("2d-blocking", :func:`gridshard.comm.summa.set_overlap`). Each row runs in
+fresh processes (``benchmarks/_runner.py``), one thread per rank, both blocks in the
+same processes.
+
+Columns:
+
+* ``step ms``: forward + backward (input grad and every parameter grad, fixed random
+  output gradient, no optimizer); each timed step starts after a barrier and lasts as
+  long as its slowest rank; median over ``--iters`` (≥ 5) timed steps after ``--warmup``.
+* ``vs 1 dev``: step time / single-device step time (same run).
+* ``comm MiB``: payload bytes per rank per step from the ledger (its convention);
+  ``theory MiB``: :mod:`gridshard.theory.tp2d` / :mod:`gridshard.theory.tp1d`.
+* ``calls``: collective calls per rank per step (latency rounds).
+* ``wait ms``: time spent inside collectives or waiting for async ones, from the ledger
+  with timing on, on one extra step (not the timed ones).
+* ``param MiB``: parameter bytes per rank; ``saved MiB``: bytes autograd saves for
+  backward per rank (``saved_tensors_hooks``, distinct storages, parameters and buffers
+  excluded).
+* ``max rel err``: max |y − y_ref| / max |y_ref| over the output and the input gradient,
+  assembled from all ranks, against the single-device row (same global weights and input).
+
+After the table, the ratio 2d / 2d-blocking per block and q (the overlap gain).
+
+Run: ``.venv/bin/python benchmarks/bench_tp2d.py`` (defaults b=12 s=72 h=576 heads=36
+f=1584, q = 2 3), or ``--quick`` for a smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from benchmarks._runner import format_table, median, run_on_fresh_ranks, step_times_of_job, time_steps  # noqa: E402
+
+MiB = 2.0 ** 20
+BLOCKS = ("mlp", "transformer")
+
+
+# --------------------------------------------------------------------------------------
+# Models per row
+# --------------------------------------------------------------------------------------
+
+def _cfg(args):
+    from gridshard.models import ModelConfig
+
+    return ModelConfig(hidden=args["hidden"], heads=args["heads"], ffn_hidden=args["ffn"],
+                       max_seq_len=args["seq"], layers=1, init_std=args["init_std"])
+
+
+def _mlp(first, second):
+    from torch import nn
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = first, second
+
+        def forward(self, x):
+            return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+    return MLP()
+
+
+def build(block, impl, q, args):
+    """(model, mesh) of one row; every rank draws the same global weights (same seed)."""
+    from gridshard import build_mesh
+    from gridshard.models import TransformerBlock
+    from gridshard.nn.style import NoTensorParallel, _plain_linear
+
+    h, std = args["hidden"], args["init_std"]
+    if impl == "single":
+        if block == "mlp":
+            return _mlp(_plain_linear(h, 4 * h, True, std), _plain_linear(4 * h, h, True, std)), None
+        return TransformerBlock(_cfg(args), NoTensorParallel(None)), None
+    if impl.startswith("1d"):
+        from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+        from gridshard.nn.style_1d import Megatron1DStyle
+
+        sp = impl == "1d+sp"
+        mesh = build_mesh(tensor=q * q, tensor_mode="1d")
+        if block == "mlp":
+            return _mlp(ColumnParallelLinear(h, 4 * h, mesh, bias=True, sequence_parallel=sp, init_std=std),
+                        RowParallelLinear(4 * h, h, mesh, bias=True, sequence_parallel=sp, init_std=std)), mesh
+        return TransformerBlock(_cfg(args), Megatron1DStyle(mesh, sequence_parallel=sp)), mesh
+    from gridshard.nn.linear_2d import Linear2D
+    from gridshard.nn.style_2d import Summa2DStyle
+
+    mesh = build_mesh(tensor=q * q, tensor_mode="2d")
+    if block == "mlp":
+        return _mlp(Linear2D(h, 4 * h, mesh, bias=True, init_std=std),
+                    Linear2D(4 * h, h, mesh, bias=True, init_std=std)), mesh
+    return TransformerBlock(_cfg(args), Summa2DStyle(mesh)), mesh
+
+
+def local_block(t, impl, mesh):
+    """This rank's part of a global [b, s, h] activation in the row's residual layout."""
+    if impl in ("single", "1d"):
+        return t
+    if impl == "1d+sp":
+        return t.chunk(mesh.tensor.size, 1)[mesh.tensor.rank].contiguous()
+    return t.chunk(mesh.q, 0)[mesh.grid_row].chunk(mesh.q, -1)[mesh.grid_col].contiguous()
+
+
+def assemble(parts, impl, q):
+    """Global [b, s, h] from the per-rank parts (index = rank = tensor rank)."""
+    import torch
+
+    if impl in ("single", "1d"):
+        return parts[0]
+    if impl == "1d+sp":
+        return torch.cat(parts, 1)
+    return torch.cat([torch.cat(parts[i * q:(i + 1) * q], -1) for i in range(q)], 0)
+
+
+def saved_bytes(model, fn):
+    """Bytes of distinct storages autograd saves inside ``fn`` (parameters and buffers excluded)."""
+    import torch
+
+    state = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in state:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def _to_bytes(t) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(t.detach().clone(), buf)
+    return buf.getvalue()
+
+
+def _from_bytes(b: bytes):
+    import torch
+
+    return torch.load(io.BytesIO(b))
+
+
+def bench_row(impl, q, args) -> dict:
+    """Both blocks of one row on one rank (run on fresh ranks; every rank seeded alike)."""
+    import torch
+
+    from gridshard import LEDGER
+    from gridshard.comm.summa import set_overlap
+
+    set_overlap(impl != "2d-blocking")
+    out = {}
+    for block in args["blocks"]:
+        model, mesh = build(block, impl, q, args)
+        b, s, h = args["batch"], args["seq"], args["hidden"]
+        x_full, gy_full = torch.randn(b, s, h), torch.randn(b, s, h)
+        x_loc, gy_loc = local_block(x_full, impl, mesh), local_block(gy_full, impl, mesh)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            x = x_loc.detach().requires_grad_(True)
+            y = model(x)
+            y.backward(gy_loc)
+            return y, x.grad
+
+        times = time_steps(step, args["warmup"], args["iters"])
+        LEDGER.reset()
+        LEDGER.timing = True
+        y, gx = step()
+        LEDGER.timing = False
+        row = {"times": times, "comm": LEDGER.payload_bytes(), "calls": LEDGER.count(), "wait": LEDGER.seconds(),
+               "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+        model.zero_grad(set_to_none=True)
+        row["saved"], _ = saved_bytes(model, lambda: model(x_loc.detach().requires_grad_(True)))
+        if args["check"]:
+            row["y"], row["gx"] = _to_bytes(y), _to_bytes(gx)
+        out[block] = row
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Theory
+# --------------------------------------------------------------------------------------
+
+def theory_bytes(block, impl, q, args):
+    b, s, h, f = args["batch"], args["seq"], args["hidden"], args["ffn"]
+    if impl == "single":
+        return 0
+    if impl.startswith("1d"):
+        from gridshard.theory import tp1d
+
+        sp = impl == "1d+sp"
+        if block == "mlp":
+            return tp1d.column_row_comm(b, s, h, q * q, sp, row_bias=True).payload_bytes()
+        return tp1d.block_comm(b, s, h, q * q, sp).payload_bytes()
+    from gridshard.theory import tp2d
+
+    if block == "mlp":
+        vol = tp2d.combine(tp2d.linear2d_comm(b * s, h, 4 * h, q, bias=True),
+                           tp2d.linear2d_comm(b * s, 4 * h, h, q, bias=True))
+    else:
+        vol = tp2d.block2d_comm(b, s, h, f, q)
+    return tp2d.total(vol).payload_bytes()
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+
+def _rel_err(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def variants(qs):
+    out = [("single", 1)]
+    for q in qs:
+        out += [("1d", q), ("1d+sp", q), ("2d", q), ("2d-blocking", q)]
+    return out
+
+
+HEADERS = ["block", "impl", "T", "step ms", "vs 1 dev", "comm MiB", "theory MiB", "calls", "wait ms",
+           "param MiB", "saved MiB", "max rel err"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--seq", type=int, default=72)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--heads", type=int, default=36)
+    p.add_argument("--ffn", type=int, default=1584)
+    p.add_argument("--q", type=int, nargs="+", default=[2, 3], help="grid sides (T = q² for 1D and 2D)")
+    p.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=7, help="timed steps per row (≥ 5)")
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--quick", action="store_true", help="smoke run: b=6 s=36 h=72 heads=36 f=144, iters=5")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batch, a.seq, a.hidden, a.heads, a.ffn, a.warmup, a.iters = 6, 36, 72, 36, 144, 1, 5
+    for q in a.q:
+        T = q * q
+        for name, n, d in (("batch", a.batch, q), ("hidden", a.hidden, T), ("heads", a.heads, T), ("ffn", a.ffn, T),
+                           ("seq", a.seq, T)):
+            if n % d:
+                sys.exit(f"error: {name}={n} is not divisible by {d} (q={q}): 2D needs batch % q, hidden % q²; "
+                         f"1D at T=q² needs hidden, heads, ffn and seq (SP) % T. Fix: choose sizes divisible "
+                         f"for every --q.")
+    args = dict(batch=a.batch, seq=a.seq, hidden=a.hidden, heads=a.heads, ffn=a.ffn, warmup=a.warmup, iters=a.iters,
+                init_std=a.init_std, check=not a.no_check, blocks=a.blocks)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    import torch
+
+    log(f"bench_tp2d: b={a.batch} s={a.seq} h={a.hidden} heads={a.heads} f={a.ffn} q={a.q} warmup={a.warmup} "
+        f"iters={a.iters}; torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, 1 thread/rank")
+    t0 = time.perf_counter()
+    results = {}
+    for impl, q in variants(a.q):
+        t1 = time.perf_counter()
+        per_rank = run_on_fresh_ranks(q * q, bench_row, impl, q, args, timeout=a.timeout)
+        results[(impl, q)] = per_rank
+        log(f"  {impl:<12} T={q * q}: " + "  ".join(
+            f"{blk} {median(step_times_of_job([r[blk]['times'] for r in per_rank])) * 1e3:.1f} ms"
+            for blk in a.blocks) + f"  ({time.perf_counter() - t1:.0f} s with start-up)")
+    rows, ratios = [], []
+    for block in a.blocks:
+        step = {v: median(step_times_of_job([r[block]["times"] for r in results[v]])) * 1e3 for v in results}
+        ref = results[("single", 1)][0][block]
+        for (impl, q), per_rank in results.items():
+            r0 = per_rank[0][block]
+            err = "—"
+            if args["check"]:
+                y = assemble([_from_bytes(r[block]["y"]) for r in per_rank], impl, q)
+                gx = assemble([_from_bytes(r[block]["gx"]) for r in per_rank], impl, q)
+                err = f"{max(_rel_err(y, _from_bytes(ref['y'])), _rel_err(gx, _from_bytes(ref['gx']))):.1e}"
+            rows.append([block, impl, q * q, f"{step[(impl, q)]:.1f}", f"{step[(impl, q)] / step[('single', 1)]:.2f}",
+                         f"{max(r[block]['comm'] for r in per_rank) / MiB:.2f}",
+                         f"{theory_bytes(block, impl, q, args) / MiB:.2f}", r0["calls"],
+                         f"{max(r[block]['wait'] for r in per_rank) * 1e3:.1f}",
+                         f"{max(r[block]['param_bytes'] for r in per_rank) / MiB:.3f}",
+                         f"{max(r[block]['saved'] for r in per_rank) / MiB:.3f}", err])
+        for q in a.q:
+            ratios.append(f"{block} q={q}: 2d / 2d-blocking step time = "
+                          f"{step[('2d', q)] / step[('2d-blocking', q)]:.3f}")
+    print(format_table(HEADERS, rows, title=f"2D vs 1D TP, fp32 CPU/gloo, b={a.batch} s={a.seq} h={a.hidden} "
+                                             f"heads={a.heads} f={a.ffn}; fwd+bwd step, median of {a.iters} steps"))
+    print()
+    print("Overlap (double-buffered async SUMMA broadcasts) vs blocking broadcasts:")
+    for line in ratios:
+        print("  " + line)
+    log(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
