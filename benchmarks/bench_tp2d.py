@@ -18,10 +18,15 @@ Columns:
 
 * ``step ms``: forward + backward (input grad and every parameter grad, fixed random
   output gradient, no optimizer); each timed step starts after a barrier and lasts as
-  long as its slowest rank; median over ``--iters`` (≥ 5) timed steps after ``--warmup``.
+  long as its slowest rank; median over ``--iters`` (≥ 5) timed steps after ``--warmup``,
+  then the median over ``--repeats`` runs of the row (fresh processes each, the order of
+  the rows alternated between runs); ``spread`` is the range of the per-run medians.
 * ``vs 1 dev``: step time / single-device step time (same run).
 * ``comm MiB``: payload bytes per rank per step from the ledger (its convention);
   ``theory MiB``: :mod:`gridshard.theory.tp2d` / :mod:`gridshard.theory.tp1d`.
+* ``wire MiB``: bytes one rank sends per step on bandwidth-optimal rings (the ledger's
+  ``wire_bytes``: all-reduce 2(n−1)/n, the others (n−1)/n of the payload): the figure
+  that sets the bandwidth time, and the fair 1D-vs-2D comparison.
 * ``calls``: collective calls per rank per step (latency rounds).
 * ``wait ms``: time spent inside collectives or waiting for async ones, from the ledger
   with timing on, on one extra step (not the timed ones).
@@ -189,7 +194,8 @@ def bench_row(impl, q, args) -> dict:
         LEDGER.timing = True
         y, gx = step()
         LEDGER.timing = False
-        row = {"times": times, "comm": LEDGER.payload_bytes(), "calls": LEDGER.count(), "wait": LEDGER.seconds(),
+        row = {"times": times, "comm": LEDGER.payload_bytes(), "wire": LEDGER.total("wire_bytes"),
+               "calls": LEDGER.count(), "wait": LEDGER.seconds(),
                "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
         model.zero_grad(set_to_none=True)
         row["saved"], _ = saved_bytes(model, lambda: model(x_loc.detach().requires_grad_(True)))
@@ -239,7 +245,7 @@ def variants(qs):
     return out
 
 
-HEADERS = ["block", "impl", "T", "step ms", "vs 1 dev", "comm MiB", "theory MiB", "calls", "wait ms",
+HEADERS = ["block", "impl", "T", "step ms", "spread", "vs 1 dev", "comm MiB", "theory MiB", "wire MiB", "calls", "wait ms",
            "param MiB", "saved MiB", "max rel err"]
 
 
@@ -255,13 +261,14 @@ def main(argv=None):
     p.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=7, help="timed steps per row (≥ 5)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per row, fresh processes each, order alternated")
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--quick", action="store_true", help="smoke run: b=6 s=36 h=72 heads=36 f=144, iters=5")
+    p.add_argument("--quick", action="store_true", help="smoke run: b=6 s=36 h=72 heads=36 f=144, iters=5, repeats=1")
     a = p.parse_args(argv)
     if a.quick:
-        a.batch, a.seq, a.hidden, a.heads, a.ffn, a.warmup, a.iters = 6, 36, 72, 36, 144, 1, 5
+        a.batch, a.seq, a.hidden, a.heads, a.ffn, a.warmup, a.iters, a.repeats = 6, 36, 72, 36, 144, 1, 5, 1
     for q in a.q:
         T = q * q
         for name, n, d in (("batch", a.batch, q), ("hidden", a.hidden, T), ("heads", a.heads, T), ("ffn", a.ffn, T),
@@ -278,17 +285,27 @@ def main(argv=None):
     log(f"bench_tp2d: b={a.batch} s={a.seq} h={a.hidden} heads={a.heads} f={a.ffn} q={a.q} warmup={a.warmup} "
         f"iters={a.iters}; torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, 1 thread/rank")
     t0 = time.perf_counter()
-    results = {}
-    for impl, q in variants(a.q):
-        t1 = time.perf_counter()
-        per_rank = run_on_fresh_ranks(q * q, bench_row, impl, q, args, timeout=a.timeout)
-        results[(impl, q)] = per_rank
-        log(f"  {impl:<12} T={q * q}: " + "  ".join(
-            f"{blk} {median(step_times_of_job([r[blk]['times'] for r in per_rank])) * 1e3:.1f} ms"
-            for blk in a.blocks) + f"  ({time.perf_counter() - t1:.0f} s with start-up)")
+    runs = {v: [] for v in variants(a.q)}   # per row: one entry (per-rank results) per repeat
+    for rep in range(a.repeats):
+        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]   # alternate the order against drift
+        for impl, q in order:
+            t1 = time.perf_counter()
+            per_rank = run_on_fresh_ranks(q * q, bench_row, impl, q, args, timeout=a.timeout)
+            runs[(impl, q)].append(per_rank)
+            log(f"  run {rep + 1}/{a.repeats} {impl:<12} T={q * q}: " + "  ".join(
+                f"{blk} {median(step_times_of_job([r[blk]['times'] for r in per_rank])) * 1e3:.1f} ms"
+                for blk in a.blocks) + f"  ({time.perf_counter() - t1:.0f} s with start-up)")
+    results = {v: reps[-1] for v, reps in runs.items()}
+
+    def step_ms(v, block):
+        """Median over repeats of the per-run median job step time, and the range of the per-run medians."""
+        meds = [median(step_times_of_job([r[block]["times"] for r in per_rank])) * 1e3 for per_rank in runs[v]]
+        return median(meds), min(meds), max(meds)
+
     rows, ratios = [], []
     for block in a.blocks:
-        step = {v: median(step_times_of_job([r[block]["times"] for r in results[v]])) * 1e3 for v in results}
+        step = {v: step_ms(v, block)[0] for v in results}
+        spread = {v: step_ms(v, block)[1:] for v in results}
         ref = results[("single", 1)][0][block]
         for (impl, q), per_rank in results.items():
             r0 = per_rank[0][block]
@@ -297,9 +314,12 @@ def main(argv=None):
                 y = assemble([_from_bytes(r[block]["y"]) for r in per_rank], impl, q)
                 gx = assemble([_from_bytes(r[block]["gx"]) for r in per_rank], impl, q)
                 err = f"{max(_rel_err(y, _from_bytes(ref['y'])), _rel_err(gx, _from_bytes(ref['gx']))):.1e}"
-            rows.append([block, impl, q * q, f"{step[(impl, q)]:.1f}", f"{step[(impl, q)] / step[('single', 1)]:.2f}",
+            lo, hi = spread[(impl, q)]
+            rows.append([block, impl, q * q, f"{step[(impl, q)]:.1f}", f"{lo:.0f}–{hi:.0f}",
+                         f"{step[(impl, q)] / step[('single', 1)]:.2f}",
                          f"{max(r[block]['comm'] for r in per_rank) / MiB:.2f}",
-                         f"{theory_bytes(block, impl, q, args) / MiB:.2f}", r0["calls"],
+                         f"{theory_bytes(block, impl, q, args) / MiB:.2f}",
+                         f"{max(r[block]['wire'] for r in per_rank) / MiB:.2f}", r0["calls"],
                          f"{max(r[block]['wait'] for r in per_rank) * 1e3:.1f}",
                          f"{max(r[block]['param_bytes'] for r in per_rank) / MiB:.3f}",
                          f"{max(r[block]['saved'] for r in per_rank) / MiB:.3f}", err])
@@ -307,7 +327,7 @@ def main(argv=None):
             ratios.append(f"{block} q={q}: 2d / 2d-blocking step time = "
                           f"{step[('2d', q)] / step[('2d-blocking', q)]:.3f}")
     print(format_table(HEADERS, rows, title=f"2D vs 1D TP, fp32 CPU/gloo, b={a.batch} s={a.seq} h={a.hidden} "
-                                             f"heads={a.heads} f={a.ffn}; fwd+bwd step, median of {a.iters} steps"))
+                                             f"heads={a.heads} f={a.ffn}; fwd+bwd step, median of {a.iters} steps × {a.repeats} run(s)"))
     print()
     print("Overlap (double-buffered async SUMMA broadcasts) vs blocking broadcasts:")
     for line in ratios:
