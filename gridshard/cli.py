@@ -43,6 +43,7 @@ def _worker(config_dict: dict, run_dir: str, progress: bool):
     init_distributed()
     losses = run_training(config_dict, run_dir=run_dir, progress=progress)
     rank = dist.get_rank()
+    dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
     dist.destroy_process_group()
     return losses if rank == 0 else None
 
