@@ -35,7 +35,8 @@ Columns:
   row computes the same block.
 
 Run: ``.venv/bin/python benchmarks/bench_tp1d.py`` (defaults h=1024, s=256, b=8), or
-``--quick`` for a smoke run in well under a minute.
+``--quick`` for a smoke run of the same 18 rows at tiny shapes (1–5 min on 2 busy cores,
+almost all of it process start-up).
 """
 from __future__ import annotations
 
