@@ -48,6 +48,13 @@ def check_token_range(ids: torch.Tensor, vocab_size: int, what: str, ignore_inde
         raise ShapeError(f"{what}: ids must be an integer tensor, got dtype {ids.dtype}. Fix: pass .long() ids.")
     if ids.numel() == 0:
         return
+    if ids.is_cuda:
+        # no host sync on the GPU hot path: a device-side assert fires on a bad id
+        ok = (ids >= 0) & (ids < vocab_size)
+        if ignore_index is not None:
+            ok |= ids == ignore_index
+        torch._assert_async(ok.all(), f"{what}: an id lies outside the vocabulary [0, {vocab_size})")
+        return
     live = ids if ignore_index is None else ids[ids != ignore_index]
     if live.numel() and (int(live.min()) < 0 or int(live.max()) >= vocab_size):
         bad = int(live.max()) if int(live.max()) >= vocab_size else int(live.min())
