@@ -5,28 +5,18 @@ a parallel rank's tensor is compared with its block of the reference tensor
 (:func:`expected_shard`), the reference padded with zeros when the parallel
 parameter carries vocabulary padding.
 """
-import torch
 import torch.nn.functional as F
 
 from gridshard.mesh import build_mesh
 from gridshard.nn.sharding import ShardSpec, get_spec, shard_from_global
 from gridshard.testing import assert_close
+from gridshard.testing.inputs import randint, randn  # noqa: F401  (re-exported to the test modules)
 
 TOL = 1e-5
 
 
 def mesh_1d(T):
     return build_mesh(tensor=T, tensor_mode="1d")
-
-
-def randn(shape, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g) * scale
-
-
-def randint(high, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, high, shape, generator=g)
 
 
 def pad_to(t, shape, fill=0.0):

@@ -17,6 +17,7 @@ from gridshard.mesh import build_mesh
 from gridshard.nn.linear_2d import Linear2D
 from gridshard.nn.sharding import get_spec, shard_from_global
 from gridshard.testing import assert_close
+from gridshard.testing.inputs import randint, randn  # noqa: F401  (re-exported to the test modules)
 
 TOL = 1e-5
 
@@ -40,16 +41,6 @@ def fresh_seed() -> int:
 
 def mesh_2d(q):
     return build_mesh(tensor=q * q, tensor_mode="2d")
-
-
-def randn(shape, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g) * scale
-
-
-def randint(high, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, high, shape, generator=g)
 
 
 def block(t, mesh, batch_dim=0, last=True):

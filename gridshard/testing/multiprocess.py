@@ -161,6 +161,7 @@ class WorkerGroup:
         for q in self.task_qs:
             q.put((call_id, fn, args, kwargs))
         results, errors, answered = {}, {}, set()
+        first_error_at = None
         deadline = time.monotonic() + timeout
         while len(answered) < self.world_size:
             if errors:
