@@ -51,6 +51,7 @@ import traceback
 from typing import Callable, Sequence
 
 __all__ = ["run_on_fresh_ranks", "run_rank0", "time_steps", "step_times_of_job", "CollectiveCounter",
+           "tensor_to_bytes", "tensor_from_bytes",
            "format_table", "median", "BenchmarkFailure"]
 
 
@@ -250,3 +251,23 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence], title: str = 
     out += [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(r) for r in cells]
     return "\n".join(out)
+
+
+def tensor_to_bytes(t) -> bytes:
+    """A tensor as ``torch.save`` bytes (to return it from a rank through a queue)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(t.detach().clone(), buf)
+    return buf.getvalue()
+
+
+def tensor_from_bytes(b: bytes):
+    """Inverse of :func:`tensor_to_bytes`."""
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(b))

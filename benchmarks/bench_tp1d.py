@@ -41,7 +41,6 @@ almost all of it process start-up).
 from __future__ import annotations
 
 import argparse
-import io
 import math
 import os
 import sys
@@ -51,8 +50,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks._runner import (format_table, median, run_on_fresh_ranks,  # noqa: E402
-                                step_times_of_job, time_steps)
+from benchmarks._runner import (format_table, median, run_on_fresh_ranks, step_times_of_job,  # noqa: E402
+                                tensor_from_bytes, tensor_to_bytes, time_steps)
 
 MiB = 2.0 ** 20
 
@@ -265,20 +264,6 @@ def _param_bytes(model) -> int:
     return total
 
 
-def _to_bytes(t) -> bytes:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(t.detach().clone(), buf)
-    return buf.getvalue()
-
-
-def _from_bytes(b: bytes):
-    import torch
-
-    return torch.load(io.BytesIO(b))
-
-
 def bench_variant(block: str, impl: str, T: int, sp: bool, args: dict) -> dict:
     """One row on one rank (run on T fresh ranks by the runner, which seeds every rank alike).
 
@@ -329,7 +314,7 @@ def bench_variant(block: str, impl: str, T: int, sp: bool, args: dict) -> dict:
                   if LEDGER.count(op)}
     out = {"times": times, "comm": comm, "counts": counts, "param_bytes": _param_bytes(model)}
     if args["check"]:
-        out["y"], out["gx"] = _to_bytes(y), _to_bytes(gx)
+        out["y"], out["gx"] = tensor_to_bytes(y), tensor_to_bytes(gx)
     return out
 
 
@@ -383,8 +368,8 @@ def _assemble(results, key, T, sp):
     import torch
 
     if not sp:
-        return _from_bytes(results[0][key])
-    return torch.cat([_from_bytes(r[key]) for r in results], dim=1)
+        return tensor_from_bytes(results[0][key])
+    return torch.cat([tensor_from_bytes(r[key]) for r in results], dim=1)
 
 
 def run_block(block, args, tps, have_gridshard, repeats, log):
@@ -402,8 +387,8 @@ def run_block(block, args, tps, have_gridshard, repeats, log):
                 f"median step {median(job) * 1e3:8.1f} ms  (steps {', '.join(f'{t * 1e3:.0f}' for t in job)}; "
                 f"{time.perf_counter() - t0:.0f} s with start-up)")
     ref = runs[variants[0]][-1][1][0]
-    ref_y = _from_bytes(ref["y"]) if args["check"] else None
-    ref_gx = _from_bytes(ref["gx"]) if args["check"] else None
+    ref_y = tensor_from_bytes(ref["y"]) if args["check"] else None
+    ref_gx = tensor_from_bytes(ref["gx"]) if args["check"] else None
     rows = []
     step_ms = {v: median([m for m, _ in runs[v]]) * 1e3 for v in variants}
     for v in variants:

@@ -44,7 +44,6 @@ f=1584, q = 2 3), or ``--quick`` for a smoke run.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import time
@@ -53,7 +52,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from benchmarks._runner import format_table, median, run_on_fresh_ranks, step_times_of_job, time_steps  # noqa: E402
+from benchmarks._runner import (format_table, median, run_on_fresh_ranks, step_times_of_job,  # noqa: E402
+                                tensor_from_bytes, tensor_to_bytes, time_steps)
 
 MiB = 2.0 ** 20
 BLOCKS = ("mlp", "transformer")
@@ -153,20 +153,6 @@ def saved_bytes(model, fn):
     return sum(seen.values()), out
 
 
-def _to_bytes(t) -> bytes:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(t.detach().clone(), buf)
-    return buf.getvalue()
-
-
-def _from_bytes(b: bytes):
-    import torch
-
-    return torch.load(io.BytesIO(b))
-
-
 def bench_row(impl, q, args) -> dict:
     """Both blocks of one row on one rank (run on fresh ranks; every rank seeded alike)."""
     import torch
@@ -200,7 +186,7 @@ def bench_row(impl, q, args) -> dict:
         model.zero_grad(set_to_none=True)
         row["saved"], _ = saved_bytes(model, lambda: model(x_loc.detach().requires_grad_(True)))
         if args["check"]:
-            row["y"], row["gx"] = _to_bytes(y), _to_bytes(gx)
+            row["y"], row["gx"] = tensor_to_bytes(y), tensor_to_bytes(gx)
         out[block] = row
     return out
 
@@ -311,9 +297,9 @@ def main(argv=None):
             r0 = per_rank[0][block]
             err = "—"
             if args["check"]:
-                y = assemble([_from_bytes(r[block]["y"]) for r in per_rank], impl, q)
-                gx = assemble([_from_bytes(r[block]["gx"]) for r in per_rank], impl, q)
-                err = f"{max(_rel_err(y, _from_bytes(ref['y'])), _rel_err(gx, _from_bytes(ref['gx']))):.1e}"
+                y = assemble([tensor_from_bytes(r[block]["y"]) for r in per_rank], impl, q)
+                gx = assemble([tensor_from_bytes(r[block]["gx"]) for r in per_rank], impl, q)
+                err = f"{max(_rel_err(y, tensor_from_bytes(ref['y'])), _rel_err(gx, tensor_from_bytes(ref['gx']))):.1e}"
             lo, hi = spread[(impl, q)]
             rows.append([block, impl, q * q, f"{step[(impl, q)]:.1f}", f"{lo:.0f}–{hi:.0f}",
                          f"{step[(impl, q)] / step[('single', 1)]:.2f}",
