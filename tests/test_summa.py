@@ -92,3 +92,33 @@ def _switch_and_errors():
 
 def test_overlap_switch_and_errors_before_any_collective():
     assert all(run_on_ranks(4, _switch_and_errors))
+
+
+def _products_under_autocast(seed):
+    """A bf16 activation times an fp32 weight inside torch.autocast (as Linear2D sees it
+    after attention in a bf16 run): each product computes in bf16, like autocast's
+    matmul, and the fp32 operand's gradient comes back in fp32."""
+    mesh = mesh_2d(2)
+    for name, (fn, dense, operand_shapes, _, _) in _PRODUCTS.items():
+        sa, sb = operand_shapes(8, 6, 4)
+        A, B = randn(sa, seed + 1), randn(sb, seed + 2)
+        A.requires_grad_(), B.requires_grad_()
+        Cref = dense(A, B)
+        G = randn(Cref.shape, seed + 3)
+        Cref.backward(G)
+        a = _blk(A, mesh).to(torch.bfloat16).requires_grad_()
+        b = _blk(B, mesh).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            c = fn(a, b, mesh)
+        assert c.dtype == torch.bfloat16, f"{name}: output {c.dtype}"
+        c.backward(_blk(G, mesh).to(torch.bfloat16))
+        assert a.grad.dtype == torch.bfloat16 and b.grad.dtype == torch.float32, (name, a.grad.dtype, b.grad.dtype)
+        assert_close(c.float(), _blk(Cref, mesh), 3e-2, f"{name} autocast forward seed={seed}")
+        assert_close(a.grad.float(), _blk(A.grad, mesh), 3e-2, f"{name} autocast dA seed={seed}")
+        assert_close(b.grad, _blk(B.grad, mesh), 3e-2, f"{name} autocast dB seed={seed}")
+    return True
+
+
+def test_summa_products_under_bf16_autocast_with_mixed_operand_dtypes():
+    seed = fresh_seed()
+    assert all(run_on_ranks(4, _products_under_autocast, seed))

@@ -127,6 +127,14 @@ def test_bf16_autocast_trains_close_to_fp32():
     assert bf16[-1] < bf16[0]
 
 
+def test_bf16_2d_matches_one_device_bf16():
+    """bf16 autocast through SUMMA (bf16 activations meet fp32 weights in Linear2D)."""
+    cfg = _with({"tensor": 4, "tensor_mode": "2d"}, steps=4, micro_batch=2, precision="bf16", lr=3e-3)
+    grid = run_on_ranks(4, _bf16_body, cfg)[0]
+    ref = run_on_ranks(1, _bf16_body, {**cfg, "parallel": {"data": 1}})[0]
+    assert max(abs(a - b) / b for a, b in zip(grid, ref)) < 5e-3
+
+
 @pytest.mark.parametrize("par", [{"data": 1}, {"tensor": 2, "tensor_mode": "1d"},
                                  {"tensor": 4, "tensor_mode": "2d"}], ids=["none", "1d", "2d"])
 def test_tied_embeddings_match_at_every_mode(par):

@@ -206,6 +206,18 @@ class _SummaATB(torch.autograd.Function):
         return da, db, None, None, None
 
 
+def _autocast_operands(a: torch.Tensor, b: torch.Tensor):
+    """Inside ``torch.autocast``, cast both operands to the autocast dtype, as autocast does
+    for a matmul: a bf16 activation then meets a bf16 copy of an fp32 weight (the in-place
+    ``addmm_`` of :func:`_ab` is not autocast and would reject mixed dtypes), the panels
+    travel in the low precision, and the casts carry the gradients back to fp32."""
+    dev = a.device.type
+    if not torch.is_autocast_enabled(dev):
+        return a, b
+    dtype = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (a, b))
+
+
 def _grid(mesh):
     if getattr(mesh, "q", None) is None:
         from ..errors import LayoutError
@@ -218,16 +230,19 @@ def _grid(mesh):
 def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh, overlap: Optional[bool] = None) -> torch.Tensor:
     """Block (i, j) of A·B from blocks A(i, j) [m/q, k/q] and B(i, j) [k/q, n/q]; → [m/q, n/q]."""
     row, col = _grid(mesh)
+    a, b = _autocast_operands(a, b)
     return _SummaAB.apply(a, b, row, col, _OVERLAP if overlap is None else overlap)
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh, overlap: Optional[bool] = None) -> torch.Tensor:
     """Block (i, j) of A·Bᵀ from A(i, j) [m/q, k/q] and B(i, j) [n/q, k/q]; → [m/q, n/q]."""
     row, col = _grid(mesh)
+    a, b = _autocast_operands(a, b)
     return _SummaABT.apply(a, b, row, col, _OVERLAP if overlap is None else overlap)
 
 
 def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh, overlap: Optional[bool] = None) -> torch.Tensor:
     """Block (i, j) of Aᵀ·B from A(i, j) [m/q, k/q] and B(i, j) [m/q, n/q]; → [k/q, n/q]."""
     row, col = _grid(mesh)
+    a, b = _autocast_operands(a, b)
     return _SummaATB.apply(a, b, row, col, _OVERLAP if overlap is None else overlap)
