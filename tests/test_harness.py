@@ -45,3 +45,24 @@ def test_deadlock_fails_fast_with_stack_of_stuck_rank():
     assert time.monotonic() - t0 < 30
     msg = str(e.value)
     assert "timeout" in msg and "stack of rank 0" in msg and "_deadlock" in msg
+
+
+def _returns_a_lambda():
+    return lambda: 0
+
+
+def _echo(x):
+    return x
+
+
+def test_unpicklable_result_or_argument_fails_at_once_with_the_cause():
+    """A result the worker cannot send back, or an argument the parent cannot send, is a
+    plain error naming the pickling problem, not a silent wait for the timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        run_on_ranks(2, _returns_a_lambda, timeout=60)
+    assert "pickle" in str(e.value) and "timeout" not in str(e.value)
+    with pytest.raises(TypeError, match="pickle"):
+        run_on_ranks(2, _echo, lambda: 0, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert run_on_ranks(2, _echo, 5) == [5, 5]

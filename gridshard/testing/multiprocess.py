@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 _GROUPS: dict = {}
 
@@ -74,6 +75,9 @@ def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file)
         torch.manual_seed(1234 + rank)
         try:
             out = fn(*args, **kwargs)
+            # the queue pickles in a feeder thread, where a failure is only printed and the
+            # parent would wait for its timeout: pickle here so the error is reported
+            ForkingPickler.dumps(out)
             result_q.put((rank, "ok", (call_id, out)))
         except BaseException:  # noqa: BLE001 - report everything, the parent decides
             result_q.put((rank, "error", (call_id, traceback.format_exc())))
@@ -158,6 +162,11 @@ class WorkerGroup:
             raise TypeError(f"run_on_ranks needs a module-level function importable by workers, got {fn!r}")
         self._calls += 1
         call_id = self._calls
+        try:  # Queue.put pickles in a background thread that only prints a failure
+            ForkingPickler.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"run_on_ranks: cannot pickle the function or its arguments for the workers: "
+                            f"{type(e).__name__}: {e}") from e
         for q in self.task_qs:
             q.put((call_id, fn, args, kwargs))
         results, errors, answered = {}, {}, set()
