@@ -51,6 +51,12 @@ def _errors():
     _raises(ShapeError, "each rank holds in/q = 4", lambda: Linear2D(8, 8, mesh)(torch.zeros(2, 3, 8)))
     _raises(ShapeError, "hidden/q = 4", lambda: RMSNorm2D(8, mesh)(torch.zeros(2, 3, 8)))
     _raises(ShapeError, "targets", lambda: cross_entropy_2d(torch.zeros(2, 3, 4), torch.zeros(2, 4).long(), mesh, 8))
+    # token ids outside the vocabulary (a silent zero embedding / wrong loss otherwise)
+    from gridshard.nn.embedding_2d import VocabParallelEmbedding2D
+    _raises(ShapeError, "id 13 is outside the vocabulary", lambda: VocabParallelEmbedding2D(13, 8, mesh)(
+        torch.full((1, 3), 13)))
+    _raises(ShapeError, "id 9 is outside the vocabulary", lambda: cross_entropy_2d(
+        torch.zeros(2, 3, 5), torch.full((2, 3), 9), mesh, 9))
     # batch not divisible by q
     style = Summa2DStyle(mesh)
     _raises(ShapeError, "batch=3 is not divisible by grid side q=2", lambda: style.shard_tokens(torch.zeros(3, 4)))

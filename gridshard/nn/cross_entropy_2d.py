@@ -25,6 +25,7 @@ import torch
 
 from ..comm import collectives as C
 from ..errors import ShapeError
+from .embedding_1d import check_token_range
 
 
 class _CrossEntropy2DFn(torch.autograd.Function):
@@ -71,4 +72,5 @@ def cross_entropy_2d(logits: torch.Tensor, targets: torch.Tensor, mesh, vocab_si
         raise ShapeError(f"cross_entropy_2d: vocab block {logits.shape[-1]} × q={mesh.q} < vocab_size="
                          f"{vocab_size}: each rank must hold V_pad/q ≥ V/q columns. Fix: pass the logits block "
                          f"of a head built for this vocabulary.")
+    check_token_range(targets, vocab_size, "cross_entropy_2d targets", ignore_index)
     return _CrossEntropy2DFn.apply(logits, targets, mesh, vocab_size, ignore_index)

@@ -35,6 +35,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.grid_ops import gather_along, reduce_scatter_along
 from ..errors import ShapeError, check_divisible
+from .embedding_1d import check_token_range
 from .sharding import ShardSpec, sharded_parameter
 
 
@@ -73,6 +74,7 @@ class VocabParallelEmbedding2D(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _check_tokens(tokens)
+        check_token_range(tokens, self.vocab, "VocabParallelEmbedding2D tokens")
         all_tokens = C.all_gather(tokens, self.mesh.col, 0)           # [b, s] on every rank of column j
         local = all_tokens - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_local)
