@@ -15,6 +15,7 @@ from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
 from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
 from gridshard.nn.norm import RMSNorm
+from gridshard.nn.style import NoTensorParallel
 from gridshard.nn.style_1d import Megatron1DStyle
 from gridshard.testing import run_on_ranks
 
@@ -80,6 +81,10 @@ def _errors(T):
     style = Megatron1DStyle(mesh, sequence_parallel=True)
     ok = dict(batch=2, seq=4 * T, hidden=8 * T, heads=T, ffn=4 * T, vocab=37)
     style.check_shapes(**ok)
+    _raises(ShapeError, r"head_dim \(hidden/heads\)=3 is not divisible by 2",
+            lambda: style.check_shapes(**{**ok, "hidden": 3 * T}))
+    _raises(ShapeError, "head_dim=3 is not divisible by 2",
+            lambda: NoTensorParallel(None).check_shapes(2, 8, 12, 4, 16, 37))
     if T > 1:
         _raises(ShapeError, rf"hidden={T + 1} is not divisible by tensor-parallel size T={T}",
                 lambda: style.check_shapes(**{**ok, "hidden": T + 1, "heads": 1}))

@@ -104,9 +104,9 @@ class NoTensorParallel(TensorParallelStyle):
         return tokens
 
     def check_shapes(self, batch, seq, hidden, heads, ffn, vocab):
-        from ..errors import check_divisible
+        from .shape_rules import check_model_shapes
 
-        check_divisible(hidden, heads, "hidden", "heads")
+        check_model_shapes("none", 1, False, batch, seq, hidden, heads, ffn)
 
     def embedding(self, vocab, hidden, init_std):
         emb = skip_init(nn.Embedding, vocab, hidden)

@@ -62,6 +62,8 @@ class Megatron1DStyle(TensorParallelStyle):
         check_divisible(hidden, self.T, "hidden", T_NAME)
         check_divisible(heads, self.T, "heads", T_NAME, "each rank must hold whole attention heads")
         check_divisible(ffn, self.T, "ffn_hidden", T_NAME)
+        check_divisible(hidden // heads, 2, "head_dim (hidden/heads)", "2",
+                        "rotary embeddings rotate channel pairs: choose an even head_dim")
         if self.sequence_parallel:
             check_divisible(seq, self.T, "seq (sequence length)", T_NAME,
                             f"use a multiple of {self.T}, or turn sequence_parallel off")
