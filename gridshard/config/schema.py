@@ -94,7 +94,9 @@ class TrainSection(BaseModel):
     log_interval: int = Field(10, description="steps between metrics lines")
     save_interval: int = Field(0, description="steps between checkpoints; 0 = never")
     bucket_mb: float = Field(25.0, description="size of the data-parallel gradient all-reduce buckets")
-    time_comm: bool = Field(True, description="time collectives for comm_share (syncs CUDA)")
+    time_comm: Optional[bool] = Field(None, description="time collectives for comm_share; default: on for CPU, "
+                                                         "off on CUDA (timing synchronises the GPU around each "
+                                                         "collective and defeats SUMMA's overlap)")
 
 
 class TrainConfig(BaseModel):

@@ -129,7 +129,8 @@ class Trainer:
         t = self.cfg.train
         tokens_per_step = t.global_batch * self.cfg.data.seq_len
         prev_timing = LEDGER.timing
-        LEDGER.timing = t.time_comm
+        time_comm = t.time_comm if t.time_comm is not None else self.device.type != "cuda"
+        LEDGER.timing = time_comm
         bar = tqdm(total=t.steps, disable=not (self.progress and self.rank == 0), file=sys.stderr,
                    dynamic_ncols=True, desc="train")
         all_losses, pending = [], []
@@ -152,7 +153,7 @@ class Trainer:
                 tps = n_steps * tokens_per_step / wall
                 rec = {"step": k + 1, "loss": losses[-1], "lr": lr, "grad_norm": float(norm),
                        "tokens_per_s": tps, "mfu": mfu(self.flops_token, tps, self.peak_flops, dist.get_world_size()),
-                       "comm_share": comm_share if t.time_comm else None, "peak_mem_bytes": max(mems),
+                       "comm_share": comm_share if time_comm else None, "peak_mem_bytes": max(mems),
                        "peak_mem_bytes_per_rank": mems, "step_time_s": wall / n_steps,
                        "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - start,
                        "loss_scale": self.precision.loss_scale()}
