@@ -60,7 +60,7 @@ def main():
     """gridshard: train transformers with data, 1D/2D tensor parallelism from one YAML config.
 
     \b
-    Quick start (4 local CPU workers, ~1 minute, tiny model on Python's own source):
+    Quick start (4 local CPU workers, under a minute, tiny model on Python's own source):
       gridshard train --nproc 4 --run-dir runs/default
       gridshard plot runs/default
     """
