@@ -22,6 +22,7 @@ LAYOUTS = {  # name: (D, T, mode, sequence_parallel)
     "D1-T2-1d-SP": (1, 2, "1d", True),
     "D1-T4-2d": (1, 4, "2d", False),
     "D2-T2-1d": (2, 2, "1d", False),
+    "D2-T4-2d": (2, 4, "2d", False),      # data parallelism composed with the q×q grid (8 ranks)
 }
 
 
