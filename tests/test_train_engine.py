@@ -48,6 +48,34 @@ def test_data_parallel_traffic_equals_theory(par):
         assert payload == 3 * numel * 4               # every local gradient once per step, any accumulation
 
 
+def _overlap_body(cfg):
+    """One step by hand: after the armed backward, before sync, every bucket's all-reduce
+    must already be in flight; the synced gradients equal the non-overlapped ones."""
+    grads = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        trainer = Trainer({**cfg, "train": {**cfg["train"], "overlap_grad_reduce": overlap}}, progress=False)
+        sync = trainer.grad_sync
+        (tokens, targets), = trainer.plan.micro_batches(0)
+        sync.arm()
+        trainer.model.loss(trainer.style.shard_tokens(tokens), trainer.style.shard_tokens(targets)).backward()
+        issued_in_backward = len(sync._pending)
+        sync.sync()
+        grads[overlap] = [p.grad.clone() for p in trainer.params]
+        if overlap:
+            assert issued_in_backward == len(sync.buckets) > 2, (issued_in_backward, len(sync.buckets))
+        else:
+            assert issued_in_backward == 0
+    return all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+@pytest.mark.parametrize("par", [{"data": 2}, {"data": 2, "tensor": 2, "tensor_mode": "1d"}],
+                         ids=["D2", "D2-T2-1d"])
+def test_gradient_buckets_are_reduced_during_backward(par):
+    cfg = _with(par, bucket_mb=0.02, global_batch=2)   # one micro-batch per data rank
+    assert all(run_on_ranks(par["data"] * par.get("tensor", 1), _overlap_body, cfg))
+
+
 def test_bucket_partition_and_flops_formula():
     assert bucket_partition([10, 10, 10, 50, 5], 4, 80) == [[0, 1], [2], [3], [4]]
     assert matmul_params(256, 64, 2, 176) == 2 * (4 * 64 * 64 + 3 * 64 * 176) + 256 * 64

@@ -30,13 +30,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
-    """Sum (or max) ``x`` over ``axis``; returns a new contiguous tensor."""
+def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False, inplace: bool = False):
+    """Sum (or max) ``x`` over ``axis``; returns a new contiguous tensor (``x`` itself with
+    ``inplace``, which needs a contiguous ``x``). With ``async_op`` returns a
+    :class:`PendingCollective`; the ledger times only the wait."""
     if axis.size == 1:
-        return x
-    out = x.clone(memory_format=torch.contiguous_format)
+        return PendingCollective(None, x, None) if async_op else x
+    if inplace and not x.is_contiguous():
+        raise ValueError("all_reduce(inplace=True) needs a contiguous tensor")
+    out = x if inplace else x.clone(memory_format=torch.contiguous_format)
     entry = LEDGER.add("all_reduce", axis.name, _nbytes(out), axis.size)
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    if async_op:
+        return PendingCollective(dist.all_reduce(out, op=red, group=axis.group, async_op=True), out, entry)
     with LEDGER.timed(entry, out.device):
         dist.all_reduce(out, op=red, group=axis.group)
     return out

@@ -94,6 +94,8 @@ class TrainSection(BaseModel):
     log_interval: int = Field(10, description="steps between metrics lines")
     save_interval: int = Field(0, description="steps between checkpoints; 0 = never")
     bucket_mb: float = Field(25.0, description="size of the data-parallel gradient all-reduce buckets")
+    overlap_grad_reduce: bool = Field(True, description="issue each bucket's all-reduce during the last backward, "
+                                                        "as soon as the bucket's gradients are complete")
     time_comm: Optional[bool] = Field(None, description="time collectives for comm_share; default: on for CPU, "
                                                          "off on CUDA (timing synchronises the GPU around each "
                                                          "collective and defeats SUMMA's overlap)")

@@ -8,7 +8,8 @@ One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
     for each of my A micro-batches (tokens, targets) [m, s]:   (2D: style.shard_tokens → [m/q, s])
         loss_a = model.loss(tokens, targets)                   global mean over the tensor group's micro-batch
         backward(loss_a / A)                                   (× loss scale in fp16)
-    grads ← mean over data ranks (bucketed all-reduce, DataParallelGradSync)
+    grads ← mean over data ranks (bucketed all-reduce, DataParallelGradSync; issued during
+            the last micro-batch's backward as each bucket completes)
     ‖g‖  ← global norm, every parameter once (one all-reduce over tensor)
     clip to train.grad_clip; AdamW step
 
@@ -70,7 +71,8 @@ class Trainer:
         self.model = Transformer(mc, self.style).to(self.device)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps)
-        self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20))
+        self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
+                                              overlap=t.overlap_grad_reduce)
         self.precision = Precision(t.precision, self.device)
         tokens = load_tokens(cfg.data.kind, cfg.data.path, cfg.data.token_dtype, cfg.data.max_bytes)
         self.plan = BatchPlan(tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data,
@@ -93,7 +95,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         micro = self.plan.micro_batches(k)
         losses = []
-        for tokens, targets in micro:
+        for a, (tokens, targets) in enumerate(micro):
+            if a == len(micro) - 1:
+                self.grad_sync.arm()                   # reduce buckets during the last backward
             tokens = self.style.shard_tokens(tokens).to(self.device, non_blocking=True)
             targets = self.style.shard_tokens(targets).to(self.device, non_blocking=True)
             with self.precision.autocast():
