@@ -164,8 +164,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _axis(mesh: DeviceMesh, dim: str, name: Optional[str] = None) -> Axis:
-    sub = mesh[dim]
+def _axis(mesh: DeviceMesh, dim: Optional[str], name: Optional[str] = None) -> Axis:
+    """The Axis of ``mesh[dim]`` (or of ``mesh`` itself, a 1-D mesh, when ``dim`` is None)."""
+    sub = mesh if dim is None else mesh[dim]
     size = sub.size()
     ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
     rank = ranks.index(dist.get_rank())
@@ -183,13 +184,16 @@ class ParallelMesh:
       ``row``/``col`` axes (see the module docstring for which ranks they hold).
     """
 
-    def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str):
+    def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str,
+                 flat_tensor_mesh: Optional[DeviceMesh] = None):
         self.device_mesh = device_mesh
         self.sizes = (data, pipeline, tensor)
         self.tensor_mode = tensor_mode
         self.data = _axis(device_mesh, "data")
         self.pipeline = _axis(device_mesh, "pipeline")
-        self.tensor = _axis(device_mesh, "tensor")
+        # 2D: the flattened grid, kept from _flatten (slicing it from the root by name is deprecated)
+        self.tensor = _axis(flat_tensor_mesh, None, "tensor") if flat_tensor_mesh is not None \
+            else _axis(device_mesh, "tensor")
         self.q = None
         if tensor_mode == "2d":
             self.q = math.isqrt(tensor)
@@ -232,9 +236,10 @@ def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: O
         q = math.isqrt(tensor)
         dm = init_device_mesh(device_type, (data, pipeline, q, q),
                               mesh_dim_names=("data", "pipeline", "grid_row", "grid_col"))
-        dm["grid_row", "grid_col"]._flatten("tensor")
+        flat = dm["grid_row", "grid_col"]._flatten("tensor")
     else:
         dm = init_device_mesh(device_type, (data, pipeline, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
-    mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode)
+        flat = None
+    mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat)
     _MESH_CACHE[key] = mesh
     return mesh
