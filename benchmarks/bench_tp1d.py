@@ -61,18 +61,10 @@ MiB = 2.0 ** 20
 # --------------------------------------------------------------------------------------
 
 def _linear(in_f, out_f, bias, std):
-    """nn.Linear drawing its [out, in] weight with normal_(0, std), bias zero: gridshard's
-    initialisation contract, so every row holds the same global weights."""
-    import torch
-    from torch import nn
-    from torch.nn.utils import skip_init
+    """gridshard's init-contract linear, so every row holds the same global weights."""
+    from gridshard.nn.style import plain_linear
 
-    lin = skip_init(nn.Linear, in_f, out_f, bias=bias)
-    with torch.no_grad():
-        lin.weight.normal_(0.0, std)
-        if bias:
-            lin.bias.zero_()
-    return lin
+    return plain_linear(in_f, out_f, bias, std)
 
 
 def _plain_mlp(h, width, std):

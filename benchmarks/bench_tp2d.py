@@ -88,12 +88,12 @@ def build(block, impl, q, args):
     """(model, mesh) of one row; every rank draws the same global weights (same seed)."""
     from gridshard import build_mesh
     from gridshard.models import TransformerBlock
-    from gridshard.nn.style import NoTensorParallel, _plain_linear
+    from gridshard.nn.style import NoTensorParallel, plain_linear
 
     h, std = args["hidden"], args["init_std"]
     if impl == "single":
         if block == "mlp":
-            return _mlp(_plain_linear(h, 4 * h, True, std), _plain_linear(4 * h, h, True, std)), None
+            return _mlp(plain_linear(h, 4 * h, True, std), plain_linear(4 * h, h, True, std)), None
         return TransformerBlock(_cfg(args), NoTensorParallel(None)), None
     if impl.startswith("1d"):
         from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear

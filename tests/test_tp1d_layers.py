@@ -16,7 +16,7 @@ from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
 from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
 from gridshard.nn.norm import RMSNorm
-from gridshard.nn.style import NoTensorParallel, _plain_linear
+from gridshard.nn.style import NoTensorParallel, plain_linear
 from gridshard.nn.style_1d import Megatron1DStyle
 from gridshard.testing import assert_close, run_on_ranks
 from gridshard.theory import tp1d
@@ -45,7 +45,7 @@ def _check_column(mesh, sp, b, s, h, seed):
         out = 12 * parts
         what = f"column(bias={bias}, parts={parts}, gather={gather}, skip={skip}, b,s,h={b},{s},{h})"
         torch.manual_seed(seed + k)
-        ref = _plain_linear(h, out, bias, 0.05)
+        ref = plain_linear(h, out, bias, 0.05)
         torch.manual_seed(seed + k)
         par = ColumnParallelLinear(h, out, mesh, bias=bias, gather_output=gather, skip_bias_add=skip,
                                    sequence_parallel=sp, init_std=0.05, fused_parts=parts)
@@ -81,7 +81,7 @@ def _check_row(mesh, sp, b, s, h, seed):
     for k, (bias, parallel_in, skip) in enumerate(combos):
         what = f"row(bias={bias}, input_is_parallel={parallel_in}, skip={skip}, b,s,h={b},{s},{h})"
         torch.manual_seed(seed + k)
-        ref = _plain_linear(n, h, bias, 0.05)
+        ref = plain_linear(n, h, bias, 0.05)
         torch.manual_seed(seed + k)
         par = RowParallelLinear(n, h, mesh, bias=bias, input_is_parallel=parallel_in, skip_bias_add=skip,
                                 sequence_parallel=sp, init_std=0.05)
@@ -110,7 +110,7 @@ def _check_mlp_and_ledger(mesh, sp, b, s, h, seed):
     T, f = mesh.tensor.size, 4 * h
     what = f"mlp(b,s,h={b},{s},{h})"
     torch.manual_seed(seed)
-    ref_up, ref_down = _plain_linear(h, 2 * f, True, 0.05), _plain_linear(f, h, True, 0.05)
+    ref_up, ref_down = plain_linear(h, 2 * f, True, 0.05), plain_linear(f, h, True, 0.05)
     torch.manual_seed(seed)
     up = ColumnParallelLinear(h, 2 * f, mesh, bias=True, sequence_parallel=sp, init_std=0.05, fused_parts=2)
     down = RowParallelLinear(f, h, mesh, bias=True, sequence_parallel=sp, init_std=0.05)

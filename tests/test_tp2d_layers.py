@@ -21,7 +21,7 @@ from gridshard.nn.embedding_2d import Embedding2D, VocabParallelEmbedding2D
 from gridshard.nn.linear_2d import Linear2D
 from gridshard.nn.norm_2d import LayerNorm2D, RMSNorm2D
 from gridshard.nn.patch_embedding_2d import PatchEmbedding2D
-from gridshard.nn.style import NoTensorParallel, _plain_linear
+from gridshard.nn.style import NoTensorParallel, plain_linear
 from gridshard.testing import assert_close, run_on_ranks
 from gridshard.theory import tp2d
 
@@ -43,7 +43,7 @@ def _linear(q, cases, seed):
     for k, (b, s, fin, fout, bias, parts) in enumerate(cases):
         what = f"Linear2D q={q} b,s,in,out={b},{s},{fin},{fout} bias={bias} parts={parts} seed={seed}"
         torch.manual_seed(seed + k)
-        ref = _plain_linear(fin, fout, bias, 0.05)
+        ref = plain_linear(fin, fout, bias, 0.05)
         torch.manual_seed(seed + k)
         par = Linear2D(fin, fout, mesh, bias=bias, init_std=0.05, fused_parts=parts)
         if bias:
@@ -216,7 +216,7 @@ def _vit_path(q, b, img, patch, chans, h, classes, seed):
     what = f"PatchEmbedding2D→Classifier2D q={q} b={b} img={img} patch={patch} h={h} C={classes} seed={seed}"
     torch.manual_seed(seed)
     ref_pe = _PlainPatchEmbedding(img, patch, chans, h, 0.1)
-    ref_cls = _plain_linear(h, classes, True, 0.1)
+    ref_cls = plain_linear(h, classes, True, 0.1)
     torch.manual_seed(seed)
     par_pe = PatchEmbedding2D(img, patch, chans, h, mesh, 0.1)
     par_cls = Classifier2D(h, classes, mesh, bias=True, init_std=0.1)

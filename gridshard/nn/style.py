@@ -118,10 +118,10 @@ class NoTensorParallel(TensorParallelStyle):
         return nn.RMSNorm(hidden, eps=eps)
 
     def column_linear(self, in_features, out_features, bias, init_std, fused_parts=1):
-        return _plain_linear(in_features, out_features, bias, init_std)
+        return plain_linear(in_features, out_features, bias, init_std)
 
     def row_linear(self, in_features, out_features, bias, init_std):
-        return _plain_linear(in_features, out_features, bias, init_std)
+        return plain_linear(in_features, out_features, bias, init_std)
 
     def lm_head(self, hidden, vocab, init_std, tied=None):
         head = skip_init(nn.Linear, hidden, vocab, bias=False)
@@ -137,7 +137,9 @@ class NoTensorParallel(TensorParallelStyle):
                                            ignore_index=ignore_index)
 
 
-def _plain_linear(in_features, out_features, bias, init_std):
+def plain_linear(in_features, out_features, bias, init_std):
+    """``nn.Linear`` under the init contract: global [out, in] weight ``normal_(0, init_std)``,
+    zero bias, no other RNG draws (so it matches every sharded layer built from the same seed)."""
     lin = skip_init(nn.Linear, in_features, out_features, bias=bias)
     with torch.no_grad():
         lin.weight.normal_(0.0, init_std)
