@@ -2,7 +2,9 @@
 from .errors import GridshardError, LayoutError, ShapeError, ConfigError, CheckpointError
 from .mesh import ParallelMesh, Axis, build_mesh, init_distributed, validate_layout
 from .comm.ledger import LEDGER
+from .parallel import gathered_state_dict, parallelize
 
 __version__ = "0.1.0"
 __all__ = ["GridshardError", "LayoutError", "ShapeError", "ConfigError", "CheckpointError",
-           "ParallelMesh", "Axis", "build_mesh", "init_distributed", "validate_layout", "LEDGER"]
+           "ParallelMesh", "Axis", "build_mesh", "init_distributed", "validate_layout", "LEDGER",
+           "parallelize", "gathered_state_dict"]

@@ -112,6 +112,33 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return C.all_gather(g, ctx.axis, ctx.dim), None, None
 
 
+class _SumOverReplicas(torch.autograd.Function):
+    """Forward identity on a parameter block that groups of ``r`` consecutive ranks hold in
+    common (block k = rank // r); backward sums the gradient over each group. The T/r blocks
+    are laid into one zero buffer at their slots and all-reduced over the whole axis (one
+    all-reduce of T/r · block elements: no sub-groups to create, so nothing can hang)."""
+
+    @staticmethod
+    def forward(ctx, w, axis, r):
+        ctx.axis, ctx.r = axis, r
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        axis, r = ctx.axis, ctx.r
+        buf = g.new_zeros((axis.size // r, *g.shape))
+        buf[axis.rank // r] = g
+        return C.all_reduce(buf, axis)[axis.rank // r], None, None
+
+
+def sum_over_replicas(w: torch.Tensor, axis: Axis, r: int) -> torch.Tensor:
+    """Use a block shared by groups of ``r`` ranks: identity forward, gradient summed over the
+    group backward (grouped-query attention with T > kv heads: T/kv ranks share a kv head)."""
+    if axis.size == 1 or r == 1:
+        return w
+    return _SumOverReplicas.apply(w, axis, r)
+
+
 def copy_to_group(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Forward identity, backward all-reduce over ``axis``."""
     return x if axis.size == 1 else _CopyToGroup.apply(x, axis)

@@ -1,4 +1,4 @@
-"""The reference model, written once and laid out by a tensor-parallel style."""
-from .llama import Attention, ModelConfig, SwiGLUMLP, Transformer, TransformerBlock
+"""The reference model, written once and plainly; :func:`gridshard.parallelize` lays it out."""
+from .llama import Attention, DecoderLayer, ModelConfig, SwiGLUMLP, Transformer
 
-__all__ = ["Attention", "ModelConfig", "SwiGLUMLP", "Transformer", "TransformerBlock"]
+__all__ = ["Attention", "DecoderLayer", "ModelConfig", "SwiGLUMLP", "Transformer"]

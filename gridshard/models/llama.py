@@ -1,23 +1,31 @@
-"""A Llama-style decoder (RMSNorm, RoPE, causal SDPA attention, SwiGLU), written once.
+"""A Llama-style decoder (RMSNorm, RoPE, causal SDPA attention with grouped-query heads,
+SwiGLU), written once, plainly: no parallel code in it.
 
-Every layer comes from a :class:`gridshard.nn.style.TensorParallelStyle`, so the
-same code is the single-device reference (``NoTensorParallel``), Megatron 1D (with
-or without sequence parallelism) and SUMMA 2D. Activations between blocks are in
-the style's *residual layout*; attention and the MLP's activation run on the
-style's *split layout* (whole heads / whole neurons on each rank), so they need no
-communication of their own.
+:func:`gridshard.parallelize` lays it out for a mesh by swapping its modules for
+gridshard's 1D / sequence-parallel / 2D layers (plan :data:`gridshard.parallel.plan.LLAMA_PLAN`).
+The module and parameter names are those of Hugging Face's ``LlamaForCausalLM`` without
+its ``model.`` prefix, so importing Hugging Face weights is a rename, not a reshape.
 
-Per block, the projections are
+Per layer, with h = hidden, H heads, K kv heads, d = h/H, f = ffn_hidden:
 
-* ``qkv``: column, global weight [3h, h] fused as q|k|v (fused_parts=3);
-* ``proj``: row, [h, h];
-* ``gate_up``: column, [2f, h] fused as gate|up (fused_parts=2);
-* ``down``: row, [h, f].
+* ``self_attn.q_proj`` [H·d, h], ``k_proj`` / ``v_proj`` [K·d, h], ``o_proj`` [h, H·d];
+* ``mlp.gate_proj`` / ``up_proj`` [f, h], ``down_proj`` [h, f];
+* ``input_layernorm`` / ``post_attention_layernorm`` [h].
+
+The code reads local sizes from the tensors it gets (``view(b, s, -1, d)``), so the same
+forward runs on whole heads of one rank after tensor parallelism splits the projections.
+
+Initialisation is a *law* per parameter (:meth:`Transformer.init_laws`), not a draw:
+``parallelize`` evaluates it on each rank's block with the counter-based generator of
+:mod:`gridshard.init`, so the values are a function of (seed, name, global index) only.
+Laws: linear and embedding weights N(0, init_std²); the output projections of each
+residual branch (``o_proj``, ``down_proj``) N(0, (init_std/√(2L))²); norm weights ones.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,86 +46,111 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    kv_heads: Optional[int] = None      # grouped-query attention; None = heads (multi-head)
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def num_parameters(self) -> int:
-        """Global parameter count (no vocabulary padding)."""
+        """Global parameter count (no vocabulary padding):
+
+            N = v·h·(1 if tied else 2) + L·(2h² + 2h·K·d + 3h·f + 2h) + h
+        """
         h, f, v = self.hidden, self.ffn_hidden, self.vocab_size
-        per_layer = 4 * h * h + 3 * h * f + 2 * h
+        kv = self.kv_heads * self.head_dim
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
         return v * h * (1 if self.tie_embeddings else 2) + self.layers * per_layer + h
 
 
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, style):
+    """Causal self-attention with H query heads and K kv heads (K divides H)."""
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.local_heads = style.split_size(cfg.heads, "heads")
-        self.head_dim = cfg.head_dim
-        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-        self.qkv = style.column_linear(cfg.hidden, 3 * cfg.hidden, False, cfg.init_std, fused_parts=3)
-        self.proj = style.row_linear(cfg.hidden, cfg.hidden, False, out_std)
+        d = cfg.head_dim
+        self.head_dim = d
+        self.q_proj = _linear(cfg.hidden, cfg.heads * d)
+        self.k_proj = _linear(cfg.hidden, cfg.kv_heads * d)
+        self.v_proj = _linear(cfg.hidden, cfg.kv_heads * d)
+        self.o_proj = _linear(cfg.heads * d, cfg.hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                                   # [b, s, 3·hl·d], full sequence
-        b, s, _ = qkv.shape
-        q, k, v = (t.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, -1))
+        b, s = x.shape[0], x.shape[1]
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(o.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, style):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        style.split_size(cfg.ffn_hidden, "ffn_hidden")
-        out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-        self.gate_up = style.column_linear(cfg.hidden, 2 * cfg.ffn_hidden, False, cfg.init_std, fused_parts=2)
-        self.down = style.row_linear(cfg.ffn_hidden, cfg.hidden, False, out_std)
+        self.gate_proj = _linear(cfg.hidden, cfg.ffn_hidden)
+        self.up_proj = _linear(cfg.hidden, cfg.ffn_hidden)
+        self.down_proj = _linear(cfg.ffn_hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class TransformerBlock(nn.Module):
+class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, style):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = style.norm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg, style)
-        self.mlp_norm = style.norm(cfg.hidden, cfg.norm_eps)
-        self.mlp = SwiGLUMLP(cfg, style)
-        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.mlp = SwiGLUMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), self.rope_cos, self.rope_sin)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
-    """Embedding → blocks → final norm → (vocab-parallel) head. ``forward`` takes this
-    rank's tokens (``style.shard_tokens``) and returns this rank's logits; ``loss``
-    returns the global mean cross-entropy, identical on every tensor rank."""
+    """Embedding → layers → final norm → head: tokens [b, s] → logits [b, s, V].
 
-    def __init__(self, cfg: ModelConfig, style):
+    Build it on ``torch.device("meta")`` and hand it to :func:`gridshard.parallelize`,
+    which materialises each rank's shards; built on a real device it holds real values
+    (``reset_parameters`` draws them from the counter RNG on one process)."""
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg, self.style = cfg, style
-        self.embed = style.embedding(cfg.vocab_size, cfg.hidden, cfg.init_std)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, style) for _ in range(cfg.layers))
-        self.norm = style.norm(cfg.hidden, cfg.norm_eps)
-        self.head = style.lm_head(cfg.hidden, cfg.vocab_size, cfg.init_std,
-                                  tied=self.embed if cfg.tie_embeddings else None)
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.lm_head = _linear(cfg.hidden, cfg.vocab_size)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_laws(self) -> dict:
+        """Parameter name → ``("normal", std)`` / ``("ones",)`` / ``("zeros",)`` (module docstring)."""
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.layers)
+        laws = {}
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                laws[name] = ("ones",)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                laws[name] = ("normal", out_std)
+            else:
+                laws[name] = ("normal", std)
+        return laws
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        return self.style.loss(self.forward(tokens), targets, ignore_index)
+        x = self.embed_tokens(tokens)
+        cos, sin = rope_tables(tokens.shape[-1], self.cfg.head_dim, self.cfg.rope_theta, device=tokens.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))

@@ -25,6 +25,8 @@ head shares the embedding's parameter with no extra copy and the same output lay
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -70,7 +72,8 @@ class Classifier2D(nn.Module):
 class VocabParallelClassifier2D(Linear2D):
     """LM head: Linear2D h → V_pad, no bias, global weight drawn [V, h] (see module docstring)."""
 
-    def __init__(self, hidden: int, vocab: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden: int, vocab: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
+                 device=None):
         padded = padded_vocab(vocab, mesh.q)
         draw = padded_table_init(vocab, hidden, init_std, padded)
 
@@ -79,8 +82,9 @@ class VocabParallelClassifier2D(Linear2D):
             draw(table)
             full.copy_(table.t())
 
-        super().__init__(hidden, padded, mesh, bias=False, weight_init=init, dtype=dtype)
+        super().__init__(hidden, padded, mesh, bias=False, weight_init=init, dtype=dtype, device=device)
         self.vocab_size, self.padded_vocab = vocab, padded
+        self.weight.shard_spec = replace(self.weight.shard_spec, canonical_shape=(vocab, hidden))
 
 
 class TiedVocabHead2D(nn.Module):
@@ -90,7 +94,8 @@ class TiedVocabHead2D(nn.Module):
         super().__init__()
         if not isinstance(embedding, VocabParallelEmbedding2D):
             raise TypeError(f"TiedVocabHead2D needs a VocabParallelEmbedding2D, got {type(embedding).__name__}")
-        self._embedding = [embedding]  # not a submodule: the parameter is registered by the embedding
+        self._embedding = [embedding]  # not a submodule: the embedding owns the table
+        self.weight = embedding.weight  # the same Parameter (state_dict lists it under both names, like nn.Linear ties)
         self.mesh = embedding.mesh
         self.vocab_size, self.padded_vocab = embedding.vocab, embedding.padded_vocab
         self.hidden_local = embedding.hidden // self.mesh.q

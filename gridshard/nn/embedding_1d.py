@@ -81,7 +81,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.axis.rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.sequence_parallel = sequence_parallel and T > 1
-        spec = ShardSpec((self.padded_vocab, hidden), ((0, "tensor"),))
+        spec = ShardSpec((self.padded_vocab, hidden), ((0, "tensor"),), canonical_shape=(vocab_size, hidden))
         self.weight = sharded_parameter(spec, mesh, padded_normal_init(vocab_size, init_std), dtype, device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,8 @@ def _check_tokens(tokens: torch.Tensor) -> None:
 class VocabParallelEmbedding2D(nn.Module):
     """Vocabulary split over grid rows, hidden over grid columns (see module docstring)."""
 
-    def __init__(self, vocab: int, hidden: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32):
+    def __init__(self, vocab: int, hidden: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
+                 device=None):
         super().__init__()
         q = mesh.q
         check_divisible(hidden, q, "hidden", "grid side q")
@@ -68,9 +69,10 @@ class VocabParallelEmbedding2D(nn.Module):
         self.padded_vocab = padded_vocab(vocab, q)
         self.vocab_local = self.padded_vocab // q
         self.vocab_start = mesh.grid_row * self.vocab_local
-        spec = ShardSpec((self.padded_vocab, hidden), ((0, "grid_row"), (1, "grid_col")))
+        spec = ShardSpec((self.padded_vocab, hidden), ((0, "grid_row"), (1, "grid_col")),
+                         canonical_shape=(vocab, hidden))
         self.weight = sharded_parameter(spec, mesh, padded_table_init(vocab, hidden, init_std, self.padded_vocab),
-                                        dtype)
+                                        dtype, device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _check_tokens(tokens)

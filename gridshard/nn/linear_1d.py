@@ -45,6 +45,7 @@ pair (or one all-gather + one reduce-scatter each way under SP).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -52,8 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.dual_ops import (copy_to_group, gather_from_group, gather_sequence, reduce_from_group,
-                             reduce_scatter_sequence, scatter_to_group)
+                             reduce_scatter_sequence, scatter_to_group, sum_over_replicas)
 from ..errors import LayoutError, ShapeError, check_divisible
+from .precomputed import take_output
 from .sharding import ShardSpec, sharded_parameter
 
 T_NAME = "tensor-parallel size T"
@@ -113,23 +115,31 @@ class ColumnParallelLinear(nn.Module):
                  skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
                  fused_parts: int = 1, dtype: torch.dtype = torch.float32, device=None,
                  weight_init: Optional[Callable[[torch.Tensor], None]] = None,
-                 shared_weight: Optional[nn.Parameter] = None):
+                 shared_weight: Optional[nn.Parameter] = None, replicate: int = 1):
         super().__init__()
         self.axis = mesh.tensor
         T = self.axis.size
+        if replicate < 1 or T % replicate or (replicate > 1 and gather_output):
+            raise LayoutError(f"ColumnParallelLinear(replicate={replicate}) on T={T}: groups of `replicate` ranks "
+                              f"share one block, so replicate must divide T (and gather_output must be off). "
+                              f"Fix: use a divisor of {T}.")
+        self.replicate = replicate
+        blocks = T // replicate
         fused_note = f" (fused_parts={fused_parts})" if fused_parts > 1 else ""
-        check_divisible(out_features, T * fused_parts, f"ColumnParallelLinear out_features{fused_note}",
+        check_divisible(out_features, blocks * fused_parts, f"ColumnParallelLinear out_features{fused_note}",
                         f"{T_NAME} × fused_parts" if fused_parts > 1 else T_NAME,
-                        f"use out_features that is a multiple of {T * fused_parts}, or a tensor size that "
+                        f"use out_features that is a multiple of {blocks * fused_parts}, or a tensor size that "
                         f"divides out_features/fused_parts = {out_features / fused_parts:g}")
         self.in_features, self.out_features = in_features, out_features
-        self.out_local = out_features // T
+        self.out_local = out_features // blocks
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel and T > 1
         self.fused_parts = fused_parts
-        w_spec = ShardSpec((out_features, in_features), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0)
+        w_spec = ShardSpec((out_features, in_features), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0,
+                           replicate=replicate)
         if shared_weight is not None:
-            if getattr(shared_weight, "shard_spec", None) != w_spec:
+            shared_spec = getattr(shared_weight, "shard_spec", None)
+            if shared_spec is None or replace(shared_spec, canonical_shape=None) != w_spec:
                 raise LayoutError(f"ColumnParallelLinear: shared_weight has spec "
                                   f"{getattr(shared_weight, 'shard_spec', None)}, expected {w_spec}. Fix: share a "
                                   f"weight split the same way (global [{out_features}, {in_features}], rows over T).")
@@ -137,26 +147,38 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.weight = sharded_parameter(w_spec, mesh, weight_init or _normal(init_std), dtype, device)
         if bias:
-            b_spec = ShardSpec((out_features,), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0)
+            b_spec = ShardSpec((out_features,), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0,
+                               replicate=replicate)
             self.bias = sharded_parameter(b_spec, mesh, _zeros, dtype, device)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor):
         name = "ColumnParallelLinear"
+        left = take_output(self, x)
+        if left is not None:
+            return left
         check_last_dim(x, self.in_features, name, f"feed [.., {self.in_features}] (the layer's in_features)")
         if self.sequence_parallel:
             check_sequence_input(x, name)
             x = gather_sequence(x, self.axis, 1)
         else:
             x = copy_to_group(x, self.axis)
-        bias = self.bias
-        y = F.linear(x, self.weight, None if self.skip_bias_add else bias)
+        weight, bias = self.local_weight_and_bias()
+        y = F.linear(x, weight, None if self.skip_bias_add else bias)
         if self.gather_output:
             y = _unfuse_gathered(gather_from_group(y, self.axis, -1), self.axis.size, self.fused_parts)
             if self.skip_bias_add and bias is not None:
                 bias = _unfuse_gathered(gather_from_group(bias, self.axis, -1), self.axis.size, self.fused_parts)
         return (y, bias) if self.skip_bias_add else y
+
+    def local_weight_and_bias(self):
+        """The blocks to compute with: as stored, or (``replicate`` > 1) through
+        :func:`sum_over_replicas` so ranks sharing a block sum their gradients."""
+        if self.replicate == 1:
+            return self.weight, self.bias
+        b = None if self.bias is None else sum_over_replicas(self.bias, self.axis, self.replicate)
+        return sum_over_replicas(self.weight, self.axis, self.replicate), b
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.out_local}), "

@@ -34,13 +34,14 @@ from torch import nn
 from ..comm.grid_ops import gather_along
 from ..comm.summa import summa_ab
 from ..errors import ShapeError, check_divisible
+from .precomputed import take_output
 from .sharding import ShardSpec, sharded_parameter
 
 
 def weight_spec_2d(in_features: int, out_features: int, fused_parts: int = 1) -> ShardSpec:
     """[in, out] weight: in split by grid row, out (fused parts separately) by grid column."""
     return ShardSpec((in_features, out_features), ((0, "grid_row"), (1, "grid_col")),
-                     fused_parts=fused_parts, fused_dim=1)
+                     fused_parts=fused_parts, fused_dim=1, transposed=True)
 
 
 def bias_spec_2d(out_features: int, fused_parts: int = 1) -> ShardSpec:
@@ -69,7 +70,7 @@ class Linear2D(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,
                  fused_parts: int = 1, weight_init: Optional[Callable[[torch.Tensor], None]] = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         q = mesh.q
         check_divisible(in_features, q, "in_features", "grid side q")
@@ -83,13 +84,18 @@ class Linear2D(nn.Module):
         self.fused_parts = fused_parts
         self.in_local, self.out_local = in_features // q, out_features // q
         init = weight_init or _transposed_normal(out_features, in_features, init_std)
-        self.weight = sharded_parameter(weight_spec_2d(in_features, out_features, fused_parts), mesh, init, dtype)
+        self.weight = sharded_parameter(weight_spec_2d(in_features, out_features, fused_parts), mesh, init, dtype,
+                                        device)
         if bias:
-            self.bias = sharded_parameter(bias_spec_2d(out_features, fused_parts), mesh, nn.init.zeros_, dtype)
+            self.bias = sharded_parameter(bias_spec_2d(out_features, fused_parts), mesh, nn.init.zeros_, dtype,
+                                          device)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left = take_output(self, x)
+        if left is not None:
+            return left
         if x.shape[-1] != self.in_local:
             raise ShapeError(f"Linear2D({self.in_features}→{self.out_features}) got a local input with last dim "
                              f"{x.shape[-1]}: on a q={self.mesh.q} grid each rank holds in/q = {self.in_local} "

@@ -95,9 +95,9 @@ class _Norm2DBase(nn.Module):
 class RMSNorm2D(_Norm2DBase):
     """RMSNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, h/q² per rank)."""
 
-    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, device=None):
         super().__init__(hidden, mesh, eps)
-        self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype)
+        self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)

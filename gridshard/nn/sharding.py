@@ -20,6 +20,15 @@ apply in order, each narrowing the block left by the previous ones. Examples:
 gate|up (k=2) or q|k|v (k=3): the global dim is k equal parts laid side by side
 and each part is split separately, so rank t holds [part₀ block t, part₁ block t, …]
 and the fused pieces of one head/neuron stay on one rank (Megatron's stride).
+
+``replicate = r`` makes consecutive groups of r ranks of a split coordinate hold the
+same block: the dim is cut into size/r blocks and rank k holds block k // r (grouped-
+query attention with more tensor ranks than kv heads: T/kv ranks share one kv head).
+
+The *canonical* tensor (the single-device model's parameter, what checkpoints and
+``gathered_state_dict`` hold) is the global tensor described here, transposed when
+``transposed`` (a Linear2D stores [in, out]; canonical is [out, in]) and cut to
+``canonical_shape`` when given (vocabulary padding rows are local storage only).
 """
 from __future__ import annotations
 
@@ -43,14 +52,42 @@ class ShardSpec:
     # .grad after backward is already complete: this mark is informational and must not
     # trigger a second reduction.
     partial_grad_axes: Tuple[str, ...] = field(default=())
+    replicate: int = 1
+    transposed: bool = False
+    canonical_shape: Optional[Tuple[int, ...]] = None
+
+    def blocks(self, coord: str, size: int) -> int:
+        """Number of distinct blocks a split over ``coord`` (of ``size`` ranks) makes."""
+        return size // self.replicate if coord == "tensor" else size
 
     def local_shape(self, sizes: dict) -> Tuple[int, ...]:
         shape = list(self.global_shape)
         for dim, coord in self.splits:
-            check_divisible(shape[dim], sizes[coord] * (self.fused_parts if dim == self.fused_dim else 1),
+            n = self.blocks(coord, sizes[coord])
+            check_divisible(shape[dim], n * (self.fused_parts if dim == self.fused_dim else 1),
                             f"dim {dim} of a parameter of shape {self.global_shape}", f"{coord} size")
-            shape[dim] //= sizes[coord]
+            shape[dim] //= n
         return tuple(shape)
+
+    def canonical(self) -> Tuple[int, ...]:
+        """Shape of the canonical (single-device) tensor."""
+        if self.canonical_shape is not None:
+            return tuple(self.canonical_shape)
+        return tuple(reversed(self.global_shape)) if self.transposed else tuple(self.global_shape)
+
+    def to_canonical(self, full: torch.Tensor) -> torch.Tensor:
+        """Global storage tensor → canonical tensor (transpose, drop padding)."""
+        out = full.t() if self.transposed else full
+        return out[tuple(slice(0, n) for n in self.canonical())].contiguous()
+
+    def from_canonical(self, canon: torch.Tensor) -> torch.Tensor:
+        """Canonical tensor → global storage tensor (zero padding rows, transpose)."""
+        target = tuple(reversed(self.global_shape)) if self.transposed else tuple(self.global_shape)
+        if tuple(canon.shape) != target:
+            full = canon.new_zeros(target)
+            full[tuple(slice(0, n) for n in canon.shape)] = canon
+            canon = full
+        return canon.t() if self.transposed else canon
 
 
 def mesh_coords(mesh) -> Tuple[dict, dict]:
@@ -67,13 +104,29 @@ def take_shard(full: torch.Tensor, spec: ShardSpec, index: dict, size: dict) -> 
     """The block of ``full`` (global tensor) held by the rank at coordinates ``index``."""
     out = full
     for dim, coord in spec.splits:
-        n, k = size[coord], index[coord]
+        n, k = spec.blocks(coord, size[coord]), index[coord] * spec.blocks(coord, size[coord]) // size[coord]
         if dim == spec.fused_dim and spec.fused_parts > 1:
             parts = out.chunk(spec.fused_parts, dim=dim)
             out = torch.cat([p.chunk(n, dim=dim)[k] for p in parts], dim=dim)
         else:
             out = out.chunk(n, dim=dim)[k]
     return out.contiguous()
+
+
+def block_dim_indices(spec: ShardSpec, index: dict, size: dict) -> list:
+    """For each dim of the global storage tensor, the global indices (LongTensor) that this
+    rank's block holds along it: the block is their Cartesian product (fused parts make a
+    list non-contiguous). Same chunking as :func:`take_shard`, applied to ``arange``."""
+    lists = [torch.arange(n) for n in spec.global_shape]
+    for dim, coord in spec.splits:
+        n = spec.blocks(coord, size[coord])
+        k = index[coord] * n // size[coord]
+        ix = lists[dim]
+        if dim == spec.fused_dim and spec.fused_parts > 1:
+            lists[dim] = torch.cat([p.chunk(n)[k] for p in ix.chunk(spec.fused_parts)])
+        else:
+            lists[dim] = ix.chunk(n)[k]
+    return lists
 
 
 def shard_from_global(full: torch.Tensor, spec: ShardSpec, mesh) -> torch.Tensor:
@@ -108,9 +161,15 @@ def sharded_parameter(spec: ShardSpec, mesh, init: Callable[[torch.Tensor], None
     the same order at every layout), keep this rank's block, tag it with ``spec``.
 
     Because every rank draws the whole global tensor, the same seed gives the same
-    global model at any tensor-parallel size. (The transient global tensor is one
-    layer at a time; meta-device initialisation for huge layers is future work.)
+    global model at any tensor-parallel size (this is the direct-use path of the layers;
+    :func:`gridshard.parallelize` builds layers on ``device="meta"``, which allocates
+    only the local block on the meta device and draws nothing, then materialises the
+    block from the plain model's weights or the layout-independent counter RNG).
     """
+    if device is not None and torch.device(device).type == "meta":
+        # no values yet: ``gridshard.parallelize`` materialises this rank's block later
+        _, size = mesh_coords(mesh)
+        return set_spec(torch.nn.Parameter(torch.empty(spec.local_shape(size), dtype=dtype, device="meta")), spec)
     full = torch.empty(spec.global_shape, dtype=torch.float32)
     with torch.no_grad():
         init(full)

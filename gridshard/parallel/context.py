@@ -1,0 +1,77 @@
+"""What a parallelised model needs around its forward: token layout, logits, loss, layouts.
+
+:func:`gridshard.parallelize` attaches one :class:`ParallelContext` to the model
+(``model.parallel_context``). Per tensor mode:
+
+======  =============================  ==================================  =====================================
+mode    tokens / targets per rank      logits per rank                      loss
+======  =============================  ==================================  =====================================
+none    [b, s]                         [b, s, V]                            ``F.cross_entropy`` (mean of valid)
+1d      [b, s] (also under SP)         [b, s, V_p/T] vocab block t          vocab-parallel CE, Σ / #valid
+2d      [b/q, s] batch block i         [b/q, s, V_p/q] (i, j)               ``cross_entropy_2d`` (global mean)
+======  =============================  ==================================  =====================================
+
+``layouts`` maps every parameter name (tied names included) to its
+:class:`gridshard.nn.sharding.ShardSpec`: the one description of where each block sits in
+the canonical global tensor, read by gradient clipping, the optimizer, parameter
+accounting and :func:`gridshard.parallel.gathered_state_dict`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import LayoutError, check_divisible
+from ..nn.cross_entropy_1d import vocab_parallel_cross_entropy
+from ..nn.cross_entropy_2d import cross_entropy_2d
+
+
+@dataclass
+class ParallelContext:
+    mesh: object
+    mode: str
+    sequence_parallel: bool
+    vocab_size: int
+    hf: bool = False
+    layouts: dict = field(default_factory=dict)
+
+    def shard_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Global tokens or targets [b, s] → what this rank feeds the model / the loss."""
+        if self.mode != "2d":
+            return tokens
+        q = self.mesh.q
+        check_divisible(tokens.shape[0], q, "batch", "grid side q", f"use a batch that is a multiple of q={q}")
+        return tokens.chunk(q, 0)[self.mesh.grid_row].contiguous()
+
+    def logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's logits for this rank's tokens."""
+        if self.hf:
+            return model(input_ids=tokens, use_cache=False).logits
+        return model(tokens)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy over all global non-ignored targets of the tensor group's batch,
+        the same scalar on every tensor rank (NaN when every target is ignored)."""
+        if self.mode == "none":
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                   ignore_index=ignore_index)
+        if self.mode == "1d":
+            per_token = vocab_parallel_cross_entropy(logits, targets, self.mesh.tensor, ignore_index,
+                                                     vocab_size=self.vocab_size)
+            return per_token.sum() / (targets != ignore_index).sum()
+        if self.mode == "2d":
+            return cross_entropy_2d(logits, targets, self.mesh, self.vocab_size, ignore_index)
+        raise LayoutError(f"unknown tensor mode {self.mode!r}")
+
+    def model_loss(self, model, tokens, targets, ignore_index: int = -100) -> torch.Tensor:
+        return self.loss(self.logits(model, tokens), targets, ignore_index)
+
+
+def context_of(model: torch.nn.Module) -> ParallelContext:
+    ctx = getattr(model, "parallel_context", None)
+    if ctx is None:
+        raise LayoutError(f"{type(model).__name__} has not been laid out: call gridshard.parallelize(model, mesh) "
+                          f"first.")
+    return ctx

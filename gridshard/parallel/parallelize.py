@@ -1,0 +1,248 @@
+"""``parallelize(model, mesh)``: one door from a plain model to a laid-out one.
+
+Steps, all local to the rank (no collective runs before the first forward):
+
+1. read the model's dimensions (gridshard ``ModelConfig`` or a Hugging Face config) and
+   check that the mesh can lay them out — whole heads per rank, kv heads split or
+   replicated, every parameterised module covered by the plan — raising one
+   :class:`LayoutError` naming the module, the rule and a fix;
+2. swap each planned module for the gridshard layer of the mesh's tensor mode
+   (:mod:`gridshard.parallel.swap`), built on the meta device;
+3. hook the shared-input parents (:mod:`gridshard.parallel.shared_input`), the attention
+   modules' local kv-group ratio, and (sequence parallelism with a model that needs the
+   full sequence at its embedding) the sequence split at ``plan.sequence_scatter``;
+4. materialise this rank's blocks (:mod:`gridshard.parallel.materialize`) on ``device``;
+5. attach a :class:`ParallelContext` with every parameter's layout.
+
+The model is modified in place and returned.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..comm.dual_ops import scatter_to_group
+from ..errors import LayoutError
+from ..nn.sharding import get_spec, mesh_coords
+from .context import ParallelContext
+from .materialize import init_laws, materialize
+from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, Plan
+from .shared_input import install_shared_input
+from .swap import build_1d, build_2d
+
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    hf: bool
+
+
+def model_dims(model: nn.Module) -> ModelDims:
+    from ..models.llama import ModelConfig
+
+    cfg = getattr(model, "cfg", None)
+    if isinstance(cfg, ModelConfig):
+        return ModelDims(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size, False)
+    hf = getattr(model, "config", None)
+    if hf is not None and hasattr(hf, "num_attention_heads"):
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        return ModelDims(hf.hidden_size, heads, getattr(hf, "num_key_value_heads", None) or heads, head_dim,
+                         hf.intermediate_size, hf.vocab_size, True)
+    raise LayoutError(f"parallelize: cannot read the dimensions of a {type(model).__name__}: expected gridshard's "
+                      f"Transformer (model.cfg) or a Hugging Face model (model.config). Fix: pass one of those.")
+
+
+def default_plan(model: nn.Module, dims: ModelDims) -> Plan:
+    if not dims.hf:
+        return LLAMA_PLAN
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in HF_LLAMA_TYPES:
+        return HF_LLAMA_PLAN
+    raise LayoutError(f"parallelize: no built-in plan for Hugging Face model_type={model_type!r} (known: "
+                      f"{HF_LLAMA_TYPES}). Fix: pass plan=gridshard.parallel.HF_LLAMA_PLAN.with_rules({{...}}) "
+                      f"mapping its module names to kinds.")
+
+
+def kv_replication(dims: ModelDims, T: int) -> int:
+    """Ranks that share one kv head in 1D: 1 when T divides K, T/K when K divides T."""
+    return T // dims.kv_heads if T > dims.kv_heads else 1
+
+
+def check_layout(dims: ModelDims, mesh, sequence_parallel: bool) -> None:
+    """Divisibility rules of the mesh's tensor mode (see :mod:`gridshard.nn.shape_rules`)."""
+    mode, T = mesh.tensor_mode, mesh.tensor.size
+
+    def need(ok, what, rule, fix):
+        if not ok:
+            raise LayoutError(f"parallelize: {what}: {rule}. Fix: {fix}.")
+
+    need(dims.heads % dims.kv_heads == 0, f"heads={dims.heads}, kv_heads={dims.kv_heads}",
+         "grouped-query attention needs kv_heads to divide heads", "choose kv_heads among the divisors of heads")
+    if sequence_parallel and mode != "1d":
+        raise LayoutError(f"parallelize(sequence_parallel=True) on tensor_mode={mode!r}: sequence parallelism "
+                          f"splits the 1D tensor group's activations. Fix: use a 1d mesh with tensor>1, or "
+                          f"sequence_parallel=False.")
+    if mode == "1d":
+        need(dims.heads % T == 0, f"heads={dims.heads} on T={T}", "1D gives every rank whole attention heads",
+             f"use a tensor size that divides {dims.heads}")
+        need(dims.kv_heads % T == 0 or T % dims.kv_heads == 0, f"kv_heads={dims.kv_heads} on T={T}",
+             "kv heads are split over T when T divides them, or replicated in groups of T/kv_heads when "
+             "kv_heads divides T", f"use a tensor size that divides or is a multiple of {dims.kv_heads}")
+        need(dims.ffn % T == 0, f"ffn_hidden={dims.ffn} on T={T}", "1D gives every rank whole MLP neurons",
+             f"use a tensor size that divides {dims.ffn}")
+    elif mode == "2d":
+        q = mesh.q
+        for what, n in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("ffn_hidden", dims.ffn)):
+            need(n % q == 0, f"{what}={n} on a q={q} grid", "2D splits it into q column blocks",
+                 f"use a grid side q that divides {n}")
+        need(dims.hidden % (q * q) == 0, f"hidden={dims.hidden} on a q={q} grid",
+             "2D norm weights are stored in q² blocks", f"use hidden a multiple of {q * q}")
+
+
+def _check_covered(model: nn.Module, plan: Plan, mode: str) -> dict:
+    """name → kind for every planned module; an unplanned module with parameters is an error
+    (except in mode 'none', where nothing is split)."""
+    planned = {}
+    for name, module in model.named_modules():
+        kind = plan.kind_of(name) if name else None
+        if kind is not None:
+            planned[name] = kind
+    if mode == "none":
+        return planned
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        covered = any(name == p or name.startswith(p + ".") for p in planned)
+        if not covered:
+            raise LayoutError(f"parallelize: module {name!r} ({type(module).__name__}) has parameters but the plan "
+                              f"has no rule for it, so gridshard cannot know how to split it. Fix: pass "
+                              f"plan=<plan>.with_rules({{{name!r}: 'column' | 'row' | 'norm' | 'replicate' ...}}).")
+        kind = planned.get(name)
+        if kind == "replicate" and (mode == "2d"):
+            build_2d(name, module, kind, None)          # raises the 2D message
+    return planned
+
+
+def _set(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _rebuild_meta_buffers(model: nn.Module) -> None:
+    """Modules whose buffers are derived from a config (Hugging Face rotary embeddings) are
+    rebuilt on CPU when the model was built on the meta device."""
+    for name, module in list(model.named_modules()):
+        if any(b is not None and b.is_meta for b in module._buffers.values()) and hasattr(module, "config"):
+            with torch.device("cpu"):
+                _set(model, name, type(module)(config=module.config))
+
+
+def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence_parallel: bool = False,
+                seed: int = 0, device=None) -> nn.Module:
+    """Lay ``model`` (a plain single-device module, built on ``meta`` or with real weights) out
+    on ``mesh`` (:func:`gridshard.build_mesh`) for its tensor mode; returns the same module.
+
+    ``plan`` defaults to the model family's table; ``sequence_parallel`` (1D only);
+    ``seed`` drives the counter-based initialisation of meta parameters (same seed → the
+    same global model at every layout); ``device`` where the blocks live (default: CUDA
+    if available, else CPU).
+    """
+    from ..mesh import default_device
+
+    if getattr(model, "parallel_context", None) is not None:
+        raise LayoutError("parallelize: this model is already laid out. Fix: build a fresh plain model.")
+    device = torch.device(device) if device is not None else default_device()
+    dims = model_dims(model)
+    plan = plan or default_plan(model, dims)
+    mode = mesh.tensor_mode
+    sp = bool(sequence_parallel and mesh.tensor.size > 1)
+    check_layout(dims, mesh, sequence_parallel)
+    planned = _check_covered(model, plan, mode)
+
+    laws = init_laws(model)
+    sources = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+
+    if mode != "none":
+        T = mesh.tensor.size
+        embeddings = {}
+        order = sorted(planned, key=lambda n: planned[n] == "vocab_head")     # heads after embeddings
+        for name in order:
+            kind, module = planned[name], modules[name]
+            if kind == "replicate":
+                continue
+            if mode == "1d":
+                new = build_1d(name, module, kind, mesh, sp, plan.sequence_scatter == "embedding",
+                               kv_replication(dims, T))
+            else:
+                tied = None
+                if kind == "vocab_head":
+                    tied = next((e for src, e in embeddings.values() if src is module.weight), None)
+                new = build_2d(name, module, kind, mesh, tied_embedding=tied)
+            if kind == "vocab_embedding":
+                embeddings[name] = (module.weight, new)
+            if kind == "vocab_head" and mode == "1d":
+                for src, emb in embeddings.values():
+                    if src is module.weight:
+                        new.weight = emb.weight                        # tied: one parameter, one spec
+            _set(model, name, new)
+        for name, module in list(model.named_modules()):
+            children = plan.shared_children(name)
+            if children and all(hasattr(module, c) for c in children):
+                install_shared_input(module, children)
+            if plan.kv_group_attr and plan.is_attention(name) and hasattr(module, plan.kv_group_attr):
+                local_heads = dims.heads // (T if mode == "1d" else mesh.q)
+                local_kv = max(1, dims.kv_heads // (T if mode == "1d" else mesh.q))
+                setattr(module, plan.kv_group_attr, local_heads // local_kv)
+        if sp and plan.sequence_scatter != "embedding":
+            _install_sequence_scatter(model, plan.sequence_scatter, mesh)
+
+    _rebuild_meta_buffers(model)
+    materialize(model, sources, laws, mesh_coords(mesh), seed, device)
+    from ..nn.sharding import ShardSpec
+
+    layouts = {name: (get_spec(p) or ShardSpec(tuple(p.shape)))
+               for name, p in model.named_parameters(remove_duplicate=False)}
+    model.parallel_context = ParallelContext(mesh, mode, sp, dims.vocab, dims.hf, layouts)
+    return model
+
+
+def _install_sequence_scatter(model: nn.Module, name: str, mesh) -> None:
+    try:
+        target = model.get_submodule(name)
+    except AttributeError:
+        raise LayoutError(f"parallelize: plan.sequence_scatter={name!r} names no module of this model. Fix: "
+                          f"name the first decoder layer, or 'embedding'.") from None
+    axis = mesh.tensor
+
+    def split(module, args, kwargs):
+        if args:
+            return (scatter_to_group(args[0], axis, 1), *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+        return args, {**kwargs, key: scatter_to_group(kwargs[key], axis, 1)}
+
+    target.register_forward_pre_hook(split, with_kwargs=True)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Global parameter count of a laid-out model, from its layouts (tied weights once)."""
+    from .context import context_of
+
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += math.prod(context_of(model).layouts[name].canonical())
+    return total

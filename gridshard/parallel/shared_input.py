@@ -1,0 +1,114 @@
+"""One input, several column projections: one collective and one matmul.
+
+Attention reads its input x through q, k and v; the MLP through gate and up. Laid out as
+separate column layers, each would prepare x on its own — 1D: three ``copy_to_group``
+(three all-reduces of ∂L/∂x in backward) or three sequence all-gathers; 2D: three SUMMA
+products, each broadcasting x's panels along the grid rows. A fused weight avoids that
+but breaks the canonical layout (its rank blocks interleave the parts).
+
+So the projections keep separate parameters and the parent module gets a forward
+pre-hook that, for its input x,
+
+* 1D: prepares x once (``gather_sequence`` under sequence parallelism, else
+  ``copy_to_group``) and computes ``x · [W_q; W_k; W_v]_tᵀ`` on the concatenated local
+  blocks (+ the concatenated biases);
+* 2D: computes one SUMMA A·B with B = [W_q | W_k | W_v] (the local [in/q, n/q] blocks
+  side by side: column j of the grid holds block j of every part, so the product's
+  block j is [q block j | k block j | v block j]) and adds each part's gathered bias;
+
+then splits the result into the children's output blocks (made contiguous: models
+``view`` them into heads) and leaves each child its slice (:mod:`gridshard.nn.precomputed`). Communication per forward+backward is therefore
+that of one layer of width Σ out: the old fused-weight figures of
+:mod:`gridshard.theory.tp1d` / :mod:`gridshard.theory.tp2d`. If the parent calls a child
+with another tensor than its own input, the child just computes on its own (correct,
+only without the saving).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..comm.dual_ops import copy_to_group, gather_sequence
+from ..comm.summa import summa_ab
+from ..nn.linear_1d import ColumnParallelLinear
+from ..nn.linear_2d import Linear2D, gather_vector_2d
+from ..nn.precomputed import leave_output
+
+_INPUT_NAMES = ("hidden_states", "x", "input")
+
+
+def _replace_input(args, kwargs, new):
+    if args:
+        return (new, *args[1:]), kwargs
+    for key in _INPUT_NAMES:
+        if key in kwargs:
+            return args, {**kwargs, key: new}
+    return args, kwargs
+
+
+def _first_input(args, kwargs):
+    if args:
+        return args[0]
+    for key in _INPUT_NAMES:
+        if key in kwargs:
+            return kwargs[key]
+    return None
+
+
+def _prepare_1d(children, x):
+    """The input every rank's column block multiplies: the full sequence under SP."""
+    first = children[0]
+    if first.sequence_parallel:
+        return gather_sequence(x, first.axis, 1) if x.dim() == 3 else None
+    return copy_to_group(x, first.axis)
+
+
+def _fused_1d(children, xp):
+    blocks = [c.local_weight_and_bias() for c in children]
+    weight = torch.cat([w for w, _ in blocks], 0)
+    bias = None if blocks[0][1] is None else torch.cat([b for _, b in blocks], 0)
+    return [y.contiguous() for y in F.linear(xp, weight, bias).split([c.out_local for c in children], -1)]
+
+
+def _fused_2d(children, x):
+    first = children[0]
+    weight = torch.cat([c.weight for c in children], 1)
+    y = summa_ab(x.reshape(-1, first.in_local), weight, first.mesh)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    outs = y.split([c.out_local for c in children], -1)
+    return [o.contiguous() if c.bias is None else o + gather_vector_2d(c.bias, c.mesh) for o, c in zip(outs, children)]
+
+
+def install_shared_input(parent: torch.nn.Module, child_names) -> None:
+    """Hook ``parent`` so its children ``child_names`` (all ColumnParallelLinear, or all
+    Linear2D, same input width) are computed together from the parent's first input.
+
+    The parent's input is *replaced* by the prepared one (1D: the full sequence under SP),
+    so the parent's own code sees the shapes a single device would (e.g. attention reads
+    the sequence length from it)."""
+    children = [getattr(parent, n) for n in child_names]
+    kinds = {type(c) for c in children}
+    if kinds <= {ColumnParallelLinear}:
+        prep, compute, in_dim = _prepare_1d, _fused_1d, children[0].in_features
+        if any(c.skip_bias_add or c.gather_output or c.sequence_parallel != children[0].sequence_parallel
+               for c in children):
+            return
+    elif kinds <= {Linear2D}:
+        prep, compute, in_dim = (lambda _, x: x), _fused_2d, children[0].in_local
+    else:
+        return
+    if len({(c.bias is None) for c in children}) != 1:
+        return
+
+    def prepare(module, args, kwargs):
+        x = _first_input(args, kwargs)
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_dim:
+            return None                       # let the children compute (and report) on their own
+        xp = prep(children, x)
+        if xp is None:
+            return None
+        for child, y in zip(children, compute(children, xp)):
+            leave_output(child, xp, y)
+        return _replace_input(args, kwargs, xp)
+
+    parent.register_forward_pre_hook(prepare, with_kwargs=True)

@@ -1,0 +1,50 @@
+"""The canonical, single-device ``state_dict`` of a laid-out model, gathered on every rank.
+
+For each entry of ``model.state_dict()`` with layout spec S (:class:`ShardSpec`): the T
+blocks of the tensor group are all-gathered (payload T·block bytes per rank, outside the
+ledger: this is a test/export path, not a training step), placed at their positions in the
+global storage tensor (:func:`gridshard.nn.sharding.assemble_global`) and turned into the
+canonical tensor (``S.to_canonical``: transpose a Linear2D weight, drop vocabulary
+padding). Keys and shapes equal the plain model's ``state_dict()``, so
+``gathered_state_dict(parallelize(M, mesh)) == M'.state_dict()`` at every layout.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import collectives as C
+from ..comm.ledger import LEDGER
+from ..nn.sharding import assemble_global, get_spec, mesh_coords
+from .context import context_of
+
+
+def _rank_index(mesh, r: int) -> dict:
+    if mesh.tensor_mode == "2d":
+        return {"tensor": r, "grid_row": r // mesh.q, "grid_col": r % mesh.q}
+    return {"tensor": r}
+
+
+def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:
+    """The canonical global tensor of a block ``t`` laid out by ``spec`` (collective over
+    ``mesh.tensor`` when the spec splits anything)."""
+    t = t.detach()
+    if spec is None:
+        return t.cpu().clone()
+    if not spec.splits or mesh.tensor.size == 1:
+        return spec.to_canonical(t.cpu().float() if t.is_floating_point() else t.cpu())
+    _, size = mesh_coords(mesh)
+    with LEDGER.paused():
+        blocks = C.all_gather(t.contiguous().unsqueeze(0), mesh.tensor, 0).cpu()
+    full = assemble_global([(_rank_index(mesh, r), blocks[r]) for r in range(mesh.tensor.size)], spec, size)
+    return spec.to_canonical(full)
+
+
+def gathered_state_dict(model: torch.nn.Module) -> dict:
+    """Canonical state dict (CPU tensors) of a model laid out by :func:`gridshard.parallelize`;
+    every tensor rank must call it (it gathers)."""
+    ctx = context_of(model)
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        spec = ctx.layouts.get(name) or get_spec(t)
+        out[name] = gather_canonical(t, spec, ctx.mesh)
+    return out

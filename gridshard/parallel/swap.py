@@ -1,0 +1,85 @@
+"""Build the gridshard layer that replaces one plain module, for one plan kind and tensor mode.
+
+Every layer is built on ``device="meta"`` (no values, no random draws): the parameters
+are materialised afterwards from the plain model's own tensors or the initialisation
+laws (:mod:`gridshard.parallel.materialize`). Each built parameter carries its
+:class:`gridshard.nn.sharding.ShardSpec`, whose canonical shape is the plain module's.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from ..errors import LayoutError
+from ..nn.classifier_2d import TiedVocabHead2D, VocabParallelClassifier2D
+from ..nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
+from ..nn.embedding_2d import VocabParallelEmbedding2D
+from ..nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+from ..nn.linear_2d import Linear2D
+from ..nn.norm import RMSNorm
+from ..nn.norm_2d import RMSNorm2D
+
+META = "meta"
+
+
+def _linear_dims(name: str, module: nn.Module, kind: str):
+    if not isinstance(module, nn.Linear):
+        raise LayoutError(f"parallelize: module {name!r} ({type(module).__name__}) is planned as {kind!r}, which "
+                          f"replaces an nn.Linear. Fix: map it to another kind in the plan, or to 'replicate'.")
+    return module.in_features, module.out_features, module.bias is not None
+
+
+def norm_eps(module: nn.Module) -> float:
+    eps = getattr(module, "eps", None)
+    if eps is None:
+        eps = getattr(module, "variance_epsilon", None)
+    return 1e-6 if eps is None else float(eps)
+
+
+def build_1d(name, module, kind, mesh, sp: bool, sp_in_embedding: bool, kv_replicate: int):
+    if kind in ("column", "kv_column"):
+        n_in, n_out, bias = _linear_dims(name, module, kind)
+        return ColumnParallelLinear(n_in, n_out, mesh, bias=bias, gather_output=False, sequence_parallel=sp,
+                                    device=META, replicate=kv_replicate if kind == "kv_column" else 1)
+    if kind == "row":
+        n_in, n_out, bias = _linear_dims(name, module, kind)
+        return RowParallelLinear(n_in, n_out, mesh, bias=bias, input_is_parallel=True, sequence_parallel=sp,
+                                 device=META)
+    if kind == "vocab_embedding":
+        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, mesh,
+                                      sequence_parallel=sp and sp_in_embedding, device=META)
+    if kind == "vocab_head":
+        n_in, vocab, bias = _linear_dims(name, module, kind)
+        if bias:
+            raise LayoutError(f"parallelize: the vocabulary head {name!r} has a bias, which the vocab-parallel "
+                              f"head does not support. Fix: build the head with bias=False.")
+        head = ColumnParallelLinear(n_in, padded_vocab_size(vocab, mesh.tensor.size), mesh, bias=False,
+                                    gather_output=False, sequence_parallel=sp, device=META)
+        head.weight.shard_spec = replace(head.weight.shard_spec, canonical_shape=(vocab, n_in))
+        head.vocab_size = vocab
+        return head
+    if kind == "norm":
+        return RMSNorm(module.weight.shape[0], norm_eps(module), mesh, sequence_parallel=sp, device=META)
+    raise LayoutError(f"parallelize: kind {kind!r} of {name!r} has no 1D layer")
+
+
+def build_2d(name, module, kind, mesh, tied_embedding=None):
+    if kind in ("column", "kv_column", "row"):
+        n_in, n_out, bias = _linear_dims(name, module, kind)
+        return Linear2D(n_in, n_out, mesh, bias=bias, device=META)
+    if kind == "vocab_embedding":
+        return VocabParallelEmbedding2D(module.num_embeddings, module.embedding_dim, mesh, device=META)
+    if kind == "vocab_head":
+        n_in, vocab, bias = _linear_dims(name, module, kind)
+        if bias:
+            raise LayoutError(f"parallelize: the vocabulary head {name!r} has a bias, which the 2D vocab head does "
+                              f"not support. Fix: build the head with bias=False.")
+        if tied_embedding is not None:
+            return TiedVocabHead2D(tied_embedding)
+        return VocabParallelClassifier2D(n_in, vocab, mesh, device=META)
+    if kind == "norm":
+        return RMSNorm2D(module.weight.shape[0], mesh, norm_eps(module), device=META)
+    raise LayoutError(f"parallelize: kind {kind!r} of {name!r} cannot be laid out in 2D (the residual stream is "
+                      f"split over the grid, so a replicated module would see a block, not its whole input). "
+                      f"Fix: map {name!r} to column/row/norm/vocab_* in the plan.")
