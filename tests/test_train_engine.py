@@ -14,7 +14,6 @@ from gridshard.engine.optim import build_optimizer
 from gridshard.engine.precision import Precision
 from gridshard.engine.schedule import lr_at
 from gridshard.models import ModelConfig, Transformer
-from gridshard.nn import NoTensorParallel
 from gridshard.testing import run_on_ranks
 from gridshard.theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token, matmul_params
 
@@ -58,7 +57,8 @@ def _overlap_body(cfg):
         sync = trainer.grad_sync
         (tokens, targets), = trainer.plan.micro_batches(0)
         sync.arm()
-        trainer.model.loss(trainer.style.shard_tokens(tokens), trainer.style.shard_tokens(targets)).backward()
+        ctx = trainer.context
+        ctx.model_loss(trainer.model, ctx.shard_tokens(tokens), ctx.shard_tokens(targets)).backward()
         issued_in_backward = len(sync._pending)
         sync.sync()
         grads[overlap] = [p.grad.clone() for p in trainer.params]
@@ -79,11 +79,14 @@ def test_gradient_buckets_are_reduced_during_backward(par):
 def test_bucket_partition_and_flops_formula():
     assert bucket_partition([10, 10, 10, 50, 5], 4, 80) == [[0, 1], [2], [3], [4]]
     assert matmul_params(256, 64, 2, 176) == 2 * (4 * 64 * 64 + 3 * 64 * 176) + 256 * 64
-    cfg = ModelConfig()
-    linear = sum(m.weight.numel() for m in Transformer(cfg, NoTensorParallel(None)).modules()
-                 if isinstance(m, torch.nn.Linear))
-    assert matmul_params(cfg.vocab_size, cfg.hidden, cfg.layers, cfg.ffn_hidden) == linear
-    assert flops_per_token(256, 64, 2, 176, 32) == 6 * linear + 12 * 2 * 32 * 64
+    for cfg in (ModelConfig(), ModelConfig(kv_heads=2)):                     # multi-head and grouped-query
+        with torch.device("meta"):
+            linear = sum(m.weight.numel() for m in Transformer(cfg).modules() if isinstance(m, torch.nn.Linear))
+        kv_hidden = cfg.kv_heads * cfg.head_dim
+        assert matmul_params(cfg.vocab_size, cfg.hidden, cfg.layers, cfg.ffn_hidden, kv_hidden) == linear
+        assert flops_per_token(256, 64, 2, 176, 32, kv_hidden) == 6 * linear + 12 * 2 * 32 * 64
+        with torch.device("meta"):
+            assert cfg.num_parameters() == sum(p.numel() for p in Transformer(cfg).parameters())
 
 
 def test_schedule_warmup_cosine_constant():
@@ -96,7 +99,7 @@ def test_schedule_warmup_cosine_constant():
 
 
 def test_weight_decay_only_on_matrices():
-    model = Transformer(ModelConfig(), NoTensorParallel(None))
+    model = Transformer(ModelConfig())
     decay, no_decay = build_optimizer(model, 1e-3, 0.1).param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])

@@ -50,12 +50,20 @@ class ModelSection(BaseModel):
     rope_theta: Optional[float] = None
     tie_embeddings: Optional[bool] = None
     init_std: Optional[float] = None
+    kv_heads: Optional[int] = Field(None, description="grouped-query attention kv heads (default = heads)")
+    hf_config: Optional[str] = Field(None, description="a Hugging Face config.json: train that architecture "
+                                                       "(built from the config, no download; needs gridshard[hf])")
 
     def explicit_fields(self) -> dict:
-        return {k: v for k, v in self.model_dump().items() if k != "preset" and v is not None}
+        return {k: v for k, v in self.model_dump().items() if k not in ("preset", "hf_config") and v is not None}
 
     def resolve(self) -> ModelConfig:
-        """Preset fields (if any) updated with the explicit ones. KeyError for an unknown preset."""
+        """Preset fields (if any) updated with the explicit ones, or the dimensions of
+        ``hf_config``. KeyError for an unknown preset."""
+        if self.hf_config is not None:
+            from ..models.hf import model_config_of_hf_json
+
+            return model_config_of_hf_json(self.hf_config)
         fields = preset_fields(self.preset) if self.preset is not None else {}
         fields.update(self.explicit_fields())
         return ModelConfig(**fields)

@@ -22,6 +22,7 @@ from .schema import TrainConfig
 
 # where each shape-rule name lives in the config
 _SHAPE_FIELDS = {"hidden": "model.hidden", "heads": "model.heads", "ffn_hidden": "model.ffn_hidden",
+                 "kv_heads": "model.kv_heads",
                  "head_dim": "model.hidden/model.heads", "seq_len": "data.seq_len",
                  "micro_batch": "train.micro_batch"}
 
@@ -80,7 +81,7 @@ def _batch(cfg: TrainConfig):
 def _shapes(cfg: TrainConfig):
     p, m = cfg.parallel, cfg.model.resolve()
     rules = model_shape_rules(p.tensor_mode, p.tensor, p.sequence_parallel, cfg.train.micro_batch,
-                              cfg.data.seq_len, m.hidden, m.heads, m.ffn_hidden)
+                              cfg.data.seq_len, m.hidden, m.heads, m.ffn_hidden, m.kv_heads)
     for rule in rules:
         if not rule.holds:
             raise ConfigError(f"{_SHAPE_FIELDS.get(rule.what, rule.what)} ({p.tensor_mode} mode, tensor={p.tensor}): "

@@ -33,6 +33,8 @@ def counts_here(p: torch.Tensor, mesh) -> bool:
     split = {coord for _, coord in spec.splits} if spec is not None else set()
     if "tensor" in split:
         split |= basis
+    if spec is not None and spec.replicate > 1 and index["tensor"] % spec.replicate:
+        return False                  # a kv block shared by `replicate` ranks: counted by the first
     return all(index[c] == 0 for c in basis - split)
 
 

@@ -5,8 +5,8 @@
 One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
 
     lr ← schedule(k)
-    for each of my A micro-batches (tokens, targets) [m, s]:   (2D: style.shard_tokens → [m/q, s])
-        loss_a = model.loss(tokens, targets)                   global mean over the tensor group's micro-batch
+    for each of my A micro-batches (tokens, targets) [m, s]:   (2D: context.shard_tokens → [m/q, s])
+        loss_a = context.model_loss(model, tokens, targets)    global mean over the tensor group's micro-batch
         backward(loss_a / A)                                   (× loss scale in fp16)
     grads ← mean over data ranks (bucketed all-reduce, DataParallelGradSync; issued during
             the last micro-batch's backward as each bucket completes)
@@ -34,7 +34,7 @@ from ..config import TrainConfig, resolve_config
 from ..data import BatchPlan, load_tokens
 from ..mesh import Axis, build_mesh, default_device, init_distributed
 from ..models import Transformer
-from ..nn import make_style
+from ..parallel import context_of, parallelize
 from ..theory.training import flops_per_token, mfu
 from .clip import clip_gradients, global_grad_norm
 from .grad_sync import DataParallelGradSync
@@ -51,7 +51,8 @@ def world_axis() -> Axis:
 
 
 class Trainer:
-    """Builds mesh, style, model, optimizer and data plan from a validated config."""
+    """Builds mesh, model (plain, on the meta device, then :func:`gridshard.parallelize`),
+    optimizer and data plan from a validated config."""
 
     def __init__(self, config, run_dir: Optional[str] = None, progress: bool = True, overrides=()):
         if not dist.is_initialized():
@@ -63,12 +64,19 @@ class Trainer:
         self.cfg, p, t = cfg, cfg.parallel, cfg.train
         self.rank = dist.get_rank()
         self.mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode)
-        self.style = make_style(self.mesh, p.sequence_parallel)
         self.model_cfg = cfg.model.resolve()
         mc = self.model_cfg
-        self.style.check_shapes(t.micro_batch, cfg.data.seq_len, mc.hidden, mc.heads, mc.ffn_hidden, mc.vocab_size)
-        torch.manual_seed(t.seed)                      # same global weights at every layout
-        self.model = Transformer(mc, self.style).to(self.device)
+        if cfg.model.hf_config is not None:
+            from ..models.hf import build_hf_causal_lm
+
+            plain = build_hf_causal_lm(cfg.model.hf_config, device="meta")
+        else:
+            with torch.device("meta"):
+                plain = Transformer(mc)
+        # values are a function of (seed, name, global index): the same global model at every layout
+        self.model = parallelize(plain, self.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
+                                 device=self.device)
+        self.context = context_of(self.model)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps)
         self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
@@ -78,7 +86,8 @@ class Trainer:
         self.plan = BatchPlan(tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data,
                               self.mesh.data.rank, t.seed, mc.vocab_size)
         self.decay_steps = t.decay_steps or t.steps
-        self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, cfg.data.seq_len)
+        self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, cfg.data.seq_len,
+                                           mc.kv_heads * mc.head_dim)
         self.peak_flops = device_peak_flops(self.device, t.precision)
         self.files = RunFiles(run_dir, active=self.rank == 0)
         self.files.write_config(cfg.resolved())
@@ -98,10 +107,10 @@ class Trainer:
         for a, (tokens, targets) in enumerate(micro):
             if a == len(micro) - 1:
                 self.grad_sync.arm()                   # reduce buckets during the last backward
-            tokens = self.style.shard_tokens(tokens).to(self.device, non_blocking=True)
-            targets = self.style.shard_tokens(targets).to(self.device, non_blocking=True)
+            tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)
+            targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
             with self.precision.autocast():
-                loss = self.model.loss(tokens, targets)
+                loss = self.context.model_loss(self.model, tokens, targets)
             self.precision.scale(loss / len(micro)).backward()
             losses.append(loss.detach())
         self.grad_sync.sync()

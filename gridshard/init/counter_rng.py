@@ -58,7 +58,10 @@ operations that IEEE 754 rounds correctly, hence identically everywhere (``+ - *
   ``cos x = Σ_{j=0}^{10} (-1)^j x^{2j} / (2j)!`` (truncation < 2e-17).
 
 ``normal`` values are formed in float64 as ``mean + std · z`` and then rounded once to the
-requested dtype. The result agrees with ``torch.log``/``torch.cos`` to ~1e-15.
+requested dtype; ``z`` agrees with the ``torch.log``/``torch.cos`` formula to ~1e-14.
+
+*Cost.* About 130 elementwise tensor ops per element, run over cache-sized pieces; on
+one CPU thread roughly 10 M elements/s (eager torch, no compiled kernel).
 """
 from __future__ import annotations
 
@@ -258,8 +261,10 @@ def fill_normal_(out: torch.Tensor, seed: int, key: str, global_shape: Sequence[
 
     Chunks are runs of whole rows of the leading index list (``chunk_elems // inner``
     rows, ``inner`` = elements per row); when one row alone exceeds ``chunk_elems`` the
-    rows are filled one by one, recursively, so peak extra memory is O(chunk_elems)
-    (a few int64/float64 temporaries per chunk), never O(block). Returns ``out``.
+    rows are filled one by one, recursively. Per chunk the temporaries are its int64 flat
+    indices (plus a staging copy in ``out.dtype`` when ``out`` is not contiguous) and
+    fixed-size float64 pieces, so peak extra memory is O(chunk_elems), never O(block).
+    ``std``/``mean`` scale the standard normal as in ``normal_at``. Returns ``out``.
     """
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")

@@ -47,9 +47,13 @@ class DivisibilityRule:
 
 
 def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,
-                      hidden: int, heads: int, ffn: int) -> list:
-    """All divisibility rules for one layout; ``batch`` is the micro-batch of one tensor group."""
-    rules = [DivisibilityRule("hidden", hidden, heads, "heads", "every head needs hidden/heads channels")]
+                      hidden: int, heads: int, ffn: int, kv_heads=None) -> list:
+    """All divisibility rules for one layout; ``batch`` is the micro-batch of one tensor group.
+    ``kv_heads`` (grouped-query attention, default = heads): 1D splits them when T divides
+    them and replicates them in groups of T/kv_heads when they divide T; 2D needs kv_heads % q."""
+    kv_heads = kv_heads or heads
+    rules = [DivisibilityRule("hidden", hidden, heads, "heads", "every head needs hidden/heads channels"),
+             DivisibilityRule("heads", heads, kv_heads, "kv_heads", "each kv head serves a whole group of heads")]
     if heads > 0 and hidden % heads == 0:
         rules.append(DivisibilityRule("head_dim", hidden // heads, 2, "2",
                                       "rotary embeddings rotate channel pairs"))
@@ -58,6 +62,10 @@ def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: in
         rules += [DivisibilityRule("heads", heads, tensor, "tensor", why),
                   DivisibilityRule("ffn_hidden", ffn, tensor, "tensor", why),
                   DivisibilityRule("hidden", hidden, tensor, "tensor", why)]
+        if kv_heads % tensor and tensor % kv_heads:
+            rules.append(DivisibilityRule("kv_heads", kv_heads, tensor, "tensor",
+                                          "kv heads are split over T (T divides them) or replicated in groups "
+                                          "(they divide T)"))
         if sequence_parallel:
             rules.append(DivisibilityRule("seq_len", seq, tensor, "tensor",
                                           "sequence parallelism splits the residual stream along the sequence"))
@@ -68,6 +76,7 @@ def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: in
                                    "2D norm weights (like Linear2D biases) are stored in q² blocks"),
                   DivisibilityRule("heads", heads, q, "q", why),
                   DivisibilityRule("ffn_hidden", ffn, q, "q", why),
+                  DivisibilityRule("kv_heads", kv_heads, q, "q", why),
                   DivisibilityRule("micro_batch", batch, q, "q",
                                    "2D tensor parallelism splits each micro-batch over the q grid rows")]
     return rules

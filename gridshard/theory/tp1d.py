@@ -41,6 +41,22 @@ Parameters per rank
 block: (4h² + 3hf)/T + 2h elements (qkv 3h·h/T, proj h·h/T, gate|up 2f·h/T,
 down h·f/T, two replicated norm weights h); embedding and head V_p/T·h each
 (one if tied); final norm h.
+
+Grouped-query attention (optional ``heads`` H and ``kv_heads`` K < H)
+---------------------------------------------------------------------
+With d = h/H the k and v projections are [K·d, h] each. Their input is the shared
+q|k|v input, so the all-reduce / all-gather / reduce-scatter of A above do not change.
+
+* T ≤ K (T divides K): k and v are split like q: K·d·h/T elements each per rank,
+  no extra communication.
+* T > K (K divides T): each kv head is replicated on a group of T/K consecutive ranks
+  (each holds the d rows of its kv head, d·h = K·d·h/K elements); the ranks of a group
+  contribute partial gradients (their own query heads), summed by one all-reduce over
+  the whole tensor axis of a buffer holding all K blocks (K·d·h·e) per projection:
+  2 extra all-reduces of K·d·h·e per block (backward only).
+
+Parameters per block: (2h² + 3hf)/T + 2·K·d·h/min(T, K) + 2h elements.
+With K = H (the default) all of this reduces to the multi-head figures.
 """
 from __future__ import annotations
 
@@ -73,12 +89,28 @@ def norm_comm(hidden: int, T: int, sequence_parallel: bool, bytes_per_elem: int 
     return CommVolume(T).add("all_reduce", hidden * bytes_per_elem, 1 if sequence_parallel else 0)
 
 
+def _gqa(hidden: int, heads, kv_heads):
+    """(K·d, K) of grouped-query attention, or None for multi-head attention (K = H)."""
+    if heads is None or kv_heads is None or kv_heads == heads:
+        return None
+    assert heads % kv_heads == 0 and hidden % heads == 0, "kv_heads must divide heads, heads must divide hidden"
+    return kv_heads * (hidden // heads), kv_heads
+
+
 def block_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
-               bytes_per_elem: int = 4) -> CommVolume:
-    """One TransformerBlock forward + backward: attention and MLP pairs plus two norms."""
+               bytes_per_elem: int = 4, heads: int | None = None, kv_heads: int | None = None) -> CommVolume:
+    """One decoder block forward + backward: attention and MLP pairs plus two norms.
+
+    Grouped-query attention (``heads`` H and ``kv_heads`` K given, K < H; module
+    docstring): when T > K the replicated k and v weight gradients add 2 all-reduces of
+    K·d·h·e (d = h/H); when T ≤ K nothing changes."""
     pair = column_row_comm(batch, seq, hidden, T, sequence_parallel, bytes_per_elem)
     norm = norm_comm(hidden, T, sequence_parallel, bytes_per_elem)
-    return pair + pair + norm + norm
+    v = pair + pair + norm + norm
+    gqa = _gqa(hidden, heads, kv_heads)
+    if gqa is not None and T > gqa[1]:
+        v.add("all_reduce", gqa[0] * hidden * bytes_per_elem, 2)
+    return v
 
 
 def embedding_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
@@ -110,32 +142,39 @@ def cross_entropy_comm(tokens: int, T: int) -> CommVolume:
 
 
 def transformer_comm(layers: int, batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
-                     bytes_per_elem: int = 4) -> CommVolume:
-    """One training step (forward + backward + loss) of ``gridshard.models.Transformer``."""
+                     bytes_per_elem: int = 4, heads: int | None = None, kv_heads: int | None = None) -> CommVolume:
+    """One training step (forward + backward + loss) of ``gridshard.models.Transformer``
+    (``heads`` / ``kv_heads``: grouped-query attention, see :func:`block_comm`)."""
     sp = sequence_parallel
     v = embedding_comm(batch, seq, hidden, T, sp, bytes_per_elem)
     for _ in range(layers):
-        v = v + block_comm(batch, seq, hidden, T, sp, bytes_per_elem)
+        v = v + block_comm(batch, seq, hidden, T, sp, bytes_per_elem, heads, kv_heads)
     v = v + norm_comm(hidden, T, sp, bytes_per_elem) + head_comm(batch, seq, hidden, T, sp, bytes_per_elem)
     return v + cross_entropy_comm(batch * seq, T)
 
 
-def block_param_elems(hidden: int, ffn: int, T: int) -> int:
-    """(4h² + 3hf)/T + 2h parameters of one block on each tensor rank."""
-    return (4 * hidden * hidden + 3 * hidden * ffn) // T + 2 * hidden
+def block_param_elems(hidden: int, ffn: int, T: int, heads: int | None = None, kv_heads: int | None = None) -> int:
+    """(4h² + 3hf)/T + 2h parameters of one block on each tensor rank; with grouped-query
+    attention (K < H, d = h/H) (2h² + 3hf)/T + 2·K·d·h/min(T, K) + 2h."""
+    gqa = _gqa(hidden, heads, kv_heads)
+    if gqa is None:
+        return (4 * hidden * hidden + 3 * hidden * ffn) // T + 2 * hidden
+    kv, K = gqa
+    return (2 * hidden * hidden + 3 * hidden * ffn) // T + 2 * (kv * hidden // min(T, K)) + 2 * hidden
 
 
-def block_param_bytes(hidden: int, ffn: int, T: int, bytes_per_elem: int = 4) -> int:
+def block_param_bytes(hidden: int, ffn: int, T: int, bytes_per_elem: int = 4, heads: int | None = None,
+                      kv_heads: int | None = None) -> int:
     """Bytes of one block's parameters on each tensor rank (the same with or without SP)."""
-    return block_param_elems(hidden, ffn, T) * bytes_per_elem
+    return block_param_elems(hidden, ffn, T, heads, kv_heads) * bytes_per_elem
 
 
 def transformer_param_bytes(layers: int, hidden: int, ffn: int, vocab: int, T: int, tied: bool = False,
-                            bytes_per_elem: int = 4) -> int:
+                            bytes_per_elem: int = 4, heads: int | None = None, kv_heads: int | None = None) -> int:
     """Bytes of the whole model's parameters on each tensor rank, vocabulary padding included."""
     padded = -(-vocab // T) * T
     vocab_tables = (1 if tied else 2) * (padded // T) * hidden
-    return (layers * block_param_elems(hidden, ffn, T) + vocab_tables + hidden) * bytes_per_elem
+    return (layers * block_param_elems(hidden, ffn, T, heads, kv_heads) + vocab_tables + hidden) * bytes_per_elem
 
 
 def residual_activation_bytes(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,

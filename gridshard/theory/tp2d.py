@@ -35,6 +35,12 @@ one and receives q − 1, hence the cost table's latency 6(q − 1). Ring wire b
 
 Per rank: parameters (in·out + out)/q² elements (exactly 1/q² of the layer); saved
 for backward the input block N·in/q² elements (1/q² of a single device's).
+
+Decoder block: q|k|v share one input and are computed as one product of width
+h + 2·K·d (H heads, K kv heads, d = h/H; K = H by default, i.e. 3h), gate|up as one of
+width 2f, then o (h→h) and down (f→h): four Linear2D volumes and two RMSNorm2D. With
+grouped-query attention (K < H, q | K) only the q|k|v width changes; parameters per
+rank (2h² + 2·K·d·h + 3hf + 2h)/q².
 """
 from __future__ import annotations
 
@@ -116,11 +122,22 @@ def rmsnorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4) ->
     return v
 
 
-def block2d_comm(batch: int, seq: int, hidden: int, ffn: int, q: int, bytes_per_elem: int = 4) -> dict:
-    """One TransformerBlock forward + backward: linears h→3h, h→h, h→2f, f→h and two RMSNorms."""
+def _qkv_width(hidden: int, heads, kv_heads) -> int:
+    """h + 2·K·d (d = h/H); 3h for multi-head attention (``heads``/``kv_heads`` None or equal)."""
+    if heads is None or kv_heads is None or kv_heads == heads:
+        return 3 * hidden
+    assert heads % kv_heads == 0 and hidden % heads == 0, "kv_heads must divide heads, heads must divide hidden"
+    return hidden + 2 * kv_heads * (hidden // heads)
+
+
+def block2d_comm(batch: int, seq: int, hidden: int, ffn: int, q: int, bytes_per_elem: int = 4,
+                 heads: int | None = None, kv_heads: int | None = None) -> dict:
+    """One decoder block forward + backward: linears h→3h (q|k|v; h→h+2·K·d with grouped-query
+    attention), h→h, h→2f (gate|up), f→h and two RMSNorms."""
     n, e = batch * seq, bytes_per_elem
     norm = rmsnorm2d_comm(n, hidden, q, e)
-    return combine(norm, norm, linear2d_comm(n, hidden, 3 * hidden, q, e), linear2d_comm(n, hidden, hidden, q, e),
+    qkv = _qkv_width(hidden, heads, kv_heads)
+    return combine(norm, norm, linear2d_comm(n, hidden, qkv, q, e), linear2d_comm(n, hidden, hidden, q, e),
                    linear2d_comm(n, hidden, 2 * ffn, q, e), linear2d_comm(n, ffn, hidden, q, e))
 
 
@@ -156,11 +173,13 @@ def cross_entropy2d_comm(tokens: int, q: int) -> dict:
 
 
 def transformer2d_comm(layers: int, batch: int, seq: int, hidden: int, ffn: int, vocab: int, q: int,
-                       tied: bool = False, bytes_per_elem: int = 4) -> dict:
-    """One training step (forward + backward + loss) of ``Transformer(cfg, Summa2DStyle)``."""
+                       tied: bool = False, bytes_per_elem: int = 4, heads: int | None = None,
+                       kv_heads: int | None = None) -> dict:
+    """One training step (forward + backward + loss) of ``gridshard.models.Transformer`` laid
+    out on a q×q grid (``heads``/``kv_heads``: grouped-query attention, see :func:`block2d_comm`)."""
     n, e = batch * seq, bytes_per_elem
     parts = [embedding2d_comm(batch, seq, hidden, q, e)]
-    parts += [block2d_comm(batch, seq, hidden, ffn, q, e) for _ in range(layers)]
+    parts += [block2d_comm(batch, seq, hidden, ffn, q, e, heads, kv_heads) for _ in range(layers)]
     parts.append(rmsnorm2d_comm(n, hidden, q, e))
     parts.append(tied_head2d_comm(n, hidden, vocab, q, e) if tied
                  else linear2d_comm(n, hidden, padded_vocab(vocab, q), q, e))
@@ -174,16 +193,19 @@ def linear2d_param_bytes(in_features: int, out_features: int, q: int, bytes_per_
     return (in_features * out_features + (out_features if bias else 0)) // (q * q) * bytes_per_elem
 
 
-def block2d_param_bytes(hidden: int, ffn: int, q: int, bytes_per_elem: int = 4) -> int:
-    """(4h² + 3hf + 2h)/q² elements per rank (norm weights are q²-sharded too)."""
-    return (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) // (q * q) * bytes_per_elem
+def block2d_param_bytes(hidden: int, ffn: int, q: int, bytes_per_elem: int = 4, heads: int | None = None,
+                        kv_heads: int | None = None) -> int:
+    """(4h² + 3hf + 2h)/q² elements per rank (norm weights are q²-sharded too); with
+    grouped-query attention (h + 2·K·d)·h replaces 3h² (module docstring)."""
+    qkv = _qkv_width(hidden, heads, kv_heads)
+    return ((qkv + hidden) * hidden + 3 * hidden * ffn + 2 * hidden) // (q * q) * bytes_per_elem
 
 
 def transformer2d_param_bytes(layers: int, hidden: int, ffn: int, vocab: int, q: int, tied: bool = False,
-                              bytes_per_elem: int = 4) -> int:
+                              bytes_per_elem: int = 4, heads: int | None = None, kv_heads: int | None = None) -> int:
     """Whole model per rank: blocks, final norm, embedding and head V_pad·h/q² each (one if tied)."""
     tables = (1 if tied else 2) * padded_vocab(vocab, q) * hidden // (q * q)
-    return layers * block2d_param_bytes(hidden, ffn, q, bytes_per_elem) + \
+    return layers * block2d_param_bytes(hidden, ffn, q, bytes_per_elem, heads, kv_heads) + \
         (tables + hidden // (q * q)) * bytes_per_elem
 
 

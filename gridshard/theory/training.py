@@ -29,14 +29,16 @@ from __future__ import annotations
 from . import CommVolume
 
 
-def matmul_params(vocab: int, hidden: int, layers: int, ffn: int) -> int:
-    """N_mm = L·(4h² + 3h·f) + V·h."""
-    return layers * (4 * hidden * hidden + 3 * hidden * ffn) + vocab * hidden
+def matmul_params(vocab: int, hidden: int, layers: int, ffn: int, kv_hidden=None) -> int:
+    """N_mm = L·(2h² + 2h·h_kv + 3h·f) + V·h, with h_kv = kv_heads·head_dim (= h without
+    grouped-query attention, giving L·(4h² + 3h·f) + V·h)."""
+    kv = hidden if kv_hidden is None else kv_hidden
+    return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn) + vocab * hidden
 
 
-def flops_per_token(vocab: int, hidden: int, layers: int, ffn: int, seq_len: int) -> float:
+def flops_per_token(vocab: int, hidden: int, layers: int, ffn: int, seq_len: int, kv_hidden=None) -> float:
     """6·N_mm + 12·L·s·h (module docstring)."""
-    return 6.0 * matmul_params(vocab, hidden, layers, ffn) + 12.0 * layers * seq_len * hidden
+    return 6.0 * matmul_params(vocab, hidden, layers, ffn, kv_hidden) + 12.0 * layers * seq_len * hidden
 
 
 def mfu(flops_token: float, tokens_per_s: float, peak_flops: float | None, devices: int) -> float | None:

@@ -1,0 +1,105 @@
+"""Hugging Face Llama-family models (Llama, Mistral, Qwen2 layouts): build from a config,
+read their dimensions, and move weights by name.
+
+``transformers`` is optional (``pip install gridshard[hf]``); it is imported only here,
+inside the functions that need it. Nothing is downloaded: the architecture comes from a
+local ``config.json``.
+
+Names: gridshard's :class:`gridshard.models.Transformer` uses Hugging Face's module names
+without the ``model.`` prefix (``embed_tokens``, ``layers.N.self_attn.q_proj``, …,
+``norm``; ``lm_head`` at the top in both), and every parameter has the same canonical
+shape, so moving weights either way is the rename :func:`hf_to_gridshard_name` /
+:func:`gridshard_to_hf_name`, never a reshape.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..errors import ConfigError
+from .llama import ModelConfig
+
+
+def _need_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("model.hf_config needs the optional Hugging Face dependency. Fix: "
+                          "pip install -e .[hf]  (installs transformers and safetensors).") from None
+
+
+def read_hf_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(f"model.hf_config={path!r} cannot be read ({e.strerror}). Fix: point it at a "
+                          f"Hugging Face config.json on this machine.") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.hf_config={path!r} is not valid JSON ({e}). Fix: use a config.json.") from None
+
+
+def model_config_of_hf_json(path: str) -> ModelConfig:
+    """The dimensions of a Hugging Face Llama-family config as a :class:`ModelConfig` (used for
+    validation, FLOPs and parameter counts; the model itself is Hugging Face's)."""
+    c = read_hf_json(path)
+    try:
+        heads = c["num_attention_heads"]
+        return ModelConfig(vocab_size=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
+                           heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
+                           ffn_hidden=c["intermediate_size"], max_seq_len=c.get("max_position_embeddings", 2048),
+                           norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
+                           tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                           init_std=c.get("initializer_range", 0.02))
+    except KeyError as e:
+        raise ConfigError(f"model.hf_config={path!r} lacks {e.args[0]!r}: gridshard reads Llama-family configs "
+                          f"(hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size). "
+                          f"Fix: use a Llama/Mistral/Qwen2 config.json.") from None
+
+
+def build_hf_causal_lm(path_or_config, device="meta"):
+    """``AutoModelForCausalLM.from_config`` on ``device`` (meta: no memory, no values; the
+    values come from :func:`gridshard.parallelize`), SDPA attention, no download."""
+    _need_transformers()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(path_or_config, str):
+        fields = read_hf_json(path_or_config)
+        config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    else:
+        config = path_or_config
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def hf_to_gridshard_name(name: str) -> str:
+    """``model.layers.0.mlp.up_proj.weight`` → ``layers.0.mlp.up_proj.weight``."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def gridshard_to_hf_name(name: str) -> str:
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def load_hf_weights(model: torch.nn.Module, state: dict, strict: bool = True) -> None:
+    """Copy a Hugging Face state dict (e.g. ``safetensors.torch.load_file(path)``) into a
+    plain gridshard Transformer built on CPU (before ``parallelize``) by name."""
+    own = model.state_dict()
+    renamed = {hf_to_gridshard_name(k): v for k, v in state.items() if "rotary_emb" not in k}
+    missing = sorted(set(own) - set(renamed))
+    unexpected = sorted(set(renamed) - set(own))
+    if strict and (missing or unexpected):
+        raise ConfigError(f"Hugging Face weights do not match the model: missing {missing[:5]}, unexpected "
+                          f"{unexpected[:5]}. Fix: build the model from the same config.")
+    for k, v in renamed.items():
+        if k in own and tuple(own[k].shape) != tuple(v.shape):
+            raise ConfigError(f"Hugging Face weight {k!r} has shape {tuple(v.shape)}, the model expects "
+                              f"{tuple(own[k].shape)}. Fix: build the model from the same config.")
+    model.load_state_dict({k: v for k, v in renamed.items() if k in own}, strict=False)
+
+
+def export_hf_state_dict(state: dict) -> dict:
+    """A canonical gridshard state dict (e.g. :func:`gridshard.gathered_state_dict`) under
+    Hugging Face names, ready for ``safetensors.torch.save_file``."""
+    return {gridshard_to_hf_name(k): v.contiguous() for k, v in state.items()}
