@@ -47,3 +47,71 @@ def test_parallelized_model_equals_plain_model(name):
     errors = run_on_ranks(D * T, _own, D, T, mode, sp, tied, kv)[0]
     for what in ("loss", "logits", "grad"):
         assert errors[what] <= TOL, f"{name}: {what} differs by {errors[what]:.2e}"
+
+
+def _count_draws(T, mode):
+    """Elements drawn from the counter RNG on this rank vs. its parameter elements."""
+    import gridshard.parallel.materialize as materialize
+    from gridshard import build_mesh, parallelize
+
+    drawn = []
+    real = materialize.fill_normal_
+
+    def counting(out, *args, **kwargs):
+        drawn.append(out.numel())
+        return real(out, *args, **kwargs)
+
+    materialize.fill_normal_ = counting
+    try:
+        model = parallelize(own_tiny(False, 4), build_mesh(1, 1, T, mode), seed=0, device="cpu")
+    finally:
+        materialize.fill_normal_ = real
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    return sum(drawn), matrices
+
+
+@pytest.mark.parametrize("T,mode", [(4, "1d"), (4, "2d")])
+def test_each_rank_draws_only_its_shard(T, mode):
+    """O(shard) initialisation: a rank evaluates the generator exactly on its own blocks
+    (every matrix element except vocabulary padding rows), i.e. 1/T of the model (multi-head
+    here: with T > kv heads the T/kv ranks sharing a kv block each evaluate it)."""
+    one = run_on_ranks(1, _count_draws, 1, "none")[0]
+    per_rank = run_on_ranks(T, _count_draws, T, mode)
+    total_global = one[0]
+    for drawn, local_matrices in per_rank:
+        assert drawn <= local_matrices                           # padding rows draw nothing
+        assert drawn <= total_global / T + 97 * 64 // T + 64     # ≈ 1/T of the model's draws
+    assert sum(d for d, _ in per_rank) == total_global           # every global element exactly once
+
+
+def _layout_error(model_kwargs, T, mode, plan_rules=None):
+    from gridshard import build_mesh, parallelize
+    from gridshard.errors import LayoutError
+    from gridshard.models import ModelConfig, Transformer
+    from gridshard.parallel import LLAMA_PLAN
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**{"vocab_size": 97, "hidden": 64, "heads": 4, "ffn_hidden": 96,
+                                           **model_kwargs}))
+    if plan_rules == "extra":
+        model.extra = torch.nn.Linear(4, 4, device="meta")
+    try:
+        parallelize(model, build_mesh(1, 1, T, mode), device="cpu")
+    except LayoutError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kwargs,T,mode,words", [
+    ({"heads": 6, "hidden": 96}, 4, "1d", ["heads=6", "whole attention heads", "Fix"]),
+    ({"heads": 6, "kv_heads": 3, "hidden": 96, "ffn_hidden": 96}, 2, "1d", ["kv_heads=3", "replicated", "Fix"]),
+    ({"kv_heads": 1}, 4, "2d", ["kv_heads=1", "q=2", "Fix"]),
+    ({"ffn_hidden": 91}, 4, "2d", ["ffn_hidden=91", "Fix"]),
+    ({}, 2, "1d", ["'extra'", "no rule", "with_rules"]),
+])
+def test_layouts_that_cannot_work_fail_with_one_clear_error(kwargs, T, mode, words):
+    """Raised by parallelize before any layer is built or any collective issued."""
+    msg = run_on_ranks(T, _layout_error, kwargs, T, mode, "extra" if "'extra'" in words else None)[0]
+    assert msg is not None, f"{kwargs} on T={T} {mode}: no error"
+    for w in words:
+        assert w in msg, (w, msg)

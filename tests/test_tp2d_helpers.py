@@ -111,18 +111,35 @@ def ledger_matches(vol, what):
 
 class SavedActivations:
     """Bytes of the distinct storages autograd saves for backward inside the block
-    (``saved_tensors_hooks``), excluding the module's parameters and buffers (e.g. the
-    RoPE tables): those are model state, not activations."""
+    (``saved_tensors_hooks``), excluding the module's parameters and buffers and the
+    tensors in ``exclude`` (e.g. the RoPE tables passed to a decoder layer): those are
+    model state, not activations.
 
-    def __init__(self, module):
-        state = list(module.parameters()) + list(module.buffers())
+    ``weight_concat_bytes`` counts, separately, saved tensors made by ``torch.cat`` of the
+    module's parameters alone (the shared-input q|k|v and gate|up weight blocks): copies of
+    model state kept alive until backward. ``nbytes`` includes them;
+    ``activation_bytes`` does not."""
+
+    def __init__(self, module, exclude=()):
+        state = list(module.parameters()) + list(module.buffers()) + list(exclude)
         self.param_ptrs = {t.untyped_storage().data_ptr() for t in state}
+        self.param_ids = {id(p) for p in module.parameters()}
         self.storages = {}
+        self.weight_concats = set()
+
+    def _is_weight_concat(self, t) -> bool:
+        fn = t.grad_fn
+        if fn is None or type(fn).__name__ != "CatBackward0":
+            return False
+        nexts = [f for f, _ in fn.next_functions]
+        return all(f is not None and id(getattr(f, "variable", None)) in self.param_ids for f in nexts)
 
     def _pack(self, t):
         s = t.untyped_storage()
         if s.data_ptr() not in self.param_ptrs:
             self.storages[s.data_ptr()] = s.nbytes()
+            if self._is_weight_concat(t):
+                self.weight_concats.add(s.data_ptr())
         return t
 
     def __enter__(self):
@@ -136,3 +153,11 @@ class SavedActivations:
     @property
     def nbytes(self) -> int:
         return sum(self.storages.values())
+
+    @property
+    def weight_concat_bytes(self) -> int:
+        return sum(self.storages[p] for p in self.weight_concats)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.nbytes - self.weight_concat_bytes
