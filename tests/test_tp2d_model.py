@@ -15,12 +15,9 @@ gridshard.theory.tp2d exactly, parameters per rank equal the formula (1/q² of t
 layer), and the block's saved activations per rank stay within 1.1 × one device's / q²
 (saved_tensors_hooks; parameters and the RoPE tables excluded).
 
-Known regression (strict xfail below): the shared-input q|k|v and gate|up product saves
-the ``torch.cat`` of the local weight blocks for backward, i.e. a copy of
-(h + 2·K·d + 2f)·h/q² weight elements per layer held from forward to backward, which the
-old fused-weight layers did not (they saved the parameter itself). The activation bound
-is checked without those copies; ``test_block_saves_no_weight_copies`` fails until the
-concatenation is rebuilt in backward instead of saved.
+The shared-input q|k|v and gate|up product saves the weight parts themselves, not a
+joined copy (``summa_ab_parts``): ``test_block_saves_no_weight_copies`` checks that no
+saved tensor is a concatenation of weight blocks.
 """
 import pytest
 import torch
@@ -111,8 +108,6 @@ def test_block_q3():
     print("(saved-activation ratio 2D per rank / (one device / q²), saved weight-copy bytes):", res[0])
 
 
-@pytest.mark.xfail(strict=True, reason="shared-input q|k|v and gate|up products save torch.cat of the local weight "
-                                       "blocks for backward (a per-layer weight copy); see the module docstring")
 def test_block_saves_no_weight_copies():
     res = run_on_ranks(4, _block, 2, [(2, 6, 16, 4, 4, 24)], fresh_seed())
     copies = [c for _, c in res[0]]

@@ -206,6 +206,37 @@ class _SummaATB(torch.autograd.Function):
         return da, db, None, None, None
 
 
+class _SummaABParts(torch.autograd.Function):
+    """A·[B₀ | B₁ | …]: one SUMMA product with the parts joined along the columns, saving the
+    parts themselves (parameters: no copy), not the joined matrix; the join is rebuilt in
+    backward. dA = dC·Bᵀ (ABᵀ), dB = Aᵀ·dC (AᵀB) split back into the parts."""
+
+    @staticmethod
+    def forward(ctx, a, row, col, overlap, *parts):
+        ctx.save_for_backward(a, *parts)
+        ctx.axes, ctx.overlap = (row, col), overlap
+        return _ab(a, torch.cat(parts, 1), row, col, overlap)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, *parts = ctx.saved_tensors
+        row, col = ctx.axes
+        da = _abt(g, torch.cat(parts, 1), row, col, ctx.overlap) if ctx.needs_input_grad[0] else None
+        db = _atb(a, g, row, col, ctx.overlap).split([p.shape[1] for p in parts], 1)
+        return (da, None, None, None, *db)
+
+
+def summa_ab_parts(a: torch.Tensor, parts, mesh, overlap: Optional[bool] = None) -> torch.Tensor:
+    """Block (i, j) of A·[B₀ | B₁ | …] from A(i, j) and the parts' blocks B_k(i, j) [k/q, n_k/q]
+    → [m/q, Σ n_k/q]: the communication of one product of width Σ n_k, without keeping the
+    joined weight between forward and backward."""
+    row, col = _grid(mesh)
+    if torch.is_autocast_enabled(a.device.type):
+        dtype = torch.get_autocast_dtype(a.device.type)
+        a, parts = a.to(dtype), [p.to(dtype) for p in parts]
+    return _SummaABParts.apply(a, row, col, _OVERLAP if overlap is None else overlap, *parts)
+
+
 def _autocast_operands(a: torch.Tensor, b: torch.Tensor):
     """Inside ``torch.autocast``, cast both operands to the autocast dtype, as autocast does
     for a matmul: a bf16 activation then meets a bf16 copy of an fp32 weight (the in-place

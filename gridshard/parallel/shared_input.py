@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.dual_ops import copy_to_group, gather_sequence
-from ..comm.summa import summa_ab
+from ..comm.summa import summa_ab_parts
 from ..nn.linear_1d import ColumnParallelLinear
 from ..nn.linear_2d import Linear2D, gather_vector_2d
 from ..nn.precomputed import leave_output
@@ -63,17 +63,40 @@ def _prepare_1d(children, x):
     return copy_to_group(x, first.axis)
 
 
+class _LinearParts(torch.autograd.Function):
+    """y = x·[W₀; W₁; …]ᵀ saving x and the parts (parameters: no copy), not the joined
+    weight, which is rebuilt in backward: dx = dy·W, dW = dyᵀ·x split by rows.
+    Under autocast both operands are cast to the autocast dtype, as ``F.linear`` would."""
+
+    @staticmethod
+    def forward(ctx, x, *parts):
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        xc = x.to(dtype)
+        ctx.save_for_backward(xc, *parts)
+        ctx.in_dtype, ctx.dtype = x.dtype, dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(xc, torch.cat(parts, 0).to(dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        xc, *parts = ctx.saved_tensors
+        g = g.to(ctx.dtype)
+        dx = (g @ torch.cat(parts, 0).to(ctx.dtype)).to(ctx.in_dtype)
+        dw = (g.reshape(-1, g.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])).split([p.shape[0] for p in parts], 0)
+        return (dx, *(d.to(p.dtype) for d, p in zip(dw, parts)))
+
+
 def _fused_1d(children, xp):
     blocks = [c.local_weight_and_bias() for c in children]
-    weight = torch.cat([w for w, _ in blocks], 0)
-    bias = None if blocks[0][1] is None else torch.cat([b for _, b in blocks], 0)
-    return [y.contiguous() for y in F.linear(xp, weight, bias).split([c.out_local for c in children], -1)]
+    y = _LinearParts.apply(xp, *(w for w, _ in blocks))
+    if blocks[0][1] is not None:
+        y = y + torch.cat([b for _, b in blocks], 0)
+    return [o.contiguous() for o in y.split([c.out_local for c in children], -1)]
 
 
 def _fused_2d(children, x):
     first = children[0]
-    weight = torch.cat([c.weight for c in children], 1)
-    y = summa_ab(x.reshape(-1, first.in_local), weight, first.mesh)
+    y = summa_ab_parts(x.reshape(-1, first.in_local), [c.weight for c in children], first.mesh)
     y = y.view(*x.shape[:-1], y.shape[-1])
     outs = y.split([c.out_local for c in children], -1)
     return [o.contiguous() if c.bias is None else o + gather_vector_2d(c.bias, c.mesh) for o, c in zip(outs, children)]
