@@ -25,11 +25,12 @@ from ..comm import collectives as C
 from ..nn.sharding import get_spec, mesh_coords
 
 
-def counts_here(p: torch.Tensor, mesh) -> bool:
-    """Whether this rank adds ``p``'s block to the global norm (module docstring)."""
+def counts_here(p: torch.Tensor, mesh, spec=None) -> bool:
+    """Whether this rank adds ``p``'s block to the global norm (module docstring); ``spec``
+    is the parameter's layout (``model.parallel_context.layouts``), else its ``shard_spec``."""
     index, _ = mesh_coords(mesh)
     basis = {"grid_row", "grid_col"} if "grid_row" in index else {"tensor"}
-    spec = get_spec(p)
+    spec = spec if spec is not None else get_spec(p)
     split = {coord for _, coord in spec.splits} if spec is not None else set()
     if "tensor" in split:
         split |= basis
@@ -38,11 +39,13 @@ def counts_here(p: torch.Tensor, mesh) -> bool:
     return all(index[c] == 0 for c in basis - split)
 
 
-def global_grad_norm(params, mesh) -> torch.Tensor:
-    """‖g‖ over the global model (a 0-dim float64 tensor, equal on every rank)."""
-    params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    mine = [p.grad for p in params if counts_here(p, mesh)]
+def global_grad_norm(params, mesh, specs=None) -> torch.Tensor:
+    """‖g‖ over the global model (a 0-dim float64 tensor, equal on every rank). ``specs``:
+    the layouts of ``params`` in the same order (default: each parameter's ``shard_spec``)."""
+    specs = list(specs) if specs is not None else [None] * len(params)
+    pairs = [(p, s) for p, s in zip(params, specs) if p.grad is not None]
+    device = pairs[0][0].grad.device if pairs else torch.device("cpu")
+    mine = [p.grad for p, s in pairs if counts_here(p, mesh, s)]
     local = torch.zeros((), dtype=torch.float64, device=device)
     if mine:
         norms = torch._foreach_norm([g.float() for g in mine])

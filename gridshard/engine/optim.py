@@ -20,10 +20,14 @@ def global_ndim(p: torch.Tensor) -> int:
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95),
                     eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW with decay on parameters whose canonical tensor has ≥ 2 dims; a laid-out model's
+    layouts (``model.parallel_context.layouts``) say which, else the shard spec or shape."""
+    ctx = getattr(model, "parallel_context", None)
     decay, no_decay = [], []
-    for p in model.parameters():            # tied weights appear once
+    for name, p in model.named_parameters():            # tied weights appear once
         if p.requires_grad:
-            (decay if global_ndim(p) >= 2 else no_decay).append(p)
+            ndim = len(ctx.layouts[name].canonical()) if ctx is not None else global_ndim(p)
+            (decay if ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = all(p.is_cuda for p in decay + no_decay) and len(decay + no_decay) > 0
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)

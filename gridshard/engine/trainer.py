@@ -77,7 +77,9 @@ class Trainer:
         self.model = parallelize(plain, self.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
                                  device=self.device)
         self.context = context_of(self.model)
-        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
+        self.params = [q for _, q in named]
+        self.param_specs = [self.context.layouts[n] for n, _ in named]     # clipping reads the layouts
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps)
         self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
                                               overlap=t.overlap_grad_reduce)
@@ -115,7 +117,7 @@ class Trainer:
             losses.append(loss.detach())
         self.grad_sync.sync()
         self.precision.unscale(self.optimizer)
-        norm = global_grad_norm(self.params, self.mesh)
+        norm = global_grad_norm(self.params, self.mesh, self.param_specs)
         self.precision.agree_on_overflow(self.optimizer, norm)
         clip_gradients(self.params, norm, t.grad_clip)
         self.precision.step(self.optimizer)
