@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -45,7 +45,8 @@ class Axis:
 
     ``ranks`` lists the global ranks of the group in group-rank order, so
     ``ranks[k]`` is the global rank of group member ``k`` (what ``broadcast``'s
-    ``src`` needs). ``group`` is ``None`` when the axis has size 1.
+    ``src`` needs). ``group`` is ``None`` when the axis has size 1. ``ledger``: where
+    collectives on this axis are recorded (the mesh's; ``None`` = the current ledger).
     """
 
     name: str
@@ -53,6 +54,7 @@ class Axis:
     rank: int
     ranks: tuple
     group: Optional[dist.ProcessGroup]
+    ledger: object = field(default=None, compare=False, repr=False)
 
     def global_rank(self, index: int) -> int:
         return self.ranks[index]
@@ -164,13 +166,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _axis(mesh: DeviceMesh, dim: Optional[str], name: Optional[str] = None) -> Axis:
+def _axis(mesh: DeviceMesh, dim: Optional[str], name: Optional[str] = None, ledger=None) -> Axis:
     """The Axis of ``mesh[dim]`` (or of ``mesh`` itself, a 1-D mesh, when ``dim`` is None)."""
     sub = mesh if dim is None else mesh[dim]
     size = sub.size()
     ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
     rank = ranks.index(dist.get_rank())
-    return Axis(name or dim, size, rank, ranks, sub.get_group() if size > 1 else None)
+    return Axis(name or dim, size, rank, ranks, sub.get_group() if size > 1 else None, ledger)
 
 
 class ParallelMesh:
@@ -185,20 +187,21 @@ class ParallelMesh:
     """
 
     def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str,
-                 flat_tensor_mesh: Optional[DeviceMesh] = None):
+                 flat_tensor_mesh: Optional[DeviceMesh] = None, ledger=None):
         self.device_mesh = device_mesh
         self.sizes = (data, pipeline, tensor)
         self.tensor_mode = tensor_mode
-        self.data = _axis(device_mesh, "data")
-        self.pipeline = _axis(device_mesh, "pipeline")
+        self.ledger = ledger
+        self.data = _axis(device_mesh, "data", ledger=ledger)
+        self.pipeline = _axis(device_mesh, "pipeline", ledger=ledger)
         # 2D: the flattened grid, kept from _flatten (slicing it from the root by name is deprecated)
-        self.tensor = _axis(flat_tensor_mesh, None, "tensor") if flat_tensor_mesh is not None \
-            else _axis(device_mesh, "tensor")
+        self.tensor = _axis(flat_tensor_mesh, None, "tensor", ledger) if flat_tensor_mesh is not None \
+            else _axis(device_mesh, "tensor", ledger=ledger)
         self.q = None
         if tensor_mode == "2d":
             self.q = math.isqrt(tensor)
-            self.row = _axis(device_mesh, "grid_col", "row")
-            self.col = _axis(device_mesh, "grid_row", "col")
+            self.row = _axis(device_mesh, "grid_col", "row", ledger)
+            self.col = _axis(device_mesh, "grid_row", "col", ledger)
             self.grid_row = self.col.rank
             self.grid_col = self.row.rank
             assert self.tensor.rank == self.grid_row * self.q + self.grid_col
@@ -215,12 +218,15 @@ class ParallelMesh:
 _MESH_CACHE: dict = {}
 
 
-def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None) -> ParallelMesh:
+def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None,
+               ledger=None) -> ParallelMesh:
     """Validate the layout, then build (or reuse) the DeviceMesh for it.
 
     ``tensor_mode`` defaults to ``"none"`` for T=1 and ``"1d"`` otherwise.
     The process group must already be initialised (:func:`init_distributed`).
-    Meshes are cached per layout, so calling this repeatedly creates no new groups.
+    Device meshes are cached per layout, so calling this repeatedly creates no new groups.
+    ``ledger``: a :class:`gridshard.comm.CommLedger` that records this mesh's collectives
+    (a job's own; default: the current ledger, ``gridshard.LEDGER``).
     """
     if tensor_mode is None:
         tensor_mode = "none" if tensor == 1 else "1d"
@@ -230,7 +236,10 @@ def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: O
     validate_layout(world, data, pipeline, tensor, tensor_mode)
     key = (id(dist.group.WORLD), world, data, pipeline, tensor, tensor_mode)
     if key in _MESH_CACHE:
-        return _MESH_CACHE[key]
+        cached = _MESH_CACHE[key]
+        if ledger is None:
+            return cached
+        return ParallelMesh(cached.device_mesh, data, pipeline, tensor, tensor_mode, cached.flat_tensor_mesh, ledger)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if tensor_mode == "2d":
         q = math.isqrt(tensor)
@@ -241,5 +250,6 @@ def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: O
         dm = init_device_mesh(device_type, (data, pipeline, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
         flat = None
     mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat)
+    mesh.flat_tensor_mesh = flat
     _MESH_CACHE[key] = mesh
-    return mesh
+    return mesh if ledger is None else ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, ledger)

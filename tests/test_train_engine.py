@@ -29,9 +29,12 @@ def _ledger_body(cfg):
     LEDGER.reset()
     trainer = Trainer(cfg, progress=False)
     trainer.run()
+    # the job records into its own ledger, never into the process default
+    assert LEDGER.count() == 0, LEDGER.summary()
     steps = cfg["train"]["steps"]
     expected = dp_gradient_allreduce(trainer.grad_sync.bucket_elems(), trainer.mesh.data.size, 4)
-    return (LEDGER.count("all_reduce", "data"), LEDGER.payload_bytes("all_reduce", "data"),
+    led = trainer.ledger
+    return (led.count("all_reduce", "data"), led.payload_bytes("all_reduce", "data"),
             steps * expected.count("all_reduce"), steps * expected.payload_bytes("all_reduce"),
             len(trainer.grad_sync.buckets), sum(p.numel() for p in trainer.params))
 

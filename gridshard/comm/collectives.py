@@ -2,7 +2,7 @@
 communication functions. Each function
 
 * is a no-op (returns its input or a view of it) on an axis of size 1, recording nothing;
-* records the call in :data:`gridshard.comm.ledger.LEDGER` with the payload bytes
+* records the call in its axis's ledger (the mesh's, else :data:`gridshard.comm.ledger.LEDGER`) with the payload bytes
   defined there (full tensor for all-gather/reduce-scatter).
 
 Shapes (group of n ranks, ``dim`` = d):
@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import Axis
-from .ledger import LEDGER
+from .ledger import current_ledger
+
+
+def _ledger(axis):
+    """The mesh's ledger for this axis, else the current one."""
+    return axis.ledger if getattr(axis, "ledger", None) is not None else current_ledger()
 
 # torch >= 2.13 names the flat-buffer collectives *_single; older releases *_tensor.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -39,11 +44,11 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = Fa
     if inplace and not x.is_contiguous():
         raise ValueError("all_reduce(inplace=True) needs a contiguous tensor")
     out = x if inplace else x.clone(memory_format=torch.contiguous_format)
-    entry = LEDGER.add("all_reduce", axis.name, _nbytes(out), axis.size)
+    entry = _ledger(axis).add("all_reduce", axis.name, _nbytes(out), axis.size)
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     if async_op:
         return PendingCollective(dist.all_reduce(out, op=red, group=axis.group, async_op=True), out, entry)
-    with LEDGER.timed(entry, out.device):
+    with entry.owner.timed(entry, out.device):
         dist.all_reduce(out, op=red, group=axis.group)
     return out
 
@@ -55,8 +60,8 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
     x = x.contiguous()
     n = axis.size
     out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    entry = LEDGER.add("all_gather", axis.name, _nbytes(out), n)
-    with LEDGER.timed(entry, x.device):
+    entry = _ledger(axis).add("all_gather", axis.name, _nbytes(out), n)
+    with entry.owner.timed(entry, x.device):
         _all_gather_flat(out, x, group=axis.group)
     dim = dim % x.dim()
     if dim == 0:
@@ -77,8 +82,8 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
     block_shape = list(x.shape)
     block_shape[dim] //= n
     out = torch.empty(block_shape, dtype=x.dtype, device=x.device)
-    entry = LEDGER.add("reduce_scatter", axis.name, _nbytes(x), n)
-    with LEDGER.timed(entry, x.device):
+    entry = _ledger(axis).add("reduce_scatter", axis.name, _nbytes(x), n)
+    with entry.owner.timed(entry, x.device):
         _reduce_scatter_flat(out, stacked.view(n * block_shape[0], *block_shape[1:]), group=axis.group)
     return out
 
@@ -91,7 +96,7 @@ class PendingCollective:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            with LEDGER.timed(self._entry, self.tensor.device):
+            with self._entry.owner.timed(self._entry, self.tensor.device):
                 self._work.wait()
             self._work = None
         return self.tensor
@@ -106,11 +111,11 @@ def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
     if axis.size == 1:
         return PendingCollective(None, x, None) if async_op else x
     x = x.contiguous()
-    entry = LEDGER.add("broadcast", axis.name, _nbytes(x), axis.size)
+    entry = _ledger(axis).add("broadcast", axis.name, _nbytes(x), axis.size)
     if async_op:
         work = dist.broadcast(x, src=axis.global_rank(src), group=axis.group, async_op=True)
         return PendingCollective(work, x, entry)
-    with LEDGER.timed(entry, x.device):
+    with entry.owner.timed(entry, x.device):
         dist.broadcast(x, src=axis.global_rank(src), group=axis.group)
     return x
 
@@ -127,10 +132,10 @@ def reduce(x: torch.Tensor, axis: Axis, dst: int, async_op: bool = False):
     if axis.size == 1:
         return PendingCollective(None, x, None) if async_op else x
     out = x.clone(memory_format=torch.contiguous_format)
-    entry = LEDGER.add("reduce", axis.name, _nbytes(out), axis.size)
+    entry = _ledger(axis).add("reduce", axis.name, _nbytes(out), axis.size)
     if async_op:
         work = dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
         return PendingCollective(work, out, entry)
-    with LEDGER.timed(entry, out.device):
+    with entry.owner.timed(entry, out.device):
         dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group)
     return out

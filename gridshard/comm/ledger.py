@@ -19,9 +19,22 @@ Each record is keyed by ``(op, axis)`` and accumulates
   the breakdown.
 
 The ledger is public API: ``gridshard.LEDGER.summary()`` shows what a step moved.
+
+Scope. Collectives are written to the *current* ledger: the one installed by the
+innermost ``with use_ledger(ledger):`` on this thread/task (a ``contextvars`` variable),
+else a default ledger. ``LEDGER`` always means "the current ledger", so a job (the
+trainer owns one ``CommLedger`` and runs its steps under ``use_ledger``) never mixes its
+counts with another job's or a test's in the same process. Entries are keyed by
+(op, mesh-axis name).
+
+Blind spots are said, not hidden: collectives issued by PyTorch components that do not go
+through :mod:`gridshard.comm.collectives` (FSDP, ``torch.distributed.checkpoint``,
+pipelining, DTensor redistribution) cannot be counted; code that hands work to such a
+component calls ``note_untracked(name)`` and ``summary()`` lists them as not recorded.
 """
 from __future__ import annotations
 
+import contextvars
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,14 +73,21 @@ class CommLedger:
     enabled: bool = True
     timing: bool = False
     entries: dict = field(default_factory=dict)
+    untracked: set = field(default_factory=set)
 
     def reset(self) -> None:
         self.entries.clear()
+        self.untracked.clear()
+
+    def note_untracked(self, component: str) -> None:
+        """Record that ``component`` issues collectives this ledger cannot see."""
+        self.untracked.add(component)
 
     def add(self, op: str, axis: str, payload_bytes: int, group_size: int, seconds: float = 0.0) -> LedgerEntry:
         entry = self.entries.get((op, axis))
         if entry is None:
             entry = self.entries[(op, axis)] = LedgerEntry(op, axis)
+            entry.owner = self                      # async handles time their wait in the same ledger
         if self.enabled:
             entry.count += 1
             entry.payload_bytes += int(payload_bytes)
@@ -111,6 +131,8 @@ class CommLedger:
         for (op, axis), e in sorted(self.entries.items()):
             lines.append(f"{op:<15}{axis:<10}{e.count:>7}{e.payload_bytes / 2**20:>13.3f}"
                          f"{e.wire_bytes / 2**20:>11.3f}{e.seconds:>10.4f}")
+        if self.untracked:
+            lines.append(f"not recorded (collectives of): {', '.join(sorted(self.untracked))}")
         return "\n".join(lines)
 
     @contextmanager
@@ -124,4 +146,36 @@ class CommLedger:
             self.enabled = prev
 
 
-LEDGER = CommLedger()
+_DEFAULT = CommLedger()
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("gridshard_ledger", default=_DEFAULT)
+
+
+def current_ledger() -> CommLedger:
+    """The ledger collectives are written to here (see "Scope" in the module docstring)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def use_ledger(ledger: CommLedger):
+    """Write collectives issued inside the block to ``ledger``."""
+    token = _CURRENT.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _CURRENT.reset(token)
+
+
+class _CurrentLedger:
+    """``LEDGER``: every attribute is that of :func:`current_ledger` at the time of use."""
+
+    def __getattr__(self, name):
+        return getattr(_CURRENT.get(), name)
+
+    def __setattr__(self, name, value):
+        setattr(_CURRENT.get(), name, value)
+
+    def __repr__(self) -> str:
+        return f"LEDGER -> {_CURRENT.get()!r}"
+
+
+LEDGER = _CurrentLedger()

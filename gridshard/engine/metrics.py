@@ -10,7 +10,7 @@ Per log line (every ``log_interval`` steps) — see ``docs/training.md``:
 * ``peak_mem_bytes``: the largest over ranks of CUDA max allocated, or of the
   process's max RSS on CPU; ``peak_mem_bytes_per_rank`` lists all;
 * ``comm_share``: time inside recorded collectives / wall time of the interval,
-  averaged over ranks (``LEDGER.timing``);
+  averaged over ranks (the job ledger's ``timing``);
 * ``step``, ``step_time_s``, ``tokens``, ``elapsed_s``, ``loss_scale`` (fp16).
 """
 from __future__ import annotations

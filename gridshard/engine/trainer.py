@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as C
-from ..comm.ledger import LEDGER
+from ..comm.ledger import CommLedger
 from ..config import TrainConfig, resolve_config
 from ..data import BatchPlan, load_tokens
 from ..mesh import Axis, build_mesh, default_device, init_distributed
@@ -44,10 +44,10 @@ from .precision import Precision
 from .schedule import lr_at
 
 
-def world_axis() -> Axis:
-    """All ranks as one :class:`Axis` (for gathering metrics)."""
+def world_axis(ledger=None) -> Axis:
+    """All ranks as one :class:`Axis` (for gathering metrics), recording into ``ledger``."""
     n, r = dist.get_world_size(), dist.get_rank()
-    return Axis("world", n, r, tuple(range(n)), dist.group.WORLD if n > 1 else None)
+    return Axis("world", n, r, tuple(range(n)), dist.group.WORLD if n > 1 else None, ledger)
 
 
 class Trainer:
@@ -63,7 +63,8 @@ class Trainer:
                                           cuda_available=self.device.type == "cuda")
         self.cfg, p, t = cfg, cfg.parallel, cfg.train
         self.rank = dist.get_rank()
-        self.mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode)
+        self.ledger = CommLedger()                     # this job's collectives only (its mesh records here)
+        self.mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=self.ledger)
         self.model_cfg = cfg.model.resolve()
         mc = self.model_cfg
         if cfg.model.hf_config is not None:
@@ -125,15 +126,15 @@ class Trainer:
 
     def _global_losses(self, local: list) -> list:
         """Mean over data ranks of each step's loss (one all-reduce, not in the ledger)."""
-        with LEDGER.paused():
+        with self.ledger.paused():
             vec = C.all_reduce(torch.stack(local).double(), self.mesh.data) / self.mesh.data.size
         return [float(x) for x in vec.cpu()]
 
     def _gather_rank_stats(self, comm_s: float, wall_s: float) -> tuple:
         stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device))]],
                              dtype=torch.float64, device=self.device)
-        with LEDGER.paused():
-            allr = C.all_gather(stats, world_axis(), dim=0).cpu()
+        with self.ledger.paused():
+            allr = C.all_gather(stats, world_axis(self.ledger), dim=0).cpu()
         return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]]
 
     # ---- the loop --------------------------------------------------------------------
@@ -143,14 +144,14 @@ class Trainer:
 
         t = self.cfg.train
         tokens_per_step = t.global_batch * self.cfg.data.seq_len
-        prev_timing = LEDGER.timing
+        prev_timing = self.ledger.timing
         time_comm = t.time_comm if t.time_comm is not None else self.device.type != "cuda"
-        LEDGER.timing = time_comm
+        self.ledger.timing = time_comm
         bar = tqdm(total=t.steps, disable=not (self.progress and self.rank == 0), file=sys.stderr,
                    dynamic_ncols=True, desc="train")
         all_losses, pending = [], []
         start = last = time.perf_counter()
-        comm_at_last, steps_at_last = LEDGER.seconds(), 0
+        comm_at_last, steps_at_last = self.ledger.seconds(), 0
         try:
             for k in range(t.steps):
                 loss, norm, lr = self.step(k)
@@ -162,7 +163,7 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 now = time.perf_counter()
                 wall, n_steps = now - last, k + 1 - steps_at_last
-                comm_share, mems = self._gather_rank_stats(LEDGER.seconds() - comm_at_last, wall)
+                comm_share, mems = self._gather_rank_stats(self.ledger.seconds() - comm_at_last, wall)
                 losses = self._global_losses(pending)
                 all_losses += losses
                 tps = n_steps * tokens_per_step / wall
@@ -176,10 +177,10 @@ class Trainer:
                 self.files.append(rec)
                 bar.set_postfix(format_postfix(rec), refresh=False)
                 pending, last, steps_at_last = [], time.perf_counter(), k + 1
-                comm_at_last = LEDGER.seconds()
+                comm_at_last = self.ledger.seconds()
         finally:
             bar.close()
-            LEDGER.timing = prev_timing
+            self.ledger.timing = prev_timing
         return all_losses
 
 
