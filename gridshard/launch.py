@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
+
+from .netutil import free_port
 
 
 def under_launcher() -> bool:
@@ -26,12 +27,6 @@ def under_launcher() -> bool:
 
 def launcher_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_threads(nproc: int) -> int:
@@ -51,6 +46,6 @@ def launch_local(nproc: int, entry, *args) -> dict:
         os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gridshard-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
                           start_method="spawn", monitor_interval=0.1)
     return elastic_launch(config, entry)(*args)

@@ -25,12 +25,8 @@ from torch import nn
 from ..comm.dual_ops import reduce_from_group, reduce_scatter_sequence
 from ..errors import ShapeError
 from .linear_1d import check_sequence_divisible
+from ..theory.vocab import padded_vocab_size
 from .sharding import ShardSpec, sharded_parameter
-
-
-def padded_vocab_size(vocab_size: int, T: int) -> int:
-    """V_p = ⌈V/T⌉·T: the vocabulary rounded up to a multiple of the tensor size."""
-    return -(-vocab_size // T) * T
 
 
 def padded_normal_init(vocab_size: int, std: float):

@@ -36,12 +36,8 @@ from ..comm import collectives as C
 from ..comm.grid_ops import gather_along, reduce_scatter_along
 from ..errors import ShapeError, check_divisible
 from .embedding_1d import check_token_range
+from ..theory.vocab import padded_vocab_size as padded_vocab
 from .sharding import ShardSpec, sharded_parameter
-
-
-def padded_vocab(vocab: int, q: int) -> int:
-    """Smallest multiple of q that is ≥ vocab."""
-    return -(-vocab // q) * q
 
 
 def padded_table_init(vocab: int, hidden: int, std: float, padded: int):

@@ -26,24 +26,19 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
 
+from ..netutil import free_port
+
 _GROUPS: dict = {}
 
 
 class RankFailure(AssertionError):
     """One or more ranks failed, died or got stuck."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file):
@@ -93,7 +88,7 @@ class WorkerGroup:
     def __init__(self, world_size: int, start_timeout: float = 120.0):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
-        self.port = _free_port()
+        self.port = free_port()
         self.result_q = ctx.Queue()
         self.task_qs = [ctx.Queue() for _ in range(world_size)]
         self.tmpdir = tempfile.mkdtemp(prefix=f"gridshard-w{world_size}-")

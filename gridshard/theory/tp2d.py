@@ -45,6 +45,7 @@ rank (2h² + 2·K·d·h + 3hf + 2h)/q².
 from __future__ import annotations
 
 from . import CommVolume
+from .vocab import padded_vocab_size as padded_vocab  # noqa: F401 (2D name of the shared rule)
 
 AXES = ("row", "col")
 
@@ -139,10 +140,6 @@ def block2d_comm(batch: int, seq: int, hidden: int, ffn: int, q: int, bytes_per_
     qkv = _qkv_width(hidden, heads, kv_heads)
     return combine(norm, norm, linear2d_comm(n, hidden, qkv, q, e), linear2d_comm(n, hidden, hidden, q, e),
                    linear2d_comm(n, hidden, 2 * ffn, q, e), linear2d_comm(n, ffn, hidden, q, e))
-
-
-def padded_vocab(vocab: int, q: int) -> int:
-    return -(-vocab // q) * q
 
 
 def embedding2d_comm(batch: int, seq: int, hidden: int, q: int, bytes_per_elem: int = 4,
