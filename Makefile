@@ -18,6 +18,11 @@ test: install
 train: install
 	$(VENV)/bin/gridshard train --nproc 4 --run-dir runs/default
 
+.PHONY: mutants
+## Mutation check: each curated bug in the core must turn a named test red (docs/testing.md).
+mutants: install
+	$(PY) scripts/mutants.py
+
 .PHONY: plot bench-train
 ## Plot the default run (after `make train`).
 plot: install

@@ -19,6 +19,8 @@ def _collectives(n):
     ax, r = m.tensor, m.tensor.rank
     per_rank = [_global((4, 6, 2 * n), 10 + k) for k in range(n)]
     x = per_rank[r]
+    # float64 data: gathers and broadcasts are copies (tolerance 0); a reduction may add the n ≤ 4
+    # terms in another order than sum(), a few float64 ulps (~1e-16) apart, so 1e-12 is ample
     assert_close(C.all_reduce(x, ax), sum(per_rank), 1e-12, "all_reduce")
     for dim in (0, 1, 2):
         assert_close(C.all_gather(x, ax, dim), torch.cat(per_rank, dim), 0, f"all_gather dim {dim}")
@@ -31,6 +33,17 @@ def _collectives(n):
     assert LEDGER.count("all_gather") == 3 and LEDGER.payload_bytes("all_gather") == 3 * n * nbytes
     assert LEDGER.payload_bytes("reduce_scatter") == 2 * nbytes
     assert LEDGER.payload_bytes("all_reduce") == nbytes and LEDGER.payload_bytes("broadcast") == nbytes
+    # wire bytes one rank sends on a ring of n, written out here (not through ring_wire_bytes):
+    # all-reduce = reduce-scatter + all-gather, each moving n−1 of the n chunks of B
+    chunk = nbytes / n
+    wire = {"all_gather": 3 * (n - 1) * nbytes,            # 3 calls; each gathers n·B, sends (n−1) blocks of B
+            "reduce_scatter": 2 * (n - 1) * chunk,         # 2 calls of B: (n−1) chunks of B/n each
+            "all_reduce": 2 * (n - 1) * chunk,             # reduce-scatter then all-gather of B
+            "broadcast": (n - 1) * chunk}                  # pipelined: B in n chunks, n−1 sent per rank
+    for op, want in wire.items():
+        # the ledger accumulates floats of (n−1)/n·B: equal to within float rounding
+        assert LEDGER.total("wire_bytes", op) == pytest.approx(want, rel=1e-12), \
+            f"{op} wire bytes {LEDGER.total('wire_bytes', op)} != {want}"
     return True
 
 
@@ -71,6 +84,7 @@ def _duals(n):
         x = (xs[0] if rep_in else xs[r]).clone().requires_grad_()
         y = fn(x)
         y.backward(G[r])
+        # float64; only the order of a sum of n ≤ 4 terms can differ from the reference (see above)
         assert_close(y, Y[r], 1e-12, f"{name} forward")
         assert_close(x.grad, X[0 if rep_in else r].grad, 1e-12, f"{name} backward")
     return True

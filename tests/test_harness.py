@@ -1,4 +1,5 @@
 """The multi-process harness itself: errors name the rank, deadlocks fail fast with stacks."""
+import os
 import time
 
 import pytest
@@ -24,11 +25,16 @@ def _deadlock():
     return 0
 
 
+def _pid():
+    return os.getpid()
+
+
 def test_returns_per_rank_results_and_reuses_workers():
+    """Reuse is checked by process id, not by a time limit (which a busy machine could break)."""
     assert run_on_ranks(2, _rank) == [0, 1]
-    t0 = time.monotonic()
-    assert run_on_ranks(2, _rank) == [0, 1]
-    assert time.monotonic() - t0 < 5
+    first = run_on_ranks(2, _pid)
+    assert len(set(first)) == 2 and os.getpid() not in first
+    assert run_on_ranks(2, _pid) == first, "a second call must run in the same worker processes"
 
 
 def test_exception_names_the_rank_and_traceback():
@@ -42,9 +48,12 @@ def test_deadlock_fails_fast_with_stack_of_stuck_rank():
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as e:
         run_on_ranks(2, _deadlock, timeout=8)
-    assert time.monotonic() - t0 < 30
+    # the harness's own 8 s timeout must end it, not gloo's (300 s, set in the workers): the
+    # message says so; the bound, far below 300 s but far above 8 s + 1 s of stack dumping,
+    # only catches a hang and leaves a busy machine plenty of slack
+    assert time.monotonic() - t0 < 120
     msg = str(e.value)
-    assert "timeout" in msg and "stack of rank 0" in msg and "_deadlock" in msg
+    assert "timeout during _deadlock" in msg and "stack of rank 0" in msg and "_deadlock" in msg
 
 
 def _returns_a_lambda():
@@ -58,11 +67,14 @@ def _echo(x):
 def test_unpicklable_result_or_argument_fails_at_once_with_the_cause():
     """A result the worker cannot send back, or an argument the parent cannot send, is a
     plain error naming the pickling problem, not a silent wait for the timeout."""
+    # the proof is the message (a pickling error, no "timeout"); the time bound only adds that
+    # nobody waited for the 180 s call timeout: half of it, ~50× what the two calls take
+    # (one error plus one worker restart, ~2 s), so a busy machine does not make it flaky
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as e:
-        run_on_ranks(2, _returns_a_lambda, timeout=60)
+        run_on_ranks(2, _returns_a_lambda, timeout=180)
     assert "pickle" in str(e.value) and "timeout" not in str(e.value)
     with pytest.raises(TypeError, match="pickle"):
-        run_on_ranks(2, _echo, lambda: 0, timeout=60)
-    assert time.monotonic() - t0 < 30
+        run_on_ranks(2, _echo, lambda: 0, timeout=180)
+    assert time.monotonic() - t0 < 90
     assert run_on_ranks(2, _echo, 5) == [5, 5]

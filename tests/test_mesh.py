@@ -20,11 +20,18 @@ def test_non_square_2d_names_nearest_squares():
     assert "tensor=8" in str(e.value) and "tensor=4" in str(e.value) and "tensor=9" in str(e.value)
 
 
-@pytest.mark.parametrize("bad", [dict(data=0), dict(tensor=-1), dict(tensor_mode="3d"), dict(tensor_mode="none", tensor=2)])
-def test_bad_fields(bad):
+@pytest.mark.parametrize("bad,message", [
+    (dict(data=0), r"parallel\.data=0 is invalid: every parallel size must be an integer >= 1"),
+    (dict(tensor=-1), r"parallel\.tensor=-1 is invalid: every parallel size must be an integer >= 1"),
+    (dict(tensor_mode="3d"), r"tensor_mode='3d' is unknown: it must be one of \('none', '1d', '2d'\)\. Fix:"),
+    (dict(tensor_mode="none", tensor=2), r"tensor_mode='none' with tensor=2: without tensor parallelism T must "
+                                         r"be 1\. Fix: set tensor_mode to '1d' or '2d', or tensor=1"),
+], ids=["data=0", "tensor=-1", "mode=3d", "none-with-T2"])
+def test_bad_fields(bad, message):
+    """Each bad field fails with its own message (the value and the rule), not just the type."""
     kw = dict(data=1, pipeline=1, tensor=2, tensor_mode="1d")
     kw.update(bad)
-    with pytest.raises(LayoutError):
+    with pytest.raises(LayoutError, match=message):
         validate_layout(2 if kw["tensor"] == 2 else 1, **kw)
 
 

@@ -10,16 +10,22 @@ import torch
 
 from gridshard.comm import LEDGER
 from gridshard.errors import LayoutError, ShapeError
-from gridshard.models import ModelConfig, TransformerBlock
+from gridshard.models import ModelConfig, Transformer
 from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
 from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
 from gridshard.nn.norm import RMSNorm
 from gridshard.nn.style import NoTensorParallel
 from gridshard.nn.style_1d import Megatron1DStyle
+from gridshard.parallel import parallelize
 from gridshard.testing import run_on_ranks
 
 from .test_tp1d_helpers import mesh_1d
+
+
+def _meta_model(**cfg):
+    with torch.device("meta"):
+        return Transformer(ModelConfig(vocab_size=37, layers=1, **cfg))
 
 
 def _raises(exc, match, fn):
@@ -77,7 +83,7 @@ def _errors(T):
     _raises(ShapeError, r"vocab_size=20 does not fit",
             lambda: vocab_parallel_cross_entropy(logits, torch.zeros(2, 4).long(), mesh, vocab_size=20))
 
-    # the style's shape check and the model construction
+    # the style's shape check and parallelize's layout check of a plain model
     style = Megatron1DStyle(mesh, sequence_parallel=True)
     ok = dict(batch=2, seq=4 * T, hidden=8 * T, heads=T, ffn=4 * T, vocab=37)
     style.check_shapes(**ok)
@@ -95,8 +101,18 @@ def _errors(T):
         _raises(ShapeError, rf"seq \(sequence length\)={4 * T + 1} is not divisible",
                 lambda: style.check_shapes(**{**ok, "seq": 4 * T + 1}))
         Megatron1DStyle(mesh, sequence_parallel=False).check_shapes(**{**ok, "seq": 4 * T + 1})
-        cfg = ModelConfig(hidden=8 * (T + 1), heads=T + 1, ffn_hidden=4 * T)
-        _raises(ShapeError, rf"heads={T + 1} is not divisible", lambda: TransformerBlock(cfg, style))
+        _raises(LayoutError, rf"heads={T + 1} on T={T}: 1D gives every rank whole attention heads.*Fix: use a "
+                             rf"tensor size that divides {T + 1}",
+                lambda: parallelize(_meta_model(hidden=8 * (T + 1), heads=T + 1, ffn_hidden=4 * T), mesh,
+                                    sequence_parallel=True, device="cpu"))
+        _raises(LayoutError, rf"ffn_hidden={4 * T + 1} on T={T}: 1D gives every rank whole MLP neurons.*Fix:",
+                lambda: parallelize(_meta_model(hidden=8 * T, heads=T, ffn_hidden=4 * T + 1), mesh, device="cpu"))
+        # kv heads neither split by T nor a divisor of T (T=2: 3 kv heads, T=4: 6)
+        kv = 3 * T // 2
+        _raises(LayoutError, rf"kv_heads={kv} on T={T}: kv heads are split over T.*Fix: use a tensor size that "
+                             rf"divides or is a multiple of {kv}",
+                lambda: parallelize(_meta_model(hidden=4 * 3 * T, heads=3 * T, kv_heads=kv, ffn_hidden=4 * T), mesh,
+                                    device="cpu"))
     _raises(ShapeError, r"hidden=10 is not divisible by heads=4",
             lambda: style.check_shapes(**{**ok, "hidden": 10, "heads": 4}))
     return True

@@ -140,7 +140,13 @@ def _check_mlp_and_ledger(mesh, sp, b, s, h, seed):
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
         assert LEDGER.count(op) == theory.count(op), f"{what} {op} count {LEDGER.count(op)} != {theory.count(op)}"
         assert LEDGER.payload_bytes(op) == theory.payload_bytes(op), f"{what} {op} bytes"
-    assert LEDGER.total("wire_bytes") == pytest.approx(theory.wire_bytes())
+    # ring wire bytes, written out (the ledger and the theory share ring_wire_bytes, so comparing
+    # them would not test it): no SP 2 all-reduces of A, 2(T−1)/T·A each; SP 2 all-gathers + 2
+    # reduce-scatters of A, (T−1)/T·A each, + the row bias gradient all-reduce of h·4 bytes
+    A = b * s * h * 4
+    want = (4 * (T - 1) / T * A + (2 * (T - 1) / T * h * 4 if sp else 0.0))
+    assert LEDGER.total("wire_bytes") == pytest.approx(want, rel=1e-12), f"{what} wire bytes"
+    assert theory.wire_bytes() == pytest.approx(want, rel=1e-12), f"{what} theory wire bytes"
 
 
 def _check_embedding(mesh, sp, b, s, h, seed):
@@ -255,6 +261,8 @@ def test_theory_sequence_parallel_moves_the_same_wire_volume():
         plain, sp = tp1d.block_comm(2, 16, 64, T, False), tp1d.block_comm(2, 16, 64, T, True)
         norm = tp1d.norm_comm(64, T, True).wire_bytes() * 2
         assert sp.wire_bytes() - norm == pytest.approx(plain.wire_bytes())
+        A = 2 * 16 * 64 * 4     # 4 all-reduces of A per block, 2(T−1)/T·A each, written out
+        assert plain.wire_bytes() == pytest.approx(4 * 2 * (T - 1) / T * A, rel=1e-12)
         assert plain.payload_bytes("all_reduce") == 4 * 2 * 16 * 64 * 4
         assert sp.payload_bytes("all_gather") == sp.payload_bytes("reduce_scatter") == 4 * 2 * 16 * 64 * 4
     assert tp1d.block_comm(2, 16, 64, 1, True).payload_bytes() == 0

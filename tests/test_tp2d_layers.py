@@ -67,6 +67,8 @@ def _linear(q, cases, seed):
         assert nbytes == tp2d.linear2d_param_bytes(fin, fout, q, 4, bias), what
         assert nbytes * q * q == sum(p.numel() * 4 for p in ref.parameters()), what
         assert saved_par.nbytes == tp2d.linear2d_saved_activation_bytes(b * s, fin, q, 4), what
+        # the exact formula is asserted just above; the 1.1 bound restates it against the one-device
+        # measurement (equal here) with room for a small saved statistic, while 1/q (no 2D saving) fails
         assert saved_par.nbytes <= 1.1 * saved_ref.nbytes / q ** 2, f"{what}: saved {saved_par.nbytes} B"
     return True
 

@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""A small, curated mutation check of gridshard's core: does some test catch each bug?
+
+Each mutant below is one plausible semantic bug (a wrong dual backward, a SUMMA panel
+from the wrong source, a loss without its max shift, ...), written as exact edits of the
+current source and the tests that must catch it. For every mutant the script
+
+1. copies a snapshot of the repository into a scratch directory (by default the working
+   tree as it is now, uncommitted changes and untracked files included; never the
+   repository itself: nothing here writes to your checkout),
+2. applies the edits — each original snippet must occur EXACTLY once, otherwise the row
+   says ``snippet?`` and the run fails: the code moved, the mutant must be updated,
+3. runs only the named tests there (``python -m pytest -x -q -p no:cacheprovider``, this
+   interpreter, the copy first on ``PYTHONPATH``),
+4. records ``killed`` (pytest exit 1: a test failed), ``SURVIVED`` (exit 0), or
+   ``error`` (any other exit: a named test does not exist, collection failed, timeout),
+
+then prints a table. Exit status 0 only if every mutant was killed.
+
+Usage::
+
+    python scripts/mutants.py               # all mutants (make mutants)
+    python scripts/mutants.py --list        # ids, files and killing tests
+    python scripts/mutants.py --only loss1d-max-shift --only loss2d-max-shift
+    python scripts/mutants.py --baseline    # also run each mutant's tests unmutated first
+    python scripts/mutants.py --rev HEAD    # tracked files from a commit (+ untracked files)
+
+``--baseline`` proves that a kill means something (the tests pass without the mutant);
+it doubles the time. ``--rev`` is for a working tree that is mid-edit: tracked files come
+from the given commit, untracked (not ignored) files such as new tests from the tree.
+
+Not part of the default test suite (it runs the suite's tests many times over).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str                    # path relative to the repository root
+    edits: tuple                 # ((original snippet, replacement), ...); each original exactly once
+    tests: tuple                 # pytest arguments: node ids, or "-k", "expr" pairs after a path
+    why: str = ""                # the bug it stands for
+    notes: tuple = field(default_factory=tuple)
+
+
+MUTANTS = [
+    Mutant("dual-copy-backward", "gridshard/comm/dual_ops.py",
+           (("        return C.all_reduce(g, ctx.axis), None\n", "        return g, None\n"),),
+           ("tests/test_comm.py::test_dual_functions_backward_is_adjoint[2]",),
+           "copy_to_group's backward forgets the all-reduce (column-parallel input grads stay partial)"),
+    Mutant("dual-reduce-backward", "gridshard/comm/dual_ops.py",
+           (("    def forward(ctx, x, axis):\n        return C.all_reduce(x, axis)\n\n"
+             "    @staticmethod\n    def backward(ctx, g):\n        return g, None\n",
+             "    def forward(ctx, x, axis):\n        ctx.axis = axis\n        return C.all_reduce(x, axis)\n\n"
+             "    @staticmethod\n    def backward(ctx, g):\n        return C.all_reduce(g, ctx.axis), None\n"),),
+           ("tests/test_comm.py::test_dual_functions_backward_is_adjoint[2]",),
+           "reduce_from_group's backward all-reduces too (row-parallel grads counted T times)"),
+    Mutant("dual-gather-seq-backward", "gridshard/comm/dual_ops.py",
+           (("        return C.all_gather(x, axis, dim)\n\n    @staticmethod\n    def backward(ctx, g):\n"
+             "        return C.reduce_scatter(g, ctx.axis, ctx.dim), None, None\n",
+             "        return C.all_gather(x, axis, dim)\n\n    @staticmethod\n    def backward(ctx, g):\n"
+             "        return _split(g, ctx.axis, ctx.dim), None, None\n"),),
+           ("tests/test_comm.py::test_dual_functions_backward_is_adjoint[2]",),
+           "gather_sequence's backward takes my slice instead of reduce-scattering partial grads (SP)"),
+    Mutant("summa-ab-panel-source", "gridshard/comm/summa.py",
+           (("_panel(b, col, t + 1, overlap)) if t + 1 < q else None",
+             "_panel(b, col, t, overlap)) if t + 1 < q else None"),),
+           ("tests/test_summa.py::test_summa_products_q2[False]",),
+           "A·B prefetches B's panel from the wrong source row (C(i,j) += A(i,t)·B(t-1,j))"),
+    Mutant("summa-ab-backward-axes", "gridshard/comm/summa.py",
+           (("db = _atb(a, g, row, col, ctx.overlap) if ctx.needs_input_grad[1] else None",
+             "db = _atb(a, g, col, row, ctx.overlap) if ctx.needs_input_grad[1] else None"),),
+           ("tests/test_summa.py::test_summa_products_q2[False]",),
+           "the weight gradient of A·B (Aᵀ·g) broadcasts along the grid column instead of the row"),
+    Mutant("loss1d-max-shift", "gridshard/nn/cross_entropy_1d.py",
+           (("        shifted = z - gmax.unsqueeze(-1)\n", "        shifted = z\n"),),
+           ("tests/test_loss_stability.py", "-k", "1d"),
+           "1D vocab-parallel loss without the max subtraction: exact algebra, inf for logits ≳ 89"),
+    Mutant("loss2d-max-shift", "gridshard/nn/cross_entropy_2d.py",
+           (("        e = torch.exp(z - m.unsqueeze(-1))\n", "        e = torch.exp(z)\n"),
+            ("        tok = (torch.log(s_zt[0]) + m - s_zt[1])", "        tok = (torch.log(s_zt[0]) - s_zt[1])")),
+           ("tests/test_loss_stability.py", "-k", "2d"),
+           "2D loss without the max subtraction (forward and softmax): inf/NaN for large logits"),
+    Mutant("sp-norm-weight-grad", "gridshard/nn/norm.py",
+           (("w = copy_to_group(self.weight, self.axis) if self.sequence_parallel else self.weight",
+             "w = self.weight"),),
+           ("tests/test_tp1d_layers.py::test_layers_match_reference[2-tp+sp]",),
+           "the SP RMSNorm weight gradient is left partial (one sequence block's sum per rank)"),
+    Mutant("dp-average-divisor", "gridshard/engine/grad_sync.py",
+           (("flat = pending.wait().div_(self.axis.size)", "flat = pending.wait()"),),
+           ("tests/test_train_equivalence.py::test_layout_gives_the_same_run[D2-T1-none]",),
+           "data-parallel gradients summed instead of averaged (D× too large)"),
+    Mutant("dp-arm-first-micro-batch", "gridshard/engine/trainer.py",
+           (("if a == len(micro) - 1:", "if a == 0:"),),
+           ("tests/test_train_equivalence.py::test_layout_gives_the_same_run_with_accumulation[D2-T1-none-acc2]",),
+           "the overlapped DP reduction is armed at the first micro-batch: later ones are lost",
+           ("needs the D=2, 2-micro-batch layout 'D2-T1-none-acc2' in tests/test_train_equivalence.py",)),
+    Mutant("kv-replica-grad-unsummed", "gridshard/comm/dual_ops.py",
+           (("return C.all_reduce(buf, axis)[axis.rank // r], None, None", "return g, None, None"),),
+           ("tests/test_parallelize.py::test_parallelized_model_equals_plain_model[T4-1d-kv-replicated]",),
+           "a kv block shared by T/kv ranks keeps one rank's partial gradient instead of the group's sum"),
+    Mutant("init-ignores-transposed-storage", "gridshard/parallel/materialize.py",
+           (("    if spec.transposed:\n        dims, view = dims[::-1], local.t()", "    if False:\n        pass"),),
+           ("tests/test_parallelize.py::test_parallelized_model_equals_plain_model[T4-2d-gqa]",),
+           "counter-RNG values of a Linear2D block drawn at [in, out] indices: a different global model in 2D"),
+    Mutant("shared-input-skips-prepare", "gridshard/parallel/shared_input.py",
+           (("    return copy_to_group(x, first.axis)", "    return x"),),
+           ("tests/test_parallelize.py::test_parallelized_model_equals_plain_model[T2-1d-gqa]",),
+           "the fused q|k|v / gate|up input is not all-reduced in backward (input gradient partial)"),
+    Mutant("clip-count-origin-only", "gridshard/engine/clip.py",
+           (("return all(index[c] == 0 for c in basis - split)", "return all(index[c] == 0 for c in basis)"),),
+           ("tests/test_train_engine.py::test_norm_ownership_counts_each_parameter_once",),
+           "the global grad norm counts only the grid origin's blocks (split shards are missed)"),
+    Mutant("token-range-off-by-one", "gridshard/nn/embedding_1d.py",
+           (("int(live.max()) >= vocab_size):", "int(live.max()) > vocab_size):"),),
+           ("tests/test_loss_stability.py::test_targets_at_the_vocabulary_edges",),
+           "token id == vocab_size passes the range check (silent zero embedding / wrong loss)"),
+]
+
+
+# ---- snapshot --------------------------------------------------------------------------------------------------
+def _git(*args) -> bytes:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True).stdout
+
+
+def _copy_listed(names, dest):
+    for name in names:
+        src = os.path.join(ROOT, name)
+        if not os.path.isfile(src):          # deleted in the working tree, or a submodule
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+        shutil.copy2(src, os.path.join(dest, name))
+
+
+def snapshot(dest: str, rev: str | None) -> None:
+    """The repository's files (no .git, no ignored files) into ``dest``."""
+    untracked = [n for n in _git("ls-files", "-z", "--others", "--exclude-standard").decode().split("\0") if n]
+    if rev is None:
+        tracked = [n for n in _git("ls-files", "-z", "--cached").decode().split("\0") if n]
+        _copy_listed(tracked, dest)
+    else:
+        archive = os.path.join(dest, ".snapshot.tar")
+        with open(archive, "wb") as f:
+            f.write(_git("archive", "--format=tar", rev))
+        with tarfile.open(archive) as tar:
+            tar.extractall(dest, filter="data")
+        os.remove(archive)
+    _copy_listed(untracked, dest)
+
+
+# ---- one mutant ------------------------------------------------------------------------------------------------
+def apply(mutant: Mutant, tree: str) -> str | None:
+    """Apply the edits inside ``tree``; None, or why they could not be applied."""
+    path = os.path.join(tree, mutant.file)
+    if not os.path.isfile(path):
+        return f"{mutant.file} does not exist"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    for original, replacement in mutant.edits:
+        n = text.count(original)
+        if n != 1:
+            first = original.strip().splitlines()[0]
+            return f"snippet found {n}× (need exactly 1) in {mutant.file}: {first!r}"
+        text = text.replace(original, replacement)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return None
+
+
+def run_tests(tree: str, tests, timeout: float):
+    """(pytest exit code or None on timeout, seconds, output tail) for ``tests`` run inside ``tree``."""
+    path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path,
+               PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)       # pytest and its rank workers (its own session)
+        out, _ = proc.communicate()
+        code = None
+    return code, time.monotonic() - t0, out.decode(errors="replace")[-3000:]
+
+
+def check_imports_from_copy(tree: str) -> None:
+    """The copy's gridshard must shadow the editable install, or every mutant would 'survive'."""
+    out = subprocess.run([sys.executable, "-c", "import gridshard, os; print(os.path.realpath(gridshard.__file__))"],
+                         cwd=tree, env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True)
+    where = out.stdout.strip()
+    if not where.startswith(os.path.realpath(tree)):
+        sys.exit(f"mutants: the scratch copy imports gridshard from {where or out.stderr!r}, not from {tree}")
+
+
+def run_mutant(mutant: Mutant, base: str, baseline: bool, timeout: float, verbose: bool) -> dict:
+    row = {"id": mutant.id, "file": mutant.file, "tests": " ".join(mutant.tests), "seconds": 0.0, "detail": ""}
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.id}-") as scratch:
+        tree = os.path.join(scratch, "repo")
+        shutil.copytree(base, tree, symlinks=True)
+        if baseline:
+            code, secs, out = run_tests(tree, mutant.tests, timeout)
+            row["seconds"] += secs
+            if code != 0:
+                row.update(status="error", detail=f"tests fail WITHOUT the mutant (exit {code}):\n{out}")
+                return row
+        problem = apply(mutant, tree)
+        if problem:
+            row.update(status="snippet?", detail=problem)
+            return row
+        code, secs, out = run_tests(tree, mutant.tests, timeout)
+        row["seconds"] += secs
+    if code == 1:
+        row["status"] = "killed"
+    elif code == 0:
+        row.update(status="SURVIVED", detail=f"every named test passed with the mutant applied:\n{out}")
+    else:
+        why = "timeout" if code is None else f"pytest exit {code} (no test failure: missing test id, " \
+                                              f"collection error, ...)"
+        row.update(status="error", detail=f"{why}:\n{out}")
+    if verbose and row["status"] == "killed":
+        row["detail"] = out
+    return row
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", metavar="ID", help="run only this mutant (repeatable)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--baseline", action="store_true", help="first check each mutant's tests pass unmutated")
+    ap.add_argument("--rev", metavar="REV", help="tracked files from this commit instead of the working tree")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per pytest run (default 600)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the pytest output of every mutant")
+    args = ap.parse_args(argv)
+
+    chosen = MUTANTS
+    if args.only:
+        known = {m.id for m in MUTANTS}
+        unknown = [i for i in args.only if i not in known]
+        if unknown:
+            print(f"unknown mutant id(s) {unknown}; known: {sorted(known)}", file=sys.stderr)
+            return 2
+        chosen = [m for m in MUTANTS if m.id in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.id:<26} {m.file:<34} {' '.join(m.tests)}\n{'':<26} {m.why}")
+            for note in m.notes:
+                print(f"{'':<26} note: {note}")
+        return 0
+
+    rows = []
+    t_all = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutants-base-") as base_dir:
+        base = os.path.join(base_dir, "repo")
+        os.makedirs(base)
+        snapshot(base, args.rev)
+        check_imports_from_copy(base)
+        source = f"commit {args.rev} + untracked files" if args.rev else "working tree (uncommitted changes included)"
+        print(f"mutants: {len(chosen)} of {len(MUTANTS)}, snapshot of the {source}", flush=True)
+        for m in chosen:
+            print(f"  {m.id} ...", end=" ", flush=True)
+            row = run_mutant(m, base, args.baseline, args.timeout, args.verbose)
+            print(f"{row['status']} ({row['seconds']:.0f} s)", flush=True)
+            rows.append(row)
+
+    width = max(len(r["id"]) for r in rows)
+    print()
+    print(f"{'mutant':<{width}}  {'status':<9} {'time':>6}  killing test(s)")
+    print(f"{'-' * width}  {'-' * 9} {'-' * 6}  {'-' * 15}")
+    for r in rows:
+        print(f"{r['id']:<{width}}  {r['status']:<9} {r['seconds']:>5.0f}s  {r['tests']}")
+    bad = [r for r in rows if r["status"] != "killed"]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} killed in {time.monotonic() - t_all:.0f} s")
+    for r in rows:
+        if r["detail"] and (r["status"] != "killed" or args.verbose):
+            print(f"\n--- {r['id']}: {r['status']} ---\n{r['detail']}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
