@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gridshard.comm import LEDGER
-from gridshard.comm.summa import blocking_broadcasts, overlap_enabled, summa_ab, summa_abt, summa_atb
+from gridshard.comm.summa import summa_ab, summa_abt, summa_atb
 from gridshard.errors import LayoutError, ShapeError
 from gridshard.mesh import build_mesh
 from gridshard.testing import assert_close, run_on_ranks
@@ -74,11 +74,30 @@ def test_summa_products_q3():
 
 
 def _switch_and_errors():
-    assert overlap_enabled()
-    with blocking_broadcasts():
-        assert not overlap_enabled()
-    assert overlap_enabled()
+    """The overlap switch is a layer parameter: Linear2D(overlap=False) issues every SUMMA
+    broadcast and reduce blocking, overlap=True asynchronously (forward and backward)."""
+    import gridshard.comm.collectives as coll
+    from gridshard.nn.linear_2d import Linear2D
+
     mesh = mesh_2d(2)
+    seen = []
+    real_b, real_r = coll.broadcast, coll.reduce
+
+    def spy(real):
+        def call(*args, async_op=False, **kw):
+            seen.append(async_op)
+            return real(*args, async_op=async_op, **kw)
+        return call
+
+    coll.broadcast, coll.reduce = spy(real_b), spy(real_r)
+    try:
+        for overlap in (False, True):
+            seen.clear()
+            layer = Linear2D(8, 4, mesh, bias=False, overlap=overlap)
+            layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
+            assert seen and all(a == overlap for a in seen), (overlap, seen)
+    finally:
+        coll.broadcast, coll.reduce = real_b, real_r
     LEDGER.reset()
     with pytest.raises(ShapeError, match="summa_ab"):
         summa_ab(torch.zeros(2, 3), torch.zeros(2, 3), mesh)

@@ -41,44 +41,19 @@ So every product is 2q collective calls per rank; a linear layer forward+backwar
 cost table counts the q−1 of each q that a rank receives rather than sends. The
 closed forms live in :mod:`gridshard.theory.tp2d`.
 
-Overlap switch: ``set_overlap(False)`` (or ``with blocking_broadcasts():``, or
-``overlap=False`` per call) makes every broadcast and reduce blocking, the
-benchmark's baseline. The setting in force at forward time is also used by that
-call's backward.
+Overlap switch: ``overlap=False`` (per call; :class:`gridshard.nn.linear_2d.Linear2D`
+and the 2D heads take it as a constructor argument, ``parallelize(summa_overlap=...)``
+and the config key ``parallel.summa_overlap`` set it for a model) makes every broadcast
+and reduce blocking, the benchmark's baseline. A forward's setting is also used by its
+backward. There is no process-wide switch.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Optional
 
 import torch
 
 from ..errors import ShapeError
 from . import collectives as C
-
-_OVERLAP = True
-
-
-def set_overlap(flag: bool) -> None:
-    """Double-buffered async broadcasts (True, default) or blocking ones (False)."""
-    global _OVERLAP
-    _OVERLAP = bool(flag)
-
-
-def overlap_enabled() -> bool:
-    return _OVERLAP
-
-
-@contextmanager
-def blocking_broadcasts():
-    """Within the block, SUMMA uses blocking broadcasts and reduces (no prefetch)."""
-    prev = _OVERLAP
-    set_overlap(False)
-    try:
-        yield
-    finally:
-        set_overlap(prev)
-
 
 def _panel(x: torch.Tensor, axis, src: int, overlap: bool):
     """Broadcast member ``src``'s block along ``axis``; the source sends its own ``x``,
@@ -226,7 +201,7 @@ class _SummaABParts(torch.autograd.Function):
         return (da, None, None, None, *db)
 
 
-def summa_ab_parts(a: torch.Tensor, parts, mesh, overlap: Optional[bool] = None) -> torch.Tensor:
+def summa_ab_parts(a: torch.Tensor, parts, mesh, overlap: bool = True) -> torch.Tensor:
     """Block (i, j) of A·[B₀ | B₁ | …] from A(i, j) and the parts' blocks B_k(i, j) [k/q, n_k/q]
     → [m/q, Σ n_k/q]: the communication of one product of width Σ n_k, without keeping the
     joined weight between forward and backward."""
@@ -234,7 +209,7 @@ def summa_ab_parts(a: torch.Tensor, parts, mesh, overlap: Optional[bool] = None)
     if torch.is_autocast_enabled(a.device.type):
         dtype = torch.get_autocast_dtype(a.device.type)
         a, parts = a.to(dtype), [p.to(dtype) for p in parts]
-    return _SummaABParts.apply(a, row, col, _OVERLAP if overlap is None else overlap, *parts)
+    return _SummaABParts.apply(a, row, col, overlap, *parts)
 
 
 def _autocast_operands(a: torch.Tensor, b: torch.Tensor):
@@ -258,22 +233,22 @@ def _grid(mesh):
     return mesh.row, mesh.col
 
 
-def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh, overlap: Optional[bool] = None) -> torch.Tensor:
+def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh, overlap: bool = True) -> torch.Tensor:
     """Block (i, j) of A·B from blocks A(i, j) [m/q, k/q] and B(i, j) [k/q, n/q]; → [m/q, n/q]."""
     row, col = _grid(mesh)
     a, b = _autocast_operands(a, b)
-    return _SummaAB.apply(a, b, row, col, _OVERLAP if overlap is None else overlap)
+    return _SummaAB.apply(a, b, row, col, overlap)
 
 
-def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh, overlap: Optional[bool] = None) -> torch.Tensor:
+def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh, overlap: bool = True) -> torch.Tensor:
     """Block (i, j) of A·Bᵀ from A(i, j) [m/q, k/q] and B(i, j) [n/q, k/q]; → [m/q, n/q]."""
     row, col = _grid(mesh)
     a, b = _autocast_operands(a, b)
-    return _SummaABT.apply(a, b, row, col, _OVERLAP if overlap is None else overlap)
+    return _SummaABT.apply(a, b, row, col, overlap)
 
 
-def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh, overlap: Optional[bool] = None) -> torch.Tensor:
+def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh, overlap: bool = True) -> torch.Tensor:
     """Block (i, j) of Aᵀ·B from A(i, j) [m/q, k/q] and B(i, j) [m/q, n/q]; → [k/q, n/q]."""
     row, col = _grid(mesh)
     a, b = _autocast_operands(a, b)
-    return _SummaATB.apply(a, b, row, col, _OVERLAP if overlap is None else overlap)
+    return _SummaATB.apply(a, b, row, col, overlap)

@@ -33,6 +33,8 @@ class ParallelSection(BaseModel):
     tensor_mode: Literal["none", "1d", "2d"] = Field("none", description="none | 1d (Megatron) | 2d (SUMMA)")
     sequence_parallel: bool = Field(False, description="1d only: split the residual stream along the sequence")
     pipeline: int = Field(1, description="pipeline stages P (must be 1 for now)")
+    summa_overlap: bool = Field(True, description="2d only: double-buffered async SUMMA broadcasts (false: "
+                                                  "blocking, the benchmark baseline)")
 
 
 class ModelSection(BaseModel):

@@ -76,7 +76,7 @@ class Trainer:
                 plain = Transformer(mc)
         # values are a function of (seed, name, global index): the same global model at every layout
         self.model = parallelize(plain, self.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
-                                 device=self.device)
+                                 device=self.device, summa_overlap=p.summa_overlap)
         self.context = context_of(self.model)
         named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
         self.params = [q for _, q in named]

@@ -73,7 +73,7 @@ class VocabParallelClassifier2D(Linear2D):
     """LM head: Linear2D h → V_pad, no bias, global weight drawn [V, h] (see module docstring)."""
 
     def __init__(self, hidden: int, vocab: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
-                 device=None):
+                 device=None, overlap: bool = True):
         padded = padded_vocab(vocab, mesh.q)
         draw = padded_table_init(vocab, hidden, init_std, padded)
 
@@ -82,7 +82,8 @@ class VocabParallelClassifier2D(Linear2D):
             draw(table)
             full.copy_(table.t())
 
-        super().__init__(hidden, padded, mesh, bias=False, weight_init=init, dtype=dtype, device=device)
+        super().__init__(hidden, padded, mesh, bias=False, weight_init=init, dtype=dtype, device=device,
+                         overlap=overlap)
         self.vocab_size, self.padded_vocab = vocab, padded
         self.weight.shard_spec = replace(self.weight.shard_spec, canonical_shape=(vocab, hidden))
 
@@ -90,13 +91,14 @@ class VocabParallelClassifier2D(Linear2D):
 class TiedVocabHead2D(nn.Module):
     """LM head sharing a VocabParallelEmbedding2D table: logits = x·Eᵀ by SUMMA A·Bᵀ."""
 
-    def __init__(self, embedding: VocabParallelEmbedding2D):
+    def __init__(self, embedding: VocabParallelEmbedding2D, overlap: bool = True):
         super().__init__()
         if not isinstance(embedding, VocabParallelEmbedding2D):
             raise TypeError(f"TiedVocabHead2D needs a VocabParallelEmbedding2D, got {type(embedding).__name__}")
         self._embedding = [embedding]  # not a submodule: the embedding owns the table
         self.weight = embedding.weight  # the same Parameter (state_dict lists it under both names, like nn.Linear ties)
         self.mesh = embedding.mesh
+        self.overlap = overlap
         self.vocab_size, self.padded_vocab = embedding.vocab, embedding.padded_vocab
         self.hidden_local = embedding.hidden // self.mesh.q
 
@@ -105,5 +107,5 @@ class TiedVocabHead2D(nn.Module):
             raise ShapeError(f"TiedVocabHead2D got a local input with last dim {x.shape[-1]}; each rank holds "
                              f"hidden/q = {self.hidden_local}. Fix: pass this rank's [b/q, s, h/q] block.")
         table = self._embedding[0].weight                 # [V_pad/q, h/q]
-        y = summa_abt(x.reshape(-1, self.hidden_local), table, self.mesh)
+        y = summa_abt(x.reshape(-1, self.hidden_local), table, self.mesh, self.overlap)
         return y.view(*x.shape[:-1], y.shape[-1])

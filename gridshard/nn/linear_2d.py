@@ -5,7 +5,7 @@ Layout (rank (i, j) = (``mesh.grid_row``, ``mesh.grid_col``)):
 * input  x [b, s, in]  → block [b/q, s, in/q]  = x[batch block i, :, in block j];
 * weight W [in, out]   → block [in/q, out/q]   = W[in block i, out block j]
   (stored [in, out]; the *global* weight is drawn as [out, in] with
-  ``normal_(0, init_std)`` per the init contract of :mod:`gridshard.nn.style`, then
+  ``normal_(0, init_std)`` per the init contract of :mod:`gridshard.nn.plain`, then
   transposed, so the same seed gives the same global model as a plain nn.Linear);
 * bias   b [out]       → block [out/q²]        = sub-block i of out block j;
 * output y [b, s, out] → block [b/q, s, out/q] = y[batch block i, :, out block j].
@@ -70,9 +70,10 @@ class Linear2D(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,
                  fused_parts: int = 1, weight_init: Optional[Callable[[torch.Tensor], None]] = None,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, overlap: bool = True):
         super().__init__()
         q = mesh.q
+        self.overlap = overlap              # double-buffered async SUMMA broadcasts (False: blocking)
         check_divisible(in_features, q, "in_features", "grid side q")
         check_divisible(out_features, q * fused_parts, "out_features",
                         "grid side q × fused_parts" if fused_parts > 1 else "grid side q")
@@ -100,7 +101,7 @@ class Linear2D(nn.Module):
             raise ShapeError(f"Linear2D({self.in_features}→{self.out_features}) got a local input with last dim "
                              f"{x.shape[-1]}: on a q={self.mesh.q} grid each rank holds in/q = {self.in_local} "
                              f"features. Fix: pass this rank's [b/q, s, in/q] block.")
-        y = summa_ab(x.reshape(-1, self.in_local), self.weight, self.mesh)
+        y = summa_ab(x.reshape(-1, self.in_local), self.weight, self.mesh, self.overlap)
         y = y.view(*x.shape[:-1], self.out_local)
         if self.bias is not None:
             y = y + gather_vector_2d(self.bias, self.mesh, self.fused_parts)

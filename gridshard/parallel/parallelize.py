@@ -150,14 +150,15 @@ def _rebuild_meta_buffers(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence_parallel: bool = False,
-                seed: int = 0, device=None) -> nn.Module:
+                seed: int = 0, device=None, summa_overlap: bool = True) -> nn.Module:
     """Lay ``model`` (a plain single-device module, built on ``meta`` or with real weights) out
     on ``mesh`` (:func:`gridshard.build_mesh`) for its tensor mode; returns the same module.
 
     ``plan`` defaults to the model family's table; ``sequence_parallel`` (1D only);
     ``seed`` drives the counter-based initialisation of meta parameters (same seed → the
     same global model at every layout); ``device`` where the blocks live (default: CUDA
-    if available, else CPU).
+    if available, else CPU); ``summa_overlap`` (2D) double-buffered async SUMMA
+    broadcasts, or blocking ones when False.
     """
     from ..mesh import default_device
 
@@ -190,7 +191,7 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
                 tied = None
                 if kind == "vocab_head":
                     tied = next((e for src, e in embeddings.values() if src is module.weight), None)
-                new = build_2d(name, module, kind, mesh, tied_embedding=tied)
+                new = build_2d(name, module, kind, mesh, tied_embedding=tied, overlap=summa_overlap)
             if kind == "vocab_embedding":
                 embeddings[name] = (module.weight, new)
             if kind == "vocab_head" and mode == "1d":

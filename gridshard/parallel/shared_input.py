@@ -96,7 +96,7 @@ def _fused_1d(children, xp):
 
 def _fused_2d(children, x):
     first = children[0]
-    y = summa_ab_parts(x.reshape(-1, first.in_local), [c.weight for c in children], first.mesh)
+    y = summa_ab_parts(x.reshape(-1, first.in_local), [c.weight for c in children], first.mesh, first.overlap)
     y = y.view(*x.shape[:-1], y.shape[-1])
     outs = y.split([c.out_local for c in children], -1)
     return [o.contiguous() if c.bias is None else o + gather_vector_2d(c.bias, c.mesh) for o, c in zip(outs, children)]

@@ -64,10 +64,10 @@ def build_1d(name, module, kind, mesh, sp: bool, sp_in_embedding: bool, kv_repli
     raise LayoutError(f"parallelize: kind {kind!r} of {name!r} has no 1D layer")
 
 
-def build_2d(name, module, kind, mesh, tied_embedding=None):
+def build_2d(name, module, kind, mesh, tied_embedding=None, overlap: bool = True):
     if kind in ("column", "kv_column", "row"):
         n_in, n_out, bias = _linear_dims(name, module, kind)
-        return Linear2D(n_in, n_out, mesh, bias=bias, device=META)
+        return Linear2D(n_in, n_out, mesh, bias=bias, device=META, overlap=overlap)
     if kind == "vocab_embedding":
         return VocabParallelEmbedding2D(module.num_embeddings, module.embedding_dim, mesh, device=META)
     if kind == "vocab_head":
@@ -76,8 +76,8 @@ def build_2d(name, module, kind, mesh, tied_embedding=None):
             raise LayoutError(f"parallelize: the vocabulary head {name!r} has a bias, which the 2D vocab head does "
                               f"not support. Fix: build the head with bias=False.")
         if tied_embedding is not None:
-            return TiedVocabHead2D(tied_embedding)
-        return VocabParallelClassifier2D(n_in, vocab, mesh, device=META)
+            return TiedVocabHead2D(tied_embedding, overlap=overlap)
+        return VocabParallelClassifier2D(n_in, vocab, mesh, device=META, overlap=overlap)
     if kind == "norm":
         return RMSNorm2D(module.weight.shape[0], mesh, norm_eps(module), device=META)
     raise LayoutError(f"parallelize: kind {kind!r} of {name!r} cannot be laid out in 2D (the residual stream is "
