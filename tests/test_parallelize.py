@@ -115,3 +115,32 @@ def test_layouts_that_cannot_work_fail_with_one_clear_error(kwargs, T, mode, wor
     assert msg is not None, f"{kwargs} on T={T} {mode}: no error"
     for w in words:
         assert w in msg, (w, msg)
+
+
+def _dtensor_views(T, mode, tied):
+    from gridshard import build_mesh, gathered_state_dict, parallelize
+    from gridshard.parallel import dtensor_state_dict
+
+    model = parallelize(own_tiny(tied, 4), build_mesh(1, 1, T, mode), seed=2, device="cpu")
+    full = gathered_state_dict(model)
+    views = dtensor_state_dict(model)
+    checked, none = 0, []
+    for name, v in views.items():
+        if v is None:
+            none.append(name)
+            continue
+        assert tuple(v.shape) == tuple(full[name].shape), name
+        assert torch.equal(v.full_tensor(), full[name]), f"{name}: DTensor view differs from the canonical tensor"
+        checked += 1
+    return checked, none
+
+
+@pytest.mark.parametrize("T,mode,tied", [(2, "1d", False), (4, "1d", True), (4, "2d", False), (4, "2d", True)])
+def test_dtensor_views_are_the_canonical_tensors(T, mode, tied):
+    """Every parameter whose block is a standard DTensor chunk (all but the 2D norm vectors)
+    is viewed as a DTensor of the canonical shape whose full_tensor() is the canonical one."""
+    checked, none = run_on_ranks(T, _dtensor_views, T, mode, tied)[0]
+    assert all(n.endswith("layernorm.weight") or n == "norm.weight" for n in none), none
+    # 2 layers × (7 projections + 2 norms) + embedding + final norm + head = 21 entries
+    assert checked + len(none) == 21
+    assert len(none) == (0 if mode == "1d" else 5)

@@ -1,0 +1,116 @@
+"""DTensor views of a laid-out model's parameters, for PyTorch components that speak DTensor
+(``torch.distributed.checkpoint``, FSDP2, ``full_tensor()`` for inspection).
+
+A parameter's :class:`ShardSpec` becomes DTensor placements on the job's tensor sub-mesh
+(1D: ``device_mesh["tensor"]``; 2D: ``device_mesh["grid_row", "grid_col"]``) whenever
+its block is one DTensor chunk of the *canonical* tensor:
+
+===========================  =====================================  ==========================
+parameter                    spec (storage)                         placements → local view
+===========================  =====================================  ==========================
+replicated (norms, 1D)       no split                               Replicate()
+column / row / vocab (1D)    (d, tensor)                            Shard(d)
+vocab table, padded rows     (0, tensor), canonical V < V_p          Shard(0); local[:rows], the
+                                                                    rows torch.chunk gives it
+Linear2D weight [in, out]    (0, grid_row), (1, grid_col), ᵀ        (Shard(1), Shard(0)); local.t()
+2D vocab table [V_p, h]      (0, grid_row), (1, grid_col)           (Shard(0), Shard(1))
+2D vocab head [h, V_p]       (0, grid_row), (1, grid_col), ᵀ        (Shard(1), Shard(0)); local.t()
+===========================  =====================================  ==========================
+
+Not expressible as standard placements (returned as ``None``): 2D norm / bias vectors
+(q² sub-blocks ordered column-major) and kv blocks replicated in groups of T/kv. Those
+are still plain offset blocks of the canonical tensor (:func:`block_offsets`), which is all
+a checkpoint planner needs.
+
+Views share storage with the parameters (no copy): writing into a view's local tensor
+writes the parameter.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..nn.sharding import ShardSpec, block_dim_indices, mesh_coords
+from .context import context_of
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def tensor_submesh(mesh):
+    """The DeviceMesh of the tensor dims: ``tensor`` (1D) or ``(grid_row, grid_col)`` (2D)."""
+    if mesh.tensor_mode == "2d":
+        return mesh.device_mesh["grid_row", "grid_col"]
+    return mesh.device_mesh["tensor"]
+
+
+def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
+    """DTensor placements of the canonical tensor on :func:`tensor_submesh`, or None."""
+    if spec.replicate > 1 or spec.fused_parts > 1:
+        return None
+    ndim = len(spec.global_shape)
+
+    def canon_dim(d):
+        return ndim - 1 - d if spec.transposed else d
+
+    if mesh.tensor_mode != "2d":
+        if not spec.splits:
+            return (Replicate(),)
+        if len(spec.splits) == 1 and spec.splits[0][1] == "tensor":
+            return (Shard(canon_dim(spec.splits[0][0])),)
+        return None
+    by_coord = {}
+    for d, coord in spec.splits:
+        if coord in by_coord or coord not in ("grid_row", "grid_col"):
+            return None
+        by_coord[coord] = d
+    if len(set(by_coord.values())) != len(by_coord):
+        return None                                   # two coords on one dim: not mesh-ordered
+    return tuple(Shard(canon_dim(by_coord[c])) if c in by_coord else Replicate() for c in ("grid_row", "grid_col"))
+
+
+def block_offsets(spec: ShardSpec, mesh) -> list:
+    """(offset, length) of this rank's block along each canonical dim (padding excluded);
+    defined for every spec whose per-dim index lists are contiguous (all but fused ones)."""
+    index, size = mesh_coords(mesh)
+    dims = block_dim_indices(spec, index, size)
+    if spec.transposed:
+        dims = dims[::-1]
+    out = []
+    for ix, n in zip(dims, spec.canonical()):
+        ix = ix[ix < n]
+        out.append((int(ix[0]) if len(ix) else 0, len(ix)))
+    return out
+
+
+def dtensor_view(t: torch.Tensor, spec: ShardSpec, mesh) -> Optional[DTensor]:
+    """The canonical global tensor of block ``t`` as a DTensor sharing its storage, or None
+    when the layout has no standard placements (module docstring)."""
+    placements = placements_of(spec, mesh)
+    if placements is None:
+        return None
+    local = t.detach()
+    if spec.transposed:
+        local = local.t()
+    rows = [length for _, length in block_offsets(spec, mesh)]
+    local = local[tuple(slice(0, n) for n in rows)]
+    canon = spec.canonical()
+    return DTensor.from_local(local, tensor_submesh(mesh), placements, run_check=False, shape=torch.Size(canon),
+                              stride=_contiguous_stride(canon))
+
+
+def dtensor_state_dict(model: torch.nn.Module) -> dict:
+    """name → DTensor view (or None where the layout has no standard placements), for every
+    entry of ``model.state_dict()``."""
+    ctx = context_of(model)
+    if ctx.mode == "none":
+        return dict(model.state_dict())
+    return {name: dtensor_view(t, ctx.layouts[name], ctx.mesh)
+            for name, t in model.state_dict(keep_vars=True).items()}
