@@ -5,7 +5,7 @@ subtracted first (exp(89) is already inf in fp32; exp(−104) is 0): a loss with
 max shift returns inf/NaN here while ``F.cross_entropy`` is finite. Checked, forward
 and backward, against ``F.cross_entropy`` in float64 on the same (fp32) global logits:
 
-* the plain path (``NoTensorParallel.loss``, i.e. fp32 ``F.cross_entropy``);
+* the plain path (``ParallelContext.loss`` in mode ``none``, i.e. fp32 ``F.cross_entropy``);
 * the 1D vocab-parallel loss (:func:`vocab_parallel_cross_entropy`) at T = 2;
 * the 2D loss (:func:`cross_entropy_2d`) at q = 2.
 
@@ -35,7 +35,7 @@ from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from gridshard.errors import ShapeError
 from gridshard.nn.cross_entropy_2d import cross_entropy_2d
 from gridshard.nn.embedding_1d import check_token_range
-from gridshard.nn.style import NoTensorParallel
+from gridshard.parallel import ParallelContext
 from gridshard.testing import run_on_ranks
 
 from .test_tp1d_helpers import mesh_1d
@@ -113,7 +113,7 @@ def test_plain_loss_with_huge_logits(seed):
     ref_loss, ref_grad = _reference(Z, targets, "mean")
     assert torch.isfinite(ref_loss) and ref_loss > 1e3, "the inputs must really be extreme"
     z = Z.clone().requires_grad_()
-    loss = NoTensorParallel(None).loss(z, targets, ignore_index=IGNORE)
+    loss = ParallelContext(None, "none", False, VOCAB).loss(z, targets, ignore_index=IGNORE)
     loss.backward()
     _check(loss, ref_loss, RTOL_LOSS, ATOL_LOSS, f"plain loss seed={seed}")
     _check(z.grad, ref_grad, RTOL_GRAD, ATOL_GRAD, f"plain logits grad seed={seed}")

@@ -15,8 +15,7 @@ from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
 from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
 from gridshard.nn.norm import RMSNorm
-from gridshard.nn.style import NoTensorParallel
-from gridshard.nn.style_1d import Megatron1DStyle
+from gridshard.nn.shape_rules import check_model_shapes, model_shape_rules
 from gridshard.parallel import parallelize
 from gridshard.testing import run_on_ranks
 
@@ -83,24 +82,28 @@ def _errors(T):
     _raises(ShapeError, r"vocab_size=20 does not fit",
             lambda: vocab_parallel_cross_entropy(logits, torch.zeros(2, 4).long(), mesh, vocab_size=20))
 
-    # the style's shape check and parallelize's layout check of a plain model
-    style = Megatron1DStyle(mesh, sequence_parallel=True)
-    ok = dict(batch=2, seq=4 * T, hidden=8 * T, heads=T, ffn=4 * T, vocab=37)
-    style.check_shapes(**ok)
-    _raises(ShapeError, r"head_dim \(hidden/heads\)=3 is not divisible by 2",
-            lambda: style.check_shapes(**{**ok, "hidden": 3 * T}))
+    # the shared shape rules (1D + SP) and parallelize's layout check of a plain model
+    check_sp = lambda **kw: check_model_shapes("1d", T, True, **kw)     # noqa: E731
+    ok = dict(batch=2, seq=4 * T, hidden=8 * T, heads=T, ffn=4 * T)
+    check_sp(**ok)
+    _raises(ShapeError, r"head_dim=3 is not divisible by 2\b.*rotary embeddings rotate channel pairs",
+            lambda: check_sp(**{**ok, "hidden": 3 * T}))
     _raises(ShapeError, "head_dim=3 is not divisible by 2",
-            lambda: NoTensorParallel(None).check_shapes(2, 8, 12, 4, 16, 37))
+            lambda: check_model_shapes("none", 1, False, 2, 8, 12, 4, 16))
     if T > 1:
-        _raises(ShapeError, rf"hidden={T + 1} is not divisible by tensor-parallel size T={T}",
-                lambda: style.check_shapes(**{**ok, "hidden": T + 1, "heads": 1}))
-        _raises(ShapeError, rf"heads={T + 1} is not divisible by tensor-parallel size T={T}",
-                lambda: style.check_shapes(**{**ok, "hidden": 8 * (T + 1), "heads": T + 1}))
-        _raises(ShapeError, rf"ffn_hidden={4 * T + 1} is not divisible",
-                lambda: style.check_shapes(**{**ok, "ffn": 4 * T + 1}))
-        _raises(ShapeError, rf"seq \(sequence length\)={4 * T + 1} is not divisible",
-                lambda: style.check_shapes(**{**ok, "seq": 4 * T + 1}))
-        Megatron1DStyle(mesh, sequence_parallel=False).check_shapes(**{**ok, "seq": 4 * T + 1})
+        # hidden % T is implied by heads % T and hidden % heads, so check_model_shapes reports an
+        # earlier rule first; the rule itself is in the list the config validator reports
+        bad = [r for r in model_shape_rules("1d", T, True, **{**ok, "hidden": T + 1, "heads": 1}) if not r.holds]
+        assert any(r.message().startswith(f"hidden={T + 1} is not divisible by tensor={T}: ") for r in bad), \
+            [r.message() for r in bad]
+        _raises(ShapeError, rf"heads={T + 1} is not divisible by tensor={T}: 1D tensor parallelism gives every "
+                            rf"rank whole heads",
+                lambda: check_sp(**{**ok, "hidden": 8 * (T + 1), "heads": T + 1}))
+        _raises(ShapeError, rf"ffn_hidden={4 * T + 1} is not divisible by tensor={T}",
+                lambda: check_sp(**{**ok, "ffn": 4 * T + 1}))
+        _raises(ShapeError, rf"seq_len={4 * T + 1} is not divisible by tensor={T}: sequence parallelism",
+                lambda: check_sp(**{**ok, "seq": 4 * T + 1}))
+        check_model_shapes("1d", T, False, **{**ok, "seq": 4 * T + 1})     # without SP any length is fine
         _raises(LayoutError, rf"heads={T + 1} on T={T}: 1D gives every rank whole attention heads.*Fix: use a "
                              rf"tensor size that divides {T + 1}",
                 lambda: parallelize(_meta_model(hidden=8 * (T + 1), heads=T + 1, ffn_hidden=4 * T), mesh,
@@ -114,7 +117,7 @@ def _errors(T):
                 lambda: parallelize(_meta_model(hidden=4 * 3 * T, heads=3 * T, kv_heads=kv, ffn_hidden=4 * T), mesh,
                                     device="cpu"))
     _raises(ShapeError, r"hidden=10 is not divisible by heads=4",
-            lambda: style.check_shapes(**{**ok, "hidden": 10, "heads": 4}))
+            lambda: check_sp(**{**ok, "hidden": 10, "heads": 4}))
     return True
 
 

@@ -16,8 +16,8 @@ from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
 from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
 from gridshard.nn.norm import RMSNorm
-from gridshard.nn.style import NoTensorParallel, plain_linear
-from gridshard.nn.style_1d import Megatron1DStyle
+from gridshard.nn.plain import plain_embedding, plain_linear
+from gridshard.parallel import ParallelContext
 from gridshard.testing import assert_close, run_on_ranks
 from gridshard.theory import tp1d
 
@@ -154,7 +154,7 @@ def _check_embedding(mesh, sp, b, s, h, seed):
     for vocab in (37, 5, 40):
         what = f"embedding(V={vocab}, b,s,h={b},{s},{h})"
         torch.manual_seed(seed)
-        ref = NoTensorParallel(None).embedding(vocab, h, 0.05)
+        ref = plain_embedding(vocab, h, 0.05)
         torch.manual_seed(seed)
         par = VocabParallelEmbedding(vocab, h, mesh, init_std=0.05, sequence_parallel=sp)
         assert par.padded_vocab == padded_vocab_size(vocab, T) and par.weight.shape[0] == par.padded_vocab // T
@@ -198,10 +198,8 @@ def _check_cross_entropy(mesh, b, s, seed):
         theory = tp1d.cross_entropy_comm(b * s, T)
         assert (LEDGER.count("all_reduce"), LEDGER.payload_bytes("all_reduce")) == \
                (theory.count("all_reduce"), theory.payload_bytes("all_reduce")), f"{what} ledger"
-        # the style's loss: mean over the non-ignored tokens, the same scalar as F.cross_entropy
-        style = Megatron1DStyle(mesh)
-        style.vocab_size = vocab
-        mean = style.loss(z.detach(), targets)
+        # the laid-out model's loss: mean over the non-ignored tokens, the same scalar as F.cross_entropy
+        mean = ParallelContext(mesh, "1d", False, vocab).loss(z.detach(), targets)
         assert_close(mean, F.cross_entropy(Z.detach().reshape(-1, vocab), targets.reshape(-1)), TOL, f"{what} mean")
     # without padding and without vocab_size (V = T·V_l)
     Z = randn((b, s, 8 * T), seed + 4)

@@ -5,22 +5,22 @@ i.e. no rank issued a collective before raising.
 """
 import pytest
 import torch
+from torch import nn
 
 from gridshard.comm import LEDGER
 from gridshard.comm.grid_ops import split_batch
 from gridshard.errors import LayoutError, ShapeError
 from gridshard.mesh import build_mesh
 from gridshard.models import ModelConfig, Transformer
-from gridshard.nn import make_style
 from gridshard.nn.classifier_2d import Classifier2D
 from gridshard.nn.cross_entropy_2d import cross_entropy_2d
 from gridshard.nn.embedding_2d import Embedding2D
 from gridshard.nn.linear_2d import Linear2D
 from gridshard.nn.norm_2d import LayerNorm2D, RMSNorm2D
 from gridshard.nn.patch_embedding_2d import PatchEmbedding2D
-from gridshard.nn.style_1d import Megatron1DStyle
-from gridshard.nn.style_2d import Summa2DStyle
-from gridshard.parallel import parallelize
+from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+from gridshard.nn.shape_rules import check_model_shapes
+from gridshard.parallel import ParallelContext, check_layout, model_dims, parallelize
 from gridshard.testing import run_on_ranks
 
 
@@ -65,13 +65,15 @@ def _errors():
     _raises(ShapeError, "id 9 is outside the vocabulary", lambda: cross_entropy_2d(
         torch.zeros(2, 3, 5), torch.full((2, 3), 9), mesh, 9))
     # batch not divisible by q
-    style = Summa2DStyle(mesh)
-    _raises(ShapeError, "batch=3 is not divisible by grid side q=2", lambda: style.shard_tokens(torch.zeros(3, 4)))
+    ctx = ParallelContext(mesh, "2d", False, 50)
+    _raises(ShapeError, "batch=3 is not divisible by grid side q=2", lambda: ctx.shard_tokens(torch.zeros(3, 4)))
     _raises(ShapeError, "batch=5 is not divisible by grid side q=2", lambda: split_batch(torch.zeros(5, 3), mesh))
     # model shapes (the shared shape rules) and parallelize's layout check of a plain model
-    _raises(ShapeError, "micro_batch=3", lambda: style.check_shapes(3, 8, 16, 4, 24, 50))
-    _raises(ShapeError, "heads=3", lambda: style.check_shapes(2, 8, 24, 3, 24, 50))
-    _raises(ShapeError, "ffn_hidden=9", lambda: style.check_shapes(2, 8, 16, 4, 9, 50))
+    check_2d = lambda *shape: check_model_shapes("2d", 4, False, *shape)     # noqa: E731
+    check_2d(2, 8, 16, 4, 24)
+    _raises(ShapeError, "micro_batch=3 is not divisible by q=2", lambda: check_2d(3, 8, 16, 4, 24))
+    _raises(ShapeError, "heads=3 is not divisible by q=2", lambda: check_2d(2, 8, 24, 3, 24))
+    _raises(ShapeError, "ffn_hidden=9 is not divisible by q=2", lambda: check_2d(2, 8, 16, 4, 9))
     _raises(LayoutError, r"heads=3 on a q=2 grid: 2D splits it into q column blocks.*Fix: use a grid side q "
                          r"that divides 3",
             lambda: parallelize(_meta_model(hidden=24, heads=3, ffn_hidden=24), mesh, device="cpu"))
@@ -85,10 +87,11 @@ def _errors():
     _raises(LayoutError, r"sequence_parallel=True\) on tensor_mode='2d'",
             lambda: parallelize(_meta_model(hidden=16, heads=4, ffn_hidden=24), mesh, sequence_parallel=True,
                                 device="cpu"))
-    # a 2D style needs a 2D mesh and no sequence parallelism
-    _raises(LayoutError, "tensor_mode='2d'", lambda: Summa2DStyle(build_mesh(tensor=4, tensor_mode="1d")))
-    _raises(LayoutError, "sequence_parallel", lambda: make_style(mesh, sequence_parallel=True))
-    assert isinstance(make_style(mesh), Summa2DStyle)
+    # no sequence parallelism outside 1D (the layout check itself, on the plain model's dimensions)
+    dims = model_dims(_meta_model(hidden=16, heads=4, ffn_hidden=24))
+    _raises(LayoutError, r"sequence_parallel=True\) on tensor_mode='2d'.*Fix: use a 1d mesh",
+            lambda: check_layout(dims, mesh, sequence_parallel=True))
+    check_layout(dims, mesh, sequence_parallel=False)
     assert LEDGER.count() == 0, f"a collective ran before an error:\n{LEDGER.summary()}"
     return True
 
@@ -97,18 +100,24 @@ def test_bad_2d_inputs_fail_before_any_collective():
     assert all(run_on_ranks(4, _errors))
 
 
-def _style_misuse():
+def _mode_follows_the_mesh():
     LEDGER.reset()
     mesh = build_mesh(tensor=4, tensor_mode="2d")
-    # a 1D style on a 2D mesh would split over the flat tensor axis and ignore the grid
-    _raises(LayoutError, r"Megatron1DStyle on a 2D mesh.*Fix: build the mesh with tensor_mode='1d'",
-            lambda: Megatron1DStyle(mesh))
-    # the 2D loss before lm_head recorded the vocabulary size (it could not mask the padding)
-    with pytest.raises(LayoutError, match=r"Summa2DStyle\.loss needs the vocabulary size.*lm_head"):
-        Summa2DStyle(mesh).loss(torch.zeros(1, 3, 4), torch.zeros(1, 3, dtype=torch.long))
+    # a 2D mesh gets the SUMMA layers: 1D layers would split over the flat tensor axis and ignore the grid
+    model = parallelize(_meta_model(hidden=16, heads=4, ffn_hidden=24), mesh, device="cpu")
+    ctx = model.parallel_context
+    assert (ctx.mode, ctx.sequence_parallel, ctx.vocab_size) == ("2d", False, 50)
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, ColumnParallelLinear, RowParallelLinear))]
+    assert layers == [], f"plain or 1D linear layers on a 2D mesh: {layers}"
+    projections = [f"layers.0.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert all(type(model.get_submodule(p)) is Linear2D for p in projections)
+    # the 2D loss masks padding with the context's vocabulary size: logits narrower than V/q are refused
+    _raises(ShapeError, r"vocab block 4 × q=2 < vocab_size=50",
+            lambda: ctx.loss(torch.zeros(1, 3, 4), torch.zeros(1, 3, dtype=torch.long)))
     assert LEDGER.count() == 0, f"a collective ran before an error:\n{LEDGER.summary()}"
     return True
 
 
-def test_1d_style_on_a_2d_mesh_and_loss_before_head_fail_clearly():
-    assert all(run_on_ranks(4, _style_misuse))
+def test_2d_mesh_gets_2d_layers_and_the_loss_checks_its_vocabulary():
+    assert all(run_on_ranks(4, _mode_follows_the_mesh))

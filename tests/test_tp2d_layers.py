@@ -21,7 +21,8 @@ from gridshard.nn.embedding_2d import Embedding2D, VocabParallelEmbedding2D
 from gridshard.nn.linear_2d import Linear2D
 from gridshard.nn.norm_2d import LayerNorm2D, RMSNorm2D
 from gridshard.nn.patch_embedding_2d import PatchEmbedding2D
-from gridshard.nn.style import NoTensorParallel, plain_linear
+from gridshard.nn.plain import plain_embedding, plain_lm_head, plain_linear
+from gridshard.parallel import ParallelContext
 from gridshard.testing import assert_close, run_on_ranks
 from gridshard.theory import tp2d
 
@@ -119,7 +120,7 @@ def _embeddings(q, b, s, vocab, h, seed):
     mesh = mesh_2d(q)
     what = f"VocabParallelEmbedding2D q={q} b,s,V,h={b},{s},{vocab},{h} seed={seed}"
     torch.manual_seed(seed)
-    ref = NoTensorParallel(None).embedding(vocab, h, 0.1)
+    ref = plain_embedding(vocab, h, 0.1)
     torch.manual_seed(seed)
     par = VocabParallelEmbedding2D(vocab, h, mesh, 0.1)
     tokens = randint(vocab, (b, s), seed + 1)
@@ -136,7 +137,7 @@ def _embeddings(q, b, s, vocab, h, seed):
 
     what = f"Embedding2D q={q} b,s,V,h={b},{s},{vocab},{h * q} seed={seed}"
     torch.manual_seed(seed)
-    ref = NoTensorParallel(None).embedding(vocab, h * q, 0.1)
+    ref = plain_embedding(vocab, h * q, 0.1)
     torch.manual_seed(seed)
     par = Embedding2D(vocab, h * q, mesh, 0.1)
     G = randn((b, s, h * q), seed + 3)
@@ -157,10 +158,9 @@ def test_embeddings_q2_vocab_not_divisible():
 def _head_and_loss(q, b, s, vocab, h, tied, seed):
     mesh = mesh_2d(q)
     what = f"LM head tied={tied} + cross_entropy_2d q={q} b,s,V,h={b},{s},{vocab},{h} seed={seed}"
-    plain = NoTensorParallel(None)
     torch.manual_seed(seed)
-    ref_emb = plain.embedding(vocab, h, 0.1)
-    ref_head = plain.lm_head(h, vocab, 0.1, tied=ref_emb if tied else None)
+    ref_emb = plain_embedding(vocab, h, 0.1)
+    ref_head = plain_lm_head(h, vocab, 0.1, tied=ref_emb if tied else None)
     torch.manual_seed(seed)
     par_emb = VocabParallelEmbedding2D(vocab, h, mesh, 0.1)
     par_head = TiedVocabHead2D(par_emb) if tied else VocabParallelClassifier2D(h, vocab, mesh, 0.1)
@@ -170,7 +170,7 @@ def _head_and_loss(q, b, s, vocab, h, tied, seed):
     targets[-1, -1] = vocab - 1                    # the last real column, next to the padding
     X = randn((b, s, h), seed + 3).requires_grad_()
     Z = ref_head(ref_emb(tokens) + X)
-    loss_ref = plain.loss(Z, targets)
+    loss_ref = ParallelContext(None, "none", False, vocab).loss(Z, targets)
     loss_ref.backward()
     x = block(X, mesh).requires_grad_()
     z = par_head(par_emb(block(tokens, mesh, last=False)) + x)

@@ -11,7 +11,7 @@ Sharding: with D data ranks and micro-batch m, each optimizer step accumulates
 global row is used exactly once per step, and because every micro-batch has the same
 number of tokens, mean-over-micro-batches then mean-over-ranks equals the mean over the
 global batch. (In 2D the tensor group further splits a micro-batch over its grid rows
-with ``style.shard_tokens``.)
+with ``ParallelContext.shard_tokens``.)
 """
 from __future__ import annotations
 

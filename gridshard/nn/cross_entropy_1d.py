@@ -18,7 +18,7 @@ from the saved local softmax. Tokens whose target is ``ignore_index`` get ℓ_i 
 and a zero gradient (as ``F.cross_entropy(reduction="none")``).
 
 :func:`vocab_parallel_cross_entropy` returns the PER-TOKEN loss (targets' shape);
-``Megatron1DStyle.loss`` takes the mean over the non-ignored tokens.
+``ParallelContext.loss`` (mode ``1d``) takes the mean over the non-ignored tokens.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def cross_entropy_2d(logits: torch.Tensor, targets: torch.Tensor, mesh, vocab_si
     if logits.shape[:-1] != targets.shape:
         raise ShapeError(f"cross_entropy_2d: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
                          f"disagree: logits must be targets' shape plus a vocabulary block. Fix: pass this "
-                         f"rank's targets (batch block {mesh.grid_row}, e.g. style.shard_tokens(targets)).")
+                         f"rank's targets (batch block {mesh.grid_row}, e.g. model.parallel_context.shard_tokens(targets)).")
     if logits.shape[-1] * mesh.q < vocab_size:
         raise ShapeError(f"cross_entropy_2d: vocab block {logits.shape[-1]} × q={mesh.q} < vocab_size="
                          f"{vocab_size}: each rank must hold V_pad/q ≥ V/q columns. Fix: pass the logits block "

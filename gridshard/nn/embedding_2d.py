@@ -1,8 +1,8 @@
 """Token embeddings producing the 2D activation layout [b/q, s, h/q] at rank (i, j).
 
-Both take this rank's tokens [b/q, s] (batch block i, see ``Summa2DStyle.shard_tokens``)
+Both take this rank's tokens [b/q, s] (batch block i, see ``ParallelContext.shard_tokens``)
 and return x[batch block i, :, hidden block j]. The global table is drawn as
-[vocab, hidden] with ``normal_(0, init_std)`` (init contract).
+[vocab, hidden] with ``normal_(0, init_std)`` (init contract of :mod:`gridshard.nn.plain`).
 
 ``VocabParallelEmbedding2D`` (the LM's embedding): table padded to V_pad = ⌈V/q⌉·q
 rows (padding rows zero, appended after drawing, never looked up), block (i, j) =

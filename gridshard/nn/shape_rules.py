@@ -1,7 +1,8 @@
 """Which model and batch sizes each tensor mode can lay out: pure functions, no process groups.
 
-The config validator checks these before any worker starts; a style's ``check_shapes``
-can call :func:`check_model_shapes` too, so both agree. Rules (T tensor ranks, q = √T):
+The config validator checks these before any worker starts, so a bad layout fails before
+any process group exists; :func:`gridshard.parallel.check_layout` applies the matching
+model rules when :func:`gridshard.parallelize` lays a model out. Rules (T tensor ranks, q = √T):
 
 ======== ==========================================================================
 mode     rule
