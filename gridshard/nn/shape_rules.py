@@ -84,8 +84,8 @@ def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: in
 
 
 def check_model_shapes(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,
-                       hidden: int, heads: int, ffn: int) -> None:
+                       hidden: int, heads: int, ffn: int, kv_heads=None) -> None:
     """Raise :class:`ShapeError` for the first rule of :func:`model_shape_rules` that fails."""
-    for rule in model_shape_rules(mode, tensor, sequence_parallel, batch, seq, hidden, heads, ffn):
+    for rule in model_shape_rules(mode, tensor, sequence_parallel, batch, seq, hidden, heads, ffn, kv_heads):
         if not rule.holds:
             raise ShapeError(rule.message())
