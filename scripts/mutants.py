@@ -107,7 +107,7 @@ MUTANTS = [
            "data-parallel gradients summed instead of averaged (D× too large)"),
     Mutant("dp-arm-first-micro-batch", "gridshard/engine/trainer.py",
            (("if a == len(micro) - 1:", "if a == 0:"),),
-           ("tests/test_train_equivalence.py::test_layout_gives_the_same_run_with_accumulation[D2-T1-none-acc2]",),
+           ("tests/test_train_equivalence.py::test_layout_gives_the_same_run[D2-T1-none-acc2]",),
            "the overlapped DP reduction is armed at the first micro-batch: later ones are lost",
            ("needs the D=2, 2-micro-batch layout 'D2-T1-none-acc2' in tests/test_train_equivalence.py",)),
     Mutant("kv-replica-grad-unsummed", "gridshard/comm/dual_ops.py",
