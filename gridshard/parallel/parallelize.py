@@ -111,7 +111,7 @@ def check_layout(dims: ModelDims, mesh, sequence_parallel: bool) -> None:
              "2D norm weights are stored in q² blocks", f"use hidden a multiple of {q * q}")
 
 
-def _check_covered(model: nn.Module, plan: Plan, mode: str) -> dict:
+def _check_covered(model: nn.Module, plan: Plan, mode: str, sequence_parallel: bool = False) -> dict:
     """name → kind for every planned module; an unplanned module with parameters is an error
     (except in mode 'none', where nothing is split)."""
     planned = {}
@@ -132,6 +132,10 @@ def _check_covered(model: nn.Module, plan: Plan, mode: str) -> dict:
         kind = planned.get(name)
         if kind == "replicate" and (mode == "2d"):
             build_2d(name, module, kind, None)          # raises the 2D message
+        if kind == "replicate" and sequence_parallel:
+            raise LayoutError(f"parallelize: module {name!r} is planned as 'replicate', but under sequence "
+                              f"parallelism its input is a sequence block, not the whole activation. Fix: map "
+                              f"it to column/row/norm, or turn sequence_parallel off.")
     return planned
 
 
@@ -170,7 +174,7 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     mode = mesh.tensor_mode
     sp = bool(sequence_parallel and mesh.tensor.size > 1)
     check_layout(dims, mesh, sequence_parallel)
-    planned = _check_covered(model, plan, mode)
+    planned = _check_covered(model, plan, mode, sp)
 
     laws = init_laws(model)
     sources = dict(model.named_parameters(remove_duplicate=False))
