@@ -88,7 +88,6 @@ def _layout_error(model_kwargs, T, mode, plan_rules=None):
     from gridshard import build_mesh, parallelize
     from gridshard.errors import LayoutError
     from gridshard.models import ModelConfig, Transformer
-    from gridshard.parallel import LLAMA_PLAN
 
     with torch.device("meta"):
         model = Transformer(ModelConfig(**{"vocab_size": 97, "hidden": 64, "heads": 4, "ffn_hidden": 96,

@@ -23,7 +23,7 @@ from .llama import ModelConfig
 
 def _need_transformers():
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401 (availability check)
     except ImportError:
         raise ConfigError("model.hf_config needs the optional Hugging Face dependency. Fix: "
                           "pip install -e .[hf]  (installs transformers and safetensors).") from None
