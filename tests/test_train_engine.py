@@ -161,22 +161,26 @@ def test_bf16_autocast_trains_close_to_fp32():
     assert bf16[-1] < bf16[0]
 
 
+def _losses_and_norms(cfg):
+    trainer = Trainer(cfg, progress=False)
+    return trainer.run(), [h["grad_norm"] for h in trainer.history]
+
+
 def test_bf16_2d_matches_one_device_bf16():
-    """bf16 autocast through SUMMA (bf16 activations meet fp32 weights in Linear2D)."""
+    """bf16 autocast through SUMMA (bf16 activations meet fp32 weights in Linear2D): losses
+    AND gradient norms (a gradient-scale bug leaves the loss of the first steps almost
+    unchanged). bf16 has 8 mantissa bits (~4e-3 relative rounding); the grid's different
+    summation order measured 1.8e-5 on the loss and 3.3e-4 on the norm over these 4 steps,
+    so 1e-3 / 5e-3 keep a >10x margin while a factor-2 gradient bug exceeds them."""
     cfg = _with({"tensor": 4, "tensor_mode": "2d"}, steps=4, micro_batch=2, precision="bf16", lr=3e-3)
-    grid = run_on_ranks(4, _bf16_body, cfg)[0]
-    ref = run_on_ranks(1, _bf16_body, {**cfg, "parallel": {"data": 1}})[0]
-    assert max(abs(a - b) / b for a, b in zip(grid, ref)) < 5e-3
+    grid_loss, grid_norm = run_on_ranks(4, _losses_and_norms, cfg)[0]
+    ref_loss, ref_norm = run_on_ranks(1, _losses_and_norms, {**cfg, "parallel": {"data": 1}})[0]
+    assert max(abs(a - b) / b for a, b in zip(grid_loss, ref_loss)) < 1e-3
+    assert max(abs(a - b) / b for a, b in zip(grid_norm, ref_norm)) < 5e-3
 
 
-@pytest.mark.parametrize("par", [{"data": 1}, {"tensor": 2, "tensor_mode": "1d"},
-                                 {"tensor": 4, "tensor_mode": "2d"}], ids=["none", "1d", "2d"])
-def test_tied_embeddings_match_at_every_mode(par):
-    cfg = {**_with(par, steps=4, micro_batch=2), "model": {"preset": "tiny", "tie_embeddings": True}}
-    world = par.get("tensor", 1)
-    losses = run_on_ranks(world, _bf16_body, cfg)[0]
-    ref = run_on_ranks(1, _bf16_body, {**cfg, "parallel": {"data": 1}})[0]
-    assert max(abs(a - b) / b for a, b in zip(losses, ref)) <= 1e-4
+# tied embeddings at D>1 with SP and in 2D: tests/test_train_equivalence.py (loss, grad norm
+# and final parameters), and laid-out against one device in tests/test_parallelize*.py
 
 
 def _metrics_body(cfg, run_dir):
