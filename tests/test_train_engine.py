@@ -32,11 +32,17 @@ def _ledger_body(cfg):
     # the job records into its own ledger, never into the process default
     assert LEDGER.count() == 0, LEDGER.summary()
     steps = cfg["train"]["steps"]
-    expected = dp_gradient_allreduce(trainer.grad_sync.bucket_elems(), trainer.mesh.data.size, 4)
+    # buckets counted here, not by the code under test: consecutive fp32 gradients, a new
+    # bucket whenever the next one would exceed bucket_mb (a lone larger one gets its own)
+    cap, buckets, filled = int(cfg["train"]["bucket_mb"] * 2**20), 0, None
+    for p in trainer.params:
+        b = p.numel() * 4
+        if filled is None or filled + b > cap:
+            buckets, filled = buckets + 1, 0
+        filled += b
     led = trainer.ledger
     return (led.count("all_reduce", "data"), led.payload_bytes("all_reduce", "data"),
-            steps * expected.count("all_reduce"), steps * expected.payload_bytes("all_reduce"),
-            len(trainer.grad_sync.buckets), sum(p.numel() for p in trainer.params))
+            steps * buckets, len(trainer.grad_sync.buckets), sum(p.numel() for p in trainer.params))
 
 
 @pytest.mark.parametrize("par", [{"data": 2}, {"data": 2, "tensor": 2, "tensor_mode": "1d"}],
@@ -44,10 +50,11 @@ def _ledger_body(cfg):
 def test_data_parallel_traffic_equals_theory(par):
     world = par["data"] * par.get("tensor", 1)
     cfg = _with(par, bucket_mb=0.02)                  # ~20 KB buckets: several per step
-    for count, payload, want_count, want_payload, buckets, numel in run_on_ranks(world, _ledger_body, cfg):
-        assert buckets > 2
-        assert (count, payload) == (want_count, want_payload)
+    for count, payload, want_count, buckets, numel in run_on_ranks(world, _ledger_body, cfg):
+        assert buckets > 2 and count == want_count == 3 * buckets   # one all-reduce per bucket per step
         assert payload == 3 * numel * 4               # every local gradient once per step, any accumulation
+        want = dp_gradient_allreduce([numel], 2, 4)   # the formula agrees on the bytes
+        assert payload == 3 * want.payload_bytes("all_reduce")
 
 
 def _overlap_body(cfg):
@@ -157,6 +164,9 @@ def test_bf16_autocast_trains_close_to_fp32():
     bf16 = run_on_ranks(1, _bf16_body, cfg)[0]
     fp32 = run_on_ranks(1, _bf16_body, _with({"data": 1}, steps=8, precision="fp32", lr=3e-3))[0]
     assert bf16 != fp32, "bf16 autocast changed nothing"
+    # bf16 rounds activations to 8 mantissa bits (~4e-3 relative) and the trajectories drift
+    # apart over 8 steps; 3% bounds that drift while a broken autocast path (e.g. no
+    # gradient flowing back through a cast) would stop the loss from falling at all
     assert max(abs(a - b) / b for a, b in zip(bf16, fp32)) < 0.03
     assert bf16[-1] < bf16[0]
 
@@ -184,8 +194,12 @@ def test_bf16_2d_matches_one_device_bf16():
 
 
 def _metrics_body(cfg, run_dir):
+    from gridshard.engine.metrics import peak_memory_bytes
+
     trainer = Trainer(cfg, run_dir=run_dir, progress=False)
-    return trainer.run(), trainer.history
+    before = peak_memory_bytes(trainer.device)          # this rank's peak so far (only grows)
+    losses = trainer.run()
+    return losses, trainer.history, (before, peak_memory_bytes(trainer.device))
 
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_share", "peak_mem_bytes",
@@ -195,14 +209,18 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_s
 def test_metrics_and_run_files(tmp_path):
     cfg = _with({"data": 2}, steps=5, log_interval=2)
     out = run_on_ranks(2, _metrics_body, cfg, str(tmp_path))
-    losses, history = out[0]
+    losses, history, _ = out[0]
     assert [h["step"] for h in history] == [2, 4, 5]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3 and all(set(rec) == METRIC_KEYS for rec in lines)
     for rec, step in zip(lines, (2, 4, 5)):
         assert rec["loss"] == pytest.approx(losses[step - 1])
         assert 0.0 < rec["comm_share"] < 1.0 and rec["mfu"] is None        # CPU: no peak known
-        assert len(rec["peak_mem_bytes_per_rank"]) == 2 and rec["peak_mem_bytes"] > 50 * 2**20
+        per_rank = rec["peak_mem_bytes_per_rank"]
+        assert len(per_rank) == 2 and rec["peak_mem_bytes"] == max(per_rank)
+        # each entry is that rank's own peak RSS: between its value before training and after
+        for r, (before, after) in enumerate(o[2] for o in out):
+            assert before <= per_rank[r] <= after, (r, before, per_rank[r], after)
         assert rec["tokens"] == step * 4 * 32 and rec["tokens_per_s"] > 0
     saved = (tmp_path / "config.yaml").read_text()
     assert "tensor_mode: none" in saved and "hidden: 64" in saved
