@@ -5,11 +5,16 @@ Blocks (global shapes; b = batch, s = sequence, h = hidden, f = SwiGLU width):
 
 * ``mlp``: Linear h→4h (column), GELU, Linear 4h→h (row), with biases.
   Forward+backward ≈ 3 · 2 · b·s·(h·4h + 4h·h) FLOPs.
-* ``transformer``: the Llama-style pre-norm block of :mod:`gridshard.models.llama`
-  (RMSNorm, q|k|v column, RoPE, causal SDPA, output row, RMSNorm, gate|up column,
-  SiLU·up, down row). DTensor runs a plain block written here with the same FLOPs and
-  the same global weights: separate q/k/v linears (so colwise sharding keeps whole heads,
-  heads/T local heads) and separate gate/up linears.
+* ``transformer``: one decoder layer (``layers[0]``) of the plain Llama-style
+  :class:`gridshard.models.Transformer` (RMSNorm, q/k/v projections, RoPE, causal SDPA,
+  o_proj, RMSNorm, gate/up, SiLU·up, down_proj), fed ``rope_tables(s, head_dim)``. Every
+  row builds the 1-layer model on the meta device and materialises it with the same
+  ``seed`` (counter-based init: the same global weights at every layout): the single row
+  and DTensor's plain copy through ``gridshard.parallelize`` on a ``tensor_mode="none"``
+  mesh, gridshard's rows through ``parallelize`` on the 1D mesh (± SP), whose shared-input
+  hooks compute q|k|v and gate|up in one matmul after one input collective each
+  (:mod:`gridshard.parallel.shared_input`). DTensor parallelises the same plain layer:
+  q/k/v and gate/up colwise (whole heads, heads/T local heads), o/down rowwise.
 
 Rows: single device (T=1); for each T: gridshard and DTensor, each without and with
 sequence parallelism (SP). Every row runs in fresh processes (``benchmarks/_runner.py``),
@@ -34,14 +39,14 @@ Columns:
   gradient, against the single-device row (same global weights and inputs): proves each
   row computes the same block.
 
-Run: ``.venv/bin/python benchmarks/bench_tp1d.py`` (defaults h=1024, s=256, b=8), or
+Run: ``.venv/bin/python benchmarks/bench_tp1d.py`` (defaults h=1024, s=256, b=8, heads=16,
+kv_heads=heads), or
 ``--quick`` for a smoke run of the same 18 rows at tiny shapes (1–5 min on 2 busy cores,
 almost all of it process start-up).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -62,7 +67,7 @@ MiB = 2.0 ** 20
 
 def _linear(in_f, out_f, bias, std):
     """gridshard's init-contract linear, so every row holds the same global weights."""
-    from gridshard.nn.style import plain_linear
+    from gridshard.nn.plain import plain_linear
 
     return plain_linear(in_f, out_f, bias, std)
 
@@ -82,66 +87,31 @@ def _plain_mlp(h, width, std):
     return PlainMLP()
 
 
-def _plain_block(cfg):
-    """The Llama block with separate q/k/v and gate/up linears. Draw order q, k, v, o, gate,
-    up, down = gridshard's fused q|k|v, o, gate|up, down (fused [3h, h] = q rows, k rows,
-    v rows). Local heads are inferred from the (possibly column-sharded) q width."""
-    import torch.nn.functional as F
-    from torch import nn
-
-    from gridshard.models.rope import apply_rope, rope_tables
-
-    out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-    h, f, hd = cfg.hidden, cfg.ffn_hidden, cfg.head_dim
-
-    class PlainAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wq = _linear(h, h, False, cfg.init_std)
-            self.wk = _linear(h, h, False, cfg.init_std)
-            self.wv = _linear(h, h, False, cfg.init_std)
-            self.wo = _linear(h, h, False, out_std)
-            cos, sin = rope_tables(cfg.max_seq_len, hd, cfg.rope_theta)
-            self.register_buffer("cos", cos, persistent=False)
-            self.register_buffer("sin", sin, persistent=False)
-
-        def forward(self, x):
-            b, s = x.shape[0], x.shape[1]
-            q, k, v = (lin(x).view(b, s, -1, hd).transpose(1, 2) for lin in (self.wq, self.wk, self.wv))
-            q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.wo(o.transpose(1, 2).reshape(b, s, -1))
-
-    class PlainSwiGLU(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w_gate = _linear(h, f, False, cfg.init_std)
-            self.w_up = _linear(h, f, False, cfg.init_std)
-            self.w_down = _linear(f, h, False, out_std)
-
-        def forward(self, x):
-            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
-    class PlainBlock(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn_norm = nn.RMSNorm(h, eps=cfg.norm_eps)
-            self.attn = PlainAttention()
-            self.mlp_norm = nn.RMSNorm(h, eps=cfg.norm_eps)
-            self.mlp = PlainSwiGLU()
-
-        def forward(self, x):
-            x = x + self.attn(self.attn_norm(x))
-            return x + self.mlp(self.mlp_norm(x))
-
-    return PlainBlock()
-
-
 def _model_config(args):
     from gridshard.models import ModelConfig
 
-    return ModelConfig(hidden=args["hidden"], heads=args["heads"], ffn_hidden=args["ffn"],
-                       max_seq_len=args["seq"], layers=1)
+    return ModelConfig(vocab_size=64, hidden=args["hidden"], heads=args["heads"], kv_heads=args["kv_heads"],
+                       ffn_hidden=args["ffn"], max_seq_len=args["seq"], layers=1, init_std=args["init_std"])
+
+
+def _decoder_layer(args, mesh, sp=False):
+    """``layers[0]`` of a 1-layer plain Transformer built on meta and laid out on ``mesh`` by
+    ``gridshard.parallelize`` (a ``none`` mesh: the plain layer with its global weights)."""
+    import torch
+
+    from gridshard import parallelize
+    from gridshard.models import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(_model_config(args))
+    return parallelize(model, mesh, sequence_parallel=sp, seed=args["seed"], device="cpu").layers[0]
+
+
+def _rope(args):
+    from gridshard.models.rope import rope_tables
+
+    cfg = _model_config(args)
+    return rope_tables(args["seq"], cfg.head_dim, cfg.rope_theta)
 
 
 # --------------------------------------------------------------------------------------
@@ -149,21 +119,18 @@ def _model_config(args):
 # --------------------------------------------------------------------------------------
 
 def _build_single(block, args):
-    from gridshard.models import TransformerBlock
-    from gridshard.nn.style import NoTensorParallel
+    from gridshard import build_mesh
 
     if block == "mlp":
         return _plain_mlp(args["hidden"], 4 * args["hidden"], args["init_std"])
-    return TransformerBlock(_model_config(args), NoTensorParallel(None))
+    return _decoder_layer(args, build_mesh(tensor=1, tensor_mode="none"))
 
 
 def _build_gridshard(block, args, T, sp):
     from torch import nn
 
     from gridshard import build_mesh
-    from gridshard.models import TransformerBlock
     from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
-    from gridshard.nn.style_1d import Megatron1DStyle
 
     mesh = build_mesh(tensor=T, tensor_mode="1d")
     if block == "mlp":
@@ -179,7 +146,7 @@ def _build_gridshard(block, args, T, sp):
                 return self.fc2(nn.functional.gelu(self.fc1(x)))
 
         return GridshardMLP()
-    return TransformerBlock(_model_config(args), Megatron1DStyle(mesh, sequence_parallel=sp))
+    return _decoder_layer(args, mesh, sp)
 
 
 def _build_dtensor(block, args, T, sp):
@@ -196,26 +163,32 @@ def _build_dtensor(block, args, T, sp):
         else:
             plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
         return parallelize_module(model, mesh["tensor"], plan)
-    cfg = _model_config(args)
-    model = _plain_block(cfg)
-    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "mlp.w_gate": ColwiseParallel(), "mlp.w_up": ColwiseParallel()}
+    from gridshard import build_mesh
+
+    # the plain layer with the global weights (every rank materialises all of it), then DTensor
+    model = _decoder_layer(args, build_mesh(data=T, tensor=1, tensor_mode="none"))
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel()}
+    # attention's inputs are (x, cos, sin): the rope tables pass through untouched (None)
+    in_layout = Shard(1) if sp else Replicate()
+    plan.update({
+        "self_attn": PrepareModuleInput(input_layouts=(in_layout, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "mlp": PrepareModuleInput(input_layouts=(in_layout,), desired_input_layouts=(Replicate(),)),
+    })
     if sp:
         plan.update({
-            "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attn.wo": RowwiseParallel(output_layouts=Shard(1)), "mlp.w_down": RowwiseParallel(output_layouts=Shard(1)),
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         })
     else:
-        # wrap the block input once per module so q/k/v (gate/up) share one DTensor input and
-        # their three (two) partial input gradients are summed before ONE all-reduce, as in
-        # gridshard's fused column layer; without this DTensor all-reduces per linear.
-        plan.update({
-            "attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "attn.wo": RowwiseParallel(), "mlp.w_down": RowwiseParallel(),
-        })
+        # the PrepareModuleInput above wraps the layer input once per module so q/k/v (gate/up)
+        # share one DTensor input and their partial input gradients are summed before ONE
+        # all-reduce, as gridshard's shared-input product does; without it DTensor
+        # all-reduces per linear.
+        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
     return parallelize_module(model, mesh["tensor"], plan)
 
 
@@ -280,11 +253,12 @@ def bench_variant(block: str, impl: str, T: int, sp: bool, args: dict) -> dict:
     gy_loc = gy_full.chunk(T, dim=1)[rank].contiguous() if sp else gy_full
 
     finish = _dtensor_finish if impl == "dtensor" else (lambda model, y, gx: (y, gx))
+    extra = () if block == "mlp" else _rope(args)      # the decoder layer takes (x, cos, sin)
 
     def step():
         model.zero_grad(set_to_none=True)
         x = x_loc.detach().requires_grad_(True)
-        y = model(x)
+        y = model(x, *extra)
         y.backward(gy_loc)
         return finish(model, y, x.grad)
 
@@ -328,7 +302,7 @@ def _theory_from_module(tp1d, block, args, T, sp):
     b, s, h = args["batch"], args["seq"], args["hidden"]
     if block == "mlp":  # one column → row pair with biases
         return tp1d.column_row_comm(b, s, h, T, sp, row_bias=True).payload_bytes()
-    return tp1d.block_comm(b, s, h, T, sp).payload_bytes()
+    return tp1d.block_comm(b, s, h, T, sp, heads=args["heads"], kv_heads=args["kv_heads"]).payload_bytes()
 
 
 # --------------------------------------------------------------------------------------
@@ -349,7 +323,7 @@ def _gridshard_1d_available() -> bool:
     import importlib.util
 
     return all(importlib.util.find_spec(m) is not None
-               for m in ("gridshard.nn.linear_1d", "gridshard.nn.style_1d"))
+               for m in ("gridshard.nn.linear_1d", "gridshard.parallel"))
 
 
 def _rel_err(a, b) -> float:
@@ -415,6 +389,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", type=int, default=16, help="attention heads (transformer block)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="kv heads (grouped-query attention; default: heads; kv_heads %% T = 0 so DTensor's "
+                        "colwise k/v keep whole heads)")
     p.add_argument("--ffn", type=int, default=2816, help="SwiGLU width f (transformer block; ≈ 8h/3)")
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="tensor-parallel sizes T")
     p.add_argument("--blocks", nargs="+", choices=["mlp", "transformer"], default=["mlp", "transformer"])
@@ -422,6 +399,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=5, help="timed steps per run")
     p.add_argument("--repeats", type=int, default=1, help="runs per row, each in fresh processes")
     p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0, help="counter-RNG seed of the decoder layer's weights")
     p.add_argument("--no-check", action="store_true", help="skip the output/input-grad comparison")
     p.add_argument("--no-gridshard", action="store_true", help="DTensor and single-device rows only")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per row before it is killed")
@@ -429,17 +407,21 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.quick:
         a.hidden, a.seq, a.batch, a.heads, a.ffn, a.warmup = 128, 32, 2, 4, 352, 1
+    if a.kv_heads is None:
+        a.kv_heads = a.heads
     return a
 
 
 def main(argv=None):
     a = parse_args(argv)
-    args = {"hidden": a.hidden, "seq": a.seq, "batch": a.batch, "heads": a.heads, "ffn": a.ffn,
-            "warmup": a.warmup, "iters": a.iters, "init_std": a.init_std, "check": not a.no_check,
-            "timeout": a.timeout}
+    args = {"hidden": a.hidden, "seq": a.seq, "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads,
+            "ffn": a.ffn, "warmup": a.warmup, "iters": a.iters, "init_std": a.init_std, "seed": a.seed,
+            "check": not a.no_check, "timeout": a.timeout}
+    if a.heads % a.kv_heads:
+        sys.exit(f"error: kv_heads={a.kv_heads} must divide heads={a.heads} (grouped-query attention).")
     for T in a.tp:
-        for name, n in (("hidden", a.hidden), ("4*hidden", 4 * a.hidden), ("heads", a.heads), ("ffn", a.ffn),
-                        ("seq", a.seq)):
+        for name, n in (("hidden", a.hidden), ("4*hidden", 4 * a.hidden), ("heads", a.heads), ("kv_heads", a.kv_heads),
+                        ("ffn", a.ffn), ("seq", a.seq)):
             if n % T:
                 sys.exit(f"error: {name}={n} is not divisible by T={T}: 1D tensor parallelism splits it over T "
                          f"ranks (seq: under sequence parallelism). Fix: choose sizes divisible by every --tp.")
@@ -447,7 +429,7 @@ def main(argv=None):
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     import torch
 
-    log(f"bench_tp1d: b={a.batch} s={a.seq} h={a.hidden} heads={a.heads} f={a.ffn} T={a.tp} "
+    log(f"bench_tp1d: b={a.batch} s={a.seq} h={a.hidden} heads={a.heads} kv_heads={a.kv_heads} f={a.ffn} T={a.tp} "
         f"warmup={a.warmup} iters={a.iters} repeats={a.repeats}; torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs, gloo, 1 thread/rank" + ("" if have_gs else "; gridshard 1D layers not found"))
     t0 = time.perf_counter()
@@ -456,7 +438,7 @@ def main(argv=None):
         rows += run_block(block, args, a.tp, have_gs, a.repeats, log)
     print(format_table(HEADERS, rows,
                        title=f"1D TP, fp32 CPU/gloo, b={a.batch} s={a.seq} h={a.hidden} heads={a.heads} "
-                             f"f={a.ffn}; fwd+bwd step, median of {a.iters} steps × {a.repeats} run(s)"))
+                             f"kv_heads={a.kv_heads} f={a.ffn}; fwd+bwd step, median of {a.iters} steps × {a.repeats} run(s)"))
     log(f"total {time.perf_counter() - t0:.0f} s")
 
 

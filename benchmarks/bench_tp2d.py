@@ -5,14 +5,18 @@ Blocks (global shapes; b = batch, s = sequence, h = hidden, f = SwiGLU width):
 
 * ``mlp``: Linear h→4h, GELU, Linear 4h→h, with biases (2D: two Linear2D; 1D: column →
   row).
-* ``transformer``: the Llama-style block of :mod:`gridshard.models.llama` built by the
-  style of each row (NoTensorParallel, Megatron1DStyle ± SP, Summa2DStyle).
+* ``transformer``: one decoder layer (``layers[0]``) of the plain Llama-style
+  :class:`gridshard.models.Transformer`, fed ``rope_tables(s, head_dim)``: a 1-layer model
+  built on the meta device and laid out by ``gridshard.parallelize`` on each row's mesh
+  (``none``, ``1d`` ± sequence parallelism, ``2d``) with the same ``seed`` (counter-based
+  init: the same global weights in every row). q|k|v and gate|up are computed in one
+  product each (:mod:`gridshard.parallel.shared_input`).
 
 Rows: single device; for each q: 1D at T = q² (without and with sequence parallelism),
 2D with double-buffered async SUMMA broadcasts ("2d"), and 2D with blocking broadcasts
-and reduces ("2d-blocking", :func:`gridshard.comm.summa.set_overlap`). Each row runs in
-fresh processes (``benchmarks/_runner.py``), one thread per rank, both blocks in the
-same processes.
+and reduces ("2d-blocking": ``Linear2D(overlap=False)``, ``parallelize(summa_overlap=False)``).
+Each row runs in fresh processes (``benchmarks/_runner.py``), one thread per rank, both
+blocks in the same processes.
 
 Columns:
 
@@ -31,15 +35,15 @@ Columns:
 * ``wait ms``: time spent inside collectives or waiting for async ones, from the ledger
   with timing on, on one extra step (not the timed ones).
 * ``param MiB``: parameter bytes per rank; ``saved MiB``: bytes autograd saves for
-  backward per rank (``saved_tensors_hooks``, distinct storages, parameters and buffers
-  excluded).
+  backward per rank (``saved_tensors_hooks``, distinct storages, parameters, buffers and
+  the rope tables excluded).
 * ``max rel err``: max |y − y_ref| / max |y_ref| over the output and the input gradient,
   assembled from all ranks, against the single-device row (same global weights and input).
 
 After the table, the ratio 2d / 2d-blocking per block and q (the overlap gain).
 
 Run: ``.venv/bin/python benchmarks/bench_tp2d.py`` (defaults b=12 s=72 h=576 heads=36
-f=1584, q = 2 3), or ``--quick`` for a smoke run.
+kv_heads=heads f=1584, q = 2 3), or ``--quick`` for a smoke run.
 """
 from __future__ import annotations
 
@@ -66,8 +70,20 @@ BLOCKS = ("mlp", "transformer")
 def _cfg(args):
     from gridshard.models import ModelConfig
 
-    return ModelConfig(hidden=args["hidden"], heads=args["heads"], ffn_hidden=args["ffn"],
-                       max_seq_len=args["seq"], layers=1, init_std=args["init_std"])
+    return ModelConfig(vocab_size=72, hidden=args["hidden"], heads=args["heads"], kv_heads=args["kv_heads"],
+                       ffn_hidden=args["ffn"], max_seq_len=args["seq"], layers=1, init_std=args["init_std"])
+
+
+def _decoder_layer(args, mesh, sp=False, **kw):
+    """``layers[0]`` of a 1-layer plain Transformer built on meta, laid out on ``mesh``."""
+    import torch
+
+    from gridshard import parallelize
+    from gridshard.models import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(_cfg(args))
+    return parallelize(model, mesh, sequence_parallel=sp, seed=args["seed"], device="cpu", **kw).layers[0]
 
 
 def _mlp(first, second):
@@ -85,34 +101,32 @@ def _mlp(first, second):
 
 
 def build(block, impl, q, args):
-    """(model, mesh) of one row; every rank draws the same global weights (same seed)."""
+    """(model, mesh) of one row; every rank holds the same global weights (same seed)."""
     from gridshard import build_mesh
-    from gridshard.models import TransformerBlock
-    from gridshard.nn.style import NoTensorParallel, plain_linear
+    from gridshard.nn.plain import plain_linear
 
     h, std = args["hidden"], args["init_std"]
     if impl == "single":
         if block == "mlp":
             return _mlp(plain_linear(h, 4 * h, True, std), plain_linear(4 * h, h, True, std)), None
-        return TransformerBlock(_cfg(args), NoTensorParallel(None)), None
+        return _decoder_layer(args, build_mesh(tensor=1, tensor_mode="none")), None
     if impl.startswith("1d"):
         from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
-        from gridshard.nn.style_1d import Megatron1DStyle
 
         sp = impl == "1d+sp"
         mesh = build_mesh(tensor=q * q, tensor_mode="1d")
         if block == "mlp":
             return _mlp(ColumnParallelLinear(h, 4 * h, mesh, bias=True, sequence_parallel=sp, init_std=std),
                         RowParallelLinear(4 * h, h, mesh, bias=True, sequence_parallel=sp, init_std=std)), mesh
-        return TransformerBlock(_cfg(args), Megatron1DStyle(mesh, sequence_parallel=sp)), mesh
+        return _decoder_layer(args, mesh, sp), mesh
     from gridshard.nn.linear_2d import Linear2D
-    from gridshard.nn.style_2d import Summa2DStyle
 
     mesh = build_mesh(tensor=q * q, tensor_mode="2d")
+    overlap = impl != "2d-blocking"       # double-buffered async SUMMA broadcasts, or blocking ones
     if block == "mlp":
-        return _mlp(Linear2D(h, 4 * h, mesh, bias=True, init_std=std),
-                    Linear2D(4 * h, h, mesh, bias=True, init_std=std)), mesh
-    return TransformerBlock(_cfg(args), Summa2DStyle(mesh)), mesh
+        return _mlp(Linear2D(h, 4 * h, mesh, bias=True, init_std=std, overlap=overlap),
+                    Linear2D(4 * h, h, mesh, bias=True, init_std=std, overlap=overlap)), mesh
+    return _decoder_layer(args, mesh, summa_overlap=overlap), mesh
 
 
 def local_block(t, impl, mesh):
@@ -135,11 +149,12 @@ def assemble(parts, impl, q):
     return torch.cat([torch.cat(parts[i * q:(i + 1) * q], -1) for i in range(q)], 0)
 
 
-def saved_bytes(model, fn):
-    """Bytes of distinct storages autograd saves inside ``fn`` (parameters and buffers excluded)."""
+def saved_bytes(model, fn, exclude=()):
+    """Bytes of distinct storages autograd saves inside ``fn`` (parameters, buffers and the
+    tensors ``exclude`` excluded)."""
     import torch
 
-    state = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    state = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers()) + list(exclude)}
     seen = {}
 
     def pack(t):
@@ -158,20 +173,22 @@ def bench_row(impl, q, args) -> dict:
     import torch
 
     from gridshard import LEDGER
-    from gridshard.comm.summa import set_overlap
-
-    set_overlap(impl != "2d-blocking")
     out = {}
     for block in args["blocks"]:
         model, mesh = build(block, impl, q, args)
         b, s, h = args["batch"], args["seq"], args["hidden"]
         x_full, gy_full = torch.randn(b, s, h), torch.randn(b, s, h)
         x_loc, gy_loc = local_block(x_full, impl, mesh), local_block(gy_full, impl, mesh)
+        extra = ()
+        if block == "transformer":       # the decoder layer takes (x, cos, sin)
+            from gridshard.models.rope import rope_tables
+
+            extra = rope_tables(s, h // args["heads"], _cfg(args).rope_theta)
 
         def step():
             model.zero_grad(set_to_none=True)
             x = x_loc.detach().requires_grad_(True)
-            y = model(x)
+            y = model(x, *extra)
             y.backward(gy_loc)
             return y, x.grad
 
@@ -184,7 +201,7 @@ def bench_row(impl, q, args) -> dict:
                "calls": LEDGER.count(), "wait": LEDGER.seconds(),
                "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
         model.zero_grad(set_to_none=True)
-        row["saved"], _ = saved_bytes(model, lambda: model(x_loc.detach().requires_grad_(True)))
+        row["saved"], _ = saved_bytes(model, lambda: model(x_loc.detach().requires_grad_(True), *extra), extra)
         if args["check"]:
             row["y"], row["gx"] = tensor_to_bytes(y), tensor_to_bytes(gx)
         out[block] = row
@@ -205,14 +222,14 @@ def theory_bytes(block, impl, q, args):
         sp = impl == "1d+sp"
         if block == "mlp":
             return tp1d.column_row_comm(b, s, h, q * q, sp, row_bias=True).payload_bytes()
-        return tp1d.block_comm(b, s, h, q * q, sp).payload_bytes()
+        return tp1d.block_comm(b, s, h, q * q, sp, heads=args["heads"], kv_heads=args["kv_heads"]).payload_bytes()
     from gridshard.theory import tp2d
 
     if block == "mlp":
         vol = tp2d.combine(tp2d.linear2d_comm(b * s, h, 4 * h, q, bias=True),
                            tp2d.linear2d_comm(b * s, 4 * h, h, q, bias=True))
     else:
-        vol = tp2d.block2d_comm(b, s, h, f, q)
+        vol = tp2d.block2d_comm(b, s, h, f, q, heads=args["heads"], kv_heads=args["kv_heads"])
     return tp2d.total(vol).payload_bytes()
 
 
@@ -242,6 +259,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=72)
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--heads", type=int, default=36)
+    p.add_argument("--kv-heads", type=int, default=None, help="kv heads (grouped-query attention; default: heads)")
     p.add_argument("--ffn", type=int, default=1584)
     p.add_argument("--q", type=int, nargs="+", default=[2, 3], help="grid sides (T = q² for 1D and 2D)")
     p.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
@@ -249,12 +267,17 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=7, help="timed steps per row (≥ 5)")
     p.add_argument("--repeats", type=int, default=3, help="runs per row, fresh processes each, order alternated")
     p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0, help="counter-RNG seed of the decoder layer's weights")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--quick", action="store_true", help="smoke run: b=6 s=36 h=72 heads=36 f=144, iters=5, repeats=1")
     a = p.parse_args(argv)
     if a.quick:
         a.batch, a.seq, a.hidden, a.heads, a.ffn, a.warmup, a.iters, a.repeats = 6, 36, 72, 36, 144, 1, 5, 1
+    if a.kv_heads is None:
+        a.kv_heads = a.heads
+    if a.heads % a.kv_heads:
+        sys.exit(f"error: kv_heads={a.kv_heads} must divide heads={a.heads} (grouped-query attention).")
     for q in a.q:
         T = q * q
         for name, n, d in (("batch", a.batch, q), ("hidden", a.hidden, T), ("heads", a.heads, T), ("ffn", a.ffn, T),
@@ -263,12 +286,14 @@ def main(argv=None):
                 sys.exit(f"error: {name}={n} is not divisible by {d} (q={q}): 2D needs batch % q, hidden % q²; "
                          f"1D at T=q² needs hidden, heads, ffn and seq (SP) % T. Fix: choose sizes divisible "
                          f"for every --q.")
-    args = dict(batch=a.batch, seq=a.seq, hidden=a.hidden, heads=a.heads, ffn=a.ffn, warmup=a.warmup, iters=a.iters,
-                init_std=a.init_std, check=not a.no_check, blocks=a.blocks)
+    args = dict(batch=a.batch, seq=a.seq, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, ffn=a.ffn,
+                warmup=a.warmup, iters=a.iters, init_std=a.init_std, seed=a.seed, check=not a.no_check,
+                blocks=a.blocks)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     import torch
 
-    log(f"bench_tp2d: b={a.batch} s={a.seq} h={a.hidden} heads={a.heads} f={a.ffn} q={a.q} warmup={a.warmup} "
+    log(f"bench_tp2d: b={a.batch} s={a.seq} h={a.hidden} heads={a.heads} kv_heads={a.kv_heads} f={a.ffn} q={a.q} "
+        f"warmup={a.warmup} "
         f"iters={a.iters}; torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, 1 thread/rank")
     t0 = time.perf_counter()
     runs = {v: [] for v in variants(a.q)}   # per row: one entry (per-rank results) per repeat
@@ -313,7 +338,7 @@ def main(argv=None):
             ratios.append(f"{block} q={q}: 2d / 2d-blocking step time = "
                           f"{step[('2d', q)] / step[('2d-blocking', q)]:.3f}")
     print(format_table(HEADERS, rows, title=f"2D vs 1D TP, fp32 CPU/gloo, b={a.batch} s={a.seq} h={a.hidden} "
-                                             f"heads={a.heads} f={a.ffn}; fwd+bwd step, median of {a.iters} steps × {a.repeats} run(s)"))
+                                             f"heads={a.heads} kv_heads={a.kv_heads} f={a.ffn}; fwd+bwd step, median of {a.iters} steps × {a.repeats} run(s)"))
     print()
     print("Overlap (double-buffered async SUMMA broadcasts) vs blocking broadcasts:")
     for line in ratios:

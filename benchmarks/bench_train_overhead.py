@@ -1,7 +1,8 @@
 """Overhead of gridshard's training step at T = 1, D = 1 against a plain PyTorch loop.
 
-Both sides train the same model (``gridshard.models.Transformer`` with plain layers, the
-same seed so the same initial weights) on the same batches (``BatchPlan`` over the stdlib
+Both sides train the same model (the plain ``gridshard.models.Transformer``; the plain
+loop's copy loads the trainer's initial ``state_dict``, so the same initial weights) on
+the same batches (``BatchPlan`` over the stdlib
 corpus, built inside the timed step on both sides) with AdamW, the same warm-up + cosine
 learning rate and global-norm clipping at 1.0:
 
@@ -40,7 +41,6 @@ from gridshard.engine import Trainer  # noqa: E402
 from gridshard.engine.schedule import lr_at  # noqa: E402
 from gridshard.mesh import init_distributed  # noqa: E402
 from gridshard.models import Transformer  # noqa: E402
-from gridshard.nn import NoTensorParallel  # noqa: E402
 
 MODELS = {
     "tiny": {"preset": "tiny"},
@@ -57,13 +57,15 @@ def config(model: dict, steps: int) -> dict:
 
 
 class PlainLoop:
-    """The hand-written loop (module docstring), fed by the trainer's own batch plan."""
+    """The hand-written loop (module docstring), fed by the trainer's own batch plan; its
+    model is a plain ``Transformer`` holding the trainer's initial weights (T = 1: the
+    laid-out model's state_dict is the plain one)."""
 
     def __init__(self, trainer: Trainer):
         t = trainer.cfg.train
         self.t, self.plan, self.decay = t, trainer.plan, trainer.decay_steps
-        torch.manual_seed(t.seed)
-        self.model = Transformer(trainer.model_cfg, NoTensorParallel(None))
+        self.model = Transformer(trainer.model_cfg)
+        self.model.load_state_dict({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                      eps=t.adam_eps, weight_decay=t.weight_decay)
 
