@@ -43,7 +43,6 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -57,12 +56,6 @@ __all__ = ["run_on_fresh_ranks", "run_rank0", "time_steps", "step_times_of_job",
 
 class BenchmarkFailure(RuntimeError):
     """A rank raised, died, or did not finish in time."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank, world_size, port, threads, seed, sys_path, fn, args, kwargs, result_q):
@@ -94,7 +87,9 @@ def run_on_fresh_ranks(world_size: int, fn: Callable, *args, timeout: float = 18
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh gloo ranks; per-rank results."""
     ctx = mp.get_context("spawn")
     result_q = ctx.Queue()
-    port = _free_port()
+    from gridshard.netutil import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world_size, port, threads, seed, list(sys.path), fn, args, kwargs, result_q))
              for r in range(world_size)]
