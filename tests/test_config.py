@@ -59,7 +59,9 @@ BAD = [
     ("fp16 on CPU", _cfg(train={"precision": "fp16"}), 1, ["train.precision", "fp16", "bf16"]),
     ("unknown preset", _cfg(model={"preset": "tiny2"}), 1, ["model.preset='tiny2'", "'tiny'"]),
     ("preset null, no fields", _cfg(model={"preset": None}), 1, ["model.vocab_size", "required"]),
-    ("checkpoints", _cfg(train={"save_interval": 10}), 1, ["train.save_interval=10", "save_interval=0"]),
+    ("keep negative", _cfg(train={"keep_checkpoints": -1}), 1, ["train.keep_checkpoints=-1", ">= 0"]),
+    ("resume path missing", _cfg(train={"resume": "/nonexistent/run"}), 1, ["train.resume='/nonexistent/run'",
+                                                                            "auto"]),
 ]
 
 

@@ -85,7 +85,8 @@ class Checkpointer:
         # a gloo group of its own: DCP's collectives run on the save thread (module docstring)
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
         self._in_flight: Optional[Future] = None
-        self.last_saved: Optional[int] = None
+        self.last_saved: Optional[int] = None         # newest step whose save completed
+        self.last_requested: Optional[int] = None     # newest step a save was started for
         self.save_seconds: list = []                  # time the training thread spent per save
         if self.root and self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
@@ -103,6 +104,7 @@ class Checkpointer:
         if self.root is None:
             return
         self.wait()
+        self.last_requested = step
         t0 = time.perf_counter()
         hit(self.faults, "save_start", self.rank, step)
         boxes = {**model_blocks(model), **optimizer_blocks(model, optimizer),

@@ -55,9 +55,13 @@ class ModelSection(BaseModel):
     kv_heads: Optional[int] = Field(None, description="grouped-query attention kv heads (default = heads)")
     hf_config: Optional[str] = Field(None, description="a Hugging Face config.json: train that architecture "
                                                        "(built from the config, no download; needs gridshard[hf])")
+    init_from: Optional[str] = Field(None, description="start from these weights: a Hugging Face folder "
+                                                       "(config.json + *.safetensors, e.g. `gridshard export` output) "
+                                                       "or a gridshard checkpoint folder; any layout")
 
     def explicit_fields(self) -> dict:
-        return {k: v for k, v in self.model_dump().items() if k not in ("preset", "hf_config") and v is not None}
+        return {k: v for k, v in self.model_dump().items()
+                if k not in ("preset", "hf_config", "init_from") and v is not None}
 
     def resolve(self) -> ModelConfig:
         """Preset fields (if any) updated with the explicit ones, or the dimensions of
@@ -102,7 +106,13 @@ class TrainSection(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32 | bf16 autocast | fp16 (GPU)")
     seed: int = Field(0, description="seeds the model initialisation and the batch order")
     log_interval: int = Field(10, description="steps between metrics lines")
-    save_interval: int = Field(0, description="steps between checkpoints; 0 = never")
+    save_interval: int = Field(0, description="steps between checkpoints under RUN_DIR/checkpoints; 0 = only at "
+                                              "the end of the run")
+    keep_checkpoints: int = Field(3, description="complete checkpoints kept (oldest removed first); 0 = keep all")
+    resume: str = Field("never", description="never | auto (the run directory's latest complete checkpoint, if "
+                                             "any) | PATH (a checkpoint folder or a run directory)")
+    collective_timeout_s: float = Field(300.0, description="a collective waiting longer than this fails the job "
+                                                           "(a dead rank ends the run instead of hanging it)")
     bucket_mb: float = Field(25.0, description="size of the data-parallel gradient all-reduce buckets")
     overlap_grad_reduce: bool = Field(True, description="issue each bucket's all-reduce during the last backward, "
                                                         "as soon as the bucket's gradients are complete")
@@ -133,4 +143,7 @@ class TrainConfig(BaseModel):
         loading it back gives the same config."""
         out = self.model_dump()
         out["model"] = {"preset": self.model.preset, **vars(self.model.resolve())}
+        for key in ("hf_config", "init_from"):
+            if getattr(self.model, key) is not None:
+                out["model"][key] = getattr(self.model, key)
         return out

@@ -11,7 +11,7 @@ Order of checks (the first failure is raised as one :class:`ConfigError`):
    seq_len ≤ max_seq_len;
 5. data: path present and readable, enough tokens, byte corpora need vocab ≥ 256;
 6. optimizer: lr ≥ 0, min_lr ≤ lr, intervals ≥ 1; precision fp16 needs CUDA;
-   save_interval must be 0 until the trainer saves checkpoints.
+   checkpoint settings (keep ≥ 0, a resume path that exists).
 """
 from __future__ import annotations
 
@@ -126,9 +126,17 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
     if t.precision == "fp16" and not cuda_available:
         _fail("train.precision", "fp16", "fp16 with loss scaling runs on CUDA GPUs only, and none is visible",
               "use train.precision=bf16 (autocast, works on CPU) or fp32")
-    if t.save_interval > 0:
-        _fail("train.save_interval", t.save_interval, "the trainer does not save checkpoints yet "
-              "(sharded checkpointing is a separate module still being wired in)", "set train.save_interval=0")
+    if t.keep_checkpoints < 0:
+        _fail("train.keep_checkpoints", t.keep_checkpoints, "it must be >= 0 (0 keeps every checkpoint)",
+              "use e.g. 3")
+    if t.collective_timeout_s <= 0:
+        _fail("train.collective_timeout_s", t.collective_timeout_s, "it must be > 0", "use e.g. 300")
+    if t.resume not in ("never", "auto"):
+        import os
+
+        if not os.path.isdir(t.resume):
+            _fail("train.resume", t.resume, "it must be never, auto or an existing checkpoint folder / run directory",
+                  "point it at RUN_DIR/checkpoints/step_N or RUN_DIR, or use auto")
 
 
 def validate_config(cfg: TrainConfig, world_size: int, cuda_available: bool = False) -> TrainConfig:

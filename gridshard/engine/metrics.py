@@ -56,12 +56,27 @@ def peak_memory_bytes(device: torch.device) -> int:
 class RunFiles:
     """``RUN_DIR/config.yaml`` and ``RUN_DIR/metrics.jsonl`` (written by rank 0 only)."""
 
-    def __init__(self, run_dir: Optional[str], active: bool):
+    def __init__(self, run_dir: Optional[str], active: bool, keep_until_step: Optional[int] = None):
+        """``keep_until_step``: a resumed run keeps the records of steps ≤ it (the part of the
+        interrupted run its checkpoint covers) and appends after them, so the file reads
+        like one run; otherwise the file starts empty."""
         self.run_dir = run_dir if active else None
         if self.run_dir:
             os.makedirs(self.run_dir, exist_ok=True)
             self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-            open(self.metrics_path, "w").close()
+            kept = []
+            if keep_until_step is not None and os.path.isfile(self.metrics_path):
+                with open(self.metrics_path) as f:
+                    for line in f:
+                        try:
+                            if json.loads(line)["step"] <= keep_until_step:
+                                kept.append(line if line.endswith("\n") else line + "\n")
+                        except (json.JSONDecodeError, KeyError, TypeError):
+                            break                   # a line cut by the crash ends what is kept
+            tmp = self.metrics_path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.metrics_path)
 
     def write_config(self, resolved: dict) -> None:
         if self.run_dir:

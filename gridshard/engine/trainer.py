@@ -28,9 +28,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import Checkpointer, FaultPlan
+from ..checkpoint.faults import hit
+from ..checkpoint.resume import check_compatible, describe, resume_folder
 from ..comm import collectives as C
 from ..comm.ledger import CommLedger
-from ..config import TrainConfig, resolve_config
+from ..config import TrainConfig, load_config, resolve_config
 from ..data import BatchPlan, load_tokens
 from ..mesh import Axis, build_mesh, default_device, init_distributed
 from ..models import Transformer
@@ -56,13 +59,22 @@ class Trainer:
 
     def __init__(self, config, run_dir: Optional[str] = None, progress: bool = True, overrides=()):
         if not dist.is_initialized():
-            init_distributed()
+            init_distributed(timeout_s=load_config(config, overrides).train.collective_timeout_s)
         world = dist.get_world_size()
         self.device = default_device()
         cfg: TrainConfig = resolve_config(config, overrides, world_size=world,
                                           cuda_available=self.device.type == "cuda")
         self.cfg, p, t = cfg, cfg.parallel, cfg.train
         self.rank = dist.get_rank()
+        self.run_dir = run_dir
+        # resume: decided from files every rank reads alike, checked before anything is built
+        self.resume_from = resume_folder(t.resume, run_dir)
+        self.layout_changes = []
+        if self.resume_from is not None:
+            from ..checkpoint.files import read_meta
+
+            self.layout_changes = check_compatible(read_meta(self.resume_from)["config"], cfg.resolved(),
+                                                   describe(self.resume_from))
         self.ledger = CommLedger()                     # this job's collectives only (its mesh records here)
         self.mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=self.ledger)
         self.model_cfg = cfg.model.resolve()
@@ -85,6 +97,14 @@ class Trainer:
         self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
                                               overlap=t.overlap_grad_reduce)
         self.precision = Precision(t.precision, self.device)
+        self.faults = FaultPlan.from_env()
+        needs_checkpoints = run_dir is not None or self.resume_from is not None or cfg.model.init_from is not None
+        self.checkpointer = Checkpointer(run_dir, t.keep_checkpoints, self.faults) if needs_checkpoints else None
+        self.start_step = 0
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
+        elif cfg.model.init_from is not None:
+            self._init_from(cfg.model.init_from)
         tokens = load_tokens(cfg.data.kind, cfg.data.path, cfg.data.token_dtype, cfg.data.max_bytes)
         self.plan = BatchPlan(tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data,
                               self.mesh.data.rank, t.seed, mc.vocab_size)
@@ -92,10 +112,47 @@ class Trainer:
         self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, cfg.data.seq_len,
                                            mc.kv_heads * mc.head_dim)
         self.peak_flops = device_peak_flops(self.device, t.precision)
-        self.files = RunFiles(run_dir, active=self.rank == 0)
+        self.files = RunFiles(run_dir, active=self.rank == 0,
+                              keep_until_step=self.start_step if self.resume_from is not None else None)
         self.files.write_config(cfg.resolved())
         self.progress = progress
         self.history: list = []                        # metrics records (every rank)
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def _resume(self, folder: str) -> None:
+        meta = self.checkpointer.load(folder, self.model, self.optimizer)
+        self.start_step = int(meta["step"])
+        G = self.cfg.train.global_batch
+        if int(meta["samples"]) != self.start_step * G:
+            from ..checkpoint import CheckpointError
+
+            raise CheckpointError(f"checkpoint {describe(folder)}: data position {meta['samples']} samples is not "
+                                  f"step × global_batch = {self.start_step}×{G}. Fix: resume with the global batch "
+                                  f"it was written with.")
+        if self.precision.scaler is not None and meta.get("loss_scaler"):
+            self.precision.scaler.load_state_dict(meta["loss_scaler"])
+        if self.rank == 0:
+            changed = "; layout changes: " + ", ".join(self.layout_changes) if self.layout_changes else ""
+            print(f"gridshard: resumed from {folder} at step {self.start_step}{changed}", file=sys.stderr)
+
+    def _init_from(self, path: str) -> None:
+        from ..checkpoint.hf_io import is_gridshard_checkpoint, load_hf_blocks
+
+        if is_gridshard_checkpoint(path):
+            self.checkpointer.load(path, self.model, self.optimizer, load_optimizer=False)
+        else:
+            load_hf_blocks(self.model, path, hf_names=self.cfg.model.hf_config is not None)
+
+    def save_checkpoint(self, step: int, blocking: bool = False) -> None:
+        """Checkpoint the state after ``step`` optimizer steps (asynchronous unless ``blocking``)."""
+        t, p = self.cfg.train, self.cfg.parallel
+        scaler = self.precision.scaler
+        meta = {"tokens": step * t.global_batch * self.cfg.data.seq_len, "samples": step * t.global_batch,
+                "loss_scaler": scaler.state_dict() if scaler is not None else None,
+                "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor, "tensor_mode": p.tensor_mode,
+                           "sequence_parallel": p.sequence_parallel},
+                "config": self.cfg.resolved(), "saved_unix_time": time.time()}
+        self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking)
 
     # ---- one optimizer step -----------------------------------------------------------
     def step(self, k: int):
@@ -151,12 +208,17 @@ class Trainer:
                    dynamic_ncols=True, desc="train")
         all_losses, pending = [], []
         start = last = time.perf_counter()
-        comm_at_last, steps_at_last = self.ledger.seconds(), 0
+        bar.update(self.start_step)
+        saving = self.checkpointer is not None and self.checkpointer.root is not None
+        comm_at_last, steps_at_last = self.ledger.seconds(), self.start_step
         try:
-            for k in range(t.steps):
+            for k in range(self.start_step, t.steps):
                 loss, norm, lr = self.step(k)
                 pending.append(loss)
                 bar.update(1)
+                hit(self.faults, "step", self.rank, k + 1)
+                if saving and t.save_interval and (k + 1) % t.save_interval == 0:
+                    self.save_checkpoint(k + 1)
                 if (k + 1) % t.log_interval and k + 1 != t.steps:
                     continue
                 if self.device.type == "cuda":
@@ -178,6 +240,10 @@ class Trainer:
                 bar.set_postfix(format_postfix(rec), refresh=False)
                 pending, last, steps_at_last = [], time.perf_counter(), k + 1
                 comm_at_last = self.ledger.seconds()
+            if saving and t.steps > self.start_step and self.checkpointer.last_requested != t.steps:
+                self.save_checkpoint(t.steps, blocking=True)      # the end of the run is always saved
+            if self.checkpointer is not None:
+                self.checkpointer.close()
         finally:
             bar.close()
             self.ledger.timing = prev_timing

@@ -1,0 +1,141 @@
+"""Hugging Face weights in and out: ``gridshard export`` and ``model.init_from``.
+
+Export (one process, no process group): read a checkpoint's ``model.*`` tensors whole from
+DCP (``no_dist``; DCP assembles each canonical tensor from whatever chunks the writing
+layout left), rename them to Hugging Face Llama names (``model.`` prefix except
+``lm_head``; a model trained from ``model.hf_config`` already has them), and write one
+``model.safetensors`` plus ``config.json`` — loadable by ``transformers``'
+``LlamaForCausalLM.from_pretrained`` with no gridshard installed. A tied model writes no
+``lm_head.weight`` and ``tie_word_embeddings: true``.
+
+Import (``model.init_from``, every rank, any layout): each rank reads only its blocks
+(:mod:`gridshard.checkpoint.blocks`) — from a Hugging Face folder with safetensors'
+lazy slices (``safe_open(...).get_slice(name)[box]``), from a gridshard checkpoint through
+DCP — so no rank ever holds a full tensor it does not own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from . import files as F
+from .blocks import MODEL, model_blocks
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _need_safetensors():
+    try:
+        import safetensors  # noqa: F401 (availability check)
+    except ImportError:
+        raise F.CheckpointError("Hugging Face weights need the optional safetensors package. Fix: "
+                                "pip install -e .[hf]") from None
+
+
+def hf_llama_config(model_cfg: dict) -> dict:
+    """``config.json`` of a Hugging Face ``LlamaForCausalLM`` with gridshard's model fields
+    (the resolved ``model`` section of a run's config)."""
+    m = model_cfg
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m["vocab_size"],
+            "hidden_size": m["hidden"], "intermediate_size": m["ffn_hidden"], "num_hidden_layers": m["layers"],
+            "num_attention_heads": m["heads"], "num_key_value_heads": m.get("kv_heads") or m["heads"],
+            "head_dim": m["hidden"] // m["heads"], "max_position_embeddings": m["max_seq_len"],
+            "rms_norm_eps": m["norm_eps"], "rope_theta": m["rope_theta"], "hidden_act": "silu",
+            "tie_word_embeddings": bool(m["tie_embeddings"]), "initializer_range": m["init_std"],
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+
+
+def read_model_tensors(folder: str) -> dict:
+    """canonical name → full tensor of every ``model.*`` entry of a checkpoint (one process)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = F.SafeMetadataReader(folder)
+    metadata = reader.read_metadata()
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for k, md in metadata.state_dict_metadata.items() if k.startswith(MODEL)}
+    dcp.load(state, storage_reader=F.SafeMetadataReader(folder), no_dist=True)
+    return {k[len(MODEL):]: v for k, v in state.items()}
+
+
+def export_hf(folder: str, out_dir: str) -> list:
+    """Write ``out_dir/model.safetensors`` and ``config.json`` from checkpoint ``folder``;
+    returns the written paths. The checkpoint is verified first."""
+    _need_safetensors()
+    from safetensors.torch import save_file
+
+    from ..models.hf import gridshard_to_hf_name
+
+    F.verify_checkpoint(folder)
+    meta = F.read_meta(folder)
+    tensors = read_model_tensors(folder)
+    model_cfg = meta["config"]["model"]
+    hf_json = model_cfg.get("hf_config")
+    os.makedirs(out_dir, exist_ok=True)
+    if hf_json:                                     # trained as the Hugging Face model itself: names are HF's
+        named = {k: v.contiguous() for k, v in tensors.items()}
+        shutil.copyfile(hf_json, os.path.join(out_dir, "config.json"))
+    else:
+        named = {gridshard_to_hf_name(k): v.contiguous() for k, v in tensors.items()}
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf_llama_config(model_cfg), f, indent=1)
+    weights = os.path.join(out_dir, SAFETENSORS)
+    save_file(named, weights, metadata={"format": "pt", "gridshard_step": str(meta["step"])})
+    return [weights, os.path.join(out_dir, "config.json")]
+
+
+def _safetensors_files(folder: str) -> dict:
+    """HF tensor name → file, from the index (sharded) or the single file."""
+    index = os.path.join(folder, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
+    single = os.path.join(folder, SAFETENSORS)
+    if not os.path.isfile(single):
+        raise F.CheckpointError(f"model.init_from={folder!r} holds neither {SAFETENSORS} nor {SAFETENSORS_INDEX} nor "
+                                f"a gridshard checkpoint (meta.json). Fix: point it at a Hugging Face model folder "
+                                f"or a RUN_DIR/checkpoints/step_N folder.")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def load_hf_blocks(model: torch.nn.Module, folder: str, hf_names: bool) -> None:
+    """Fill this rank's blocks of ``model`` from a Hugging Face folder (lazy slices)."""
+    _need_safetensors()
+    from safetensors import safe_open
+
+    from ..models.hf import gridshard_to_hf_name
+
+    where = _safetensors_files(folder)
+    boxes = model_blocks(model)
+    handles = {}
+    try:
+        for fqn, b in boxes.items():
+            name = fqn[len(MODEL):]
+            key = name if hf_names else gridshard_to_hf_name(name)
+            if key not in where:
+                raise F.CheckpointError(f"model.init_from={folder!r} has no tensor {key!r} (model parameter "
+                                        f"{name!r}). Fix: export from a model with the same architecture.")
+            path = where[key]
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt")
+            sl = handles[path].get_slice(key)
+            shape = tuple(sl.get_shape())
+            if shape != tuple(b.global_size):
+                raise F.CheckpointError(f"model.init_from: {key!r} has shape {shape}, the model expects "
+                                        f"{tuple(b.global_size)}. Fix: use weights of the same model config.")
+            box = tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))
+            with torch.no_grad():
+                b.view.copy_(sl[box] if box else sl[:])
+    finally:
+        handles.clear()
+
+
+def is_gridshard_checkpoint(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, F.META))
