@@ -226,5 +226,6 @@ def test_metrics_and_run_files(tmp_path):
     assert "tensor_mode: none" in saved and "hidden: 64" in saved
     same = ("step", "loss", "lr", "grad_norm", "comm_share", "peak_mem_bytes_per_rank", "tokens")
     assert [{k: h[k] for k in same} for h in out[1][1]] == [{k: h[k] for k in same} for h in history]
-    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "metrics.jsonl"]      # rank 0 writes, nothing else
+    # rank 0 writes the run files; the end-of-run checkpoint (save_interval 0) is the only other entry
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
     assert math.isfinite(losses[-1])
