@@ -1,11 +1,15 @@
 """The ``gridshard`` command line.
 
-    gridshard train [CONFIG] [--nproc N] [--run-dir DIR] [key.sub=value ...]
+    gridshard train [CONFIG] [--nproc N] [--run-dir DIR] [--resume PATH|latest] [--max-restarts N]
+                    [key.sub=value ...]
+    gridshard export CKPT_DIR --to hf OUT_DIR
     gridshard plot RUN_DIR [--out DIR]
 
 ``train`` validates the whole config against the world size first (``--nproc``, or
-``WORLD_SIZE`` under torchrun) and exits with status 2 and one message on a bad
-config, before any worker starts.
+``WORLD_SIZE`` under torchrun) — and, when resuming, the checkpoint's completeness and
+compatibility — and exits with status 2 and one message on a bad config, before any
+worker starts. A worker that dies ends the job with status 1 and a message naming the
+rank and the last complete checkpoint.
 """
 from __future__ import annotations
 
@@ -33,6 +37,18 @@ def default_run_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
+def restart_config(config_dict: dict, run_dir: str) -> dict:
+    """A restarted elastic worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the run
+    directory's latest complete checkpoint (``train.resume=auto``) when there is one."""
+    from .checkpoint import checkpoints_root, read_latest
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+        return config_dict
+    if read_latest(checkpoints_root(run_dir)) is None:
+        return config_dict
+    return {**config_dict, "train": {**config_dict["train"], "resume": "auto"}}
+
+
 def _worker(config_dict: dict, run_dir: str, progress: bool):
     """Entry point of one elastic worker: join the group, train, return the losses (rank 0)."""
     import torch.distributed as dist
@@ -40,8 +56,8 @@ def _worker(config_dict: dict, run_dir: str, progress: bool):
     from .engine.trainer import train as run_training
     from .mesh import init_distributed
 
-    init_distributed()
-    losses = run_training(config_dict, run_dir=run_dir, progress=progress)
+    init_distributed(timeout_s=config_dict["train"]["collective_timeout_s"])
+    losses = run_training(restart_config(config_dict, run_dir), run_dir=run_dir, progress=progress)
     rank = dist.get_rank()
     dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
     dist.destroy_process_group()
@@ -73,9 +89,15 @@ def main():
                    "Ignored under torchrun, where WORLD_SIZE decides.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Where metrics.jsonl and config.yaml go (default: runs/<timestamp>).")
+@click.option("--resume", "resume", default=None, metavar="PATH|latest",
+              help="Continue from a checkpoint: 'latest' (the newest complete one under RUN_DIR/checkpoints), a "
+                   "step_N folder or a run directory. Same as train.resume=PATH; any layout may read it.")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="Restart all workers up to N times after a failure; each restart resumes from the latest "
+                   "complete checkpoint (PyTorch's elastic agent). Under torchrun, pass it to torchrun instead.")
 @click.option("--check", is_flag=True, help="Validate and print the resolved config; start nothing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics are still written).")
-def train(args, nproc, run_dir, check, no_progress):
+def train(args, nproc, run_dir, resume, max_restarts, check, no_progress):
     """Train the model described by CONFIG (a YAML file; none = built-in default).
 
     \b
@@ -99,6 +121,12 @@ def train(args, nproc, run_dir, check, no_progress):
     launched = under_launcher()
     try:
         source, overrides = _split_args(args)
+        if max_restarts < 0:
+            raise ConfigError(f"--max-restarts={max_restarts} is invalid: it counts restarts. Fix: 0 or more.")
+        if resume is not None:
+            from .checkpoint import resolve_checkpoint
+
+            overrides = [*overrides, f"train.resume={resolve_checkpoint(resume, run_dir)}"]
         if launched:
             world = launcher_world_size()
         elif nproc is not None:
@@ -108,6 +136,8 @@ def train(args, nproc, run_dir, check, no_progress):
         else:
             world = load_config(source, overrides).world_size
         cfg = resolve_config(source, overrides, world_size=world, cuda_available=torch.cuda.is_available())
+        run_dir = run_dir or default_run_dir()
+        _check_resume(cfg, run_dir)
     except ConfigError as e:
         if not launched or os.environ.get("RANK") == "0":      # under torchrun: one message, from rank 0
             click.echo(f"config error: {e}", err=True)
@@ -118,23 +148,68 @@ def train(args, nproc, run_dir, check, no_progress):
         click.echo(yaml.safe_dump(cfg.resolved(), sort_keys=False).rstrip())
         click.echo(f"# ok for {world} process(es)")
         return
-    run_dir = run_dir or default_run_dir()
     t0 = time.perf_counter()
     if launched:
         from .engine.trainer import train as run_training
 
-        losses = run_training(cfg.model_dump(), run_dir=run_dir, progress=not no_progress)
+        losses = run_training(restart_config(cfg.model_dump(), run_dir), run_dir=run_dir, progress=not no_progress)
         if int(os.environ.get("RANK", "0")) == 0:
             _summary(losses, run_dir, time.perf_counter() - t0)
         return
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        results = launch_local(world, _worker, cfg.model_dump(), run_dir, not no_progress)
+        results = launch_local(world, _worker, cfg.model_dump(), run_dir, not no_progress, max_restarts=max_restarts)
     except ChildFailedError as e:
-        click.echo(f"training failed on a worker:\n{e}", err=True)
+        click.echo(failure_message(e, run_dir), err=True)
         sys.exit(1)
     _summary(results.get(0), run_dir, time.perf_counter() - t0)
+
+
+def _check_resume(cfg, run_dir: str) -> None:
+    """Before any worker starts: the checkpoint to resume from is complete (manifest and
+    sizes; the workers also check the hashes) and compatible with the config."""
+    from .checkpoint.files import read_meta, verify_checkpoint
+    from .checkpoint.resume import check_compatible, describe, resume_folder
+
+    folder = resume_folder(cfg.train.resume, run_dir)
+    if folder is not None:
+        verify_checkpoint(folder, hash_share=(0, 0))
+        check_compatible(read_meta(folder)["config"], cfg.resolved(), describe(folder))
+
+
+def failure_message(error, run_dir: str) -> str:
+    """Which ranks died or failed (signal or exit code) and the last complete checkpoint."""
+    from .checkpoint import checkpoints_root, read_latest
+
+    lines = ["training failed:"]
+    for rank, f in sorted(error.failures.items()):
+        how = f"died ({f.signal_name()})" if f.exitcode < 0 else f"failed (exit code {f.exitcode})"
+        lines.append(f"  rank {rank} {how}" + (f": {f.message}" if f.exitcode >= 0 and f.message else ""))
+    latest = read_latest(checkpoints_root(run_dir))
+    lines.append(f"last complete checkpoint: {latest} (continue with: gridshard train ... --run-dir {run_dir} "
+                 f"--resume latest)" if latest else "no complete checkpoint was written")
+    return "\n".join(lines)
+
+
+@main.command()
+@click.argument("ckpt_dir", type=click.Path(file_okay=False))
+@click.option("--to", "fmt", type=click.Choice(["hf"]), required=True, help="Output format: hf (safetensors + "
+              "config.json for transformers' LlamaForCausalLM).")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def export(ckpt_dir, fmt, out_dir):
+    """Write checkpoint CKPT_DIR (a step_N folder, a run directory or its checkpoints folder) as
+    consolidated Hugging Face weights in OUT_DIR."""
+    from .checkpoint import resolve_checkpoint
+    from .checkpoint.hf_io import export_hf
+
+    try:
+        paths = export_hf(resolve_checkpoint(ckpt_dir, None), out_dir)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
+    for p in paths:
+        click.echo(p)
 
 
 @main.command()

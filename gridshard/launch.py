@@ -5,7 +5,7 @@
 * Otherwise :func:`launch_local` starts ``nproc`` workers on this machine through
   PyTorch's elastic launcher used as a library
   (``torch.distributed.launcher.api.elastic_launch``, the engine behind ``torchrun``):
-  c10d rendezvous on a free local port, no restarts, ``spawn`` start method. Each
+  c10d rendezvous on a free local port, ``--max-restarts`` restarts, ``spawn`` start method. Each
   worker calls ``entry(*args)``; the launcher sets RANK/WORLD_SIZE/MASTER_ADDR/... and
   the worker's :func:`gridshard.mesh.init_distributed` picks nccl on GPUs, gloo otherwise.
 
@@ -33,11 +33,13 @@ def local_threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def launch_local(nproc: int, entry, *args) -> dict:
+def launch_local(nproc: int, entry, *args, max_restarts: int = 0) -> dict:
     """Run ``entry(*args)`` on ``nproc`` local workers; returns {rank: return value}.
 
-    A failing worker raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``
-    carrying its traceback.
+    A failing worker makes the agent stop the others (within ``monitor_interval``) and, after
+    ``max_restarts`` restarts of the whole group, raise
+    ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` carrying each
+    failed rank's exit code or signal and traceback.
     """
     import torch
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -46,6 +48,6 @@ def launch_local(nproc: int, entry, *args) -> dict:
         os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gridshard-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
                           start_method="spawn", monitor_interval=0.1)
     return elastic_launch(config, entry)(*args)

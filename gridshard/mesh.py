@@ -156,7 +156,30 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = elastic_attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def elastic_attempt_store(timeout):
+    """Under PyTorch's elastic agent with its shared store (torchrun, ``--max-restarts``): the
+    agent's store under a prefix of this attempt (``TORCHELASTIC_RESTART_COUNT``), else None.
+
+    The agent keeps one store for the whole job. Process groups of a restarted attempt would
+    otherwise find the previous attempt's keys (the dead workers' gloo addresses) under the
+    same names and fail in ``connectFullMesh`` with "Connection refused" (seen with the
+    library launcher and gloo on torch 2.13); a prefix per attempt gives every attempt its
+    own keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"gridshard/attempt_{attempt}", client)
 
 
 def _axis(mesh: DeviceMesh, dim: Optional[str], name: Optional[str] = None, ledger=None) -> Axis:
