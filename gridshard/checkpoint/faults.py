@@ -36,7 +36,7 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class FaultPlan:
     point: str
-    rank: int
+    rank: Optional[int]                  # None: every rank
     step: Optional[int] = None
     action: str = "kill"
 
@@ -51,7 +51,8 @@ class FaultPlan:
         return FaultPlan(parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None)
 
     def hit(self, point: str, rank: int, step: Optional[int] = None) -> None:
-        if point != self.point or rank != self.rank or (self.step is not None and step != self.step):
+        if point != self.point or (self.rank is not None and rank != self.rank) or \
+                (self.step is not None and step != self.step):
             return
         if self.action == "raise":
             raise InjectedFault(f"injected fault at {point} on rank {rank} (step {step})")

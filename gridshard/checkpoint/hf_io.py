@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 
 import torch
 
@@ -49,16 +50,19 @@ def hf_llama_config(model_cfg: dict) -> dict:
             "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
 
 
-def read_model_tensors(folder: str) -> dict:
-    """canonical name → full tensor of every ``model.*`` entry of a checkpoint (one process)."""
+def read_checkpoint_tensors(folder: str, prefix: str = MODEL) -> dict:
+    """name (``prefix`` removed) → full canonical tensor of every entry of a checkpoint whose
+    key starts with ``prefix`` (one process, no process group)."""
     import torch.distributed.checkpoint as dcp
 
     reader = F.SafeMetadataReader(folder)
     metadata = reader.read_metadata()
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for k, md in metadata.state_dict_metadata.items() if k.startswith(MODEL)}
-    dcp.load(state, storage_reader=F.SafeMetadataReader(folder), no_dist=True)
-    return {k[len(MODEL):]: v for k, v in state.items()}
+             for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    with warnings.catch_warnings():                 # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=F.SafeMetadataReader(folder), no_dist=True)
+    return {k[len(prefix):]: v for k, v in state.items()}
 
 
 def export_hf(folder: str, out_dir: str) -> list:
@@ -71,7 +75,7 @@ def export_hf(folder: str, out_dir: str) -> list:
 
     F.verify_checkpoint(folder)
     meta = F.read_meta(folder)
-    tensors = read_model_tensors(folder)
+    tensors = read_checkpoint_tensors(folder)
     model_cfg = meta["config"]["model"]
     hf_json = model_cfg.get("hf_config")
     os.makedirs(out_dir, exist_ok=True)

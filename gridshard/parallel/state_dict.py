@@ -30,8 +30,8 @@ def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:
     t = t.detach()
     if spec is None:
         return t.cpu().clone()
-    if not spec.splits or mesh.tensor.size == 1:
-        return spec.to_canonical(t.cpu().float() if t.is_floating_point() else t.cpu())
+    if not spec.splits or mesh.tensor.size == 1:          # a snapshot, never a view of the live tensor
+        return spec.to_canonical(t.cpu().float() if t.is_floating_point() else t.cpu()).clone()
     _, size = mesh_coords(mesh)
     with LEDGER.paused():
         blocks = C.all_gather(t.contiguous().unsqueeze(0), mesh.tensor, 0).cpu()
