@@ -60,6 +60,10 @@ BAD = [
     ("unknown preset", _cfg(model={"preset": "tiny2"}), 1, ["model.preset='tiny2'", "'tiny'"]),
     ("preset null, no fields", _cfg(model={"preset": None}), 1, ["model.vocab_size", "required"]),
     ("checkpoints", _cfg(train={"save_interval": 10}), 1, ["train.save_interval=10", "save_interval=0"]),
+    ("ignore_token past vocab", _cfg(data={"ignore_token": 256}), 1,
+     ["data.ignore_token=256", "[0, model.vocab_size=256)", "padding id"]),
+    ("ignore_token negative", _cfg(data={"ignore_token": -100}), 1, ["data.ignore_token=-100", "token id"]),
+    ("ignore_token type", _cfg(data={"ignore_token": "pad"}), 1, ["data.ignore_token", "'pad'"]),
 ]
 
 
