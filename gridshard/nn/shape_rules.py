@@ -37,9 +37,9 @@ class DivisibilityRule:
     a plain number such as ``"2"`` when the divisor is a constant).
 
     ``suggest`` / ``suggest_for``: values of the size ``suggest_for`` (default ``what``) near
-    the current one that satisfy *every* rule of the layout with the other sizes unchanged
-    (filled in by :func:`model_shape_rules` for broken rules), so a fix never trades one
-    broken rule for another. ``head_dim`` is not set directly: its fix names ``hidden``
+    the current one that fix every rule about that size and break none that held, the other
+    sizes unchanged (filled in by :func:`model_shape_rules` for broken rules), so a fix never
+    trades one broken rule for another. ``head_dim`` is not set directly: its fix names ``hidden``
     (``alternative``: another size the fix may change instead)."""
 
     what: str
@@ -101,13 +101,26 @@ def _rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int
     return rules
 
 
-def _valid_values(field: str, value: int, step: int, sizes: dict, limit: int = 200) -> tuple:
-    """The nearest multiples of ``step`` below and above ``value`` (at most one each) at which
-    every rule holds when size ``field`` takes that value and the others keep theirs."""
+def _mentions(rule: DivisibilityRule, field: str) -> bool:
+    """Whether changing size ``field`` can change ``rule``'s verdict."""
+    names = {rule.what, rule.by} | ({"hidden", "heads"} if rule.what == "head_dim" else set())
+    return field in names
+
+
+def _broken(sizes: dict) -> set:
+    return {(r.what, r.by) for r in _rules(**sizes) if not r.holds}
+
+
+def _valid_values(field: str, value: int, step: int, sizes: dict, limit: int = 48) -> tuple:
+    """The nearest multiples of ``step`` below and above ``value`` (at most one each, searched
+    up to ``limit`` steps away) that fix every rule about size ``field`` and break no rule that
+    held: changing ``field`` to one of them (the other sizes unchanged) leaves broken only
+    rules about other sizes that were broken already."""
     arg = _FIELD_ARGS[field]
+    others = {(r.what, r.by) for r in _rules(**sizes) if not r.holds and not _mentions(r, field)}
 
     def ok(v):
-        return all(r.holds for r in _rules(**{**sizes, arg: v}))
+        return _broken({**sizes, arg: v}) <= others
 
     below = next((v for v in range((value - 1) // step * step, 0, -step)[:limit] if ok(v)), None)
     above = next((v for v in range((value // step + 1) * step, (value // step + 1 + limit) * step, step)
@@ -116,16 +129,17 @@ def _valid_values(field: str, value: int, step: int, sizes: dict, limit: int = 2
 
 
 def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,
-                      hidden: int, heads: int, ffn: int, kv_heads=None) -> list:
+                      hidden: int, heads: int, ffn: int, kv_heads=None, hints: bool = True) -> list:
     """All divisibility rules for one layout; ``batch`` is the micro-batch of one tensor group.
     ``kv_heads`` (grouped-query attention, default = heads): 1D splits them when T divides
     them and replicates them in groups of T/kv_heads when they divide T; 2D needs kv_heads % q.
-    A broken rule carries the nearby values of its size at which every rule holds."""
+    A broken rule carries nearby values of its size that fix it without breaking another
+    (``hints=False``: the verdicts only, without that search)."""
     sizes = dict(mode=mode, tensor=tensor, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
                  hidden=hidden, heads=heads, ffn=ffn, kv_heads=kv_heads)
     out = []
     for rule in _rules(**sizes):
-        if not rule.holds and rule.divisor > 0:
+        if hints and not rule.holds and rule.divisor > 0:
             if rule.what == "head_dim":     # set through hidden: a multiple of 2·heads
                 rule = replace(rule, suggest=_valid_values("hidden", hidden, 2 * heads, sizes), suggest_for="hidden",
                                alternative="heads")
