@@ -40,8 +40,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.grid_ops import gather_along, reduce_scatter_along
 from ..errors import ShapeError, check_divisible
-from .embedding_1d import check_token_range
-from .id_range import bad_id_slots, raise_on_bad_ids
+from .id_range import bad_id_slots, check_blocks, raise_on_bad_ids
 from ..theory.vocab import padded_vocab_size as padded_vocab
 from .sharding import ShardSpec, sharded_parameter
 
@@ -79,7 +78,7 @@ class VocabParallelEmbedding2D(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _check_tokens(tokens)
         all_tokens = C.all_gather(tokens, self.mesh.col, 0)           # [b, s] on every rank of column j
-        check_token_range(all_tokens, self.vocab, "VocabParallelEmbedding2D tokens")   # the same on every rank
+        check_blocks(all_tokens, self.vocab, "VocabParallelEmbedding2D tokens", self.mesh.q)   # alike on every rank
         local = all_tokens - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_local)
         part = F.embedding(local.masked_fill(outside, 0), self.weight)  # [b, s, h/q]

@@ -6,10 +6,6 @@ If rank (0, j) of a 2D grid raises on a bad id in its batch block while rank (1,
 block is clean, goes on into the layer's all-reduce, rank (1, j) waits there until the
 process-group timeout. Two ways to agree, used by the layers:
 
-* check data every rank holds: :class:`gridshard.nn.embedding_2d.VocabParallelEmbedding2D`
-  all-gathers the tokens along the grid column anyway, so after that all-gather every rank
-  of the tensor group holds the whole micro-batch and the plain
-  :func:`gridshard.nn.embedding_1d.check_token_range` answers the same everywhere;
 * sum a small verdict vector over the group: member k of a group of n (k = its batch-block
   index) fills the slots of block k in a float64 vector of 2n entries
 
@@ -20,7 +16,14 @@ process-group timeout. Two ways to agree, used by the layers:
   every member (float64 holds ids exactly up to 2^53). :func:`raise_on_bad_ids` then raises
   one :class:`ShapeError` naming the first bad block, its id, the rule and a fix on every
   member. ``cross_entropy_2d`` appends v to the column all-reduce it makes anyway (no extra
-  collective); ``Embedding2D`` all-reduces it alone (16·n bytes).
+  collective); ``Embedding2D`` all-reduces it alone (16·n bytes);
+* check data every rank holds (:func:`check_blocks`, the same vector built locally):
+  :class:`gridshard.nn.embedding_2d.VocabParallelEmbedding2D` all-gathers the tokens along
+  the grid column anyway, so after that all-gather every rank of the tensor group holds
+  the whole micro-batch and answers alike with no extra collective.
+
+(1D layers need none of this: their tokens and targets are replicated over the tensor
+group, so :func:`gridshard.nn.embedding_1d.check_token_range` on them agrees already.)
 
 On CUDA the verdict is a device-side assertion on the summed vector (no host sync), which
 fails on every rank alike.
@@ -47,6 +50,14 @@ def bad_id_slots(ids: torch.Tensor, vocab_size: int, index: int, n: int, ignore_
     v[index] = (any_high | low.any()).to(torch.float64)
     v[n + index] = torch.where(any_high, biggest, smallest).to(torch.float64)
     return v
+
+
+def check_blocks(ids: torch.Tensor, vocab_size: int, what: str, n: int, ignore_index=None,
+                 block: str = "batch block") -> None:
+    """The same check on ids every rank already holds whole ([n·m, ...], block k = rows
+    k·m … (k+1)·m − 1): the summed verdict vector is built locally, no collective."""
+    summed = sum(bad_id_slots(part, vocab_size, k, n, ignore_index) for k, part in enumerate(ids.chunk(n, 0)))
+    raise_on_bad_ids(summed, vocab_size, what, ignore_index, block)
 
 
 def raise_on_bad_ids(summed: torch.Tensor, vocab_size: int, what: str, ignore_index=None,
