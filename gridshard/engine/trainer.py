@@ -28,9 +28,11 @@ order). Without ``ignore_token`` N = G·s and every micro-batch holds m·s valid
 so this is the old "backward of the micro-batch mean / A, then mean over data ranks".
 
 A step with N = 0 (every target of the global batch ignored; every rank knows it) runs
-no forward or backward: the gradients are zero, the optimizer still steps (AdamW's
-momentum and weight decay act, as in a plain loop whose ``F.cross_entropy`` returns zero
-gradients), its loss is reported as ``None`` (null in ``metrics.jsonl``) and rank 0 warns.
+like any other with weight D/N replaced by 0: every loss sum is 0 with an exactly zero
+gradient, so the gradients are zero (the same path keeps the fp16 scaler and the
+overlapped reduction as usual), the optimizer still steps (AdamW's momentum and weight
+decay act, as in a plain loop whose ``F.cross_entropy`` returns zero gradients), its
+loss is reported as ``None`` (null in ``metrics.jsonl``) and rank 0 warns.
 A micro-batch or 2D block with no valid target gets exactly zero gradient from the loss
 (:mod:`gridshard.parallel.context`), never NaN.
 
@@ -130,12 +132,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         micro, n_valid = self.plan.step_batches(k)
         self.step_valid_tokens = n_valid
-        if n_valid == 0:
-            micro = []                                 # every rank knows: nothing to learn from
-            if self.rank == 0:
-                warnings.warn(f"step {k + 1}: every target of the global batch is data.ignore_token="
-                              f"{self.cfg.data.ignore_token}; the step's gradient is zero and its loss is "
-                              f"reported as null", RuntimeWarning, stacklevel=2)
+        if n_valid == 0 and self.rank == 0:            # every rank knows; each runs the step with weight 0
+            warnings.warn(f"step {k + 1}: every target of the global batch is data.ignore_token="
+                          f"{self.cfg.data.ignore_token}; the step's gradient is zero and its loss is "
+                          f"reported as null", RuntimeWarning, stacklevel=2)
         weight = self.mesh.data.size / n_valid if n_valid else 0.0      # D/N (module docstring)
         sums = []
         for a, (tokens, targets) in enumerate(micro):
