@@ -65,9 +65,10 @@ def _worker(config_dict: dict, run_dir: str, progress: bool):
 
 
 def _summary(losses, run_dir, wall_s):
-    if losses:
-        click.echo(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-                   f"({losses[-1] / losses[0]:.2f}x) in {wall_s:.1f} s; run dir {run_dir} "
+    known = [x for x in losses or () if x is not None]      # None: a step without valid targets
+    if known:
+        click.echo(f"done: {len(losses)} steps, loss {known[0]:.4f} -> {known[-1]:.4f} "
+                   f"({known[-1] / known[0]:.2f}x) in {wall_s:.1f} s; run dir {run_dir} "
                    f"(metrics.jsonl, config.yaml; `gridshard plot {run_dir}`)")
 
 

@@ -25,6 +25,13 @@ def _deadlock():
     return 0
 
 
+def _raise_then_wait():
+    if dist.get_rank() == 1:
+        raise ValueError("boom before the collective")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for rank 1, which has failed
+    return 0
+
+
 def _pid():
     return os.getpid()
 
@@ -54,6 +61,18 @@ def test_deadlock_fails_fast_with_stack_of_stuck_rank():
     assert time.monotonic() - t0 < 120
     msg = str(e.value)
     assert "timeout during _deadlock" in msg and "stack of rank 0" in msg and "_deadlock" in msg
+
+
+def test_timeout_after_a_failure_keeps_the_traceback():
+    """One rank raises, the other waits for it in a collective: the failure reports both the
+    traceback of the rank that raised and the stack of the one that waits (the grace period
+    ends the call, not the 60 s timeout)."""
+    with pytest.raises(RankFailure) as e:
+        run_on_ranks(2, _raise_then_wait, timeout=60, grace_s=2)
+    msg = str(e.value)
+    assert "timeout during _raise_then_wait" in msg and "rank(s) [1] had failed before" in msg, msg
+    assert "--- traceback of rank 1 ---" in msg and "boom before the collective" in msg, msg
+    assert "--- stack of rank 0 ---" in msg and "_raise_then_wait" in msg.split("--- stack of rank 0 ---")[1], msg
 
 
 def _returns_a_lambda():

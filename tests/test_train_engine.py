@@ -202,7 +202,7 @@ def _metrics_body(cfg, run_dir):
     return losses, trainer.history, (before, peak_memory_bytes(trainer.device))
 
 
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_share", "peak_mem_bytes",
+METRIC_KEYS = {"step", "loss", "valid_tokens", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_share", "peak_mem_bytes",
                "peak_mem_bytes_per_rank", "step_time_s", "tokens", "elapsed_s", "loss_scale"}
 
 
@@ -222,6 +222,7 @@ def test_metrics_and_run_files(tmp_path):
         for r, (before, after) in enumerate(o[2] for o in out):
             assert before <= per_rank[r] <= after, (r, before, per_rank[r], after)
         assert rec["tokens"] == step * 4 * 32 and rec["tokens_per_s"] > 0
+        assert rec["valid_tokens"] == 4 * 32          # no data.ignore_token: every target of the step
     saved = (tmp_path / "config.yaml").read_text()
     assert "tensor_mode: none" in saved and "hidden: 64" in saved
     same = ("step", "loss", "lr", "grad_norm", "comm_share", "peak_mem_bytes_per_rank", "tokens")

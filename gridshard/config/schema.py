@@ -84,6 +84,9 @@ class DataSection(BaseModel):
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of a tokens file")
     seq_len: int = Field(128, description="tokens per training sequence")
     max_bytes: int = Field(4 << 20, description="cap on bytes read for stdlib/text corpora")
+    ignore_token: Optional[int] = Field(None, description="targets equal to this token id are left out of the "
+                                                          "loss (padding); the loss is normalised by the valid "
+                                                          "targets of the whole global batch")
 
 
 class TrainSection(BaseModel):

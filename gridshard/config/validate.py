@@ -9,7 +9,8 @@ Order of checks (the first failure is raised as one :class:`ConfigError`):
    global_batch / (micro_batch·D));
 4. model shapes for the mode (:func:`gridshard.nn.shape_rules.model_shape_rules`),
    seq_len ≤ max_seq_len;
-5. data: path present and readable, enough tokens, byte corpora need vocab ≥ 256;
+5. data: path present and readable, enough tokens, byte corpora need vocab ≥ 256,
+   ignore_token (if set) a token id in [0, vocab_size);
 6. optimizer: lr ≥ 0, min_lr ≤ lr, intervals ≥ 1; precision fp16 needs CUDA;
    checkpoint settings (keep ≥ 0, a resume path that exists).
 """
@@ -104,6 +105,10 @@ def _data(cfg: TrainConfig):
     if d.kind in ("stdlib", "text") and m.vocab_size < 256:
         _fail("model.vocab_size", m.vocab_size, f"data.kind={d.kind} yields bytes 0..255",
               "set model.vocab_size >= 256 (the tiny preset uses 256)")
+    if d.ignore_token is not None and not 0 <= d.ignore_token < m.vocab_size:
+        _fail("data.ignore_token", d.ignore_token, f"it must be a token id in [0, model.vocab_size={m.vocab_size}) "
+              f"(it is also fed to the model as an input token)",
+              "set it to the padding id of the tokenizer, or null to use every target")
     n_tokens = source_size_tokens(d.kind, d.path, d.token_dtype, d.max_bytes)
     if n_tokens < d.seq_len + 1:
         _fail("data.path" if d.path else "data.kind", d.path or d.kind,

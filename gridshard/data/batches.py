@@ -8,10 +8,18 @@ Tokens are ``window[:-1]`` and targets ``window[1:]``.
 Sharding: with D data ranks and micro-batch m, each optimizer step accumulates
 ``A = G / (m·D)`` micro-batches per rank. Data rank d owns the contiguous rows
 ``[d·G/D, (d+1)·G/D)`` and feeds them in order as A micro-batches of m rows. Every
-global row is used exactly once per step, and because every micro-batch has the same
-number of tokens, mean-over-micro-batches then mean-over-ranks equals the mean over the
-global batch. (In 2D the tensor group further splits a micro-batch over its grid rows
-with ``ParallelContext.shard_tokens``.)
+global row is used exactly once per step. (In 2D the tensor group further splits a
+micro-batch over its grid rows with ``ParallelContext.shard_tokens``.)
+
+Masked targets (``ignore_token``, the config's ``data.ignore_token``): targets equal to it
+are left out of the loss, so micro-batches hold different numbers of valid targets and
+the mean of per-micro-batch means is no longer the global mean. The normaliser the
+trainer needs is N_k = #(targets ≠ ignore_token) over the whole global batch of step k;
+since that batch is a function of (data, seed, k) alone, every rank reads it and counts
+N_k itself — no communication, the same integer on every rank
+(:meth:`BatchPlan.step_batches`). Reading the global batch also checks every global id
+against the vocabulary on every rank, so a bad id raises the same error everywhere.
+Without ``ignore_token`` N_k = G·s and a rank reads only its own rows.
 """
 from __future__ import annotations
 
@@ -51,11 +59,12 @@ class BatchPlan:
     """Which tokens this data rank feeds at each step (module docstring)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, micro_batch: int,
-                 data_size: int, data_rank: int, seed: int, vocab_size: int):
+                 data_size: int, data_rank: int, seed: int, vocab_size: int, ignore_token=None):
         self.tokens, self.seq_len, self.seed, self.vocab_size = tokens, seq_len, seed, vocab_size
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rows = rank_rows(global_batch, data_size, data_rank)
         self.accumulation = global_batch // (micro_batch * data_size)
+        self.ignore_token = ignore_token
 
     def global_windows(self, step: int) -> torch.Tensor:
         """The whole global batch of ``step`` [G, s+1] (for tests and references)."""
@@ -64,6 +73,18 @@ class BatchPlan:
 
     def micro_batches(self, step: int) -> list:
         """``accumulation`` pairs (tokens [m, s], targets [m, s]) of this rank for ``step``."""
-        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step)[self.rows]
-        w = windows(self.tokens, offs, self.seq_len, self.vocab_size)
-        return [(c[:, :-1], c[:, 1:]) for c in w.split(self.micro_batch, dim=0)]
+        return self.step_batches(step)[0]
+
+    def step_batches(self, step: int) -> tuple:
+        """(this rank's :meth:`micro_batches` of ``step``, N: the valid targets of the whole
+        global batch of ``step`` — targets ≠ ``ignore_token``, over all micro-batches and data
+        ranks; G·s without ``ignore_token``). The same N on every rank (module docstring)."""
+        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step)
+        if self.ignore_token is None:
+            w = windows(self.tokens, offs[self.rows], self.seq_len, self.vocab_size)
+            n_valid = self.global_batch * self.seq_len
+        else:
+            every = windows(self.tokens, offs, self.seq_len, self.vocab_size)     # the whole global batch
+            n_valid = int((every[:, 1:] != self.ignore_token).sum())
+            w = every[self.rows]
+        return [(c[:, :-1], c[:, 1:]) for c in w.split(self.micro_batch, dim=0)], n_valid

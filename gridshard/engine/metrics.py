@@ -2,7 +2,9 @@
 
 Per log line (every ``log_interval`` steps) — see ``docs/training.md``:
 
-* ``loss``: global mean cross-entropy of that step's batch (nats/token);
+* ``loss``: cross-entropy of that step's global batch (nats/token), the mean over its
+  valid targets (those not equal to ``data.ignore_token``); null when it has none;
+* ``valid_tokens``: the number of those valid targets (G·s without ``ignore_token``);
 * ``lr``, ``grad_norm`` (global, before clipping);
 * ``tokens_per_s``: global tokens of the interval / its wall time;
 * ``mfu``: :func:`gridshard.theory.training.mfu` over the device's dense peak
@@ -93,7 +95,7 @@ class RunFiles:
 
 def format_postfix(rec: dict) -> dict:
     """Short fields for the progress bar."""
-    out = {"loss": f"{rec['loss']:.4f}", "lr": f"{rec['lr']:.2e}", "gnorm": f"{rec['grad_norm']:.3f}",
+    out = {"loss": f"{rec['loss']:.4f}" if rec["loss"] is not None else "-", "lr": f"{rec['lr']:.2e}", "gnorm": f"{rec['grad_norm']:.3f}",
            "tok/s": f"{rec['tokens_per_s']:.0f}", "mem": f"{rec['peak_mem_bytes'] / 2**20:.0f}MiB",
            "comm": f"{rec['comm_share']:.0%}" if rec["comm_share"] is not None else "-"}
     if rec.get("mfu") is not None:

@@ -5,24 +5,45 @@
 One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
 
     lr ← schedule(k)
-    for each of my A micro-batches (tokens, targets) [m, s]:   (2D: context.shard_tokens → [m/q, s])
-        loss_a = context.model_loss(model, tokens, targets)    global mean over the tensor group's micro-batch
-        backward(loss_a / A)                                   (× loss scale in fp16)
+    N  ← valid targets of step k's whole global batch       (BatchPlan.step_batches: every
+                                                              rank counts it, no communication)
+    for each of my A micro-batches a (tokens, targets) [m, s]:  (2D: context.shard_tokens → [m/q, s])
+        L_da = context.model_loss(..., reduction="sum")      Σ ℓ_i over the micro-batch's valid
+                                                              targets (the tensor group's, same on
+                                                              every tensor rank; 0 if none is valid)
+        backward(L_da · D/N)                                  (× loss scale in fp16)
     grads ← mean over data ranks (bucketed all-reduce, DataParallelGradSync; issued during
             the last micro-batch's backward as each bucket completes)
     ‖g‖  ← global norm, every parameter once (one all-reduce over tensor)
     clip to train.grad_clip; AdamW step
 
-Because every micro-batch holds the same number of tokens, the mean over a rank's
-micro-batches and then over data ranks is the mean over the global batch: the loss,
-the gradient and hence the whole trajectory are the same at every layout (up to
-floating-point summation order). The step's loss is reduced over data ranks only at
-log steps (one small all-reduce of the interval's losses, not recorded in the ledger).
+Normalisation. The step's loss is the mean over the valid targets (``data.ignore_token``
+masks the others) of the whole global batch, L = (1/N) Σ_{d,a} L_da, and its gradient
+g = (1/N) Σ_{d,a} ∇L_da. Rank d backpropagates (D/N) Σ_a L_da, so its gradient is
+g_d = (D/N) Σ_a ∇L_da, and the data-parallel mean gives (1/D) Σ_d g_d = g exactly. N is
+the same integer on every rank, so nothing else is communicated; micro-batches with more
+valid targets weigh more, as they must. The result depends on the global batch only, not
+on the micro-batch size or the layout, masked or not (up to floating-point summation
+order). Without ``ignore_token`` N = G·s and every micro-batch holds m·s valid targets,
+so this is the old "backward of the micro-batch mean / A, then mean over data ranks".
+
+A step with N = 0 (every target of the global batch ignored; every rank knows it) runs
+like any other with weight D/N replaced by 0: every loss sum is 0 with an exactly zero
+gradient, so the gradients are zero (the same path keeps the fp16 scaler and the
+overlapped reduction as usual), the optimizer still steps (AdamW's momentum and weight
+decay act, as in a plain loop whose ``F.cross_entropy`` returns zero gradients), its
+loss is reported as ``None`` (null in ``metrics.jsonl``) and rank 0 warns.
+A micro-batch or 2D block with no valid target gets exactly zero gradient from the loss
+(:mod:`gridshard.parallel.context`), never NaN.
+
+The step's loss: rank d's share (1/N) Σ_a L_da, summed over data ranks only at log steps
+(one small all-reduce of the interval's shares, not recorded in the ledger).
 """
 from __future__ import annotations
 
 import sys
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -107,7 +128,9 @@ class Trainer:
             self._init_from(cfg.model.init_from)
         tokens = load_tokens(cfg.data.kind, cfg.data.path, cfg.data.token_dtype, cfg.data.max_bytes)
         self.plan = BatchPlan(tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data,
-                              self.mesh.data.rank, t.seed, mc.vocab_size)
+                              self.mesh.data.rank, t.seed, mc.vocab_size, cfg.data.ignore_token)
+        self.ignore_index = -100 if cfg.data.ignore_token is None else cfg.data.ignore_token
+        self.step_valid_tokens = None                  # N of the last step (valid targets, global batch)
         self.decay_steps = t.decay_steps or t.steps
         self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, cfg.data.seq_len,
                                            mc.kv_heads * mc.head_dim)
@@ -156,36 +179,47 @@ class Trainer:
 
     # ---- one optimizer step -----------------------------------------------------------
     def step(self, k: int):
-        """Run optimizer step ``k``; returns (this data rank's mean loss, global grad norm,
-        lr) as tensors/floats without synchronising the host."""
+        """Run optimizer step ``k``; returns (this data rank's share of the step's loss — the
+        sum over data ranks is the global loss; NaN when the step has no valid target —,
+        global grad norm, lr) as tensors/floats without synchronising the host. The step's
+        global valid-target count N is left in ``self.step_valid_tokens``."""
         t = self.cfg.train
         lr = lr_at(k, t.lr, t.min_lr, t.warmup_steps, self.decay_steps, t.schedule)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
-        micro = self.plan.micro_batches(k)
-        losses = []
+        micro, n_valid = self.plan.step_batches(k)
+        self.step_valid_tokens = n_valid
+        if n_valid == 0 and self.rank == 0:            # every rank knows; each runs the step with weight 0
+            warnings.warn(f"step {k + 1}: every target of the global batch is data.ignore_token="
+                          f"{self.cfg.data.ignore_token}; the step's gradient is zero and its loss is "
+                          f"reported as null", RuntimeWarning, stacklevel=2)
+        weight = self.mesh.data.size / n_valid if n_valid else 0.0      # D/N (module docstring)
+        sums = []
         for a, (tokens, targets) in enumerate(micro):
             if a == len(micro) - 1:
                 self.grad_sync.arm()                   # reduce buckets during the last backward
             tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)
             targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
             with self.precision.autocast():
-                loss = self.context.model_loss(self.model, tokens, targets)
-            self.precision.scale(loss / len(micro)).backward()
-            losses.append(loss.detach())
+                loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum")
+            self.precision.scale(loss_sum * weight).backward()
+            sums.append(loss_sum.detach())
         self.grad_sync.sync()
         self.precision.unscale(self.optimizer)
         norm = global_grad_norm(self.params, self.mesh, self.param_specs)
         self.precision.agree_on_overflow(self.optimizer, norm)
         clip_gradients(self.params, norm, t.grad_clip)
         self.precision.step(self.optimizer)
-        return torch.stack(losses).float().mean(), norm, lr
+        share = torch.stack(sums).double().sum() / n_valid if n_valid else \
+            torch.full((), float("nan"), dtype=torch.float64, device=self.device)
+        return share, norm, lr
 
     def _global_losses(self, local: list) -> list:
-        """Mean over data ranks of each step's loss (one all-reduce, not in the ledger)."""
+        """Sum over data ranks of each step's loss share, from (share, N) pairs (one all-reduce,
+        not in the ledger); None for a step without valid targets (N = 0)."""
         with self.ledger.paused():
-            vec = C.all_reduce(torch.stack(local).double(), self.mesh.data) / self.mesh.data.size
-        return [float(x) for x in vec.cpu()]
+            vec = C.all_reduce(torch.stack([x for x, _ in local]).double(), self.mesh.data)
+        return [None if n == 0 else x for x, (_, n) in zip(vec.cpu().tolist(), local)]
 
     def _gather_rank_stats(self, comm_s: float, wall_s: float) -> tuple:
         stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device))]],
@@ -196,7 +230,8 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------
     def run(self) -> list:
-        """Train ``train.steps`` steps; returns the global loss of every step."""
+        """Train ``train.steps`` steps; returns the global loss of every step (None for a step
+        without valid targets)."""
         from tqdm import tqdm
 
         t = self.cfg.train
@@ -214,7 +249,7 @@ class Trainer:
         try:
             for k in range(self.start_step, t.steps):
                 loss, norm, lr = self.step(k)
-                pending.append(loss)
+                pending.append((loss, self.step_valid_tokens))
                 bar.update(1)
                 hit(self.faults, "step", self.rank, k + 1)
                 if saving and t.save_interval and (k + 1) % t.save_interval == 0:
@@ -229,7 +264,8 @@ class Trainer:
                 losses = self._global_losses(pending)
                 all_losses += losses
                 tps = n_steps * tokens_per_step / wall
-                rec = {"step": k + 1, "loss": losses[-1], "lr": lr, "grad_norm": float(norm),
+                rec = {"step": k + 1, "loss": losses[-1], "valid_tokens": self.step_valid_tokens,
+                       "lr": lr, "grad_norm": float(norm),
                        "tokens_per_s": tps, "mfu": mfu(self.flops_token, tps, self.peak_flops, dist.get_world_size()),
                        "comm_share": comm_share if time_comm else None, "peak_mem_bytes": max(mems),
                        "peak_mem_bytes_per_rank": mems, "step_time_s": wall / n_steps,

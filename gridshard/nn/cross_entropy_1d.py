@@ -18,7 +18,14 @@ from the saved local softmax. Tokens whose target is ``ignore_index`` get ℓ_i 
 and a zero gradient (as ``F.cross_entropy(reduction="none")``).
 
 :func:`vocab_parallel_cross_entropy` returns the PER-TOKEN loss (targets' shape);
-``ParallelContext.loss`` (mode ``1d``) takes the mean over the non-ignored tokens.
+``ParallelContext.loss`` (mode ``1d``) reduces it: Σ_i ℓ_i (``reduction="sum"``) or
+Σ_i ℓ_i / max(N, 1) with N = #non-ignored targets (``"mean"``; its value is NaN when
+N = 0, as ``F.cross_entropy``'s, but its gradient stays exactly 0: the upstream weight
+1/max(N, 1) is finite, and every ignored token's gradient is multiplied by valid = 0 —
+dividing by N itself would send ∞·0 = NaN into every gradient).
+
+The targets are the same on every tensor rank (replicated, also under sequence
+parallelism), so the id range check below answers alike on every rank.
 """
 from __future__ import annotations
 

@@ -9,15 +9,34 @@ Forward, per token (reductions along ``mesh.row``, the q vocab blocks of a token
     m = max_row(max_local z)                         (all-reduce max, [b/q, s])
     S = Σ_row Σ_local exp(z − m),  z_t = Σ_row [target in my block]·z[target]
                                                      (one all-reduce of [2, b/q, s])
-    ℓ = log S + m − z_t
+    ℓ = log S + m − z_t                              (0 where the target is ignored)
 
-Loss = Σ_valid ℓ / N_valid over all *global* tokens (targets ≠ ignore_index): the two
-sums are all-reduced along ``mesh.col`` (the q batch blocks), so every rank of the
-grid returns the same scalar. Backward is local: dz = (softmax(z) − onehot(target))
-· valid / N_valid · upstream (each rank's upstream gradient is the same ∂/∂loss).
-Communication: 3 all-reduces in forward (2 on the row, 1 of 2 elements on the
-column), none in backward. Saved: the softmax block [b/q, s, V_pad/q] (as PyTorch
-saves its log-softmax).
+Over the *global* micro-batch (all q batch blocks; targets ≠ ignore_index are valid):
+
+    L_sum = Σ_valid ℓ,  N = #valid                   (all-reduced along ``mesh.col``)
+    reduction="sum":  loss = L_sum                   (0 when N = 0)
+    reduction="mean": loss = L_sum / N               (NaN when N = 0, as F.cross_entropy)
+
+so every rank of the grid returns the same scalar. Backward is local: with upstream g
+(the same ∂/∂loss on every rank)
+
+    dz = (softmax(z) − onehot(target)) · valid · w,   w = g (sum) or g / max(N, 1) (mean)
+
+A block, or the whole micro-batch, with no valid target gets exactly zero gradient
+(valid = 0 everywhere; the max(N, 1) keeps 0/0 out of the mean's backward, so the
+gradient equals F.cross_entropy's zeros instead of NaN).
+
+Target range check that every rank answers alike: the targets differ between batch
+blocks, so a rank cannot raise on its own block alone (the other grid rows would wait in
+the column all-reduce). Each rank puts its block's verdict into the slots of
+:func:`gridshard.nn.id_range.bad_id_slots` (slot i = grid row i), appended to the
+column all-reduce of (L_sum, N); after it every rank raises the same error naming the
+first bad block and its id (:func:`gridshard.nn.id_range.raise_on_bad_ids`). Until then
+a bad target only makes a meaningless (possibly inf) loss, never an index error.
+
+Communication: 3 all-reduces in forward (2 on the row, 1 of (2 + 2q) float64 on the
+column), none in backward (``theory.tp2d.cross_entropy2d_comm``). Saved: the softmax
+block [b/q, s, V_pad/q] (as PyTorch saves its log-softmax).
 """
 from __future__ import annotations
 
@@ -25,12 +44,14 @@ import torch
 
 from ..comm import collectives as C
 from ..errors import ShapeError
-from .embedding_1d import check_token_range
+from .id_range import bad_id_slots, raise_on_bad_ids
+
+REDUCTIONS = ("mean", "sum")
 
 
 class _CrossEntropy2DFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, mesh, vocab_size, ignore_index):
+    def forward(ctx, logits, targets, mesh, vocab_size, ignore_index, reduction):
         z = logits.float()
         vl = z.shape[-1]
         start = mesh.grid_col * vl
@@ -46,24 +67,34 @@ class _CrossEntropy2DFn(torch.autograd.Function):
         zt = torch.gather(z, -1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         s_zt = C.all_reduce(torch.stack([e.sum(-1), zt]), mesh.row)
         tok = (torch.log(s_zt[0]) + m - s_zt[1]).masked_fill(~valid, 0.0)
-        totals = C.all_reduce(torch.stack([tok.sum(), valid.sum().to(tok.dtype)]), mesh.col)
+        verdict = bad_id_slots(targets, vocab_size, mesh.grid_row, mesh.q, ignore_index)
+        stats = torch.cat([torch.stack([tok.sum().double(), valid.sum().double()]), verdict])
+        stats = C.all_reduce(stats, mesh.col)
+        raise_on_bad_ids(stats[2:], vocab_size, "cross_entropy_2d targets", ignore_index)
+        total, count = stats[0].float(), stats[1].float()
         e.div_(s_zt[0].unsqueeze(-1))  # softmax block
-        ctx.save_for_backward(e, idx, mine, valid, totals[1])
+        weight = torch.ones_like(count) if reduction == "sum" else 1.0 / count.clamp(min=1.0)
+        ctx.save_for_backward(e, idx, mine, valid, weight)
         ctx.in_dtype = logits.dtype
-        return totals[0] / totals[1]
+        return total if reduction == "sum" else total / count
 
     @staticmethod
     def backward(ctx, g):
-        p, idx, mine, valid, count = ctx.saved_tensors
+        p, idx, mine, valid, weight = ctx.saved_tensors
         grad = p.clone()
         grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
-        grad.mul_((valid.to(grad.dtype) * (g / count)).unsqueeze(-1))
-        return grad.to(ctx.in_dtype), None, None, None, None
+        grad.mul_((valid.to(grad.dtype) * (g * weight)).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None, None
 
 
 def cross_entropy_2d(logits: torch.Tensor, targets: torch.Tensor, mesh, vocab_size: int,
-                     ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy over all global non-ignored tokens; the same scalar on every rank."""
+                     ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over all global non-ignored targets of the grid's micro-batch, the same
+    scalar on every rank: their mean (``reduction="mean"``, NaN with zero gradient when every
+    target is ignored, as ``F.cross_entropy``) or their sum (``"sum"``, 0 then)."""
+    if reduction not in REDUCTIONS:
+        raise ShapeError(f"cross_entropy_2d: reduction={reduction!r} is not one of {REDUCTIONS}. Fix: use 'mean' "
+                         f"or 'sum'.")
     if logits.shape[:-1] != targets.shape:
         raise ShapeError(f"cross_entropy_2d: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
                          f"disagree: logits must be targets' shape plus a vocabulary block. Fix: pass this "
@@ -72,5 +103,8 @@ def cross_entropy_2d(logits: torch.Tensor, targets: torch.Tensor, mesh, vocab_si
         raise ShapeError(f"cross_entropy_2d: vocab block {logits.shape[-1]} × q={mesh.q} < vocab_size="
                          f"{vocab_size}: each rank must hold V_pad/q ≥ V/q columns. Fix: pass the logits block "
                          f"of a head built for this vocabulary.")
-    check_token_range(targets, vocab_size, "cross_entropy_2d targets", ignore_index)
-    return _CrossEntropy2DFn.apply(logits, targets, mesh, vocab_size, ignore_index)
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ShapeError(f"cross_entropy_2d targets: ids must be an integer tensor, got dtype {targets.dtype}. "
+                         f"Fix: pass .long() ids.")
+    # the id range is checked inside the forward, agreed over the column (module docstring)
+    return _CrossEntropy2DFn.apply(logits, targets, mesh, vocab_size, ignore_index, reduction)

@@ -9,7 +9,10 @@ rows (padding rows zero, appended after drawing, never looked up), block (i, j) 
 W[vocab block i, hidden block j], [V_pad/q, h/q] per rank.
 
     1. all-gather the int tokens along the column → every rank of column j has the
-       whole batch [b, s] (payload b·s·8 bytes);
+       whole batch [b, s] (payload b·s·8 bytes); the id range is checked on these
+       gathered tokens, which every rank of the grid holds alike, so a bad id in any
+       batch block raises the same error on every rank (never on one grid row alone,
+       which would leave the others waiting in the reduce-scatter);
     2. look up the tokens that fall in my vocab block i (others give 0) → a partial
        [b, s, h/q] (hidden block j, summed over vocab blocks it is complete);
     3. reduce-scatter along the column on the batch dim → member i keeps batch
@@ -21,8 +24,10 @@ W[vocab block i, hidden block j], [V_pad/q, h/q] per rank.
     (:class:`gridshard.nn.classifier_2d.TiedVocabHead2D`, a SUMMA A·Bᵀ).
 
 ``Embedding2D``: full vocabulary, hidden split into q² blocks: rank (i, j) stores
-W[:, sub-block i of hidden block j] [V, h/q²]. Forward all-gathers the table along
-the column to [V, h/q] (hidden block j) and looks up its own tokens; backward
+W[:, sub-block i of hidden block j] [V, h/q²]. Forward agrees on the token range (each
+batch block's verdict summed along the column, 16·q bytes, :mod:`gridshard.nn.id_range`),
+all-gathers the table along the column to [V, h/q] (hidden block j) and looks up its own
+tokens; backward
 reduce-scatters the table gradient (summing the q batch blocks). Needs h % q² = 0
 and holds a transient [V, h/q] table: use it for small vocabularies (ViT/classes).
 """
@@ -35,7 +40,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.grid_ops import gather_along, reduce_scatter_along
 from ..errors import ShapeError, check_divisible
-from .embedding_1d import check_token_range
+from .id_range import bad_id_slots, check_blocks, raise_on_bad_ids
 from ..theory.vocab import padded_vocab_size as padded_vocab
 from .sharding import ShardSpec, sharded_parameter
 
@@ -72,8 +77,8 @@ class VocabParallelEmbedding2D(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _check_tokens(tokens)
-        check_token_range(tokens, self.vocab, "VocabParallelEmbedding2D tokens")
         all_tokens = C.all_gather(tokens, self.mesh.col, 0)           # [b, s] on every rank of column j
+        check_blocks(all_tokens, self.vocab, "VocabParallelEmbedding2D tokens", self.mesh.q)   # alike on every rank
         local = all_tokens - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_local)
         part = F.embedding(local.masked_fill(outside, 0), self.weight)  # [b, s, h/q]
@@ -98,6 +103,8 @@ class Embedding2D(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _check_tokens(tokens)
+        verdict = bad_id_slots(tokens, self.vocab, self.mesh.grid_row, self.mesh.q)
+        raise_on_bad_ids(C.all_reduce(verdict, self.mesh.col), self.vocab, "Embedding2D tokens")
         table = gather_along(self.weight, self.mesh.col, 1)  # [V, h/q], hidden block j
         return F.embedding(tokens, table)
 

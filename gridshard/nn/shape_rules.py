@@ -21,43 +21,61 @@ split (padding rows are zero and never targeted).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ShapeError
 
 
+# the size each rule is about -> the keyword of model_shape_rules that sets it
+_FIELD_ARGS = {"hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "ffn_hidden": "ffn",
+               "seq_len": "seq", "micro_batch": "batch"}
+
+
 @dataclass(frozen=True)
 class DivisibilityRule:
-    """``value`` (the size called ``what``) must be a multiple of ``divisor`` (called ``by``)."""
+    """``value`` (the size called ``what``) must be a multiple of ``divisor`` (called ``by``;
+    a plain number such as ``"2"`` when the divisor is a constant).
+
+    ``suggest`` / ``suggest_for``: values of the size ``suggest_for`` (default ``what``) near
+    the current one that fix every rule about that size and break none that held, the other
+    sizes unchanged (filled in by :func:`model_shape_rules` for broken rules), so a fix never
+    trades one broken rule for another. ``head_dim`` is not set directly: its fix names ``hidden``
+    (``alternative``: another size the fix may change instead)."""
 
     what: str
     value: int
     divisor: int
     by: str
     why: str
+    suggest: tuple = ()
+    suggest_for: str = ""
+    alternative: str = ""
 
     @property
     def holds(self) -> bool:
         return self.divisor > 0 and self.value % self.divisor == 0
 
     def message(self) -> str:
-        lo = (self.value // self.divisor) * self.divisor
-        near = sorted({x for x in (lo, lo + self.divisor) if x > 0})
-        return (f"{self.what}={self.value} is not divisible by {self.by}={self.divisor}: {self.why}. "
-                f"Fix: use {self.what} in {near} or change {self.by}.")
+        constant = self.by == str(self.divisor)
+        by = self.by if constant else f"{self.by}={self.divisor}"
+        field = self.suggest_for or self.what
+        fixes = [f"use {field} in {list(self.suggest)}"] if self.suggest else []
+        if not constant:
+            fixes.append(f"change {self.by}")
+        if self.alternative:
+            fixes.append(f"change {self.alternative}")
+        fix = " or ".join(fixes) or f"change {field}"
+        return f"{self.what}={self.value} is not divisible by {by}: {self.why}. Fix: {fix}."
 
 
-def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,
-                      hidden: int, heads: int, ffn: int, kv_heads=None) -> list:
-    """All divisibility rules for one layout; ``batch`` is the micro-batch of one tensor group.
-    ``kv_heads`` (grouped-query attention, default = heads): 1D splits them when T divides
-    them and replicates them in groups of T/kv_heads when they divide T; 2D needs kv_heads % q."""
+def _rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int, hidden: int, heads: int,
+           ffn: int, kv_heads=None) -> list:
     kv_heads = kv_heads or heads
     rules = [DivisibilityRule("hidden", hidden, heads, "heads", "every head needs hidden/heads channels"),
              DivisibilityRule("heads", heads, kv_heads, "kv_heads", "each kv head serves a whole group of heads")]
     if heads > 0 and hidden % heads == 0:
         rules.append(DivisibilityRule("head_dim", hidden // heads, 2, "2",
-                                      "rotary embeddings rotate channel pairs"))
+                                      "rotary embeddings rotate channel pairs (head_dim = hidden/heads)"))
     if mode == "1d":
         why = "1D tensor parallelism gives every rank whole heads and whole MLP neurons"
         rules += [DivisibilityRule("heads", heads, tensor, "tensor", why),
@@ -81,6 +99,54 @@ def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: in
                   DivisibilityRule("micro_batch", batch, q, "q",
                                    "2D tensor parallelism splits each micro-batch over the q grid rows")]
     return rules
+
+
+def _mentions(rule: DivisibilityRule, field: str) -> bool:
+    """Whether changing size ``field`` can change ``rule``'s verdict."""
+    names = {rule.what, rule.by} | ({"hidden", "heads"} if rule.what == "head_dim" else set())
+    return field in names
+
+
+def _broken(sizes: dict) -> set:
+    return {(r.what, r.by) for r in _rules(**sizes) if not r.holds}
+
+
+def _valid_values(field: str, value: int, step: int, sizes: dict, limit: int = 48) -> tuple:
+    """The nearest multiples of ``step`` below and above ``value`` (at most one each, searched
+    up to ``limit`` steps away) that fix every rule about size ``field`` and break no rule that
+    held: changing ``field`` to one of them (the other sizes unchanged) leaves broken only
+    rules about other sizes that were broken already."""
+    arg = _FIELD_ARGS[field]
+    others = {(r.what, r.by) for r in _rules(**sizes) if not r.holds and not _mentions(r, field)}
+
+    def ok(v):
+        return _broken({**sizes, arg: v}) <= others
+
+    below = next((v for v in range((value - 1) // step * step, 0, -step)[:limit] if ok(v)), None)
+    above = next((v for v in range((value // step + 1) * step, (value // step + 1 + limit) * step, step)
+                  if ok(v)), None)
+    return tuple(v for v in (below, above) if v is not None)
+
+
+def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,
+                      hidden: int, heads: int, ffn: int, kv_heads=None, hints: bool = True) -> list:
+    """All divisibility rules for one layout; ``batch`` is the micro-batch of one tensor group.
+    ``kv_heads`` (grouped-query attention, default = heads): 1D splits them when T divides
+    them and replicates them in groups of T/kv_heads when they divide T; 2D needs kv_heads % q.
+    A broken rule carries nearby values of its size that fix it without breaking another
+    (``hints=False``: the verdicts only, without that search)."""
+    sizes = dict(mode=mode, tensor=tensor, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
+                 hidden=hidden, heads=heads, ffn=ffn, kv_heads=kv_heads)
+    out = []
+    for rule in _rules(**sizes):
+        if hints and not rule.holds and rule.divisor > 0:
+            if rule.what == "head_dim":     # set through hidden: a multiple of 2·heads
+                rule = replace(rule, suggest=_valid_values("hidden", hidden, 2 * heads, sizes), suggest_for="hidden",
+                               alternative="heads")
+            else:
+                rule = replace(rule, suggest=_valid_values(rule.what, rule.value, rule.divisor, sizes))
+        out.append(rule)
+    return out
 
 
 def check_model_shapes(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,

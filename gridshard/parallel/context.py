@@ -6,10 +6,19 @@
 ======  =============================  ==================================  =====================================
 mode    tokens / targets per rank      logits per rank                      loss
 ======  =============================  ==================================  =====================================
-none    [b, s]                         [b, s, V]                            ``F.cross_entropy`` (mean of valid)
-1d      [b, s] (also under SP)         [b, s, V_p/T] vocab block t          vocab-parallel CE, Σ / #valid
-2d      [b/q, s] batch block i         [b/q, s, V_p/q] (i, j)               ``cross_entropy_2d`` (global mean)
+none    [b, s]                         [b, s, V]                            ``F.cross_entropy`` (fp32)
+1d      [b, s] (also under SP)         [b, s, V_p/T] vocab block t          vocab-parallel CE per token, reduced
+2d      [b/q, s] batch block i         [b/q, s, V_p/q] (i, j)               ``cross_entropy_2d`` (global)
 ======  =============================  ==================================  =====================================
+
+The same for a Hugging Face model (``hf=True``: only the logits call differs). Reductions
+over the N non-ignored targets of the tensor group's micro-batch, the same scalar on every
+tensor rank, with ℓ_i the per-token cross-entropy:
+
+* ``"mean"``: Σ ℓ_i / N, as ``F.cross_entropy(ignore_index=...)``; N = 0 gives NaN with a
+  zero gradient (again as ``F.cross_entropy``), on every path;
+* ``"sum"``: Σ ℓ_i; 0 with a zero gradient when N = 0. The trainer uses this one and
+  divides by the global valid count of the step itself (:mod:`gridshard.engine.trainer`).
 
 ``layouts`` maps every parameter name (tied names included) to its
 :class:`gridshard.nn.sharding.ShardSpec`: the one description of where each block sits in
@@ -23,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..errors import LayoutError, check_divisible
+from ..errors import LayoutError, ShapeError, check_divisible
 from ..nn.cross_entropy_1d import vocab_parallel_cross_entropy
-from ..nn.cross_entropy_2d import cross_entropy_2d
+from ..nn.cross_entropy_2d import REDUCTIONS, cross_entropy_2d
 
 
 @dataclass
@@ -51,22 +60,32 @@ class ParallelContext:
             return model(input_ids=tokens, use_cache=False).logits
         return model(tokens)
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross-entropy over all global non-ignored targets of the tensor group's batch,
-        the same scalar on every tensor rank (NaN when every target is ignored)."""
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+             reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy over all global non-ignored targets of the tensor group's batch, the same
+        scalar on every tensor rank: their mean (NaN with zero gradient when every target is
+        ignored, as ``F.cross_entropy``) or, with ``reduction="sum"``, their sum (0 then)."""
+        if reduction not in REDUCTIONS:
+            raise ShapeError(f"ParallelContext.loss: reduction={reduction!r} is not one of {REDUCTIONS}. Fix: use "
+                             f"'mean' or 'sum'.")
         if self.mode == "none":
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                   ignore_index=ignore_index)
+                                   ignore_index=ignore_index, reduction=reduction)
         if self.mode == "1d":
             per_token = vocab_parallel_cross_entropy(logits, targets, self.mesh.tensor, ignore_index,
                                                      vocab_size=self.vocab_size)
-            return per_token.sum() / (targets != ignore_index).sum()
+            total = per_token.sum()
+            if reduction == "sum":
+                return total
+            count = (targets != ignore_index).sum()
+            mean = total / count.clamp(min=1).to(total.dtype)       # finite upstream weight: zero grads at N = 0
+            return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
         if self.mode == "2d":
-            return cross_entropy_2d(logits, targets, self.mesh, self.vocab_size, ignore_index)
+            return cross_entropy_2d(logits, targets, self.mesh, self.vocab_size, ignore_index, reduction)
         raise LayoutError(f"unknown tensor mode {self.mode!r}")
 
-    def model_loss(self, model, tokens, targets, ignore_index: int = -100) -> torch.Tensor:
-        return self.loss(self.logits(model, tokens), targets, ignore_index)
+    def model_loss(self, model, tokens, targets, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+        return self.loss(self.logits(model, tokens), targets, ignore_index, reduction)
 
 
 def context_of(model: torch.nn.Module) -> ParallelContext:

@@ -10,8 +10,9 @@ Failure handling:
 * an exception on any rank raises :class:`RankFailure` with that rank's traceback;
 * ranks that have not answered ``grace_s`` seconds after a failure, or when the
   overall ``timeout`` passes, are treated as stuck: each one dumps all its thread
-  stacks (``faulthandler`` on SIGUSR1) and the stacks go into the error, so a
-  deadlock fails within a bounded time and shows where each rank waits;
+  stacks (``faulthandler`` on SIGUSR1) and the stacks go into the error, together
+  with the tracebacks of the ranks that failed before, so a deadlock fails within a
+  bounded time and shows both why one rank stopped and where each other rank waits;
 * a worker that dies (segfault, OOM kill) is reported with its exit code;
 * after any failure the worker group is torn down and rebuilt on the next call,
   since its collectives may be out of step.
@@ -110,7 +111,9 @@ class WorkerGroup:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def _get(self, deadline, what, answered):
+    def _get(self, deadline, what, answered, errors=None):
+        """The next worker message; on a dead or stuck rank fail with the tracebacks already
+        collected in ``errors`` (rank -> traceback) as well as the stuck ranks' stacks."""
         while True:
             try:
                 return self.result_q.get(timeout=0.2)
@@ -119,10 +122,11 @@ class WorkerGroup:
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in answered]
             if dead:
                 codes = {r: self.procs[r].exitcode for r in dead}
-                self._fail(f"rank(s) {dead} died during {what} with exit codes {codes}", answered)
+                self._fail(f"rank(s) {dead} died during {what} with exit codes {codes}", answered, errors)
             if time.monotonic() > deadline:
                 self._fail(f"timeout during {what}: rank(s) {sorted(set(range(self.world_size)) - set(answered))} "
-                           f"did not answer (deadlock or too slow)", answered)
+                           f"did not answer (deadlock or too slow)"
+                           + (f"; rank(s) {sorted(errors)} had failed before" if errors else ""), answered, errors)
 
     def _stacks(self, ranks) -> str:
         for r in ranks:
@@ -170,7 +174,7 @@ class WorkerGroup:
         while len(answered) < self.world_size:
             if errors:
                 deadline = min(deadline, first_error_at + grace_s)
-            rank, kind, payload = self._get(deadline, f"{fn.__qualname__}", answered)
+            rank, kind, payload = self._get(deadline, f"{fn.__qualname__}", answered, errors)
             cid, value = payload
             if cid != call_id:
                 continue

@@ -162,10 +162,11 @@ def tied_head2d_comm(tokens: int, hidden: int, vocab: int, q: int, bytes_per_ele
 
 def cross_entropy2d_comm(tokens: int, q: int) -> dict:
     """2D cross-entropy forward (fp32): row all-reduce(max) of N/q·4 bytes, row all-reduce
-    of [2, N/q]·4 bytes, column all-reduce of 2·4 bytes (loss sum, token count)."""
+    of [2, N/q]·4 bytes, column all-reduce of (2 + 2q)·8 bytes (float64: loss sum, valid
+    count, and the q batch blocks' target-range verdicts, :mod:`gridshard.nn.id_range`)."""
     v = _zero(q)
     v["row"].add("all_reduce", tokens // q * 4).add("all_reduce", 2 * tokens // q * 4)
-    v["col"].add("all_reduce", 8)
+    v["col"].add("all_reduce", (2 + 2 * q) * 8)
     return v
 
 
