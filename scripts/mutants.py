@@ -155,6 +155,22 @@ MUTANTS = [
            (("int(live.max()) >= vocab_size):", "int(live.max()) > vocab_size):"),),
            ("tests/test_loss_stability.py::test_targets_at_the_vocabulary_edges",),
            "token id == vocab_size passes the range check (silent zero embedding / wrong loss)"),
+    Mutant("ckpt-load-at-offset-zero", "gridshard/checkpoint/blocks.py",
+           (("items += create_read_items_for_chunk_list(fqn, md, [b.chunk()])",
+             "items += create_read_items_for_chunk_list(fqn, md, [ChunkStorageMetadata(\n"
+             "                offsets=torch.Size([0] * len(b.offsets)), sizes=torch.Size(b.sizes))])"),),
+           ("tests/test_checkpoint.py::test_reshard_matrix_tied_gqa[D1-T4-2d]",),
+           "every rank reads the first block of each tensor on load (DCP's plain-tensor behaviour)"),
+    Mutant("ckpt-latest-before-complete", "gridshard/checkpoint/checkpointer.py",
+           (("        hit(self.faults, \"save_after_metadata\", self.rank, step)\n",
+             "        F.update_latest(self.root, F.step_dir_name(step))\n"
+             "        hit(self.faults, \"save_after_metadata\", self.rank, step)\n"),),
+           ("tests/test_checkpoint.py::test_a_save_killed_at_any_point_leaves_latest_complete[save_after_metadata]",),
+           "'latest' is pointed at a checkpoint before its folder is complete and published"),
+    Mutant("ckpt-second-moment-not-saved", "gridshard/checkpoint/blocks.py",
+           (('ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")', 'ADAM_MOMENTS = ("exp_avg",)'),),
+           ("tests/test_checkpoint.py::test_resume_is_bit_exact_at_the_same_layout[D1-T4-1d]",),
+           "AdamW's second moment is left out of the checkpoint (resume silently resets it)"),
 ]
 
 

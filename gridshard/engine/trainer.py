@@ -38,6 +38,13 @@ A micro-batch or 2D block with no valid target gets exactly zero gradient from t
 
 The step's loss: rank d's share (1/N) Σ_a L_da, summed over data ranks only at log steps
 (one small all-reduce of the interval's shares, not recorded in the ledger).
+
+Checkpoints (:mod:`gridshard.checkpoint`): with a run directory, the state after step k is
+saved every ``train.save_interval`` steps (asynchronously; the training thread only copies
+its blocks) and at the end of the run; ``train.resume`` continues from one at any layout.
+A resumed run starts at the checkpoint's step k: step k+1 reads the same global batch and
+learning rate as in the uninterrupted run, so at the same layout the continuation is the
+same computation, bit for bit.
 """
 from __future__ import annotations
 
@@ -87,6 +94,10 @@ class Trainer:
                                           cuda_available=self.device.type == "cuda")
         self.cfg, p, t = cfg, cfg.parallel, cfg.train
         self.rank = dist.get_rank()
+        if world > 1:              # rank 0's run directory for all (e.g. timestamped defaults under torchrun)
+            box = [run_dir]
+            dist.broadcast_object_list(box, 0)
+            run_dir = box[0]
         self.run_dir = run_dir
         # resume: decided from files every rank reads alike, checked before anything is built
         self.resume_from = resume_folder(t.resume, run_dir)
