@@ -14,7 +14,8 @@ Saving (:meth:`Checkpointer.save`) copies this rank's blocks to CPU memory on th
 thread — the only part training waits for — then a background thread runs
 ``torch.distributed.checkpoint.save`` on a dedicated gloo process group (collectives from a
 second thread on the training group could interleave with the training collectives and
-hang) and, on rank 0, publishes the folder (meta, manifest, rename, ``latest``, prune). At
+hang), hashes the chunk files this rank wrote and, on rank 0, publishes the folder (meta,
+manifest, rename, ``latest``, prune). At
 most one save is in flight: the next one first waits for it. This is DCP's ``async_save``
 split in two so that publishing happens in the same background thread, right after the
 data is complete, not at the next save.
@@ -126,16 +127,23 @@ class Checkpointer:
         try:
             dcp.save(staged, storage_writer=_FaultAwareWriter(partial, self.faults, self.rank, step),
                      planner=BlockSavePlanner(boxes), process_group=self.group, no_dist=self.group is None)
+            # each rank hashes the chunk files it wrote (DCP names them __<rank>_<i>.distcp), so
+            # the manifest costs rank 0 only .metadata and meta.json, not the whole checkpoint
+            mine = F.describe_files(partial, prefix=f"__{self.rank}_")
+            hashed = [mine]
+            if self.group is not None:
+                hashed = [None] * self.world if self.rank == 0 else None
+                dist.gather_object(mine, hashed, dst=0, group=self.group)
             if self.rank == 0:
-                self._publish(step, partial, final, meta)
+                self._publish(step, partial, final, meta, {k: v for d in hashed for k, v in d.items()})
             fut.set_result(step)
         except BaseException as e:                     # noqa: BLE001 (reported by wait())
             fut.set_exception(e)
 
-    def _publish(self, step: int, partial: str, final: str, meta: dict) -> None:
+    def _publish(self, step: int, partial: str, final: str, meta: dict, hashed: dict) -> None:
         hit(self.faults, "save_after_metadata", self.rank, step)
         F.write_json(os.path.join(partial, F.META), meta)
-        F.write_manifest(partial)
+        F.write_manifest(partial, hashed)
         F.fsync_dir(partial)
         hit(self.faults, "save_after_manifest", self.rank, step)
         F.publish(partial, final)

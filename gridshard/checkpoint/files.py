@@ -124,13 +124,23 @@ def write_json(path: str, obj) -> None:
         os.fsync(f.fileno())
 
 
-def write_manifest(folder: str) -> dict:
-    """Size and sha256 of every file in ``folder`` (except the manifest), written last."""
+def describe_files(folder: str, prefix: str = "") -> dict:
+    """name → {bytes, sha256} of the files in ``folder`` whose name starts with ``prefix``."""
+    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
+            for name in sorted(os.listdir(folder))
+            if name.startswith(prefix) and name != MANIFEST and os.path.isfile(os.path.join(folder, name))}
+
+
+def write_manifest(folder: str, known: Optional[dict] = None) -> dict:
+    """Size and sha256 of every file in ``folder`` (except the manifest), written last.
+    ``known``: entries already computed (each rank hashes the chunk files it wrote), the
+    rest are hashed here."""
+    known = known or {}
     files = {}
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if name != MANIFEST and os.path.isfile(path):
-            files[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+            files[name] = known.get(name) or {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
     manifest = {"format": FORMAT, "files": files}
     write_json(os.path.join(folder, MANIFEST), manifest)
     return manifest
