@@ -14,7 +14,7 @@ See ``docs/config.md`` for every key.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +32,13 @@ class ParallelSection(BaseModel):
     tensor: int = Field(1, description="tensor-parallel ranks T (q² in 2d)")
     tensor_mode: Literal["none", "1d", "2d"] = Field("none", description="none | 1d (Megatron) | 2d (SUMMA)")
     sequence_parallel: bool = Field(False, description="1d only: split the residual stream along the sequence")
-    pipeline: int = Field(1, description="pipeline stages P (must be 1 for now)")
+    pipeline: int = Field(1, description="pipeline ranks P (layers split into P·virtual_stages stages)")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="gpipe | 1f1b | interleaved_1f1b (virtual_stages ≥ 2)")
+    virtual_stages: int = Field(1, description="stages per pipeline rank (interleaved_1f1b)")
+    stage_layers: Optional[List[int]] = Field(None, description="decoder layers per stage (P·virtual_stages "
+                                                                "counts); default: an even split counting the "
+                                                                "embedding and the head as one layer each")
     summa_overlap: bool = Field(True, description="2d only: double-buffered async SUMMA broadcasts (false: "
                                                   "blocking, the benchmark baseline)")
 

@@ -2,11 +2,12 @@
 
 Order of checks (the first failure is raised as one :class:`ConfigError`):
 
-1. positive sizes, pipeline == 1 (no pipeline engine yet);
+1. positive sizes;
 2. layout: D·P·T == world size, T == 1 for ``none``, T = q² for ``2d``
    (:func:`gridshard.mesh.validate_layout`); sequence parallelism only in ``1d`` with T > 1;
 3. batch: global_batch % (micro_batch·D) == 0 (the accumulation count is
-   global_batch / (micro_batch·D));
+   global_batch / (micro_batch·D)); pipeline: every stage ≥ 1 layer, enough micro-batches
+   for the schedule, virtual stages only with interleaved 1F1B, gridshard's model only;
 4. model shapes for the mode (:func:`gridshard.nn.shape_rules.model_shape_rules`),
    seq_len ≤ max_seq_len;
 5. data: path present and readable, enough tokens, byte corpora need vocab ≥ 256,
@@ -55,9 +56,6 @@ def _positive(cfg: TrainConfig):
 
 def _layout(cfg: TrainConfig, world_size: int):
     p = cfg.parallel
-    if p.pipeline != 1:
-        _fail("parallel.pipeline", p.pipeline, "pipeline parallelism is not implemented yet, so it must be 1",
-              f"set parallel.pipeline=1 and put the {p.pipeline}x into parallel.data or parallel.tensor")
     try:
         validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode)
     except LayoutError as e:
@@ -77,6 +75,42 @@ def _batch(cfg: TrainConfig):
               f"it must be a multiple of train.micro_batch × parallel.data = {t.micro_batch}×{d} = {per_step} "
               f"(each optimizer step accumulates whole micro-batches on every data rank)",
               f"use train.global_batch={lo} or {lo + per_step}, or change train.micro_batch")
+
+
+def _pipeline(cfg: TrainConfig):
+    """Pipeline rules: stages hold ≥ 1 layer, the schedule gets the micro-batches it needs."""
+    from ..pipeline.split import stage_layer_counts
+
+    p, t = cfg.parallel, cfg.train
+    if p.virtual_stages < 1:
+        _fail("parallel.virtual_stages", p.virtual_stages, "it must be >= 1", "use 1 (or 2+ with interleaved_1f1b)")
+    if p.pipeline == 1:
+        if p.virtual_stages != 1 or p.stage_layers is not None:
+            _fail("parallel.virtual_stages" if p.virtual_stages != 1 else "parallel.stage_layers",
+                  p.virtual_stages if p.virtual_stages != 1 else p.stage_layers,
+                  "it describes pipeline stages but parallel.pipeline=1", "remove it, or set parallel.pipeline > 1")
+        return
+    if cfg.model.hf_config is not None:
+        _fail("parallel.pipeline", p.pipeline, "pipeline stages are built from gridshard's own model; a Hugging "
+              "Face model (model.hf_config) runs with pipeline=1", "set parallel.pipeline=1 or drop model.hf_config")
+    stages = p.pipeline * p.virtual_stages
+    stage_layer_counts(cfg.model.resolve().layers, stages, p.stage_layers)     # raises a ConfigError
+    micro = t.global_batch // (t.micro_batch * p.data)
+    if p.pipeline_schedule in ("gpipe", "1f1b") and p.virtual_stages != 1:
+        _fail("parallel.virtual_stages", p.virtual_stages, f"pipeline_schedule={p.pipeline_schedule} runs one "
+              f"stage per rank", "set virtual_stages=1, or pipeline_schedule=interleaved_1f1b")
+    if p.pipeline_schedule == "interleaved_1f1b" and p.virtual_stages < 2:
+        _fail("parallel.virtual_stages", p.virtual_stages, "interleaved_1f1b needs at least 2 stages per rank",
+              "set parallel.virtual_stages=2 (or more), or pipeline_schedule=1f1b")
+    if p.pipeline_schedule == "1f1b" and micro < p.pipeline:
+        _fail("train.global_batch", t.global_batch, f"1F1B needs at least P={p.pipeline} micro-batches per step, "
+              f"but global_batch / (micro_batch × data) = {t.global_batch}/({t.micro_batch}×{p.data}) = {micro}",
+              f"use train.global_batch >= {p.pipeline * t.micro_batch * p.data}, a smaller micro_batch, or "
+              f"pipeline_schedule=gpipe")
+    if p.pipeline_schedule == "interleaved_1f1b" and (micro < p.pipeline or micro % p.pipeline):
+        _fail("train.global_batch", t.global_batch, f"interleaved 1F1B needs a multiple of P={p.pipeline} "
+              f"micro-batches per step, but global_batch / (micro_batch × data) = {micro}",
+              f"use train.global_batch = k × {p.pipeline * t.micro_batch * p.data}")
 
 
 def _shapes(cfg: TrainConfig):
@@ -149,6 +183,7 @@ def validate_config(cfg: TrainConfig, world_size: int, cuda_available: bool = Fa
     _positive(cfg)
     _layout(cfg, world_size)
     _batch(cfg)
+    _pipeline(cfg)
     _shapes(cfg)
     _data(cfg)
     _optim(cfg, cuda_available)

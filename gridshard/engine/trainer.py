@@ -66,6 +66,7 @@ from ..data import BatchPlan, load_tokens
 from ..mesh import Axis, build_mesh, default_device, init_distributed
 from ..models import Transformer
 from ..parallel import context_of, parallelize
+from ..pipeline.build import pipeline_rank_model
 from ..theory.training import flops_per_token, mfu
 from .clip import clip_gradients, global_grad_norm
 from .grad_sync import DataParallelGradSync
@@ -118,6 +119,8 @@ class Trainer:
         else:
             with torch.device("meta"):
                 plain = Transformer(mc)
+        if p.pipeline > 1:                             # this rank's stages only, single-device names
+            plain = pipeline_rank_model(plain, self.mesh, p)
         # values are a function of (seed, name, global index): the same global model at every layout
         self.model = parallelize(plain, self.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
                                  device=self.device, summa_overlap=p.summa_overlap)
@@ -127,8 +130,25 @@ class Trainer:
         self.param_specs = [self.context.layouts[n] for n, _ in named]     # clipping reads the layouts
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps)
         self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
-                                              overlap=t.overlap_grad_reduce)
+                                              overlap=t.overlap_grad_reduce and p.pipeline == 1)
+        self.pipeline = self.tied = None
+        if p.pipeline > 1:
+            from ..pipeline import PipelineRunner, TiedEmbeddingSync
+
+            self.tied = TiedEmbeddingSync(self.model, self.mesh, mc.tie_embeddings)
+            self.pipeline = PipelineRunner(
+                self.model, self.mesh, schedule=p.pipeline_schedule, virtual_stages=p.virtual_stages,
+                stage_layers=p.stage_layers, micro_batch=t.micro_batch,
+                n_microbatches=t.global_batch // (t.micro_batch * p.data), seq_len=cfg.data.seq_len,
+                loss=lambda logits, targets: self.context.loss(logits, targets, self.ignore_index, reduction="sum"),
+                precision=None, device=self.device)
+            counted = {id(q) for q in self.tied.counted(self.params)}
+            self.norm_pairs = [(q, s) for q, s in zip(self.params, self.param_specs) if id(q) in counted]
+        else:
+            self.norm_pairs = list(zip(self.params, self.param_specs))
         self.precision = Precision(t.precision, self.device)
+        if self.pipeline is not None:
+            self.pipeline.precision = self.precision
         self.faults = FaultPlan.from_env()
         needs_checkpoints = run_dir is not None or self.resume_from is not None or cfg.model.init_from is not None
         self.checkpointer = Checkpointer(run_dir, t.keep_checkpoints, self.faults) if needs_checkpoints else None
@@ -206,6 +226,10 @@ class Trainer:
                           f"reported as null", RuntimeWarning, stacklevel=2)
         weight = self.mesh.data.size / n_valid if n_valid else 0.0      # D/N (module docstring)
         sums = []
+        if self.pipeline is not None:                  # the schedule runs every micro-batch's forward/backward
+            sums = self.pipeline.run(micro, weight, self.device)
+            self.tied.sync()
+            micro = []
         for a, (tokens, targets) in enumerate(micro):
             if a == len(micro) - 1:
                 self.grad_sync.arm()                   # reduce buckets during the last backward
@@ -217,12 +241,16 @@ class Trainer:
             sums.append(loss_sum.detach())
         self.grad_sync.sync()
         self.precision.unscale(self.optimizer)
-        norm = global_grad_norm(self.params, self.mesh, self.param_specs)
+        norm = global_grad_norm([q for q, _ in self.norm_pairs], self.mesh, [s for _, s in self.norm_pairs],
+                                pipeline_axis=self.mesh.pipeline)
         self.precision.agree_on_overflow(self.optimizer, norm)
         clip_gradients(self.params, norm, t.grad_clip)
         self.precision.step(self.optimizer)
-        share = torch.stack(sums).double().sum() / n_valid if n_valid else \
-            torch.full((), float("nan"), dtype=torch.float64, device=self.device)
+        if not sums:                                   # a pipeline rank without the last stage
+            share = torch.zeros((), dtype=torch.float64, device=self.device)
+        else:
+            share = torch.stack(sums).double().sum() / n_valid if n_valid else \
+                torch.full((), float("nan"), dtype=torch.float64, device=self.device)
         return share, norm, lr
 
     def _global_losses(self, local: list) -> list:
@@ -230,6 +258,7 @@ class Trainer:
         not in the ledger); None for a step without valid targets (N = 0)."""
         with self.ledger.paused():
             vec = C.all_reduce(torch.stack([x for x, _ in local]).double(), self.mesh.data)
+            vec = C.all_reduce(vec, self.mesh.pipeline)          # only the last stage holds losses
         return [None if n == 0 else x for x, (_, n) in zip(vec.cpu().tolist(), local)]
 
     def _gather_rank_stats(self, comm_s: float, wall_s: float) -> tuple:

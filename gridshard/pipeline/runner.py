@@ -1,0 +1,122 @@
+"""One optimizer step's forward and backward through the pipeline, on PyTorch's schedules.
+
+Built on ``torch.distributed.pipelining``: each of this rank's stages is a
+``PipelineStage`` over a :class:`gridshard.pipeline.stage_module.StageModule`, on the
+mesh's pipeline group (the P ranks with this rank's data and tensor coordinates: tensor
+rank t of stage i talks to tensor rank t of stage i+1, each sending its own activation
+block), and ``parallel.pipeline_schedule`` picks the schedule:
+
+===================  ==========================================  =========================
+name                 PyTorch schedule                            stages per rank
+===================  ==========================================  =========================
+``gpipe``            ``ScheduleGPipe``                           1
+``1f1b``             ``Schedule1F1B``                            1
+``interleaved_1f1b`` ``ScheduleInterleaved1F1B``                 ``virtual_stages`` ≥ 2
+===================  ==========================================  =========================
+
+The step's A = G/(D·m) micro-batches of this data rank are the pipeline's micro-batches:
+their tokens (2D: each micro-batch's grid-row block, ``shard_tokens``) are concatenated
+and the schedule cuts them back into A chunks. The last stage's loss function is the
+trainer's: the micro-batch's loss *sum* over valid targets times D/N (N: valid targets of
+the global batch), with ``scale_grads=False``, so the gradients are exactly those of the
+non-pipelined step (:mod:`gridshard.engine.trainer`). Stage-to-stage activation sends are
+the schedule's point-to-point operations; their bytes per micro-batch and boundary are
+:func:`gridshard.theory.pipeline.boundary_bytes` (recorded in the ledger by
+:meth:`PipelineRunner.record_sends`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..nn.sharding import mesh_coords
+from .split import stage_layer_counts, stage_layer_ids, stages_of_rank
+from .stage_module import StageModule
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def local_activation_shape(mode: str, sp: bool, T: int, q, micro: int, seq: int, hidden: int) -> tuple:
+    """Shape of one micro-batch's activation block on one rank at a stage boundary."""
+    if mode == "2d":
+        return (micro // q, seq, hidden // q)
+    if sp and T > 1:
+        return (micro, seq // T, hidden)
+    return (micro, seq, hidden)
+
+
+class PipelineRunner:
+    """This rank's stages and schedule (module docstring)."""
+
+    def __init__(self, rank_model, mesh, *, schedule: str, virtual_stages: int, stage_layers, micro_batch: int,
+                 n_microbatches: int, seq_len: int, loss, precision, device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+        ctx = rank_model.parallel_context
+        P, V = mesh.pipeline.size, virtual_stages
+        S = P * V
+        cfg = rank_model.cfg
+        self.counts = stage_layer_counts(cfg.layers, S, stage_layers)
+        ids = stage_layer_ids(self.counts)
+        self.stage_indices = stages_of_rank(mesh.pipeline.rank, P, V)
+        self.ctx, self.loss, self.precision = ctx, loss, precision
+        self.has_last = (S - 1) in self.stage_indices
+        self.has_first = 0 in self.stage_indices
+        q = mesh.q
+        T = mesh.tensor.size
+        micro_local = micro_batch // q if ctx.mode == "2d" else micro_batch
+        act = torch.empty(local_activation_shape(ctx.mode, ctx.sequence_parallel, T, q, micro_batch, seq_len,
+                                                 cfg.hidden), device="meta", requires_grad=True)
+        tokens = torch.empty((micro_local, seq_len), dtype=torch.long, device="meta")
+        self.modules, stages = [], []
+        for s in self.stage_indices:
+            first, last = s == 0, s == S - 1
+            module = StageModule(rank_model, ids[s], first, last, seq_len)
+            out = self._logits_meta(rank_model, micro_local, seq_len, mesh) if last else act
+            stages.append(PipelineStage(module, s, S, device, input_args=(tokens if first else act,),
+                                        output_args=(out,), group=mesh.pipeline.group))
+            self.modules.append(module)
+        self.weight = 0.0
+        self.sums: list = []
+        if schedule == "interleaved_1f1b":
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        elif schedule in ("gpipe", "1f1b"):
+            if V != 1:
+                raise ConfigError(f"parallel.pipeline_schedule={schedule} runs one stage per rank but "
+                                  f"parallel.virtual_stages={V}. Fix: virtual_stages=1, or "
+                                  f"pipeline_schedule=interleaved_1f1b.")
+            cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.schedule = cls(stages[0], n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        else:
+            raise ConfigError(f"parallel.pipeline_schedule={schedule!r} is not one of {SCHEDULES}.")
+
+    @staticmethod
+    def _logits_meta(rank_model, micro_local, seq_len, mesh):
+        spec = rank_model.parallel_context.layouts["lm_head.weight"]
+        _, sizes = mesh_coords(mesh)
+        local = spec.local_shape(sizes)
+        vocab_local = local[1] if spec.transposed else local[0]
+        return torch.empty((micro_local, seq_len, vocab_local), device="meta", requires_grad=True)
+
+    def _loss_fn(self, logits, targets):
+        loss_sum = self.loss(logits, targets)
+        self.sums.append(loss_sum.detach())
+        return self.precision.scale(loss_sum * self.weight)
+
+    def run(self, micro: list, weight: float, device) -> list:
+        """Forward and backward of this step's micro-batches [(tokens, targets) [m, s]]; each
+        micro-batch's backward is of its loss sum × ``weight``. Returns the loss sums of the
+        micro-batches on the rank with the last stage, else an empty list."""
+        self.weight, self.sums = weight, []
+        shard = self.ctx.shard_tokens
+        args = ()
+        if self.has_first:
+            args = (torch.cat([shard(t) for t, _ in micro]).to(device, non_blocking=True),)
+        kwargs = {}
+        if self.has_last:
+            kwargs = {"target": torch.cat([shard(y) for _, y in micro]).to(device, non_blocking=True),
+                      "losses": []}
+        with self.precision.autocast():
+            self.schedule.step(*args, **kwargs)
+        return self.sums
