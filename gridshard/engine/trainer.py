@@ -261,12 +261,15 @@ class Trainer:
             vec = C.all_reduce(vec, self.mesh.pipeline)          # only the last stage holds losses
         return [None if n == 0 else x for x, (_, n) in zip(vec.cpu().tolist(), local)]
 
-    def _gather_rank_stats(self, comm_s: float, wall_s: float) -> tuple:
-        stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device))]],
+    def _gather_rank_stats(self, comm_s: float, wall_s: float, busy_s: float = 0.0) -> tuple:
+        """(mean communication share, peak memory per rank, worst pipeline bubble share)."""
+        idle = 1.0 - busy_s / max(wall_s, 1e-12) if self.pipeline is not None else 0.0
+        stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device)), idle]],
                              dtype=torch.float64, device=self.device)
         with self.ledger.paused():
             allr = C.all_gather(stats, world_axis(self.ledger), dim=0).cpu()
-        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]]
+        bubble = float(allr[:, 2].max()) if self.pipeline is not None else None
+        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble
 
     # ---- the loop --------------------------------------------------------------------
     def run(self) -> list:
@@ -286,6 +289,7 @@ class Trainer:
         bar.update(self.start_step)
         saving = self.checkpointer is not None and self.checkpointer.root is not None
         comm_at_last, steps_at_last = self.ledger.seconds(), self.start_step
+        busy_at_last = self.pipeline.meter.busy_s if self.pipeline is not None else 0.0
         try:
             for k in range(self.start_step, t.steps):
                 loss, norm, lr = self.step(k)
@@ -300,7 +304,8 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 now = time.perf_counter()
                 wall, n_steps = now - last, k + 1 - steps_at_last
-                comm_share, mems = self._gather_rank_stats(self.ledger.seconds() - comm_at_last, wall)
+                busy = self.pipeline.meter.busy_s - busy_at_last if self.pipeline is not None else 0.0
+                comm_share, mems, bubble = self._gather_rank_stats(self.ledger.seconds() - comm_at_last, wall, busy)
                 losses = self._global_losses(pending)
                 all_losses += losses
                 tps = n_steps * tokens_per_step / wall
@@ -310,12 +315,13 @@ class Trainer:
                        "comm_share": comm_share if time_comm else None, "peak_mem_bytes": max(mems),
                        "peak_mem_bytes_per_rank": mems, "step_time_s": wall / n_steps,
                        "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - start,
-                       "loss_scale": self.precision.loss_scale()}
+                       "loss_scale": self.precision.loss_scale(), "bubble_share": bubble}
                 self.history.append(rec)
                 self.files.append(rec)
                 bar.set_postfix(format_postfix(rec), refresh=False)
                 pending, last, steps_at_last = [], time.perf_counter(), k + 1
                 comm_at_last = self.ledger.seconds()
+                busy_at_last = self.pipeline.meter.busy_s if self.pipeline is not None else 0.0
             if saving and t.steps > self.start_step and self.checkpointer.last_requested != t.steps:
                 self.save_checkpoint(t.steps, blocking=True)      # the end of the run is always saved
             if self.checkpointer is not None:

@@ -21,8 +21,9 @@ trainer's: the micro-batch's loss *sum* over valid targets times D/N (N: valid t
 the global batch), with ``scale_grads=False``, so the gradients are exactly those of the
 non-pipelined step (:mod:`gridshard.engine.trainer`). Stage-to-stage activation sends are
 the schedule's point-to-point operations; their bytes per micro-batch and boundary are
-:func:`gridshard.theory.pipeline.boundary_bytes` (recorded in the ledger by
-:meth:`PipelineRunner.record_sends`).
+:func:`gridshard.theory.pipeline.boundary_bytes`, and :class:`gridshard.pipeline.meter.StageMeter`
+records them in the ledger and measures busy time (the bubble), micro-batches in flight and
+saved activation bytes.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 
 from ..errors import ConfigError
 from ..nn.sharding import mesh_coords
+from .meter import StageMeter
 from .split import stage_layer_counts, stage_layer_ids, stages_of_rank
 from .stage_module import StageModule
 
@@ -69,6 +71,7 @@ class PipelineRunner:
         act = torch.empty(local_activation_shape(ctx.mode, ctx.sequence_parallel, T, q, micro_batch, seq_len,
                                                  cfg.hidden), device="meta", requires_grad=True)
         tokens = torch.empty((micro_local, seq_len), dtype=torch.long, device="meta")
+        self.meter = StageMeter(mesh.ledger if mesh.ledger is not None else ctx.mesh.ledger, rank_model.parameters())
         self.modules, stages = [], []
         for s in self.stage_indices:
             first, last = s == 0, s == S - 1
@@ -76,6 +79,7 @@ class PipelineRunner:
             out = self._logits_meta(rank_model, micro_local, seq_len, mesh) if last else act
             stages.append(PipelineStage(module, s, S, device, input_args=(tokens if first else act,),
                                         output_args=(out,), group=mesh.pipeline.group))
+            self.meter.attach(stages[-1])
             self.modules.append(module)
         self.weight = 0.0
         self.sums: list = []

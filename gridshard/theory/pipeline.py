@@ -1,0 +1,59 @@
+"""Pipeline parallelism in numbers: bytes between stages, the bubble, activations in flight.
+
+**Stage-to-stage bytes.** One micro-batch of m sequences of s tokens crosses each stage
+boundary twice: the activation forward and its gradient backward, each one rank's block of
+the [m, s, h] hidden state (element size e: 4 in fp32; autocast keeps the residual stream
+in fp32)::
+
+    none / 1D        m·s·h·e          (the tensor ranks of a stage each send the same block)
+    1D + SP          m·(s/T)·h·e      (each tensor rank its sequence block)
+    2D (q×q grid)    (m/q)·s·(h/q)·e  (each grid rank its batch-row × hidden-column block)
+
+per rank, per micro-batch, per boundary and direction (:func:`boundary_bytes`). A rank at
+stage i of S (one stage per rank) sends forward when i < S−1 and backward when i > 0, so per
+optimizer step with A micro-batches it sends A·boundary_bytes·([i < S−1] + [i > 0])
+(:func:`step_send_bytes`); with V virtual stages per rank, the same per stage it holds.
+
+**Bubble.** With P stages of equal cost and A micro-batches, GPipe and 1F1B leave each stage
+idle for (P−1) of the A+P−1 slots of a step: bubble = (P−1)/(A+P−1); interleaving V stages
+per rank shrinks the idle slots V-fold: (P−1)/(V·A+P−1) (Narayanan et al. 2021)
+(:func:`bubble_fraction`).
+
+**Activations in flight.** GPipe runs all A forwards before any backward: stage i holds A
+micro-batches' activations at its peak. 1F1B starts backward as soon as the last stage has
+a loss: stage i holds at most min(A, P−i) (:func:`peak_in_flight`).
+"""
+from __future__ import annotations
+
+
+def boundary_bytes(mode: str, sequence_parallel: bool, T: int, micro_batch: int, seq_len: int, hidden: int,
+                   elem_bytes: int = 4) -> int:
+    """Bytes one rank sends across one stage boundary for one micro-batch, one direction."""
+    m, s, h = micro_batch, seq_len, hidden
+    if mode == "2d":
+        q = int(round(T ** 0.5))
+        return (m // q) * s * (h // q) * elem_bytes
+    if mode == "1d" and sequence_parallel and T > 1:
+        return m * (s // T) * h * elem_bytes
+    return m * s * h * elem_bytes
+
+
+def step_send_bytes(stage_indices, num_stages: int, n_microbatches: int, per_boundary: int) -> int:
+    """Bytes a rank sends in one optimizer step (forward activations + backward gradients)."""
+    sends = sum((s < num_stages - 1) + (s > 0) for s in stage_indices)
+    return n_microbatches * per_boundary * sends
+
+
+def bubble_fraction(P: int, n_microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """Idle fraction of a step per stage at equal stage costs (module docstring)."""
+    A = n_microbatches
+    if schedule == "interleaved_1f1b":
+        return (P - 1) / (virtual_stages * A + P - 1)
+    return (P - 1) / (A + P - 1)
+
+
+def peak_in_flight(stage: int, P: int, n_microbatches: int, schedule: str = "1f1b") -> int:
+    """Most micro-batches whose activations stage ``stage`` (one stage per rank) holds."""
+    if schedule == "gpipe":
+        return n_microbatches
+    return min(n_microbatches, P - stage)
