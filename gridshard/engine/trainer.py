@@ -261,9 +261,14 @@ class Trainer:
             vec = C.all_reduce(vec, self.mesh.pipeline)          # only the last stage holds losses
         return [None if n == 0 else x for x, (_, n) in zip(vec.cpu().tolist(), local)]
 
-    def _gather_rank_stats(self, comm_s: float, wall_s: float, busy_s: float = 0.0) -> tuple:
-        """(mean communication share, peak memory per rank, worst pipeline bubble share)."""
-        idle = 1.0 - busy_s / max(wall_s, 1e-12) if self.pipeline is not None else 0.0
+    def _meter_marks(self) -> tuple:
+        m = self.pipeline.meter if self.pipeline is not None else None
+        return (m.busy_s, m.schedule_s) if m is not None else (0.0, 0.0)
+
+    def _gather_rank_stats(self, comm_s: float, wall_s: float, busy: tuple = (0.0, 0.0)) -> tuple:
+        """(mean communication share, peak memory per rank, worst pipeline bubble share);
+        ``busy``: (time in stage forward/backward, wall time in the schedule) of the interval."""
+        idle = 1.0 - busy[0] / max(busy[1], 1e-12) if self.pipeline is not None else 0.0
         stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device)), idle]],
                              dtype=torch.float64, device=self.device)
         with self.ledger.paused():
@@ -289,7 +294,7 @@ class Trainer:
         bar.update(self.start_step)
         saving = self.checkpointer is not None and self.checkpointer.root is not None
         comm_at_last, steps_at_last = self.ledger.seconds(), self.start_step
-        busy_at_last = self.pipeline.meter.busy_s if self.pipeline is not None else 0.0
+        busy_at_last = self._meter_marks()
         try:
             for k in range(self.start_step, t.steps):
                 loss, norm, lr = self.step(k)
@@ -304,7 +309,8 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 now = time.perf_counter()
                 wall, n_steps = now - last, k + 1 - steps_at_last
-                busy = self.pipeline.meter.busy_s - busy_at_last if self.pipeline is not None else 0.0
+                busy = (self.pipeline.meter.busy_s - busy_at_last[0], self.pipeline.meter.schedule_s - busy_at_last[1]) \
+                    if self.pipeline is not None else (0.0, 0.0)
                 comm_share, mems, bubble = self._gather_rank_stats(self.ledger.seconds() - comm_at_last, wall, busy)
                 losses = self._global_losses(pending)
                 all_losses += losses
@@ -321,7 +327,7 @@ class Trainer:
                 bar.set_postfix(format_postfix(rec), refresh=False)
                 pending, last, steps_at_last = [], time.perf_counter(), k + 1
                 comm_at_last = self.ledger.seconds()
-                busy_at_last = self.pipeline.meter.busy_s if self.pipeline is not None else 0.0
+                busy_at_last = self._meter_marks()
             if saving and t.steps > self.start_step and self.checkpointer.last_requested != t.steps:
                 self.save_checkpoint(t.steps, blocking=True)      # the end of the run is always saved
             if self.checkpointer is not None:

@@ -8,10 +8,11 @@ tensor-parallel collectives) and the point-to-point sends and receives between t
 calls *on the stage instance* (PyTorch's code is untouched; the wrappers only time and
 count), which gives, per step:
 
-* ``busy_s``: time in forward and backward; the **bubble share** of a step is
-  1 − busy/wall: the part of the step this rank waits for its neighbours (what the
-  schedule's bubble formula predicts, (P−1)/(m+P−1) for GPipe and 1F1B at equal stage
-  costs);
+* ``busy_s``: time in forward and backward, ``schedule_s``: wall time of the schedule's
+  step; the **bubble share** is 1 − busy/schedule: the part of the pipelined forward and
+  backward this rank waits for its neighbours (what the schedule's bubble formula predicts,
+  (P−1)/(m+P−1) for GPipe and 1F1B at equal stage costs; the optimizer step, clipping and
+  the data-parallel reduction after the schedule are not part of it);
 * ``peak_in_flight``: the most micro-batches whose forward ran and backward did not yet —
   activation memory is proportional to it: ≤ P − stage for 1F1B, m for GPipe;
 * ``peak_saved_bytes``: the most bytes the autograd graph held saved for backward
@@ -35,6 +36,7 @@ class StageMeter:
 
     def reset(self) -> None:
         self.busy_s = 0.0
+        self.schedule_s = 0.0                          # wall time inside the schedule's step
         self.in_flight = self.peak_in_flight = 0
         self.saved_bytes = self.peak_saved_bytes = 0
         self._chunk_bytes: dict = {}

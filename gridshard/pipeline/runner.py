@@ -27,6 +27,8 @@ saved activation bytes.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..errors import ConfigError
@@ -121,6 +123,8 @@ class PipelineRunner:
         if self.has_last:
             kwargs = {"target": torch.cat([shard(y) for _, y in micro]).to(device, non_blocking=True),
                       "losses": []}
+        t0 = time.perf_counter()
         with self.precision.autocast():
             self.schedule.step(*args, **kwargs)
+        self.meter.schedule_s += time.perf_counter() - t0
         return self.sums
