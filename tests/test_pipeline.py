@@ -95,6 +95,24 @@ def test_pipeline_run_equals_one_device(references, name):
     assert all(b is not None and 0.0 <= b < 1.0 for b in extra["bubble"]), extra["bubble"]
 
 
+def _ledger_body(cfg):
+    trainer = Trainer(cfg, progress=False)
+    losses = trainer.run()
+    return losses, {k: (v.count, v.payload_bytes) for k, v in trainer.ledger.entries.items() if v.count}
+
+
+def test_zero_bubble_is_exact_and_repeats_no_collective(references):
+    """Zero bubble's deferred weight pass neither changes the result nor re-runs the tensor-
+    parallel layers' backward collectives: same losses as one device, and the same ledger as
+    interleaved 1F1B (1D, T = 2, P = 2, V = 2)."""
+    cfg = _cfg(1, 2, 2, "1d", False, "interleaved_1f1b", 2, steps=3)
+    inter = run_on_ranks(4, _ledger_body, cfg, timeout=300)[0]
+    zb = run_on_ranks(4, _ledger_body, {**cfg, "parallel": {**cfg["parallel"], "pipeline_schedule": "zero_bubble"}},
+                      timeout=300)[0]
+    assert max(abs(a - b) / b for a, b in zip(zb[0], references[False][0][:3])) < LOSS_RTOL
+    assert zb[1] == inter[1] and zb[1][("all_reduce", "tensor")][0] > 0
+
+
 @pytest.mark.parametrize("layout", [(1, 2, 2, "1d", True), (1, 2, 4, "2d", False)], ids=["1d-SP", "2d"])
 def test_stage_sends_match_the_formula(layout):
     """The ledger's pipeline sends per rank equal A·boundary_bytes·(sends per micro-batch) per step."""

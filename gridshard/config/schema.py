@@ -33,8 +33,8 @@ class ParallelSection(BaseModel):
     tensor_mode: Literal["none", "1d", "2d"] = Field("none", description="none | 1d (Megatron) | 2d (SUMMA)")
     sequence_parallel: bool = Field(False, description="1d only: split the residual stream along the sequence")
     pipeline: int = Field(1, description="pipeline ranks P (layers split into P·virtual_stages stages)")
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
-        "1f1b", description="gpipe | 1f1b | interleaved_1f1b (virtual_stages ≥ 2)")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+        "1f1b", description="gpipe | 1f1b | interleaved_1f1b | zero_bubble (the last two: virtual_stages ≥ 2)")
     virtual_stages: int = Field(1, description="stages per pipeline rank (interleaved_1f1b)")
     stage_layers: Optional[List[int]] = Field(None, description="decoder layers per stage (P·virtual_stages "
                                                                 "counts); default: an even split counting the "

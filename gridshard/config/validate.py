@@ -99,16 +99,17 @@ def _pipeline(cfg: TrainConfig):
     if p.pipeline_schedule in ("gpipe", "1f1b") and p.virtual_stages != 1:
         _fail("parallel.virtual_stages", p.virtual_stages, f"pipeline_schedule={p.pipeline_schedule} runs one "
               f"stage per rank", "set virtual_stages=1, or pipeline_schedule=interleaved_1f1b")
-    if p.pipeline_schedule == "interleaved_1f1b" and p.virtual_stages < 2:
-        _fail("parallel.virtual_stages", p.virtual_stages, "interleaved_1f1b needs at least 2 stages per rank",
+    interleaved = p.pipeline_schedule in ("interleaved_1f1b", "zero_bubble")
+    if interleaved and p.virtual_stages < 2:
+        _fail("parallel.virtual_stages", p.virtual_stages, f"{p.pipeline_schedule} needs at least 2 stages per rank",
               "set parallel.virtual_stages=2 (or more), or pipeline_schedule=1f1b")
     if p.pipeline_schedule == "1f1b" and micro < p.pipeline:
         _fail("train.global_batch", t.global_batch, f"1F1B needs at least P={p.pipeline} micro-batches per step, "
               f"but global_batch / (micro_batch × data) = {t.global_batch}/({t.micro_batch}×{p.data}) = {micro}",
               f"use train.global_batch >= {p.pipeline * t.micro_batch * p.data}, a smaller micro_batch, or "
               f"pipeline_schedule=gpipe")
-    if p.pipeline_schedule == "interleaved_1f1b" and (micro < p.pipeline or micro % p.pipeline):
-        _fail("train.global_batch", t.global_batch, f"interleaved 1F1B needs a multiple of P={p.pipeline} "
+    if interleaved and (micro < p.pipeline or micro % p.pipeline):
+        _fail("train.global_batch", t.global_batch, f"{p.pipeline_schedule} needs a multiple of P={p.pipeline} "
               f"micro-batches per step, but global_batch / (micro_batch × data) = {micro}",
               f"use train.global_batch = k × {p.pipeline * t.micro_batch * p.data}")
 

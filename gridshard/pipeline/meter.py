@@ -2,8 +2,8 @@
 flight, saved activation bytes, and the bytes it sends to its neighbours.
 
 ``torch.distributed.pipelining`` runs a stage through three kinds of calls on the stage
-object: ``forward_one_chunk`` / ``backward_one_chunk`` (compute, including this stage's
-tensor-parallel collectives) and the point-to-point sends and receives between them
+object: ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk``
+(compute, including this stage's tensor-parallel collectives) and the point-to-point sends and receives between them
 (``get_fwd_send_ops`` / ``get_bwd_send_ops``). :meth:`StageMeter.attach` wraps those
 calls *on the stage instance* (PyTorch's code is untouched; the wrappers only time and
 count), which gives, per step:
@@ -42,7 +42,7 @@ class StageMeter:
         self._chunk_bytes: dict = {}
 
     def attach(self, stage) -> None:
-        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+        fwd, bwd, bwd_w = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
         fsend, bsend = stage.get_fwd_send_ops, stage.get_bwd_send_ops
         index = stage.stage_index
 
@@ -75,6 +75,12 @@ class StageMeter:
             self.in_flight -= 1
             return out
 
+        def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):     # zero bubble's deferred pass
+            t0 = time.perf_counter()
+            out = bwd_w(bwd_chunk_id, *args, **kwargs)
+            self.busy_s += time.perf_counter() - t0
+            return out
+
         def record(ops):
             for op in ops:
                 self.ledger.add("send", "pipeline", op.tensor.numel() * op.tensor.element_size(), 2)
@@ -82,5 +88,6 @@ class StageMeter:
 
         stage.forward_one_chunk = forward_one_chunk
         stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
         stage.get_fwd_send_ops = lambda chunk: record(fsend(chunk))
         stage.get_bwd_send_ops = lambda chunk: record(bsend(chunk))

@@ -12,7 +12,13 @@ name                 PyTorch schedule                            stages per rank
 ``gpipe``            ``ScheduleGPipe``                           1
 ``1f1b``             ``Schedule1F1B``                            1
 ``interleaved_1f1b`` ``ScheduleInterleaved1F1B``                 ``virtual_stages`` ≥ 2
+``zero_bubble``      ``ScheduleInterleavedZeroBubble``           ``virtual_stages`` ≥ 2
 ===================  ==========================================  =========================
+
+Zero bubble splits each backward into an input-gradient pass and a deferred weight-gradient
+pass. It is exact with gridshard's tensor-parallel autograd Functions and does not repeat
+their collectives in the weight pass: ``tests/test_pipeline.py`` checks the losses against
+one device and the ledger's tensor-group collectives against interleaved 1F1B's (equal).
 
 The step's A = G/(D·m) micro-batches of this data rank are the pipeline's micro-batches:
 their tokens (2D: each micro-batch's grid-row block, ``shard_tokens``) are concatenated
@@ -37,7 +43,7 @@ from .meter import StageMeter
 from .split import stage_layer_counts, stage_layer_ids, stages_of_rank
 from .stage_module import StageModule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 def local_activation_shape(mode: str, sp: bool, T: int, q, micro: int, seq: int, hidden: int) -> tuple:
@@ -55,7 +61,7 @@ class PipelineRunner:
     def __init__(self, rank_model, mesh, *, schedule: str, virtual_stages: int, stage_layers, micro_batch: int,
                  n_microbatches: int, seq_len: int, loss, precision, device):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        from torch.distributed.pipelining import ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
         ctx = rank_model.parallel_context
         P, V = mesh.pipeline.size, virtual_stages
@@ -85,8 +91,9 @@ class PipelineRunner:
             self.modules.append(module)
         self.weight = 0.0
         self.sums: list = []
-        if schedule == "interleaved_1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        if schedule in ("interleaved_1f1b", "zero_bubble"):
+            cls = ScheduleInterleaved1F1B if schedule == "interleaved_1f1b" else ScheduleInterleavedZeroBubble
+            self.schedule = cls(stages, n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
         elif schedule in ("gpipe", "1f1b"):
             if V != 1:
                 raise ConfigError(f"parallel.pipeline_schedule={schedule} runs one stage per rank but "
