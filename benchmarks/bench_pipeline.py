@@ -53,7 +53,7 @@ def _train(cfg):
 
 LAYOUTS = [(1, 2, 1, "none", False), (1, 4, 1, "none", False), (1, 2, 2, "1d", False), (1, 2, 2, "1d", True),
            (2, 2, 1, "none", False), (1, 2, 4, "2d", False), (2, 2, 2, "1d", False)]
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)]
 
 
 def equivalence():
@@ -75,7 +75,7 @@ def bubble():
     for P in (2, 4):
         for A in (4, 8, 16):
             for schedule, V in SCHEDULES:
-                if schedule == "interleaved_1f1b" and A % P:
+                if V > 1 and A % P:
                     continue
                 cfg = _config(1, P, 1, "none", False, schedule, V, False, steps=4, global_batch=A * 2, micro_batch=2,
                               seq_len=64)
