@@ -273,7 +273,7 @@ class Trainer:
                              dtype=torch.float64, device=self.device)
         with self.ledger.paused():
             allr = C.all_gather(stats, world_axis(self.ledger), dim=0).cpu()
-        bubble = float(allr[:, 2].max()) if self.pipeline is not None else None
+        bubble = [float(x) for x in allr[:, 2]] if self.pipeline is not None else None
         return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble
 
     # ---- the loop --------------------------------------------------------------------
@@ -321,7 +321,8 @@ class Trainer:
                        "comm_share": comm_share if time_comm else None, "peak_mem_bytes": max(mems),
                        "peak_mem_bytes_per_rank": mems, "step_time_s": wall / n_steps,
                        "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - start,
-                       "loss_scale": self.precision.loss_scale(), "bubble_share": bubble}
+                       "loss_scale": self.precision.loss_scale(),
+                       "bubble_share": max(bubble) if bubble else None, "bubble_share_per_rank": bubble}
                 self.history.append(rec)
                 self.files.append(rec)
                 bar.set_postfix(format_postfix(rec), refresh=False)
