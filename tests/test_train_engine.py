@@ -203,7 +203,8 @@ def _metrics_body(cfg, run_dir):
 
 
 METRIC_KEYS = {"step", "loss", "valid_tokens", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_share", "peak_mem_bytes",
-               "peak_mem_bytes_per_rank", "step_time_s", "tokens", "elapsed_s", "loss_scale"}
+               "peak_mem_bytes_per_rank", "step_time_s", "tokens", "elapsed_s", "loss_scale", "bubble_share",
+               "bubble_share_per_rank"}
 
 
 def test_metrics_and_run_files(tmp_path):
