@@ -4,6 +4,8 @@
                     [key.sub=value ...]
     gridshard export CKPT_DIR --to hf OUT_DIR
     gridshard plot RUN_DIR [--out DIR]
+    gridshard prepare-data INPUT... --out DIR [--train-tokenizer --vocab-size N | --tokenizer FILE | --bytes]
+    gridshard generate RUN_DIR|CKPT_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S]
 
 ``train`` validates the whole config against the world size first (``--nproc``, or
 ``WORLD_SIZE`` under torchrun) — and, when resuming, the checkpoint's completeness and
@@ -73,6 +75,7 @@ def _summary(losses, run_dir, wall_s):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gridshard", prog_name="gridshard", message="%(prog)s %(version)s")
 def main():
     """gridshard: train transformers with data, 1D/2D tensor parallelism from one YAML config.
 
@@ -96,9 +99,11 @@ def main():
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="Restart all workers up to N times after a failure; each restart resumes from the latest "
                    "complete checkpoint (PyTorch's elastic agent). Under torchrun, pass it to torchrun instead.")
+@click.option("--overwrite", is_flag=True, help="Start over in a run directory that already holds a run (its "
+              "metrics, checkpoints, logs and TensorBoard files are removed first).")
 @click.option("--check", is_flag=True, help="Validate and print the resolved config; start nothing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics are still written).")
-def train(args, nproc, run_dir, resume, max_restarts, check, no_progress):
+def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progress):
     """Train the model described by CONFIG (a YAML file; none = built-in default).
 
     \b
@@ -136,8 +141,15 @@ def train(args, nproc, run_dir, resume, max_restarts, check, no_progress):
                 raise ConfigError(f"--nproc={world} is invalid: at least one worker is needed. Fix: --nproc 1 or more.")
         else:
             world = load_config(source, overrides).world_size
+        if not launched:
+            _check_local_processes(world, nproc is not None)
         cfg = resolve_config(source, overrides, world_size=world, cuda_available=torch.cuda.is_available())
         run_dir = run_dir or default_run_dir()
+        from .config.validate import check_before_launch, user_sets
+
+        check_before_launch(cfg, warmup_set=user_sets(source, overrides, "train", "warmup_steps"))
+        if not check:
+            _check_run_dir(run_dir, cfg, overwrite, launched)
         _check_resume(cfg, run_dir)
     except ConfigError as e:
         if not launched or os.environ.get("RANK") == "0":      # under torchrun: one message, from rank 0
@@ -165,6 +177,57 @@ def train(args, nproc, run_dir, resume, max_restarts, check, no_progress):
         click.echo(failure_message(e, run_dir), err=True)
         sys.exit(1)
     _summary(results.get(0), run_dir, time.perf_counter() - t0)
+
+
+def _check_local_processes(world: int, asked: bool) -> None:
+    """Local workers beyond the machine's cores (GPUs on a CUDA machine): a warning when the
+    user asked for them with --nproc; refused when only the config asks for more than 4 per
+    core (a cluster config such as configs/llama_7b.yaml run by mistake on a laptop)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    slots, what = (gpus, "GPUs") if gpus else (os.cpu_count() or 1, "CPU cores")
+    if world <= slots:
+        return
+    if not asked and not gpus and world > 4 * slots:
+        raise ConfigError(f"the config's layout needs {world} processes and this machine has {slots} {what}: "
+                          f"gridshard does not start {world} local workers unasked. Fix: launch it with torchrun on "
+                          f"the machines it is meant for, choose a smaller layout, or pass --nproc {world} to start "
+                          f"them here anyway.")
+    click.echo(f"warning: {world} worker processes on {slots} {what}: they share the {what} (fine for checks and "
+               f"tests, slow for training)", err=True)
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "logs", "tb")
+
+
+def _check_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool) -> None:
+    """The run directory can be written, and holds no earlier run unless this one continues
+    it (``--resume``/``train.resume``, an elastic restart) or ``--overwrite`` removes it."""
+    import shutil
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    continuing = cfg.train.resume != "never" or restarted
+    if overwrite and cfg.train.resume != "never":
+        raise ConfigError("--overwrite and --resume/train.resume were both given: one starts over, the other "
+                          "continues. Fix: pass one of them.")
+    previous = [x for x in RUN_OUTPUTS if os.path.exists(os.path.join(run_dir, x))]
+    if previous and not continuing:
+        if not overwrite:
+            raise ConfigError(f"run directory {run_dir!r} already holds a run ({', '.join(previous)}). Fix: "
+                              f"--resume latest to continue it, --overwrite to start over, or another --run-dir.")
+        if not launched or os.environ.get("RANK") == "0":
+            for name in previous:
+                path = os.path.join(run_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".write_test_{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}). Fix: choose a --run-dir you "
+                          f"can write.") from None
 
 
 def _check_resume(cfg, run_dir: str) -> None:
@@ -227,6 +290,57 @@ def plot(run_dir, out):
         sys.exit(EXIT_CONFIG)
     for p in paths:
         click.echo(p)
+
+
+@main.command("prepare-data")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for tokens.bin, meta.json, "
+              "doc_starts.npy and tokenizer.json.")
+@click.option("--train-tokenizer", is_flag=True, help="Train a byte-level BPE on the input (needs --vocab-size).")
+@click.option("--vocab-size", type=int, default=None, help="Vocabulary of the trained BPE, e.g. 4096.")
+@click.option("--tokenizer", "tokenizer_file", type=click.Path(dir_okay=False), default=None,
+              help="Use an existing Hugging Face tokenizer.json.")
+@click.option("--bytes", "use_bytes", is_flag=True, help="The built-in byte tokenizer (vocabulary 256; the default).")
+@click.option("--val-fraction", type=float, default=0.01, show_default=True,
+              help="Share of the tokens (the end of the stream) held out for validation.")
+@click.option("--workers", type=int, default=None, help="Encoding processes (default: all CPU cores).")
+@click.option("--tokenizer-bytes", type=int, default=256 << 20, show_default=True,
+              help="Train the BPE on the first this-many bytes of the input.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def prepare_data(inputs, out, train_tokenizer, vocab_size, tokenizer_file, use_bytes, val_fraction, workers,
+                 tokenizer_bytes, no_progress):
+    """Tokenise text files or folders INPUT... into OUT: a memory-mapped uint16/uint32 token file
+    and its metadata (tokenizer, vocabulary, document starts, train/validation split), streaming
+    with constant memory, parallel over CPU cores. Then train on it with
+    `gridshard train data.kind=prepared data.path=OUT` (the vocabulary size comes from OUT)."""
+    from .data.prepare import prepare_data as run
+
+    try:
+        chosen = [name for name, on in (("--train-tokenizer", train_tokenizer), ("--tokenizer", tokenizer_file),
+                                        ("--bytes", use_bytes)) if on]
+        if len(chosen) > 1:
+            raise ConfigError(f"{' and '.join(chosen)} were both given: they choose the tokenizer. Fix: pass one.")
+        if vocab_size is not None and not train_tokenizer:
+            raise ConfigError("--vocab-size is only used with --train-tokenizer. Fix: add --train-tokenizer, or "
+                              "drop --vocab-size (an existing tokenizer has its own vocabulary).")
+        if workers is not None and workers < 1:
+            raise ConfigError(f"--workers={workers} is invalid: at least one process encodes. Fix: --workers 1 "
+                              f"or more.")
+        kind = "train" if train_tokenizer else tokenizer_file or "bytes"
+        meta = run(inputs, out, kind, vocab_size, val_fraction, workers, tokenizer_bytes=tokenizer_bytes,
+                   progress=not no_progress)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
+    mb = meta["input_bytes"] / 1e6
+    rss = meta["peak_rss_bytes"]
+    (a, b), (c, d) = meta["split"]["train"], meta["split"]["val"]
+    click.echo(f"prepared {meta['n_tokens']} tokens ({meta['documents']} documents, vocabulary {meta['vocab_size']}, "
+               f"{meta['token_dtype']}) from {mb:.1f} MB in {meta['seconds']:.1f} s "
+               f"({mb / max(meta['seconds'], 1e-9):.1f} MB/s, {meta['workers']} workers; peak memory "
+               f"{rss['main'] / 2**20:.0f} MiB main, {rss['largest_worker'] / 2**20:.0f} MiB largest worker)\n"
+               f"train tokens [{a}, {b}), validation tokens [{c}, {d}) -> {out}\n"
+               f"train on it: gridshard train data.kind=prepared data.path={out}")
 
 
 if __name__ == "__main__":
