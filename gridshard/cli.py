@@ -151,6 +151,8 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
         if not check:
             _check_run_dir(run_dir, cfg, overwrite, launched)
         _check_resume(cfg, run_dir)
+        if not check and (not launched or os.environ.get("RANK") == "0"):
+            _copy_tokenizer(cfg, run_dir)
     except ConfigError as e:
         if not launched or os.environ.get("RANK") == "0":      # under torchrun: one message, from rank 0
             click.echo(f"config error: {e}", err=True)
@@ -230,6 +232,20 @@ def _check_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool) -> None:
                           f"can write.") from None
 
 
+def _copy_tokenizer(cfg, run_dir: str) -> None:
+    """``RUN_DIR/tokenizer/``: the prepared folder's meta.json and tokenizer.json, so that
+    ``gridshard generate RUN_DIR`` decodes even after the data folder moves."""
+    import shutil
+
+    if cfg.data.kind != "prepared":
+        return
+    dest = os.path.join(run_dir, "tokenizer")
+    os.makedirs(dest, exist_ok=True)
+    for name in ("meta.json", "tokenizer.json"):
+        if os.path.isfile(os.path.join(cfg.data.path, name)):
+            shutil.copyfile(os.path.join(cfg.data.path, name), os.path.join(dest, name))
+
+
 def _check_resume(cfg, run_dir: str) -> None:
     """Before any worker starts: the checkpoint to resume from is complete (manifest and
     sizes; the workers also check the hashes) and compatible with the config."""
@@ -290,6 +306,28 @@ def plot(run_dir, out):
         sys.exit(EXIT_CONFIG)
     for p in paths:
         click.echo(p)
+
+
+@main.command()
+@click.argument("path", metavar="RUN_DIR|CKPT_DIR", type=click.Path(file_okay=False))
+@click.option("--prompt", required=True, help="Text to continue (encoded with the run's tokenizer).")
+@click.option("--max-new-tokens", type=int, default=200, show_default=True)
+@click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=50, show_default=True, help="Sample among the k most likely ids.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def generate(path, prompt, max_new_tokens, temperature, top_k, seed):
+    """Sample a continuation of --prompt from the model in RUN_DIR (its latest checkpoint) or in
+    CKPT_DIR, in one process whatever layout trained it; prints the prompt and its continuation."""
+    from .errors import CheckpointError
+    from .generate import generate_text
+
+    try:
+        prompt, text, folder, step = generate_text(path, prompt, max_new_tokens, temperature, top_k, seed)
+    except (ConfigError, CheckpointError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
+    click.echo(f"# {folder} (step {step}), temperature {temperature}, top-k {top_k}, seed {seed}", err=True)
+    click.echo(prompt + text)
 
 
 @main.command("prepare-data")

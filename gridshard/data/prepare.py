@@ -239,8 +239,9 @@ def _peak_rss() -> dict:
             "largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale}
 
 
-def read_meta(folder: str) -> dict:
-    """``meta.json`` of a prepared folder; ConfigError if it is not one."""
+def read_meta(folder: str, check_tokens: bool = True) -> dict:
+    """``meta.json`` of a prepared folder; ConfigError if it is not one (or, with
+    ``check_tokens``, if tokens.bin's size disagrees with it)."""
     path = os.path.join(folder, META)
     if not os.path.isfile(path):
         raise ConfigError(f"data.path={folder!r} is not a prepared data folder (no {META}). Fix: create it with "
@@ -250,6 +251,8 @@ def read_meta(folder: str) -> dict:
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path} has format {meta.get('format')!r}, not {FORMAT!r}. Fix: prepare the data again "
                           f"with this gridshard version.")
+    if not check_tokens:
+        return meta
     size = os.path.getsize(os.path.join(folder, TOKENS)) if os.path.isfile(os.path.join(folder, TOKENS)) else -1
     if size != meta["n_tokens"] * np.dtype(meta["token_dtype"]).itemsize:
         raise ConfigError(f"{os.path.join(folder, TOKENS)} has {size} bytes but {META} says {meta['n_tokens']} "
@@ -267,7 +270,7 @@ def open_prepared(folder: str) -> np.ndarray:
 
 
 def prepared_tokenizer(folder: str):
-    return load_tokenizer(folder, read_meta(folder))
+    return load_tokenizer(folder, read_meta(folder, check_tokens=False))
 
 
 def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str, chunk: int = 1 << 26) -> None:
