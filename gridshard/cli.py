@@ -12,6 +12,11 @@
 compatibility — and exits with status 2 and one message on a bad config, before any
 worker starts. A worker that dies ends the job with status 1 and a message naming the
 rank and the last complete checkpoint.
+
+Exit status: 0 done; 2 refused before any worker started (config, data, run directory);
+1 a worker died (signal) or the job failed after launch; 3 a worker raised an error — one
+line names the rank and the cause, the traceback is in ``RUN_DIR/logs/rank_N.log``;
+130 interrupted (Ctrl-C / SIGINT / SIGTERM): "stopped at step N", no traceback.
 """
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ import click
 from .errors import ConfigError
 
 EXIT_CONFIG = 2
+EXIT_FAILED = 1
+EXIT_WORKER_ERROR = 3
+EXIT_INTERRUPTED = 130
 
 
 def _split_args(args):
@@ -58,12 +66,39 @@ def _worker(config_dict: dict, run_dir: str, progress: bool):
     from .engine.trainer import train as run_training
     from .mesh import init_distributed
 
-    init_distributed(timeout_s=config_dict["train"]["collective_timeout_s"])
-    losses = run_training(restart_config(config_dict, run_dir), run_dir=run_dir, progress=progress)
-    rank = dist.get_rank()
-    dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
-    dist.destroy_process_group()
+    import signal
+
+    rank = int(os.environ.get("RANK", "0"))
+    # Ctrl-C (SIGINT to the whole process group) or the launcher's SIGINT/SIGTERM: a worker
+    # ends at once, without a traceback. Metrics lines are appended whole and checkpoints are
+    # renamed into place when complete, so what is on disk stays consistent.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: os._exit(EXIT_INTERRUPTED))
+    try:
+        init_distributed(timeout_s=config_dict["train"]["collective_timeout_s"])
+        losses = run_training(restart_config(config_dict, run_dir), run_dir=run_dir, progress=progress)
+        dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - every error becomes one line + a log file
+        write_rank_log(run_dir, rank, e)
+        sys.exit(EXIT_WORKER_ERROR)
     return losses if rank == 0 else None
+
+
+def rank_log_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "logs", f"rank_{rank}.log")
+
+
+def write_rank_log(run_dir: str, rank: int, error: BaseException) -> None:
+    """``RUN_DIR/logs/rank_N.log``: first line ``<unix time> <Type>: <message>`` (the cause,
+    one line), then the full traceback."""
+    import traceback
+
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    cause = " ".join(f"{type(error).__name__}: {error}".split())
+    with open(rank_log_path(run_dir, rank), "w") as f:
+        f.write(f"{time.time():.6f} {cause}\n")
+        traceback.print_exception(type(error), error, error.__traceback__, file=f)
 
 
 def _summary(losses, run_dir, wall_s):
@@ -171,13 +206,22 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
         if int(os.environ.get("RANK", "0")) == 0:
             _summary(losses, run_dir, time.perf_counter() - t0)
         return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         results = launch_local(world, _worker, cfg.model_dump(), run_dir, not no_progress, max_restarts=max_restarts)
     except ChildFailedError as e:
+        if all(f.exitcode == EXIT_INTERRUPTED or f.signal_name() in ("SIGINT", "SIGTERM")
+               for f in e.failures.values()):
+            click.echo(stopped_message(run_dir), err=True)
+            sys.exit(EXIT_INTERRUPTED)
         click.echo(failure_message(e, run_dir), err=True)
-        sys.exit(1)
+        sys.exit(EXIT_WORKER_ERROR if any(f.exitcode == EXIT_WORKER_ERROR for f in e.failures.values())
+                 else EXIT_FAILED)
+    except (KeyboardInterrupt, SignalException):
+        click.echo(stopped_message(run_dir), err=True)
+        sys.exit(EXIT_INTERRUPTED)
     _summary(results.get(0), run_dir, time.perf_counter() - t0)
 
 
@@ -258,14 +302,55 @@ def _check_resume(cfg, run_dir: str) -> None:
         check_compatible(read_meta(folder)["config"], cfg.resolved(), describe(folder))
 
 
-def failure_message(error, run_dir: str) -> str:
-    """Which ranks died or failed (signal or exit code) and the last complete checkpoint."""
+def _last_logged_step(run_dir: str):
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return json.loads(f.read().splitlines()[-1])["step"]
+    except (OSError, IndexError, ValueError, KeyError):
+        return None
+
+
+def stopped_message(run_dir: str) -> str:
+    """What an interrupted run says: the last logged step, the metrics and the checkpoint."""
     from .checkpoint import checkpoints_root, read_latest
 
-    lines = ["training failed:"]
-    for rank, f in sorted(error.failures.items()):
-        how = f"died ({f.signal_name()})" if f.exitcode < 0 else f"failed (exit code {f.exitcode})"
-        lines.append(f"  rank {rank} {how}" + (f": {f.message}" if f.exitcode >= 0 and f.message else ""))
+    step = _last_logged_step(run_dir)
+    latest = read_latest(checkpoints_root(run_dir))
+    return (f"stopped at step {step if step is not None else 0} (the last logged step; metrics in "
+            f"{os.path.join(run_dir, 'metrics.jsonl')}); " +
+            (f"last complete checkpoint: {latest} (continue with: --run-dir {run_dir} --resume latest)"
+             if latest else "no complete checkpoint was written"))
+
+
+def _worker_cause(run_dir: str, rank: int):
+    """(time, cause line) from ``RUN_DIR/logs/rank_N.log``, or None."""
+    try:
+        with open(rank_log_path(run_dir, rank)) as f:
+            stamp, _, cause = f.readline().rstrip("\n").partition(" ")
+        return float(stamp), cause
+    except (OSError, ValueError):
+        return None
+
+
+def failure_message(error, run_dir: str) -> str:
+    """The failure in one line — the rank that raised first and its cause (traceback in
+    ``RUN_DIR/logs/rank_N.log``), or the ranks that died (signal or exit code) — then the
+    last complete checkpoint."""
+    from .checkpoint import checkpoints_root, read_latest
+
+    raised = {r: _worker_cause(run_dir, r) for r, f in error.failures.items() if f.exitcode == EXIT_WORKER_ERROR}
+    raised = {r: c for r, c in raised.items() if c is not None}
+    died = [(r, f) for r, f in sorted(error.failures.items()) if f.exitcode != EXIT_WORKER_ERROR]
+    if raised:
+        rank = min(raised, key=lambda r: (raised[r][0], r))
+        lines = [f"training failed: rank {rank}: {raised[rank][1]} (traceback: {rank_log_path(run_dir, rank)})"]
+    else:
+        lines = ["training failed:"]
+        for rank, f in died:
+            how = f"died ({f.signal_name()})" if f.exitcode < 0 else f"failed (exit code {f.exitcode})"
+            lines.append(f"  rank {rank} {how}" + (f": {f.message}" if f.exitcode >= 0 and f.message else ""))
     latest = read_latest(checkpoints_root(run_dir))
     lines.append(f"last complete checkpoint: {latest} (continue with: gridshard train ... --run-dir {run_dir} "
                  f"--resume latest)" if latest else "no complete checkpoint was written")

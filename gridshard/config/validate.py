@@ -166,7 +166,7 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
         _fail("train.keep_checkpoints", t.keep_checkpoints, "it must be >= 0 (0 keeps every checkpoint)",
               "use e.g. 3")
     if t.collective_timeout_s <= 0:
-        _fail("train.collective_timeout_s", t.collective_timeout_s, "it must be > 0", "use e.g. 300")
+        _fail("train.collective_timeout_s", t.collective_timeout_s, "it must be > 0", "use e.g. 120")
     if t.resume not in ("never", "auto"):
         import os
 
