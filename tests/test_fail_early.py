@@ -75,3 +75,13 @@ def test_a_cluster_config_does_not_start_64_local_processes(tmp_path, no_launch)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _refused([os.path.join(root, "configs", "llama_7b.yaml"), "--run-dir", str(tmp_path / "r")],
              "needs 64 processes", "torchrun", "--nproc 64")
+
+
+def test_tensorboard_without_the_package_is_refused_with_the_extra_named(tmp_path, no_launch):
+    try:
+        import tensorboard  # noqa: F401
+        pytest.skip("tensorboard is installed here")
+    except ImportError:
+        pass
+    _refused(["--run-dir", str(tmp_path / "r"), "train.log_to=[jsonl, tensorboard]"],
+             "train.log_to", "pip install -e .[tensorboard]")

@@ -135,7 +135,7 @@ def token_dtype_for(vocab_size: int) -> str:
 
 
 def prepare_data(inputs: Sequence[str], out: str, tokenizer: str = "bytes", vocab_size: Optional[int] = None,
-                 val_fraction: float = 0.01, workers: Optional[int] = None, chunk_bytes: int = 4 << 20,
+                 val_fraction: float = 0.01, workers: Optional[int] = None, chunk_bytes: int = 1 << 20,
                  tokenizer_bytes: int = 256 << 20, progress: bool = True) -> dict:
     """Write ``out`` (module docstring); returns its metadata. ``tokenizer``: ``"bytes"``,
     ``"train"`` (a BPE of ``vocab_size`` trained on the input) or a ``tokenizer.json`` path."""
