@@ -14,7 +14,7 @@ from gridshard.testing import run_on_ranks
 
 CFG = {"model": {"preset": "tiny"},
        "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 60_000, "val_fraction": 0.25},
-       "train": {"global_batch": 8, "micro_batch": 2, "steps": 3, "log_interval": 2, "eval_interval": 2,
+       "train": {"global_batch": 8, "micro_batch": 2, "steps": 2, "log_interval": 2, "eval_interval": 1,
                  "eval_batches": 2, "lr": 3e-3, "warmup_steps": 1, "seed": 3}}
 LAYOUTS = {"D4-none": (4, 1, "none"), "T4-1d": (1, 4, "1d"), "T4-2d": (1, 4, "2d")}
 
@@ -55,8 +55,8 @@ def test_validation_loss_is_the_same_at_every_layout():
         per_rank = run_on_ranks(4, _body, cfg, timeout=300)
         assert all(r[0] == per_rank[0][0] for r in per_rank), f"{name}: ranks disagree on val_loss"
         history, state = per_rank[0]
-        # log at 2 (also eval), 3 (last step: always evaluated); val_loss only on eval steps
-        assert [step for step, _ in history] == [2, 3]
+        # eval at 1 (logged for it) and 2 (a log step and the last step)
+        assert [step for step, _ in history] == [1, 2]
         assert all(v is not None and v > 0 for _, v in history), history
         ref = _reference_val_loss(state, cfg)
         assert abs(history[-1][1] - ref) / ref < 1e-5, (name, history[-1][1], ref)

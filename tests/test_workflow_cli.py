@@ -57,11 +57,10 @@ def test_prepare_train_watch_generate(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (run / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
-    args = ["generate", str(run), "--prompt", "def ", "--max-new-tokens", "20", "--seed", "3"]
-    first, _ = _run(args)
-    again, _ = _run(args)
+    # (the same seed gives the same text: tests/test_generate.py, in process)
+    first, _ = _run(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "20", "--seed", "3"])
     assert first.returncode == 0, first.stderr
-    assert first.stdout.startswith("def ") and len(first.stdout) > 10 and first.stdout == again.stdout
+    assert first.stdout.startswith("def ") and len(first.stdout) > 10
     assert "step 6" in first.stderr
 
     # the same run directory again: refused before launch, exit 2, with the fixes named
