@@ -4,12 +4,19 @@
                     [key.sub=value ...]
     gridshard export CKPT_DIR --to hf OUT_DIR
     gridshard plot RUN_DIR [--out DIR]
+    gridshard prepare-data INPUT... --out DIR [--train-tokenizer --vocab-size N | --tokenizer FILE | --bytes]
+    gridshard generate RUN_DIR|CKPT_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S]
 
 ``train`` validates the whole config against the world size first (``--nproc``, or
 ``WORLD_SIZE`` under torchrun) — and, when resuming, the checkpoint's completeness and
 compatibility — and exits with status 2 and one message on a bad config, before any
 worker starts. A worker that dies ends the job with status 1 and a message naming the
 rank and the last complete checkpoint.
+
+Exit status: 0 done; 2 refused before any worker started (config, data, run directory);
+1 a worker died (signal) or the job failed after launch; 3 a worker raised an error — one
+line names the rank and the cause, the traceback is in ``RUN_DIR/logs/rank_N.log``;
+130 interrupted (Ctrl-C / SIGINT / SIGTERM): "stopped at step N", no traceback.
 """
 from __future__ import annotations
 
@@ -22,6 +29,9 @@ import click
 from .errors import ConfigError
 
 EXIT_CONFIG = 2
+EXIT_FAILED = 1
+EXIT_WORKER_ERROR = 3
+EXIT_INTERRUPTED = 130
 
 
 def _split_args(args):
@@ -56,12 +66,39 @@ def _worker(config_dict: dict, run_dir: str, progress: bool):
     from .engine.trainer import train as run_training
     from .mesh import init_distributed
 
-    init_distributed(timeout_s=config_dict["train"]["collective_timeout_s"])
-    losses = run_training(restart_config(config_dict, run_dir), run_dir=run_dir, progress=progress)
-    rank = dist.get_rank()
-    dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
-    dist.destroy_process_group()
+    import signal
+
+    rank = int(os.environ.get("RANK", "0"))
+    # Ctrl-C (SIGINT to the whole process group) or the launcher's SIGINT/SIGTERM: a worker
+    # ends at once, without a traceback. Metrics lines are appended whole and checkpoints are
+    # renamed into place when complete, so what is on disk stays consistent.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: os._exit(EXIT_INTERRUPTED))
+    try:
+        init_distributed(timeout_s=config_dict["train"]["collective_timeout_s"])
+        losses = run_training(restart_config(config_dict, run_dir), run_dir=run_dir, progress=progress)
+        dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - every error becomes one line + a log file
+        write_rank_log(run_dir, rank, e)
+        sys.exit(EXIT_WORKER_ERROR)
     return losses if rank == 0 else None
+
+
+def rank_log_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "logs", f"rank_{rank}.log")
+
+
+def write_rank_log(run_dir: str, rank: int, error: BaseException) -> None:
+    """``RUN_DIR/logs/rank_N.log``: first line ``<unix time> <Type>: <message>`` (the cause,
+    one line), then the full traceback."""
+    import traceback
+
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    cause = " ".join(f"{type(error).__name__}: {error}".split())
+    with open(rank_log_path(run_dir, rank), "w") as f:
+        f.write(f"{time.time():.6f} {cause}\n")
+        traceback.print_exception(type(error), error, error.__traceback__, file=f)
 
 
 def _summary(losses, run_dir, wall_s):
@@ -73,6 +110,7 @@ def _summary(losses, run_dir, wall_s):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gridshard", prog_name="gridshard", message="%(prog)s %(version)s")
 def main():
     """gridshard: train transformers with data, 1D/2D tensor parallelism from one YAML config.
 
@@ -96,9 +134,11 @@ def main():
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="Restart all workers up to N times after a failure; each restart resumes from the latest "
                    "complete checkpoint (PyTorch's elastic agent). Under torchrun, pass it to torchrun instead.")
+@click.option("--overwrite", is_flag=True, help="Start over in a run directory that already holds a run (its "
+              "metrics, checkpoints, logs and TensorBoard files are removed first).")
 @click.option("--check", is_flag=True, help="Validate and print the resolved config; start nothing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics are still written).")
-def train(args, nproc, run_dir, resume, max_restarts, check, no_progress):
+def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progress):
     """Train the model described by CONFIG (a YAML file; none = built-in default).
 
     \b
@@ -136,9 +176,18 @@ def train(args, nproc, run_dir, resume, max_restarts, check, no_progress):
                 raise ConfigError(f"--nproc={world} is invalid: at least one worker is needed. Fix: --nproc 1 or more.")
         else:
             world = load_config(source, overrides).world_size
+        if not launched:
+            _check_local_processes(world, nproc is not None)
         cfg = resolve_config(source, overrides, world_size=world, cuda_available=torch.cuda.is_available())
         run_dir = run_dir or default_run_dir()
+        from .config.validate import check_before_launch, user_sets
+
+        check_before_launch(cfg, warmup_set=user_sets(source, overrides, "train", "warmup_steps"))
+        if not check:
+            _check_run_dir(run_dir, cfg, overwrite, launched)
         _check_resume(cfg, run_dir)
+        if not check and (not launched or os.environ.get("RANK") == "0"):
+            _copy_tokenizer(cfg, run_dir)
     except ConfigError as e:
         if not launched or os.environ.get("RANK") == "0":      # under torchrun: one message, from rank 0
             click.echo(f"config error: {e}", err=True)
@@ -157,14 +206,88 @@ def train(args, nproc, run_dir, resume, max_restarts, check, no_progress):
         if int(os.environ.get("RANK", "0")) == 0:
             _summary(losses, run_dir, time.perf_counter() - t0)
         return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         results = launch_local(world, _worker, cfg.model_dump(), run_dir, not no_progress, max_restarts=max_restarts)
     except ChildFailedError as e:
+        if all(f.exitcode == EXIT_INTERRUPTED or f.signal_name() in ("SIGINT", "SIGTERM")
+               for f in e.failures.values()):
+            click.echo(stopped_message(run_dir), err=True)
+            sys.exit(EXIT_INTERRUPTED)
         click.echo(failure_message(e, run_dir), err=True)
-        sys.exit(1)
+        sys.exit(EXIT_WORKER_ERROR if any(f.exitcode == EXIT_WORKER_ERROR for f in e.failures.values())
+                 else EXIT_FAILED)
+    except (KeyboardInterrupt, SignalException):
+        click.echo(stopped_message(run_dir), err=True)
+        sys.exit(EXIT_INTERRUPTED)
     _summary(results.get(0), run_dir, time.perf_counter() - t0)
+
+
+def _check_local_processes(world: int, asked: bool) -> None:
+    """Local workers beyond the machine's cores (GPUs on a CUDA machine): a warning when the
+    user asked for them with --nproc; refused when only the config asks for more than 4 per
+    core (a cluster config such as configs/llama_7b.yaml run by mistake on a laptop)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    slots, what = (gpus, "GPUs") if gpus else (os.cpu_count() or 1, "CPU cores")
+    if world <= slots:
+        return
+    if not asked and not gpus and world > 4 * slots:
+        raise ConfigError(f"the config's layout needs {world} processes and this machine has {slots} {what}: "
+                          f"gridshard does not start {world} local workers unasked. Fix: launch it with torchrun on "
+                          f"the machines it is meant for, choose a smaller layout, or pass --nproc {world} to start "
+                          f"them here anyway.")
+    click.echo(f"warning: {world} worker processes on {slots} {what}: they share the {what} (fine for checks and "
+               f"tests, slow for training)", err=True)
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "logs", "tb")
+
+
+def _check_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool) -> None:
+    """The run directory can be written, and holds no earlier run unless this one continues
+    it (``--resume``/``train.resume``, an elastic restart) or ``--overwrite`` removes it."""
+    import shutil
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    continuing = cfg.train.resume != "never" or restarted
+    if overwrite and cfg.train.resume != "never":
+        raise ConfigError("--overwrite and --resume/train.resume were both given: one starts over, the other "
+                          "continues. Fix: pass one of them.")
+    previous = [x for x in RUN_OUTPUTS if os.path.exists(os.path.join(run_dir, x))]
+    if previous and not continuing:
+        if not overwrite:
+            raise ConfigError(f"run directory {run_dir!r} already holds a run ({', '.join(previous)}). Fix: "
+                              f"--resume latest to continue it, --overwrite to start over, or another --run-dir.")
+        if not launched or os.environ.get("RANK") == "0":
+            for name in previous:
+                path = os.path.join(run_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".write_test_{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}). Fix: choose a --run-dir you "
+                          f"can write.") from None
+
+
+def _copy_tokenizer(cfg, run_dir: str) -> None:
+    """``RUN_DIR/tokenizer/``: the prepared folder's meta.json and tokenizer.json, so that
+    ``gridshard generate RUN_DIR`` decodes even after the data folder moves."""
+    import shutil
+
+    if cfg.data.kind != "prepared":
+        return
+    dest = os.path.join(run_dir, "tokenizer")
+    os.makedirs(dest, exist_ok=True)
+    for name in ("meta.json", "tokenizer.json"):
+        if os.path.isfile(os.path.join(cfg.data.path, name)):
+            shutil.copyfile(os.path.join(cfg.data.path, name), os.path.join(dest, name))
 
 
 def _check_resume(cfg, run_dir: str) -> None:
@@ -179,14 +302,55 @@ def _check_resume(cfg, run_dir: str) -> None:
         check_compatible(read_meta(folder)["config"], cfg.resolved(), describe(folder))
 
 
-def failure_message(error, run_dir: str) -> str:
-    """Which ranks died or failed (signal or exit code) and the last complete checkpoint."""
+def _last_logged_step(run_dir: str):
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return json.loads(f.read().splitlines()[-1])["step"]
+    except (OSError, IndexError, ValueError, KeyError):
+        return None
+
+
+def stopped_message(run_dir: str) -> str:
+    """What an interrupted run says: the last logged step, the metrics and the checkpoint."""
     from .checkpoint import checkpoints_root, read_latest
 
-    lines = ["training failed:"]
-    for rank, f in sorted(error.failures.items()):
-        how = f"died ({f.signal_name()})" if f.exitcode < 0 else f"failed (exit code {f.exitcode})"
-        lines.append(f"  rank {rank} {how}" + (f": {f.message}" if f.exitcode >= 0 and f.message else ""))
+    step = _last_logged_step(run_dir)
+    latest = read_latest(checkpoints_root(run_dir))
+    return (f"stopped at step {step if step is not None else 0} (the last logged step; metrics in "
+            f"{os.path.join(run_dir, 'metrics.jsonl')}); " +
+            (f"last complete checkpoint: {latest} (continue with: --run-dir {run_dir} --resume latest)"
+             if latest else "no complete checkpoint was written"))
+
+
+def _worker_cause(run_dir: str, rank: int):
+    """(time, cause line) from ``RUN_DIR/logs/rank_N.log``, or None."""
+    try:
+        with open(rank_log_path(run_dir, rank)) as f:
+            stamp, _, cause = f.readline().rstrip("\n").partition(" ")
+        return float(stamp), cause
+    except (OSError, ValueError):
+        return None
+
+
+def failure_message(error, run_dir: str) -> str:
+    """The failure in one line — the rank that raised first and its cause (traceback in
+    ``RUN_DIR/logs/rank_N.log``), or the ranks that died (signal or exit code) — then the
+    last complete checkpoint."""
+    from .checkpoint import checkpoints_root, read_latest
+
+    raised = {r: _worker_cause(run_dir, r) for r, f in error.failures.items() if f.exitcode == EXIT_WORKER_ERROR}
+    raised = {r: c for r, c in raised.items() if c is not None}
+    died = [(r, f) for r, f in sorted(error.failures.items()) if f.exitcode != EXIT_WORKER_ERROR]
+    if raised:
+        rank = min(raised, key=lambda r: (raised[r][0], r))
+        lines = [f"training failed: rank {rank}: {raised[rank][1]} (traceback: {rank_log_path(run_dir, rank)})"]
+    else:
+        lines = ["training failed:"]
+        for rank, f in died:
+            how = f"died ({f.signal_name()})" if f.exitcode < 0 else f"failed (exit code {f.exitcode})"
+            lines.append(f"  rank {rank} {how}" + (f": {f.message}" if f.exitcode >= 0 and f.message else ""))
     latest = read_latest(checkpoints_root(run_dir))
     lines.append(f"last complete checkpoint: {latest} (continue with: gridshard train ... --run-dir {run_dir} "
                  f"--resume latest)" if latest else "no complete checkpoint was written")
@@ -227,6 +391,79 @@ def plot(run_dir, out):
         sys.exit(EXIT_CONFIG)
     for p in paths:
         click.echo(p)
+
+
+@main.command()
+@click.argument("path", metavar="RUN_DIR|CKPT_DIR", type=click.Path(file_okay=False))
+@click.option("--prompt", required=True, help="Text to continue (encoded with the run's tokenizer).")
+@click.option("--max-new-tokens", type=int, default=200, show_default=True)
+@click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=50, show_default=True, help="Sample among the k most likely ids.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def generate(path, prompt, max_new_tokens, temperature, top_k, seed):
+    """Sample a continuation of --prompt from the model in RUN_DIR (its latest checkpoint) or in
+    CKPT_DIR, in one process whatever layout trained it; prints the prompt and its continuation."""
+    from .errors import CheckpointError
+    from .generate import generate_text
+
+    try:
+        prompt, text, folder, step = generate_text(path, prompt, max_new_tokens, temperature, top_k, seed)
+    except (ConfigError, CheckpointError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
+    click.echo(f"# {folder} (step {step}), temperature {temperature}, top-k {top_k}, seed {seed}", err=True)
+    click.echo(prompt + text)
+
+
+@main.command("prepare-data")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for tokens.bin, meta.json, "
+              "doc_starts.npy and tokenizer.json.")
+@click.option("--train-tokenizer", is_flag=True, help="Train a byte-level BPE on the input (needs --vocab-size).")
+@click.option("--vocab-size", type=int, default=None, help="Vocabulary of the trained BPE, e.g. 4096.")
+@click.option("--tokenizer", "tokenizer_file", type=click.Path(dir_okay=False), default=None,
+              help="Use an existing Hugging Face tokenizer.json.")
+@click.option("--bytes", "use_bytes", is_flag=True, help="The built-in byte tokenizer (vocabulary 256; the default).")
+@click.option("--val-fraction", type=float, default=0.01, show_default=True,
+              help="Share of the tokens (the end of the stream) held out for validation.")
+@click.option("--workers", type=int, default=None, help="Encoding processes (default: all CPU cores).")
+@click.option("--tokenizer-bytes", type=int, default=256 << 20, show_default=True,
+              help="Train the BPE on the first this-many bytes of the input.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def prepare_data(inputs, out, train_tokenizer, vocab_size, tokenizer_file, use_bytes, val_fraction, workers,
+                 tokenizer_bytes, no_progress):
+    """Tokenise text files or folders INPUT... into OUT: a memory-mapped uint16/uint32 token file
+    and its metadata (tokenizer, vocabulary, document starts, train/validation split), streaming
+    with constant memory, parallel over CPU cores. Then train on it with
+    `gridshard train data.kind=prepared data.path=OUT` (the vocabulary size comes from OUT)."""
+    from .data.prepare import prepare_data as run
+
+    try:
+        chosen = [name for name, on in (("--train-tokenizer", train_tokenizer), ("--tokenizer", tokenizer_file),
+                                        ("--bytes", use_bytes)) if on]
+        if len(chosen) > 1:
+            raise ConfigError(f"{' and '.join(chosen)} were both given: they choose the tokenizer. Fix: pass one.")
+        if vocab_size is not None and not train_tokenizer:
+            raise ConfigError("--vocab-size is only used with --train-tokenizer. Fix: add --train-tokenizer, or "
+                              "drop --vocab-size (an existing tokenizer has its own vocabulary).")
+        if workers is not None and workers < 1:
+            raise ConfigError(f"--workers={workers} is invalid: at least one process encodes. Fix: --workers 1 "
+                              f"or more.")
+        kind = "train" if train_tokenizer else tokenizer_file or "bytes"
+        meta = run(inputs, out, kind, vocab_size, val_fraction, workers, tokenizer_bytes=tokenizer_bytes,
+                   progress=not no_progress)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
+    mb = meta["input_bytes"] / 1e6
+    rss = meta["peak_rss_bytes"]
+    (a, b), (c, d) = meta["split"]["train"], meta["split"]["val"]
+    click.echo(f"prepared {meta['n_tokens']} tokens ({meta['documents']} documents, vocabulary {meta['vocab_size']}, "
+               f"{meta['token_dtype']}) from {mb:.1f} MB in {meta['seconds']:.1f} s "
+               f"({mb / max(meta['seconds'], 1e-9):.1f} MB/s, {meta['workers']} workers; peak memory "
+               f"{rss['main'] / 2**20:.0f} MiB main, {rss['largest_worker'] / 2**20:.0f} MiB largest worker)\n"
+               f"train tokens [{a}, {b}), validation tokens [{c}, {d}) -> {out}\n"
+               f"train on it: gridshard train data.kind=prepared data.path={out}")
 
 
 if __name__ == "__main__":

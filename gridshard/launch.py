@@ -46,7 +46,12 @@ def launch_local(nproc: int, entry, *args, max_restarts: int = 0) -> dict:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # failures reach the user as gridshard's own one-line message (cli.failure_message), not as
+    # the agent's log of each worker's exit
+    # (elastic sets a level on each module's logger, so each is quietened by name)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gridshard-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
                           start_method="spawn", monitor_interval=0.1)

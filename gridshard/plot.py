@@ -1,5 +1,16 @@
-"""Plots of a run: ``loss.png`` (loss vs step) and ``throughput.png`` (tokens/s vs step)
-from ``RUN_DIR/metrics.jsonl``. Uses matplotlib's Agg backend (no display needed)."""
+"""Plots of a run from ``RUN_DIR/metrics.jsonl`` (matplotlib's Agg backend, no display needed):
+
+* ``metrics.png``: six panels against the optimizer step — training loss with the validation
+  loss (``val_loss``, on evaluation steps), learning rate, gradient norm (before clipping),
+  global tokens/s, peak memory of every rank (MiB) and the communication share (%);
+* ``loss.png`` and ``throughput.png``: the first and fourth panels alone.
+
+Every logged record is drawn, the first included, and each x axis starts at step 0. Axes a
+reader can trust: quantities that cannot be negative (tokens/s, memory, share, lr, grad norm)
+have a y axis starting at 0, so a small wobble is not shown as a collapse; the communication
+share is drawn on 0–100 %. A missing value (null: a step without valid targets, comm share
+off on GPUs) leaves a gap instead of being drawn as 0.
+"""
 from __future__ import annotations
 
 import json
@@ -32,11 +43,14 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list:
     out_dir = out_dir or run_dir
     os.makedirs(out_dir, exist_ok=True)
     steps = [r["step"] for r in recs]
-    paths = []
+    paths = [_panels(plt, recs, run_dir, os.path.join(out_dir, "metrics.png"))]
     for key, ylabel, name in (("loss", "loss (nats/token)", "loss.png"),
                               ("tokens_per_s", "tokens / s (global)", "throughput.png")):
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-        ax.plot(steps, [r[key] for r in recs], marker="o", markersize=3)
+        ax.plot(steps, [_num(r.get(key)) for r in recs], marker="o", markersize=3)
+        ax.set_xlim(left=0)
+        if key == "tokens_per_s":
+            ax.set_ylim(bottom=0)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: {key}")
@@ -47,3 +61,50 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _num(x):
+    return float("nan") if x is None else x
+
+
+def _panels(plt, recs: list, run_dir: str, path: str) -> str:
+    steps = [r["step"] for r in recs]
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7), dpi=100)
+    ax = axes[0, 0]
+    ax.plot(steps, [_num(r.get("loss")) for r in recs], marker="o", markersize=3, label="train")
+    evals = [r for r in recs if r.get("val_loss") is not None]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], marker="s", markersize=4,
+                label="validation")
+    ax.legend()
+    ax.set_ylabel("loss (nats/token)")
+    for ax, key, label, scale in ((axes[0, 1], "lr", "learning rate", 1), (axes[0, 2], "grad_norm",
+                                  "grad norm (before clipping)", 1),
+                                  (axes[1, 0], "tokens_per_s", "tokens / s (global)", 1),
+                                  (axes[1, 2], "comm_share", "time in communication (%)", 100)):
+        ax.plot(steps, [_num(r.get(key)) * scale if r.get(key) is not None else float("nan") for r in recs],
+                marker="o", markersize=3)
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.05)
+        if key == "comm_share":
+            ax.set_ylim(0, 100)
+    ax = axes[1, 1]
+    per_rank = [r.get("peak_mem_bytes_per_rank") or [r.get("peak_mem_bytes")] for r in recs]
+    for rank in range(max(len(m) for m in per_rank)):
+        ax.plot(steps, [_num(m[rank]) / 2**20 if rank < len(m) and m[rank] is not None else float("nan")
+                        for m in per_rank], marker="o", markersize=2, label=f"rank {rank}")
+    if len(per_rank[0]) <= 8:
+        ax.legend(fontsize=7)
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.05)
+    for ax in axes.flat:
+        ax.set_xlim(0, max(steps) * 1.02 + 0.5)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))}: {len(recs)} records, steps {steps[0]}–{steps[-1]}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

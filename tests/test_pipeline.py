@@ -185,3 +185,23 @@ def test_uneven_split_counts_embedding_and_head():
     assert stage_layer_counts(6, 4) == [1, 2, 2, 1]          # 8 units: the ends carry embedding and head
     assert stage_layer_counts(4, 4) == [1, 1, 1, 1]
     assert stage_layer_counts(5, 2, [1, 4]) == [1, 4]
+
+
+def test_validation_loss_through_the_stages(references):
+    """``val_loss`` with pipeline stages (the schedule's forward-only pass) equals the one-process
+    run's at the same step."""
+    def cfg(D, P, T, mode):
+        c = _cfg(D, P, T, mode, steps=2, log_interval=1, eval_interval=1, eval_batches=2)
+        c["data"] = {**c["data"], "val_fraction": 0.1}
+        return c
+
+    ref = run_on_ranks(1, _val_body, cfg(1, 1, 1, "none"), timeout=300)[0]
+    got = run_on_ranks(4, _val_body, cfg(1, 2, 2, "1d"), timeout=300)[0]
+    assert len(ref) == len(got) == 2 and all(v is not None for v in got)
+    assert max(abs(a - b) / b for a, b in zip(got, ref)) < 1e-5
+
+
+def _val_body(cfg):
+    trainer = Trainer(cfg, progress=False)
+    trainer.run()
+    return [h.get("val_loss") for h in trainer.history]

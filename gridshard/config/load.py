@@ -142,7 +142,32 @@ def load_config(source: Union[None, str, dict, TrainConfig] = None, overrides: I
         raw = read_yaml(source)
     else:
         raw = source if source is not None else default_config_dict()
-    return from_dict(apply_overrides(raw, list(overrides)))
+    return apply_prepared(from_dict(apply_overrides(raw, list(overrides))))
+
+
+def apply_prepared(cfg: TrainConfig) -> TrainConfig:
+    """``data.kind: prepared``: ``model.vocab_size`` and ``data.token_dtype`` come from the
+    folder's ``meta.json`` (an explicit, different ``model.vocab_size`` is an error)."""
+    if cfg.data.kind != "prepared" or not cfg.data.path:
+        return cfg
+    from ..data.prepare import read_meta
+
+    meta = read_meta(cfg.data.path)
+    vocab = meta["vocab_size"]
+    if cfg.model.hf_config is None:
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size != vocab:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: data.path={cfg.data.path!r} was "
+                              f"prepared with a tokenizer of {vocab} ids and sets the vocabulary. Fix: remove "
+                              f"model.vocab_size (or set it to {vocab}).")
+        cfg.model.vocab_size = vocab
+    cfg.data.token_dtype = meta["token_dtype"]
+    if cfg.data.val_path is not None:
+        other = read_meta(cfg.data.val_path)
+        if other["tokenizer"] != meta["tokenizer"] or other["vocab_size"] != vocab:
+            raise ConfigError(f"data.val_path={cfg.data.val_path!r} was prepared with another tokenizer than "
+                              f"data.path={cfg.data.path!r}. Fix: prepare it with --tokenizer "
+                              f"{os.path.join(cfg.data.path, 'tokenizer.json')}.")
+    return cfg
 
 
 def default_config_dict() -> dict:

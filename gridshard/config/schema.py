@@ -82,12 +82,20 @@ class ModelSection(BaseModel):
 
 
 class DataSection(BaseModel):
-    """Where tokens come from. ``stdlib`` and ``text`` are bytes (vocabulary 256)."""
+    """Where tokens come from. ``stdlib`` and ``text`` are bytes (vocabulary 256); ``prepared``
+    is a ``gridshard prepare-data`` folder (its vocabulary sets ``model.vocab_size``)."""
 
     model_config = _STRICT
-    kind: Literal["stdlib", "text", "tokens"] = Field("stdlib", description="stdlib | text | tokens")
-    path: Optional[str] = Field(None, description="text file/folder, or token file (tokens)")
-    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of a tokens file")
+    kind: Literal["stdlib", "text", "tokens", "prepared"] = Field("stdlib", description="stdlib | text | tokens | "
+                                                                                        "prepared")
+    path: Optional[str] = Field(None, description="text file/folder, token file (tokens), or a prepare-data folder "
+                                                  "(prepared)")
+    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of a tokens file (prepared: from "
+                                                                           "its metadata)")
+    val_fraction: Optional[float] = Field(None, description="the source's last val_fraction of tokens are held out "
+                                                            "for validation; null: a prepared folder's own split, "
+                                                            "else none")
+    val_path: Optional[str] = Field(None, description="a separate validation source of the same kind as data.path")
     seq_len: int = Field(128, description="tokens per training sequence")
     max_bytes: int = Field(4 << 20, description="cap on bytes read for stdlib/text corpora")
     ignore_token: Optional[int] = Field(None, description="targets equal to this token id are left out of the "
@@ -120,8 +128,14 @@ class TrainSection(BaseModel):
     keep_checkpoints: int = Field(3, description="complete checkpoints kept (oldest removed first); 0 = keep all")
     resume: str = Field("never", description="never | auto (the run directory's latest complete checkpoint, if "
                                              "any) | PATH (a checkpoint folder or a run directory)")
-    collective_timeout_s: float = Field(300.0, description="a collective waiting longer than this fails the job "
+    collective_timeout_s: float = Field(120.0, description="a collective waiting longer than this fails the job "
                                                            "(a dead rank ends the run instead of hanging it)")
+    eval_interval: int = Field(50, description="steps between validation losses (and at the last step), when "
+                                               "there is validation data; 0: only at the last step")
+    eval_batches: int = Field(4, description="global batches of validation windows per evaluation (the same "
+                                             "windows every time)")
+    log_to: List[Literal["jsonl", "tensorboard"]] = Field(["jsonl"], description="metrics sinks: jsonl "
+                                                          "(RUN_DIR/metrics.jsonl) and/or tensorboard (RUN_DIR/tb)")
     bucket_mb: float = Field(25.0, description="size of the data-parallel gradient all-reduce buckets")
     overlap_grad_reduce: bool = Field(True, description="issue each bucket's all-reduce during the last backward, "
                                                         "as soon as the bucket's gradients are complete")

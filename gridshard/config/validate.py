@@ -10,10 +10,18 @@ Order of checks (the first failure is raised as one :class:`ConfigError`):
    for the schedule, virtual stages only with interleaved 1F1B, gridshard's model only;
 4. model shapes for the mode (:func:`gridshard.nn.shape_rules.model_shape_rules`),
    seq_len ≤ max_seq_len;
-5. data: path present and readable, enough tokens, byte corpora need vocab ≥ 256,
-   ignore_token (if set) a token id in [0, vocab_size);
-6. optimizer: lr ≥ 0, min_lr ≤ lr, intervals ≥ 1; precision fp16 needs CUDA;
-   checkpoint settings (keep ≥ 0, a resume path that exists).
+5. data: path present and readable, enough tokens in the training part and in the
+   validation part (if any; ``val_fraction`` in [0, 1), not with ``val_path``), byte corpora
+   need vocab ≥ 256, ignore_token (if set) a token id in [0, vocab_size) (a prepared
+   folder's vocabulary is applied when loading, :func:`gridshard.config.load.apply_prepared`);
+6. optimizer: lr ≥ 0, min_lr ≤ lr, intervals ≥ 1;
+   precision fp16 needs CUDA; checkpoint settings (keep ≥ 0, a resume path that exists);
+   eval_interval ≥ 0, eval_batches ≥ 1.
+
+Token ids over the whole file (:func:`gridshard.data.prepare.check_token_ids`) and an
+explicitly set ``warmup_steps`` ≤ ``steps`` are checked once by the CLI before launch
+(:func:`check_before_launch`), not here: this runs again on every rank, which gets the
+config with every field spelled out.
 """
 from __future__ import annotations
 
@@ -128,15 +136,23 @@ def _shapes(cfg: TrainConfig):
 
 
 def _data(cfg: TrainConfig):
-    from ..data.sources import source_size_tokens  # pure file inspection, no process group
+    from ..data.sources import split_sizes  # pure file inspection, no process group
 
     d, m = cfg.data, cfg.model.resolve()
     if d.kind == "stdlib" and d.path is not None:
         _fail("data.path", d.path, "data.kind=stdlib reads Python's own library and takes no path",
               "remove data.path, or set data.kind=text / tokens")
-    if d.kind in ("text", "tokens") and not d.path:
+    if d.kind in ("text", "tokens", "prepared") and not d.path:
         _fail("data.path", d.path, f"data.kind={d.kind} needs a path",
-              "set data.path to a text file/folder (text) or a token file (tokens)")
+              "set data.path to a text file/folder (text), a token file (tokens) or a prepare-data folder (prepared)")
+    if d.val_fraction is not None and not 0 <= d.val_fraction < 1:
+        _fail("data.val_fraction", d.val_fraction, "it is the share of the data held out for validation, in [0, 1)",
+              "use e.g. 0.01, or 0 for no validation")
+    if d.val_path is not None and d.val_fraction:
+        _fail("data.val_fraction", d.val_fraction, "data.val_path already gives the validation data",
+              "remove one of data.val_fraction and data.val_path")
+    if d.val_path is not None and d.kind == "stdlib":
+        _fail("data.val_path", d.val_path, "data.kind=stdlib takes no paths", "use data.val_fraction instead")
     if d.kind in ("stdlib", "text") and m.vocab_size < 256:
         _fail("model.vocab_size", m.vocab_size, f"data.kind={d.kind} yields bytes 0..255",
               "set model.vocab_size >= 256 (the tiny preset uses 256)")
@@ -144,11 +160,15 @@ def _data(cfg: TrainConfig):
         _fail("data.ignore_token", d.ignore_token, f"it must be a token id in [0, model.vocab_size={m.vocab_size}) "
               f"(it is also fed to the model as an input token)",
               "set it to the padding id of the tokenizer, or null to use every target")
-    n_tokens = source_size_tokens(d.kind, d.path, d.token_dtype, d.max_bytes)
+    n_tokens, n_val = split_sizes(d)
     if n_tokens < d.seq_len + 1:
         _fail("data.path" if d.path else "data.kind", d.path or d.kind,
-              f"the data holds {n_tokens} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
-              "use more data or a shorter data.seq_len")
+              f"the training data holds {n_tokens} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
+              "use more data, a smaller data.val_fraction or a shorter data.seq_len")
+    if 0 < n_val < d.seq_len + 1:
+        _fail("data.val_path" if d.val_path else "data.val_fraction", d.val_path or d.val_fraction,
+              f"the validation data holds {n_val} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
+              "hold out more data (a larger val_fraction) or set data.val_fraction=0")
 
 
 def _optim(cfg: TrainConfig, cuda_available: bool):
@@ -159,6 +179,17 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
         _fail("train.min_lr", t.min_lr, f"it must lie in [0, train.lr={t.lr}]", f"set train.min_lr <= {t.lr}")
     if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
         _fail("train.beta1/beta2", (t.beta1, t.beta2), "Adam betas lie in [0, 1)", "use 0.9 and 0.95")
+    if t.eval_interval < 0:
+        _fail("train.eval_interval", t.eval_interval, "it must be >= 0 (0: evaluate at the last step only)",
+              "use e.g. 50")
+    if t.eval_batches < 1:
+        _fail("train.eval_batches", t.eval_batches, "an evaluation needs at least one batch", "use e.g. 4")
+    if "tensorboard" in t.log_to:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            _fail("train.log_to", t.log_to, "tensorboard logging needs the `tensorboard` package, which is not "
+                  "installed", "pip install -e .[tensorboard], or train.log_to=[jsonl]")
     if t.decay_steps is not None and t.decay_steps < 1:
         _fail("train.decay_steps", t.decay_steps, "it must be >= 1", "remove it (defaults to train.steps)")
     if t.bucket_mb <= 0:
@@ -170,7 +201,7 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
         _fail("train.keep_checkpoints", t.keep_checkpoints, "it must be >= 0 (0 keeps every checkpoint)",
               "use e.g. 3")
     if t.collective_timeout_s <= 0:
-        _fail("train.collective_timeout_s", t.collective_timeout_s, "it must be > 0", "use e.g. 300")
+        _fail("train.collective_timeout_s", t.collective_timeout_s, "it must be > 0", "use e.g. 120")
     if t.resume not in ("never", "auto"):
         import os
 
@@ -189,3 +220,35 @@ def validate_config(cfg: TrainConfig, world_size: int, cuda_available: bool = Fa
     _data(cfg)
     _optim(cfg, cuda_available)
     return cfg
+
+
+def user_sets(source, overrides, section: str, key: str) -> bool:
+    """Whether the user wrote ``section.key``: in an override or in the YAML file ``source``."""
+    if any(o.partition("=")[0] == f"{section}.{key}" for o in overrides):
+        return True
+    if isinstance(source, str):
+        from .load import read_yaml
+
+        raw = read_yaml(source)
+        return isinstance(raw.get(section), dict) and key in raw[section]
+    return isinstance(source, dict) and key in (source.get(section) or {})
+
+
+def check_before_launch(cfg: TrainConfig, warmup_set: bool = True) -> None:
+    """The checks the CLI makes once before any worker starts: ``warmup_steps`` ≤ ``steps``
+    when the user wrote the warm-up (``warmup_set``; the built-in defaults' 10 may exceed a short
+    run, which then stays in warm-up), and every token id of a ``tokens``/``prepared`` source
+    (and its validation source) below ``model.vocab_size`` — one vectorised pass over the file."""
+    t = cfg.train
+    if warmup_set and t.warmup_steps > t.steps:
+        _fail("train.warmup_steps", t.warmup_steps, f"the warm-up must fit in the run: warmup_steps <= train.steps="
+              f"{t.steps}", f"set train.warmup_steps <= {t.steps} (e.g. {max(1, t.steps // 10)})")
+    d = cfg.data
+    if d.kind in ("tokens", "prepared"):
+        from ..data.prepare import check_token_ids
+        from ..data.sources import load_tokens
+
+        vocab = cfg.model.resolve().vocab_size
+        for path in (d.path, d.val_path):
+            if path is not None:
+                check_token_ids(load_tokens(d.kind, path, d.token_dtype), vocab, f"data at {path!r}")

@@ -5,6 +5,10 @@ at ``offset[k, i]``, drawn uniformly from ``[0, n − s − 1]`` by numpy's PCG6
 ``(seed, k)`` — so it depends only on (data, seed, step, G, s), never on the layout.
 Tokens are ``window[:-1]`` and targets ``window[1:]``.
 
+Validation batches come from the same law on the validation tokens with a third seed word:
+batch j of an evaluation draws its offsets with PCG64 seeded ``(seed, j, 1)`` (``stream=1``),
+so every evaluation reads the same windows, at every layout.
+
 Sharding: with D data ranks and micro-batch m, each optimizer step accumulates
 ``A = G / (m·D)`` micro-batches per rank. Data rank d owns the contiguous rows
 ``[d·G/D, (d+1)·G/D)`` and feeds them in order as A micro-batches of m rows. Every
@@ -29,13 +33,15 @@ import torch
 from ..errors import ConfigError
 
 
-def step_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int) -> np.ndarray:
-    """Start positions [G] of step ``step``'s windows (see the module docstring)."""
+def step_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int,
+                 stream: int = 0) -> np.ndarray:
+    """Start positions [G] of step ``step``'s windows (see the module docstring); ``stream`` 0
+    is training (seed words (seed, step)), 1 validation (seed words (seed, step, 1))."""
     high = n_tokens - seq_len - 1
     if high < 0:
         raise ConfigError(f"the data holds {n_tokens} tokens but a sequence needs data.seq_len+1 = {seq_len + 1}. "
                           f"Fix: use more data or a shorter data.seq_len.")
-    rng = np.random.Generator(np.random.PCG64([seed, step]))
+    rng = np.random.Generator(np.random.PCG64([seed, step] if stream == 0 else [seed, step, stream]))
     return rng.integers(0, high, size=global_batch, endpoint=True)
 
 
@@ -59,8 +65,9 @@ class BatchPlan:
     """Which tokens this data rank feeds at each step (module docstring)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, micro_batch: int,
-                 data_size: int, data_rank: int, seed: int, vocab_size: int, ignore_token=None):
+                 data_size: int, data_rank: int, seed: int, vocab_size: int, ignore_token=None, stream: int = 0):
         self.tokens, self.seq_len, self.seed, self.vocab_size = tokens, seq_len, seed, vocab_size
+        self.stream = stream
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rows = rank_rows(global_batch, data_size, data_rank)
         self.accumulation = global_batch // (micro_batch * data_size)
@@ -68,7 +75,7 @@ class BatchPlan:
 
     def global_windows(self, step: int) -> torch.Tensor:
         """The whole global batch of ``step`` [G, s+1] (for tests and references)."""
-        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step)
+        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step, self.stream)
         return windows(self.tokens, offs, self.seq_len, self.vocab_size)
 
     def micro_batches(self, step: int) -> list:
@@ -79,7 +86,7 @@ class BatchPlan:
         """(this rank's :meth:`micro_batches` of ``step``, N: the valid targets of the whole
         global batch of ``step`` — targets ≠ ``ignore_token``, over all micro-batches and data
         ranks; G·s without ``ignore_token``). The same N on every rank (module docstring)."""
-        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step)
+        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step, self.stream)
         if self.ignore_token is None:
             w = windows(self.tokens, offs[self.rows], self.seq_len, self.vocab_size)
             n_valid = self.global_batch * self.seq_len

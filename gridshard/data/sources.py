@@ -7,8 +7,11 @@
   skipped), as bytes, capped at ``max_bytes``.
 * ``tokens``: a flat binary file of ``uint16``/``uint32`` token ids, read lazily with
   ``numpy.memmap`` (nothing is loaded until a batch touches it; no cap).
+* ``prepared``: a folder written by ``gridshard prepare-data`` (:mod:`gridshard.data.prepare`):
+  its ``tokens.bin`` as a memmap; vocabulary, dtype and train/validation split from ``meta.json``.
 
-Every source is a 1-D numpy array of token ids.
+Every source is a 1-D numpy array of token ids. :func:`load_split` cuts it into the training
+and validation parts (``data.val_fraction`` / ``data.val_path``, :func:`split_sizes`).
 """
 from __future__ import annotations
 
@@ -113,4 +116,52 @@ def load_tokens(kind: str, path: Optional[str] = None, token_dtype: str = "uint1
     """The 1-D token array of a source (see the module docstring)."""
     if kind == "tokens":
         return open_token_file(path, token_dtype)
+    if kind == "prepared":
+        from .prepare import open_prepared
+
+        return open_prepared(path)
     return read_bytes_corpus(kind, path, max_bytes)
+
+
+def _cut(n: int, data) -> Optional[int]:
+    """Index where the validation part starts in a source of ``n`` tokens, or None (no
+    validation part). ``data``: the config's data section (module docstring of the config)."""
+    if data.val_path is not None:
+        return None
+    if data.val_fraction is None and data.kind == "prepared":
+        from .prepare import read_meta
+
+        start = read_meta(data.path)["split"]["val"][0]
+        return start if start < n else None
+    n_val = int(round((data.val_fraction or 0.0) * n))
+    return n - n_val if n_val else None
+
+
+def split_sizes(data) -> tuple:
+    """(training tokens, validation tokens or 0) of the config's data section, from file sizes
+    and metadata only (for validation before anything is read)."""
+    if data.kind == "prepared":
+        from .prepare import read_meta
+
+        n = read_meta(data.path)["n_tokens"]
+    else:
+        n = source_size_tokens(data.kind, data.path, data.token_dtype, data.max_bytes)
+    if data.val_path is not None:
+        if data.kind == "prepared":
+            from .prepare import read_meta
+
+            return n, read_meta(data.val_path)["n_tokens"]
+        return n, source_size_tokens(data.kind, data.val_path, data.token_dtype, data.max_bytes)
+    cut = _cut(n, data)
+    return (n, 0) if cut is None else (cut, n - cut)
+
+
+def load_split(data) -> tuple:
+    """(training tokens, validation tokens or None) of the config's data section: the source's
+    last ``round(val_fraction · n)`` tokens are the validation part (a prepared folder's own
+    split when ``val_fraction`` is null), or ``val_path`` — the same kind of source — is."""
+    tokens = load_tokens(data.kind, data.path, data.token_dtype, data.max_bytes)
+    if data.val_path is not None:
+        return tokens, load_tokens(data.kind, data.val_path, data.token_dtype, data.max_bytes)
+    cut = _cut(len(tokens), data)
+    return (tokens, None) if cut is None else (tokens[:cut], tokens[cut:])

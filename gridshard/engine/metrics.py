@@ -13,7 +13,13 @@ Per log line (every ``log_interval`` steps) — see ``docs/training.md``:
   process's max RSS on CPU; ``peak_mem_bytes_per_rank`` lists all;
 * ``comm_share``: time inside recorded collectives / wall time of the interval,
   averaged over ranks (the job ledger's ``timing``);
-* ``step``, ``step_time_s``, ``tokens``, ``elapsed_s``, ``loss_scale`` (fp16).
+* ``step``, ``step_time_s``, ``tokens``, ``elapsed_s``, ``loss_scale`` (fp16);
+* ``val_loss`` on evaluation steps only (``train.eval_interval``; the mean loss over the
+  validation windows, :meth:`gridshard.engine.trainer.Trainer.evaluate`).
+
+Sinks (``train.log_to``): ``jsonl`` → ``RUN_DIR/metrics.jsonl``; ``tensorboard`` → event files
+in ``RUN_DIR/tb`` through ``torch.utils.tensorboard`` (every numeric field as a scalar
+``train/<field>`` at its step, ``val_loss`` as ``val/loss``).
 """
 from __future__ import annotations
 
@@ -58,12 +64,21 @@ def peak_memory_bytes(device: torch.device) -> int:
 class RunFiles:
     """``RUN_DIR/config.yaml`` and ``RUN_DIR/metrics.jsonl`` (written by rank 0 only)."""
 
-    def __init__(self, run_dir: Optional[str], active: bool, keep_until_step: Optional[int] = None):
+    def __init__(self, run_dir: Optional[str], active: bool, keep_until_step: Optional[int] = None,
+                 log_to=("jsonl",)):
         """``keep_until_step``: a resumed run keeps the records of steps ≤ it (the part of the
         interrupted run its checkpoint covers) and appends after them, so the file reads
         like one run; otherwise the file starts empty."""
         self.run_dir = run_dir if active else None
-        if self.run_dir:
+        self.jsonl = "jsonl" in log_to
+        self.tb = None
+        if self.run_dir and "tensorboard" in log_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.run_dir, exist_ok=True)
+            purge = keep_until_step + 1 if keep_until_step is not None else None
+            self.tb = SummaryWriter(os.path.join(self.run_dir, "tb"), purge_step=purge)
+        if self.run_dir and self.jsonl:
             os.makedirs(self.run_dir, exist_ok=True)
             self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
             kept = []
@@ -88,9 +103,19 @@ class RunFiles:
                 yaml.safe_dump(resolved, f, sort_keys=False)
 
     def append(self, record: dict) -> None:
-        if self.run_dir:
+        if self.run_dir and self.jsonl:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar("val/loss" if key == "val_loss" else f"train/{key}", value, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
 
 
 def format_postfix(rec: dict) -> dict:

@@ -39,6 +39,17 @@ A micro-batch or 2D block with no valid target gets exactly zero gradient from t
 The step's loss: rank d's share (1/N) Σ_a L_da, summed over data ranks only at log steps
 (one small all-reduce of the interval's shares, not recorded in the ledger).
 
+Validation (``data.val_fraction`` / ``data.val_path``, a prepared folder's split): every
+``train.eval_interval`` steps and at the last step, :meth:`Trainer.evaluate` computes
+
+    val_loss = (Σ_j Σ_{d,a} L_jda) / (Σ_j N_j)      over evaluation batches j < train.eval_batches
+
+with no gradient: batch j is G windows of the validation tokens (:mod:`gridshard.data.batches`,
+``stream=1``, the same windows at every evaluation and every layout), split over data ranks
+and micro-batches exactly like a training batch, L_jda the summed loss of a micro-batch and
+N_j the batch's valid targets. One all-reduce over data ranks (not in the ledger) sums the
+L's; so the value is the mean over the same targets at any layout, up to summation order.
+
 Checkpoints (:mod:`gridshard.checkpoint`): with a run directory, the state after step k is
 saved every ``train.save_interval`` steps (asynchronously; the training thread only copies
 its blocks) and at the end of the run; ``train.resume`` continues from one at any layout.
@@ -62,7 +73,7 @@ from ..checkpoint.resume import check_compatible, describe, resume_folder
 from ..comm import collectives as C
 from ..comm.ledger import CommLedger
 from ..config import TrainConfig, load_config, resolve_config
-from ..data import BatchPlan, load_tokens
+from ..data import BatchPlan, load_split
 from ..mesh import Axis, build_mesh, default_device, init_distributed
 from ..models import Transformer
 from ..parallel import context_of, parallelize
@@ -157,9 +168,12 @@ class Trainer:
             self._resume(self.resume_from)
         elif cfg.model.init_from is not None:
             self._init_from(cfg.model.init_from)
-        tokens = load_tokens(cfg.data.kind, cfg.data.path, cfg.data.token_dtype, cfg.data.max_bytes)
+        tokens, val_tokens = load_split(cfg.data)
         self.plan = BatchPlan(tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data,
                               self.mesh.data.rank, t.seed, mc.vocab_size, cfg.data.ignore_token)
+        self.val_plan = None if val_tokens is None else BatchPlan(
+            val_tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data, self.mesh.data.rank, t.seed,
+            mc.vocab_size, cfg.data.ignore_token, stream=1)
         self.ignore_index = -100 if cfg.data.ignore_token is None else cfg.data.ignore_token
         self.step_valid_tokens = None                  # N of the last step (valid targets, global batch)
         self.decay_steps = t.decay_steps or t.steps
@@ -167,7 +181,8 @@ class Trainer:
                                            mc.kv_heads * mc.head_dim)
         self.peak_flops = device_peak_flops(self.device, t.precision)
         self.files = RunFiles(run_dir, active=self.rank == 0,
-                              keep_until_step=self.start_step if self.resume_from is not None else None)
+                              keep_until_step=self.start_step if self.resume_from is not None else None,
+                              log_to=t.log_to)
         self.files.write_config(cfg.resolved())
         self.progress = progress
         self.history: list = []                        # metrics records (every rank)
@@ -253,6 +268,33 @@ class Trainer:
                 torch.full((), float("nan"), dtype=torch.float64, device=self.device)
         return share, norm, lr
 
+    def evaluate(self) -> Optional[float]:
+        """The validation loss (module docstring), the same value on every rank; None without
+        validation data or when no validation target is valid."""
+        if self.val_plan is None:
+            return None
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        n = 0
+        with torch.no_grad():
+            for j in range(self.cfg.train.eval_batches):
+                micro, n_valid = self.val_plan.step_batches(j)
+                n += n_valid
+                if self.pipeline is not None:          # forward only through the stages
+                    for loss_sum in self.pipeline.evaluate(micro, self.device):
+                        total += loss_sum.double()
+                    micro = []
+                for tokens, targets in micro:
+                    tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)
+                    targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
+                    with self.precision.autocast():
+                        loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index,
+                                                           reduction="sum")
+                    total += loss_sum.double()
+        with self.ledger.paused():
+            total = C.all_reduce(total.reshape(1), self.mesh.data)
+            total = C.all_reduce(total, self.mesh.pipeline)      # only the last stage holds sums
+        return float(total[0]) / n if n else None
+
     def _global_losses(self, local: list) -> list:
         """Sum over data ranks of each step's loss share, from (share, N) pairs (one all-reduce,
         not in the ledger); None for a step without valid targets (N = 0)."""
@@ -303,7 +345,9 @@ class Trainer:
                 hit(self.faults, "step", self.rank, k + 1)
                 if saving and t.save_interval and (k + 1) % t.save_interval == 0:
                     self.save_checkpoint(k + 1)
-                if (k + 1) % t.log_interval and k + 1 != t.steps:
+                is_eval = self.val_plan is not None and (
+                    (t.eval_interval and (k + 1) % t.eval_interval == 0) or k + 1 == t.steps)
+                if (k + 1) % t.log_interval and k + 1 != t.steps and not is_eval:
                     continue
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -323,6 +367,8 @@ class Trainer:
                        "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - start,
                        "loss_scale": self.precision.loss_scale(),
                        "bubble_share": max(bubble) if bubble else None, "bubble_share_per_rank": bubble}
+                if is_eval:
+                    rec["val_loss"] = self.evaluate()
                 self.history.append(rec)
                 self.files.append(rec)
                 bar.set_postfix(format_postfix(rec), refresh=False)
@@ -335,6 +381,7 @@ class Trainer:
                 self.checkpointer.close()
         finally:
             bar.close()
+            self.files.close()
             self.ledger.timing = prev_timing
         return all_losses
 

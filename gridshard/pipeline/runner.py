@@ -135,3 +135,15 @@ class PipelineRunner:
             self.schedule.step(*args, **kwargs)
         self.meter.schedule_s += time.perf_counter() - t0
         return self.sums
+
+    def evaluate(self, micro: list, device) -> list:
+        """Forward only (the schedule's ``eval``): the loss sums of ``micro`` on the rank with
+        the last stage, else an empty list."""
+        self.weight, self.sums = 1.0, []
+        shard = self.ctx.shard_tokens
+        args = (torch.cat([shard(t) for t, _ in micro]).to(device),) if self.has_first else ()
+        kwargs = {"target": torch.cat([shard(y) for _, y in micro]).to(device), "losses": []} \
+            if self.has_last else {}
+        with torch.no_grad(), self.precision.autocast():
+            self.schedule.eval(*args, **kwargs)
+        return self.sums

@@ -1,0 +1,285 @@
+"""``gridshard prepare-data``: text files or folders → a memory-mapped token file + metadata.
+
+Output folder ``OUT``::
+
+    tokens.bin       the token ids of every document, in input order, as uint16 (vocabulary
+                     ≤ 65536) or uint32; read by ``data.kind: prepared`` with numpy.memmap
+    doc_starts.npy   uint64 [documents]: the index in tokens.bin where each document starts
+    tokenizer.json   the Hugging Face tokenizer (absent for the byte tokenizer)
+    meta.json        tokenizer, vocab_size, token_dtype, n_tokens, documents, max_id,
+                     split: {train: [0, n_train], val: [n_train, n_tokens]}, inputs, timing
+
+A *document* is one input file (folders are walked in sorted order, hidden entries
+skipped). With a BPE tokenizer every document ends with ``<|endoftext|>``.
+
+Split: the last ``n_val = round(val_fraction · n_tokens)`` tokens are the validation part,
+the rest the training part — a cut of the stream at one token position (the documents on
+either side are whole except the one the cut falls in).
+
+Streaming and parallel: each file is cut into pieces of about ``chunk_bytes`` that begin
+and end at line starts (a piece owns the lines that start inside its byte range
+[a, b)), so no UTF-8 character or line is split; a pool of ``workers`` processes encodes
+pieces while the main process writes the finished ones in order, with at most
+2·workers pieces in flight — memory stays O(workers · chunk_bytes) whatever the input
+size. The BPE tokenizer is trained first on the first ``tokenizer_bytes`` of the input
+(read in pieces too). With a BPE tokenizer a piece is encoded on its own, so the stream is
+encode(piece₁) + encode(piece₂) + …, which differs from encoding a whole file at once only
+in how a run of blank lines across a piece boundary is merged; ``decode`` of the stream
+gives the input back exactly (for valid UTF-8 input).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections import deque
+from typing import Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
+
+META, TOKENS, DOC_STARTS, TOKENIZER = "meta.json", "tokens.bin", "doc_starts.npy", "tokenizer.json"
+FORMAT = "gridshard-prepared-1"
+
+
+def input_files(inputs: Sequence[str]) -> List[str]:
+    """Every regular file named or under a named folder (sorted walk, hidden entries skipped)."""
+    from .sources import _walk_files
+
+    out = []
+    for path in inputs:
+        if os.path.isdir(path):
+            out += list(_walk_files(path, None))
+        elif os.path.isfile(path):
+            out.append(path)
+        else:
+            raise ConfigError(f"input {path!r} does not exist. Fix: pass text files or folders of text files.")
+    if not out:
+        raise ConfigError(f"no input files under {list(inputs)}. Fix: pass text files or folders that hold some.")
+    return out
+
+
+def _line_start(fh, pos: int, size: int) -> int:
+    """The first line start ≥ ``pos`` (0, or just after a ``\\n``); ``size`` if none."""
+    if pos <= 0:
+        return 0
+    if pos >= size:
+        return size
+    fh.seek(pos - 1)
+    at = pos - 1
+    while True:
+        block = fh.read(1 << 16)
+        if not block:
+            return size
+        i = block.find(b"\n")
+        if i >= 0:
+            return at + i + 1
+        at += len(block)
+
+
+def read_piece(path: str, a: int, b: int) -> bytes:
+    """The lines of ``path`` that start in byte range [a, b) (module docstring)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        s, e = _line_start(fh, a, size), _line_start(fh, b, size)
+        fh.seek(s)
+        return fh.read(max(0, e - s))
+
+
+def _pieces(files: Sequence[str], chunk_bytes: int) -> Iterator[tuple]:
+    for i, f in enumerate(files):
+        size = os.path.getsize(f)
+        for a in range(0, size, chunk_bytes):
+            yield i, f, a, min(a + chunk_bytes, size)
+
+
+def _text_pieces(files: Sequence[str], chunk_bytes: int, limit: int) -> Iterator[str]:
+    """Text of the input, piece by piece, up to ``limit`` bytes (for tokenizer training)."""
+    seen = 0
+    for _, f, a, b in _pieces(files, chunk_bytes):
+        data = read_piece(f, a, b)
+        yield data.decode("utf-8", errors="replace")
+        seen += b - a
+        if seen >= limit:
+            return
+
+
+_TOK = None                                           # the tokenizer of a pool worker
+
+
+def _init_worker(spec: Optional[str]):
+    global _TOK
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"    # one core per worker
+    if spec is None:
+        _TOK = ByteTokenizer()
+    else:
+        from tokenizers import Tokenizer
+
+        _TOK = HFTokenizer(Tokenizer.from_str(spec))
+
+
+def _encode(task):
+    i, f, a, b = task
+    data = read_piece(f, a, b)
+    if isinstance(_TOK, ByteTokenizer):
+        return i, np.frombuffer(data, dtype=np.uint8), b - a
+    return i, np.asarray(_TOK.encode_bytes(data), dtype=np.int64), b - a
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def prepare_data(inputs: Sequence[str], out: str, tokenizer: str = "bytes", vocab_size: Optional[int] = None,
+                 val_fraction: float = 0.01, workers: Optional[int] = None, chunk_bytes: int = 1 << 20,
+                 tokenizer_bytes: int = 256 << 20, progress: bool = True) -> dict:
+    """Write ``out`` (module docstring); returns its metadata. ``tokenizer``: ``"bytes"``,
+    ``"train"`` (a BPE of ``vocab_size`` trained on the input) or a ``tokenizer.json`` path."""
+    from tqdm import tqdm
+
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"--val-fraction={val_fraction} is invalid: it is the share of tokens held out for "
+                          f"validation, in [0, 1). Fix: use e.g. 0.01, or 0 for none.")
+    if chunk_bytes < 1:
+        raise ConfigError(f"chunk_bytes={chunk_bytes} is invalid: it must be >= 1. Fix: use e.g. 4194304.")
+    files = input_files(inputs)
+    total = sum(os.path.getsize(f) for f in files)
+    t0 = time.perf_counter()
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write_test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--out {out!r} is not writable ({e.strerror}). Fix: choose a folder you can write.") \
+            from None
+    if tokenizer == "bytes":
+        tok = ByteTokenizer()
+    elif tokenizer == "train":
+        if vocab_size is None:
+            raise ConfigError("--train-tokenizer needs --vocab-size N. Fix: add e.g. --vocab-size 4096.")
+        tok = train_bpe(_text_pieces(files, chunk_bytes, tokenizer_bytes), vocab_size, show_progress=progress)
+        tok.file = os.path.join(out, TOKENIZER)
+        tok.tok.save(tok.file)
+    else:
+        tok = HFTokenizer.from_file(tokenizer)
+        if os.path.abspath(tokenizer) != os.path.abspath(os.path.join(out, TOKENIZER)):
+            tok.tok.save(os.path.join(out, TOKENIZER))
+        tok.file = os.path.join(out, TOKENIZER)
+    dtype = np.dtype(token_dtype_for(tok.vocab_size))
+    spec = None if isinstance(tok, ByteTokenizer) else tok.tok.to_str()
+    workers = max(1, workers or os.cpu_count() or 1)
+    t_encode = time.perf_counter()
+    doc_starts, n, max_id, last_file = [], 0, -1, None
+    tmp = os.path.join(out, TOKENS + ".tmp")
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress, file=sys.stderr)
+
+    def write(result, fh):
+        nonlocal n, max_id, last_file
+        i, ids, nbytes = result
+        if i != last_file:
+            if last_file is not None and tok.eos_id is not None:
+                np.asarray([tok.eos_id], dtype=dtype).tofile(fh)
+                n += 1
+            doc_starts.append(n)
+            last_file = i
+        if ids.size:
+            max_id = max(max_id, int(ids.max()))
+            ids.astype(dtype, copy=False).tofile(fh)
+            n += ids.size
+        bar.update(nbytes)
+
+    with open(tmp, "wb") as fh:
+        tasks = _pieces(files, chunk_bytes)
+        if workers == 1 or total <= chunk_bytes:
+            _init_worker(spec)
+            for task in tasks:
+                write(_encode(task), fh)
+        else:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+                pending: deque = deque()
+                for task in tasks:
+                    pending.append(pool.apply_async(_encode, (task,)))
+                    if len(pending) >= 2 * workers:
+                        write(pending.popleft().get(), fh)
+                while pending:
+                    write(pending.popleft().get(), fh)
+        if last_file is not None and tok.eos_id is not None:
+            np.asarray([tok.eos_id], dtype=dtype).tofile(fh)
+            n += 1
+            max_id = max(max_id, tok.eos_id)
+    bar.close()
+    os.replace(tmp, os.path.join(out, TOKENS))
+    np.save(os.path.join(out, DOC_STARTS), np.asarray(doc_starts, dtype=np.uint64))
+    n_val = int(round(val_fraction * n))
+    seconds = time.perf_counter() - t0
+    meta = {"format": FORMAT, "tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "token_dtype": dtype.name,
+            "n_tokens": n, "documents": len(doc_starts), "max_id": max_id,
+            "split": {"train": [0, n - n_val], "val": [n - n_val, n]}, "val_fraction": val_fraction,
+            "inputs": [os.path.abspath(p) for p in inputs], "input_bytes": total, "workers": workers,
+            "seconds": seconds, "encode_seconds": time.perf_counter() - t_encode,
+            "peak_rss_bytes": _peak_rss()}
+    with open(os.path.join(out, META + ".tmp"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(os.path.join(out, META + ".tmp"), os.path.join(out, META))
+    return meta
+
+
+def _peak_rss() -> dict:
+    """Peak resident memory (bytes) of this process and of its largest finished child."""
+    scale = 1 if sys.platform == "darwin" else 1024
+    return {"main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+            "largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale}
+
+
+def read_meta(folder: str, check_tokens: bool = True) -> dict:
+    """``meta.json`` of a prepared folder; ConfigError if it is not one (or, with
+    ``check_tokens``, if tokens.bin's size disagrees with it)."""
+    path = os.path.join(folder, META)
+    if not os.path.isfile(path):
+        raise ConfigError(f"data.path={folder!r} is not a prepared data folder (no {META}). Fix: create it with "
+                          f"`gridshard prepare-data INPUT... --out {folder}`.")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{path} has format {meta.get('format')!r}, not {FORMAT!r}. Fix: prepare the data again "
+                          f"with this gridshard version.")
+    if not check_tokens:
+        return meta
+    size = os.path.getsize(os.path.join(folder, TOKENS)) if os.path.isfile(os.path.join(folder, TOKENS)) else -1
+    if size != meta["n_tokens"] * np.dtype(meta["token_dtype"]).itemsize:
+        raise ConfigError(f"{os.path.join(folder, TOKENS)} has {size} bytes but {META} says {meta['n_tokens']} "
+                          f"{meta['token_dtype']} tokens (an interrupted or edited preparation). Fix: run "
+                          f"`gridshard prepare-data` again.")
+    return meta
+
+
+def open_prepared(folder: str) -> np.ndarray:
+    """The read-only memmap of a prepared folder's whole token stream."""
+    meta = read_meta(folder)
+    if meta["n_tokens"] == 0:
+        return np.zeros(0, dtype=meta["token_dtype"])
+    return np.memmap(os.path.join(folder, TOKENS), dtype=meta["token_dtype"], mode="r")
+
+
+def prepared_tokenizer(folder: str):
+    return load_tokenizer(folder, read_meta(folder, check_tokens=False))
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str, chunk: int = 1 << 26) -> None:
+    """Every id of ``tokens`` < ``vocab_size``: one vectorised pass (``chunk`` ids at a time,
+    constant memory over a memmap); ConfigError naming the first bad position otherwise."""
+    for a in range(0, len(tokens), chunk):
+        block = np.asarray(tokens[a:a + chunk])
+        if block.size and int(block.max()) >= vocab_size:
+            pos = a + int(np.argmax(block >= vocab_size))
+            raise ConfigError(f"{where} holds token id {int(tokens[pos])} at position {pos}, but model.vocab_size="
+                              f"{vocab_size}: every id must be < vocab_size. Fix: raise model.vocab_size, check "
+                              f"data.token_dtype, or prepare the data again with the model's tokenizer.")
