@@ -31,7 +31,7 @@ BAD = [
      ["2×1×2 = 4", "world size is 2", "Fix"]),
     ("non-square 2d", _cfg(parallel={"tensor": 2, "tensor_mode": "2d"}), 2, ["tensor=2", "perfect square", "tensor=1"]),
     ("tensor without mode", _cfg(parallel={"tensor": 2}), 2, ["tensor_mode='none'", "tensor=2"]),
-    ("pipeline", _cfg(parallel={"pipeline": 2}), 2, ["parallel.pipeline=2", "not implemented", "parallel.pipeline=1"]),
+    ("pipeline deeper than the model", _cfg(parallel={"pipeline": 4}), 4, ["4 stages", "model.layers=2", "Fix"]),
     ("heads indivisible 1d", _cfg(parallel={"tensor": 8, "tensor_mode": "1d"}), 8,
      ["model.heads", "heads=4", "tensor=8"]),
     ("ffn indivisible 1d", _cfg(parallel={"tensor": 2, "tensor_mode": "1d"}, model={"ffn_hidden": 175}), 2,
