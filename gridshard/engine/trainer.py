@@ -142,6 +142,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps)
         self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
                                               overlap=t.overlap_grad_reduce and p.pipeline == 1)
+        self.precision = Precision(t.precision, self.device)
         self.pipeline = self.tied = None
         if p.pipeline > 1:
             from ..pipeline import PipelineRunner, TiedEmbeddingSync
@@ -152,14 +153,11 @@ class Trainer:
                 stage_layers=p.stage_layers, micro_batch=t.micro_batch,
                 n_microbatches=t.global_batch // (t.micro_batch * p.data), seq_len=cfg.data.seq_len,
                 loss=lambda logits, targets: self.context.loss(logits, targets, self.ignore_index, reduction="sum"),
-                precision=None, device=self.device)
+                precision=self.precision, device=self.device)
             counted = {id(q) for q in self.tied.counted(self.params)}
             self.norm_pairs = [(q, s) for q, s in zip(self.params, self.param_specs) if id(q) in counted]
         else:
             self.norm_pairs = list(zip(self.params, self.param_specs))
-        self.precision = Precision(t.precision, self.device)
-        if self.pipeline is not None:
-            self.pipeline.precision = self.precision
         self.faults = FaultPlan.from_env()
         needs_checkpoints = run_dir is not None or self.resume_from is not None or cfg.model.init_from is not None
         self.checkpointer = Checkpointer(run_dir, t.keep_checkpoints, self.faults) if needs_checkpoints else None
