@@ -29,8 +29,11 @@ counts with another job's or a test's in the same process. Entries are keyed by
 
 Blind spots are said, not hidden: collectives issued by PyTorch components that do not go
 through :mod:`gridshard.comm.collectives` (FSDP, ``torch.distributed.checkpoint``,
-pipelining, DTensor redistribution) cannot be counted; code that hands work to such a
-component calls ``note_untracked(name)`` and ``summary()`` lists them as not recorded.
+DTensor redistribution) cannot be counted; code that hands work to such a component calls
+``note_untracked(name)`` and ``summary()`` lists them as not recorded. The point-to-point
+sends of ``torch.distributed.pipelining`` schedules are recorded (op ``send``, axis
+``pipeline``) by :class:`gridshard.pipeline.meter.StageMeter`, which wraps the stage's
+send-op constructors.
 """
 from __future__ import annotations
 
