@@ -16,7 +16,7 @@ test: install
 
 ## The main job: train the default tiny model on 4 local CPU workers.
 train: install
-	$(VENV)/bin/gridshard train --nproc 4 --run-dir runs/default
+	$(VENV)/bin/gridshard train --nproc 4 --run-dir runs/default --overwrite
 
 .PHONY: mutants
 ## Mutation check: each curated bug in the core must turn a named test red (docs/testing.md).
