@@ -125,6 +125,8 @@ class TrainSection(BaseModel):
     log_interval: int = Field(10, description="steps between metrics lines")
     save_interval: int = Field(0, description="steps between checkpoints under RUN_DIR/checkpoints; 0 = only at "
                                               "the end of the run")
+    recompute: Literal["none", "full", "selective"] = Field(
+        "none", description="activation recompute: none | full (every decoder layer) | selective (attention core)")
     keep_checkpoints: int = Field(3, description="complete checkpoints kept (oldest removed first); 0 = keep all")
     resume: str = Field("never", description="never | auto (the run directory's latest complete checkpoint, if "
                                              "any) | PATH (a checkpoint folder or a run directory)")

@@ -197,6 +197,9 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
     if t.precision == "fp16" and not cuda_available:
         _fail("train.precision", "fp16", "fp16 with loss scaling runs on CUDA GPUs only, and none is visible",
               "use train.precision=bf16 (autocast, works on CPU) or fp32")
+    if t.recompute == "selective" and cfg.model.hf_config is not None:
+        _fail("train.recompute", "selective", "selective recompute wraps the attention core of gridshard's own model; "
+              "a Hugging Face model (model.hf_config) has its own attention code", "use train.recompute=full")
     if t.keep_checkpoints < 0:
         _fail("train.keep_checkpoints", t.keep_checkpoints, "it must be >= 0 (0 keeps every checkpoint)",
               "use e.g. 3")

@@ -83,13 +83,27 @@ class Attention(nn.Module):
         self.v_proj = _linear(cfg.hidden, cfg.kv_heads * d)
         self.o_proj = _linear(cfg.heads * d, cfg.hidden)
 
+    #: recompute the attention core (RoPE + softmax attention) in backward instead of keeping its
+    #: activations (``train.recompute: selective``, :mod:`gridshard.parallel.recompute`)
+    recompute_core: bool = False
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.recompute_core:
+            from torch.utils.checkpoint import checkpoint
+
+            o = checkpoint(self.core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            o = self.core(q, k, v, cos, sin)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+    @staticmethod
+    def core(q, k, v, cos, sin) -> torch.Tensor:
+        """RoPE on q, k and causal softmax attention: [b, H, s, d] → [b, H, s, d]."""
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class SwiGLUMLP(nn.Module):
