@@ -171,6 +171,14 @@ MUTANTS = [
            (('ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")', 'ADAM_MOMENTS = ("exp_avg",)'),),
            ("tests/test_checkpoint.py::test_resume_is_bit_exact_at_the_same_layout[D1-T4-1d]",),
            "AdamW's second moment is left out of the checkpoint (resume silently resets it)"),
+    Mutant("pipeline-tied-grad-not-summed", "gridshard/pipeline/tied.py",
+           (("            C.all_reduce(self.param.grad, self.axis, inplace=True)", "            pass"),),
+           ("tests/test_pipeline.py::test_pipeline_run_equals_one_device[D1-P2-T2-1d-tied]",),
+           "the tied embedding's copies on the first and last stage keep only their own gradient"),
+    Mutant("pipeline-norm-one-stage", "gridshard/engine/clip.py",
+           (("        total = C.all_reduce(total, pipeline_axis)", "        pass"),),
+           ("tests/test_pipeline.py::test_pipeline_run_equals_one_device[D1-P2-none-1f1b]",),
+           "the gradient norm for clipping counts only this stage's parameters"),
 ]
 
 
