@@ -83,7 +83,8 @@ def bubble():
                                 "ffn_hidden": 704, "max_seq_len": 64}
                 res = run_on_fresh_ranks(P, _train, cfg)[0]
                 measured = statistics.median(res["bubble"][1:])
-                rows.append([P, A, schedule, f"{measured:.2f}", f"{bubble_fraction(P, A, schedule, V):.2f}"])
+                formula = "—" if schedule == "zero_bubble" else f"{bubble_fraction(P, A, schedule, V):.2f}"
+                rows.append([P, A, schedule, f"{measured:.2f}", formula])
                 print(rows[-1], flush=True)
     print(format_table(["P", "micro-batches A", "schedule", "measured bubble (worst stage)", "formula"], rows))
 
