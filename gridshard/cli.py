@@ -227,12 +227,13 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .engine.control import clear_heartbeats
+    from .engine.control import StallWatchdog, clear_heartbeats
 
     clear_heartbeats(run_dir)
     interrupts = _LauncherInterrupts()
+    watchdog = StallWatchdog(run_dir, world, cfg.train.collective_timeout_s)
     try:
-        with interrupts:
+        with interrupts, watchdog:
             results = launch_local(world, _worker, cfg.model_dump(), run_dir, not no_progress,
                                    max_restarts=max_restarts, agent_signals=_LauncherInterrupts.AGENT_SIGNALS)
     except ChildFailedError as e:
@@ -240,7 +241,7 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
                                    for f in e.failures.values()):
             click.echo(stopped_message(run_dir, aborted=interrupts.count > 1), err=True)
             sys.exit(EXIT_INTERRUPTED)
-        stalled = _stalled(run_dir, world, cfg.train.collective_timeout_s)
+        stalled = watchdog.killed or _stalled(run_dir, world, cfg.train.collective_timeout_s)
         click.echo(failure_message(e, run_dir, stalled=stalled, timeout_s=cfg.train.collective_timeout_s), err=True)
         sys.exit(EXIT_FAILED if stalled or not any(f.exitcode == EXIT_WORKER_ERROR for f in e.failures.values())
                  else EXIT_WORKER_ERROR)
@@ -269,6 +270,10 @@ class _LauncherInterrupts:
 
     def __enter__(self):
         import signal
+
+        from ._stop import ENV
+
+        os.environ[ENV] = "1"                 # the workers spawned from here (gridshard/_stop.py)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -447,7 +452,8 @@ def failure_message(error, run_dir: str, stalled=(), timeout_s=None) -> str:
         them = "it" if len(stalled) == 1 else "them"
         line = (f"training failed: {names} stopped answering (stopped, hung or swapped out; no heartbeat in "
                 f"{os.path.join(run_dir, 'logs')}): the other ranks waited for {them} in a collective for "
-                f"train.collective_timeout_s={timeout_s:g} s, then gave up; {'it was' if len(stalled) == 1 else 'they were'} killed")
+                f"train.collective_timeout_s={timeout_s:g} s, then gave up; "
+                f"{'it was' if len(stalled) == 1 else 'they were'} killed")
         if raised:
             rank = min(raised, key=lambda r: (raised[r][0], r))
             line += f" (rank {rank}: {raised[rank][1][:200]}; traceback: {rank_log_path(run_dir, rank)})"

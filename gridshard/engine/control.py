@@ -14,9 +14,10 @@ PyTorch's elastic agent stops the surviving workers after a failure.
 Heartbeats. :class:`Heartbeat` rewrites ``RUN_DIR/logs/heartbeat_rank_N`` (``<unix time>
 <pid> <host>``) every second from a daemon thread. A rank blocked in a collective keeps
 beating (the wait releases the GIL); a stopped (SIGSTOP), hung-in-Python or swapped-out rank
-does not. When the job fails, :func:`stalled_ranks` names the ranks whose last beat is much
-older than the newest one: those the others were waiting for until
-``train.collective_timeout_s``.
+does not. The local launcher's :class:`StallWatchdog` kills a worker silent for longer than
+``train.collective_timeout_s`` (+ 2 s), and when the job fails the ranks it killed — else
+those :func:`stalled_ranks` finds, whose last beat is much older than the newest one — are
+named as the ranks the others were waiting for.
 """
 from __future__ import annotations
 
@@ -27,11 +28,10 @@ import threading
 import time
 from typing import Optional
 
+from .. import _stop
+
 EXIT_INTERRUPTED = 130
 HEARTBEAT_INTERVAL_S = 1.0
-
-_stop = {"installed": False, "requested": False}
-
 
 class TrainingStopped(Exception):
     """Raised by ``Trainer.run`` on every rank after a stop request: ``step`` optimizer steps are
@@ -42,27 +42,23 @@ class TrainingStopped(Exception):
         self.step, self.checkpoint, self.losses = step, checkpoint, losses
 
 
-def _on_sigint(signum, frame) -> None:
-    _stop["requested"] = True                       # repeats: already stopping (module docstring)
-
-
 def install_stop_handler() -> None:
-    """SIGINT → stop at the end of the current step (all ranks must call this, or none)."""
-    signal.signal(signal.SIGINT, _on_sigint)
-    _stop["installed"] = True
+    """SIGINT → stop at the end of the current step (all ranks must call this, or none). A
+    SIGINT that arrived earlier in a launched worker (``gridshard/_stop.py``) is kept."""
+    _stop.install()
 
 
 def stop_installed() -> bool:
-    return _stop["installed"]
+    return _stop.state["installed"]
 
 
 def stop_requested() -> bool:
-    return _stop["requested"]
+    return _stop.state["requested"]
 
 
 def request_stop() -> None:
     """What SIGINT does (for tests)."""
-    _stop["requested"] = True
+    _stop.state["requested"] = True
 
 
 # ---- heartbeats ----------------------------------------------------------------------------
@@ -123,6 +119,51 @@ def stalled_ranks(run_dir: str, world: int, timeout_s: float) -> list:
     newest = max(t for t, _, _ in beats.values())
     gap = max(3.0, 0.5 * timeout_s)
     return [(r, newest - t) for r, (t, _, _) in sorted(beats.items()) if newest - t > gap]
+
+
+class StallWatchdog:
+    """In the local launcher: every second, kill (SIGKILL) a worker of this process whose
+    heartbeat is older than ``timeout_s`` (``train.collective_timeout_s``) plus 2 s — by then
+    its peers have given up on it in a collective, and a stopped (SIGSTOP) process would
+    otherwise hold the job until the elastic agent's 30 s shutdown wait ends. ``killed``:
+    [(rank, silent seconds)]."""
+
+    def __init__(self, run_dir: str, world: int, timeout_s: float):
+        self.run_dir, self.world, self.limit = run_dir, world, timeout_s + 2.0
+        self.killed: list = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="gridshard-stall-watchdog")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        return False
+
+    def _loop(self) -> None:
+        while not self._done.wait(HEARTBEAT_INTERVAL_S):
+            now = time.time()
+            for rank, (stamp, pid, host) in read_heartbeats(self.run_dir, self.world).items():
+                silent = now - stamp
+                if silent > self.limit and host == socket.gethostname() and _is_child(pid) and \
+                        rank not in dict(self.killed):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        self.killed.append((rank, silent))
+                    except ProcessLookupError:
+                        pass
+
+
+def _is_child(pid: int) -> bool:
+    """Whether ``pid`` is a live child of this process (not a dead attempt's reused pid)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["PPid"]) == os.getpid() and not fields["State"].strip().startswith("Z")
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 def clear_heartbeats(run_dir: str) -> None:
