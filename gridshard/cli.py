@@ -14,9 +14,11 @@ worker starts. A worker that dies ends the job with status 1 and a message namin
 rank and the last complete checkpoint.
 
 Exit status: 0 done; 2 refused before any worker started (config, data, run directory);
-1 a worker died (signal) or the job failed after launch; 3 a worker raised an error — one
-line names the rank and the cause, the traceback is in ``RUN_DIR/logs/rank_N.log``;
-130 interrupted (Ctrl-C / SIGINT / SIGTERM): "stopped at step N", no traceback.
+1 a worker died (signal), stalled (named from its heartbeat and killed after
+``train.collective_timeout_s``) or the job failed after launch; 3 a worker raised an error —
+one line names the rank and the cause, the traceback is in ``RUN_DIR/logs/rank_N.log``;
+130 interrupted (Ctrl-C / SIGINT / SIGTERM): the current step ends, a checkpoint of it is
+written, "stopped at step N; checkpoint ...", no traceback; a second Ctrl-C stops at once.
 """
 from __future__ import annotations
 

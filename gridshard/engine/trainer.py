@@ -368,12 +368,16 @@ class Trainer:
                 pending.append((loss, self.step_valid_tokens))
                 bar.update(1)
                 hit(self.faults, "step", self.rank, k + 1)
-                stop = stoppable and self._stop_agreed() and k + 1 != t.steps
                 if saving and t.save_interval and (k + 1) % t.save_interval == 0:
                     self.save_checkpoint(k + 1)
                 is_eval = self.val_plan is not None and (
                     (t.eval_interval and (k + 1) % t.eval_interval == 0) or k + 1 == t.steps)
-                if (k + 1) % t.log_interval and k + 1 != t.steps and not is_eval and not stop:
+                log_step = not ((k + 1) % t.log_interval and k + 1 != t.steps and not is_eval)
+                # a stop request is agreed on at every step end on CPU (one tiny gloo all-reduce), at
+                # log steps on GPUs (reading the flag synchronises the host with the device)
+                stop = stoppable and (log_step or self.device.type == "cpu") and self._stop_agreed() \
+                    and k + 1 != t.steps
+                if not (log_step or stop):
                     continue
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
