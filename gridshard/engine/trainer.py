@@ -56,6 +56,12 @@ its blocks) and at the end of the run; ``train.resume`` continues from one at an
 A resumed run starts at the checkpoint's step k: step k+1 reads the same global batch and
 learning rate as in the uninterrupted run, so at the same layout the continuation is the
 same computation, bit for bit.
+
+Stopping on request (:mod:`gridshard.engine.control`, installed by the CLI's workers): after a
+SIGINT the ranks agree at a step end (one-element MAX all-reduce over the world, every step on
+CPU, at log steps on GPUs; not in the ledger) to stop after step k; step k is logged, the state
+after it is checkpointed (blocking) when there is a run directory, and every rank raises
+:class:`~gridshard.engine.control.TrainingStopped`.
 """
 from __future__ import annotations
 
