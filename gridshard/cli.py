@@ -275,6 +275,7 @@ class _LauncherInterrupts:
 
         from ._stop import ENV
 
+        self._env = os.environ.get(ENV)
         os.environ[ENV] = "1"                 # the workers spawned from here (gridshard/_stop.py)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -284,8 +285,14 @@ class _LauncherInterrupts:
     def __exit__(self, *exc):
         import signal
 
+        from ._stop import ENV
+
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = self._env
         return False
 
     def _handle(self, signum, frame):
