@@ -171,3 +171,16 @@ def test_a_stalled_rank_is_named_and_killed(tmp_path):
     assert "Traceback" not in err, err
     assert took < timeout + 15, took                      # the timeout, the agent's 5 s grace, start-up slack
     _no_process_left(proc.pid)
+
+
+def test_stalled_ranks_are_those_whose_heartbeats_stopped_well_before_the_others(tmp_path):
+    from gridshard.engine.control import heartbeat_path, stalled_ranks
+
+    (tmp_path / "logs").mkdir()
+    now = time.time()
+    for rank, age in ((0, 0.5), (1, 11.0), (2, 0.0), (3, 2.5), (7, 99.0)):     # rank 7: an earlier, larger run
+        with open(heartbeat_path(str(tmp_path), rank), "w") as f:
+            f.write(f"{now - age:.3f} {1000 + rank} host\n")
+    assert [r for r, _ in stalled_ranks(str(tmp_path), 4, timeout_s=8)] == [1]
+    assert [r for r, _ in stalled_ranks(str(tmp_path), 4, timeout_s=30)] == []  # 11 s < 30 / 2: not yet
+    assert stalled_ranks(str(tmp_path), 1, timeout_s=8) == []                   # nothing to compare with
