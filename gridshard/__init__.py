@@ -1,4 +1,7 @@
 """gridshard: data, 1D/2D tensor and pipeline parallelism for transformer training on PyTorch."""
+from . import _stop
+
+_stop.install_early()        # a launched worker: Ctrl-C while importing is a stop request (gridshard/_stop.py)
 from .errors import GridshardError, LayoutError, ShapeError, ConfigError, CheckpointError
 from .mesh import ParallelMesh, Axis, build_mesh, init_distributed, validate_layout
 from .comm.ledger import LEDGER

@@ -14,9 +14,11 @@ worker starts. A worker that dies ends the job with status 1 and a message namin
 rank and the last complete checkpoint.
 
 Exit status: 0 done; 2 refused before any worker started (config, data, run directory);
-1 a worker died (signal) or the job failed after launch; 3 a worker raised an error — one
-line names the rank and the cause, the traceback is in ``RUN_DIR/logs/rank_N.log``;
-130 interrupted (Ctrl-C / SIGINT / SIGTERM): "stopped at step N", no traceback.
+1 a worker died (signal), stalled (named from its heartbeat and killed after
+``train.collective_timeout_s``) or the job failed after launch; 3 a worker raised an error —
+one line names the rank and the cause, the traceback is in ``RUN_DIR/logs/rank_N.log``;
+130 interrupted (Ctrl-C / SIGINT / SIGTERM): the current step ends, a checkpoint of it is
+written, "stopped at step N; checkpoint ...", no traceback; a second Ctrl-C stops at once.
 """
 from __future__ import annotations
 
@@ -68,20 +70,30 @@ def _worker(config_dict: dict, run_dir: str, progress: bool):
 
     import signal
 
+    from .engine.control import Heartbeat, TrainingStopped, install_stop_handler
+
     rank = int(os.environ.get("RANK", "0"))
-    # Ctrl-C (SIGINT to the whole process group) or the launcher's SIGINT/SIGTERM: a worker
-    # ends at once, without a traceback. Metrics lines are appended whole and checkpoints are
-    # renamed into place when complete, so what is on disk stays consistent.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: os._exit(EXIT_INTERRUPTED))
+    # Ctrl-C (SIGINT from the terminal, forwarded once more by the launcher): finish the step, all
+    # ranks agree on it, checkpoint, return (gridshard.engine.control). SIGTERM (the elastic agent
+    # stopping the survivors of a failure): end at once, without a traceback; metrics lines are
+    # appended whole and checkpoints renamed into place when complete, so what is on disk stays
+    # consistent.
+    install_stop_handler()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_INTERRUPTED))
+    heartbeat = Heartbeat(run_dir, rank)        # names a stalled rank if the job fails (failure_message)
     try:
         init_distributed(timeout_s=config_dict["train"]["collective_timeout_s"])
-        losses = run_training(restart_config(config_dict, run_dir), run_dir=run_dir, progress=progress)
+        try:
+            losses = run_training(restart_config(config_dict, run_dir), run_dir=run_dir, progress=progress)
+        except TrainingStopped as stopped:
+            losses = {"stopped_at": stopped.step, "checkpoint": stopped.checkpoint}
         dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - every error becomes one line + a log file
         write_rank_log(run_dir, rank, e)
         sys.exit(EXIT_WORKER_ERROR)
+    finally:
+        heartbeat.stop()
     return losses if rank == 0 else None
 
 
@@ -200,29 +212,119 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
         return
     t0 = time.perf_counter()
     if launched:
+        from .engine.control import TrainingStopped, install_stop_handler
         from .engine.trainer import train as run_training
 
-        losses = run_training(restart_config(cfg.model_dump(), run_dir), run_dir=run_dir, progress=not no_progress)
+        install_stop_handler()            # torchrun forwards SIGINT: stop after the step, checkpoint
+        try:
+            losses = run_training(restart_config(cfg.model_dump(), run_dir), run_dir=run_dir,
+                                  progress=not no_progress)
+        except TrainingStopped as stopped:
+            if int(os.environ.get("RANK", "0")) == 0:
+                click.echo(stopped_at_message(stopped.step, stopped.checkpoint, run_dir), err=True)
+            sys.exit(EXIT_INTERRUPTED)
         if int(os.environ.get("RANK", "0")) == 0:
             _summary(losses, run_dir, time.perf_counter() - t0)
         return
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from .engine.control import StallWatchdog, clear_heartbeats
+
+    clear_heartbeats(run_dir)
+    interrupts = _LauncherInterrupts()
+    watchdog = StallWatchdog(run_dir, world, cfg.train.collective_timeout_s)
     try:
-        results = launch_local(world, _worker, cfg.model_dump(), run_dir, not no_progress, max_restarts=max_restarts)
+        with interrupts, watchdog:
+            results = launch_local(world, _worker, cfg.model_dump(), run_dir, not no_progress,
+                                   max_restarts=max_restarts, agent_signals=_LauncherInterrupts.AGENT_SIGNALS)
     except ChildFailedError as e:
-        if all(f.exitcode == EXIT_INTERRUPTED or f.signal_name() in ("SIGINT", "SIGTERM")
-               for f in e.failures.values()):
-            click.echo(stopped_message(run_dir), err=True)
+        if interrupts.count or all(f.exitcode == EXIT_INTERRUPTED or f.signal_name() in ("SIGINT", "SIGTERM")
+                                   for f in e.failures.values()):
+            click.echo(stopped_message(run_dir, aborted=interrupts.count > 1), err=True)
             sys.exit(EXIT_INTERRUPTED)
-        click.echo(failure_message(e, run_dir), err=True)
-        sys.exit(EXIT_WORKER_ERROR if any(f.exitcode == EXIT_WORKER_ERROR for f in e.failures.values())
-                 else EXIT_FAILED)
+        stalled = watchdog.killed or _stalled(run_dir, world, cfg.train.collective_timeout_s)
+        click.echo(failure_message(e, run_dir, stalled=stalled, timeout_s=cfg.train.collective_timeout_s), err=True)
+        sys.exit(EXIT_FAILED if stalled or not any(f.exitcode == EXIT_WORKER_ERROR for f in e.failures.values())
+                 else EXIT_WORKER_ERROR)
     except (KeyboardInterrupt, SignalException):
-        click.echo(stopped_message(run_dir), err=True)
+        click.echo(stopped_message(run_dir, aborted=interrupts.count > 1), err=True)
         sys.exit(EXIT_INTERRUPTED)
-    _summary(results.get(0), run_dir, time.perf_counter() - t0)
+    first = results.get(0)
+    if isinstance(first, dict) and "stopped_at" in first:
+        click.echo(stopped_at_message(first["stopped_at"], first["checkpoint"], run_dir), err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    _summary(first, run_dir, time.perf_counter() - t0)
+
+
+class _LauncherInterrupts:
+    """SIGINT / SIGTERM to the ``gridshard train`` launcher while its workers run. The first asks
+    the workers to stop after the current step and checkpoint (SIGINT to each; a terminal's
+    Ctrl-C has reached them already, a repeat is ignored) and lets the elastic agent wait for
+    them; the second kills them at once (SIGKILL) and ends the launch. The agent's own handler
+    (forward the signal, wait ``shutdown_timeout``, kill) is kept for SIGHUP and SIGQUIT."""
+
+    AGENT_SIGNALS = "SIGHUP,SIGQUIT"
+
+    def __init__(self):
+        self.count = 0
+        self._previous = {}
+
+    def __enter__(self):
+        import signal
+
+        from ._stop import ENV
+
+        self._env = os.environ.get(ENV)
+        os.environ[ENV] = "1"                 # the workers spawned from here (gridshard/_stop.py)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        from ._stop import ENV
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = self._env
+        return False
+
+    def _handle(self, signum, frame):
+        import multiprocessing
+        import signal
+
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self.count += 1
+        workers = multiprocessing.active_children()
+        if self.count == 1:
+            os.write(2, b"\ngridshard: stopping after the current step, then writing a checkpoint "
+                        b"(Ctrl-C again to stop at once, without one)\n")
+            for p in workers:
+                _signal_quietly(p.pid, signal.SIGINT)
+            return
+        for p in workers:
+            _signal_quietly(p.pid, signal.SIGKILL)
+        raise SignalException(f"gridshard launcher got {signal.Signals(signum).name} twice", signal.Signals(signum))
+
+
+def _signal_quietly(pid: int, sig) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _stalled(run_dir: str, world: int, timeout_s: float) -> list:
+    from .engine.control import stalled_ranks
+
+    return stalled_ranks(run_dir, world, timeout_s)
 
 
 def _check_local_processes(world: int, asked: bool) -> None:
@@ -312,13 +414,23 @@ def _last_logged_step(run_dir: str):
         return None
 
 
-def stopped_message(run_dir: str) -> str:
-    """What an interrupted run says: the last logged step, the metrics and the checkpoint."""
+def stopped_at_message(step: int, checkpoint, run_dir: str) -> str:
+    """What a run stopped by Ctrl-C says: the step, the checkpoint written at it, how to go on."""
+    where = (f"checkpoint {checkpoint} (resume with --resume latest: gridshard train ... --run-dir {run_dir} "
+             f"--resume latest)" if checkpoint else "no checkpoint (no run directory)")
+    return f"stopped at step {step}; {where}; metrics in {os.path.join(run_dir, 'metrics.jsonl')}"
+
+
+def stopped_message(run_dir: str, aborted: bool = False) -> str:
+    """What a run ended by signals says when the workers did not stop on their own (a second
+    Ctrl-C, a signal before training began, torchrun's SIGTERM): the last logged step, the
+    metrics and the last complete checkpoint."""
     from .checkpoint import checkpoints_root, read_latest
 
     step = _last_logged_step(run_dir)
     latest = read_latest(checkpoints_root(run_dir))
-    return (f"stopped at step {step if step is not None else 0} (the last logged step; metrics in "
+    return (f"stopped at step {step if step is not None else 0} (the last logged step"
+            f"{'; the workers were killed at the second interrupt' if aborted else ''}; metrics in "
             f"{os.path.join(run_dir, 'metrics.jsonl')}); " +
             (f"last complete checkpoint: {latest} (continue with: --run-dir {run_dir} --resume latest)"
              if latest else "no complete checkpoint was written"))
@@ -334,16 +446,28 @@ def _worker_cause(run_dir: str, rank: int):
         return None
 
 
-def failure_message(error, run_dir: str) -> str:
-    """The failure in one line — the rank that raised first and its cause (traceback in
-    ``RUN_DIR/logs/rank_N.log``), or the ranks that died (signal or exit code) — then the
-    last complete checkpoint."""
+def failure_message(error, run_dir: str, stalled=(), timeout_s=None) -> str:
+    """The failure in one line — the ranks that stalled (``stalled``: [(rank, silent seconds)]
+    from their heartbeats, :func:`gridshard.engine.control.stalled_ranks`), else the rank that
+    raised first and its cause (traceback in ``RUN_DIR/logs/rank_N.log``), or the ranks that
+    died (signal or exit code) — then the last complete checkpoint."""
     from .checkpoint import checkpoints_root, read_latest
 
     raised = {r: _worker_cause(run_dir, r) for r, f in error.failures.items() if f.exitcode == EXIT_WORKER_ERROR}
     raised = {r: c for r, c in raised.items() if c is not None}
     died = [(r, f) for r, f in sorted(error.failures.items()) if f.exitcode != EXIT_WORKER_ERROR]
-    if raised:
+    if stalled:
+        names = ", ".join(f"rank {r} (silent for its last {s:.0f} s)" for r, s in stalled)
+        them = "it" if len(stalled) == 1 else "them"
+        line = (f"training failed: {names} stopped answering (stopped, hung or swapped out; no heartbeat in "
+                f"{os.path.join(run_dir, 'logs')}): the other ranks waited for {them} in a collective for "
+                f"train.collective_timeout_s={timeout_s:g} s, then gave up; "
+                f"{'it was' if len(stalled) == 1 else 'they were'} killed")
+        if raised:
+            rank = min(raised, key=lambda r: (raised[r][0], r))
+            line += f" (rank {rank}: {raised[rank][1][:200]}; traceback: {rank_log_path(run_dir, rank)})"
+        lines = [line]
+    elif raised:
         rank = min(raised, key=lambda r: (raised[r][0], r))
         lines = [f"training failed: rank {rank}: {raised[rank][1]} (traceback: {rank_log_path(run_dir, rank)})"]
     else:

@@ -21,6 +21,13 @@ import uuid
 from .netutil import free_port
 
 
+# After a worker fails, the agent sends SIGTERM to the others and kills (SIGKILL) those still
+# alive this many seconds later: a worker blocked in a collective runs its SIGTERM handler only
+# when the collective returns, and a stopped (SIGSTOP) one never does. A Ctrl-C does not go
+# through this wait (workers stop on their own and return: gridshard.engine.control).
+SHUTDOWN_TIMEOUT_S = 5
+
+
 def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -33,8 +40,11 @@ def local_threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def launch_local(nproc: int, entry, *args, max_restarts: int = 0) -> dict:
+def launch_local(nproc: int, entry, *args, max_restarts: int = 0,
+                 agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict:
     """Run ``entry(*args)`` on ``nproc`` local workers; returns {rank: return value}.
+    ``agent_signals``: the signals the elastic agent handles in this process (forward to the
+    workers, wait ``SHUTDOWN_TIMEOUT_S``, kill); the caller handles the others.
 
     A failing worker makes the agent stop the others (within ``monitor_interval``) and, after
     ``max_restarts`` restarts of the whole group, raise
@@ -54,5 +64,6 @@ def launch_local(nproc: int, entry, *args, max_restarts: int = 0) -> dict:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gridshard-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-                          start_method="spawn", monitor_interval=0.1)
+                          start_method="spawn", monitor_interval=0.1,
+                          shutdown_timeout=SHUTDOWN_TIMEOUT_S, signals_to_handle=agent_signals)
     return elastic_launch(config, entry)(*args)

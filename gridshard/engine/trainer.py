@@ -56,9 +56,16 @@ its blocks) and at the end of the run; ``train.resume`` continues from one at an
 A resumed run starts at the checkpoint's step k: step k+1 reads the same global batch and
 learning rate as in the uninterrupted run, so at the same layout the continuation is the
 same computation, bit for bit.
+
+Stopping on request (:mod:`gridshard.engine.control`, installed by the CLI's workers): after a
+SIGINT the ranks agree at a step end (one-element MAX all-reduce over the world, every step on
+CPU, at log steps on GPUs; not in the ledger) to stop after step k; step k is logged, the state
+after it is checkpointed (blocking) when there is a run directory, and every rank raises
+:class:`~gridshard.engine.control.TrainingStopped`.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -80,6 +87,7 @@ from ..parallel import context_of, parallelize
 from ..parallel.recompute import apply_recompute
 from ..pipeline.build import pipeline_rank_model
 from ..theory.training import flops_per_token, mfu
+from . import control
 from .clip import clip_gradients, global_grad_norm
 from .grad_sync import DataParallelGradSync
 from .metrics import RunFiles, device_peak_flops, format_postfix, peak_memory_bytes
@@ -318,6 +326,28 @@ class Trainer:
         bubble = [float(x) for x in allr[:, 2]] if self.pipeline is not None else None
         return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble
 
+    # ---- stopping on request (gridshard.engine.control) ---------------------------------
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (SIGINT) by now: one all-reduce (MAX) of a
+        one-element flag over the world, not in the ledger, so all ranks stop after the same step."""
+        flag = torch.tensor([1.0 if control.stop_requested() else 0.0], device=self.device)
+        with self.ledger.paused():
+            return bool(C.all_reduce(flag, world_axis(self.ledger), op="max")[0] > 0)
+
+    def _stopped(self, step: int, saving: bool, losses: list) -> "control.TrainingStopped":
+        """Checkpoint the ``step`` completed steps (blocking; the save in flight, if it is this
+        step's, is awaited instead), close the checkpointer; the exception to raise."""
+        folder = None
+        if saving:
+            if self.checkpointer.last_requested != step:
+                self.save_checkpoint(step, blocking=True)
+            from ..checkpoint.files import step_dir_name
+
+            folder = os.path.join(self.checkpointer.root, step_dir_name(step))
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        return control.TrainingStopped(step, folder, losses)
+
     # ---- the loop --------------------------------------------------------------------
     def run(self) -> list:
         """Train ``train.steps`` steps; returns the global loss of every step (None for a step
@@ -335,6 +365,7 @@ class Trainer:
         start = last = time.perf_counter()
         bar.update(self.start_step)
         saving = self.checkpointer is not None and self.checkpointer.root is not None
+        stoppable = control.stop_installed()           # the same on every rank (install_stop_handler)
         comm_at_last, steps_at_last = self.ledger.seconds(), self.start_step
         busy_at_last = self._meter_marks()
         try:
@@ -347,7 +378,12 @@ class Trainer:
                     self.save_checkpoint(k + 1)
                 is_eval = self.val_plan is not None and (
                     (t.eval_interval and (k + 1) % t.eval_interval == 0) or k + 1 == t.steps)
-                if (k + 1) % t.log_interval and k + 1 != t.steps and not is_eval:
+                log_step = not ((k + 1) % t.log_interval and k + 1 != t.steps and not is_eval)
+                # a stop request is agreed on at every step end on CPU (one tiny gloo all-reduce), at
+                # log steps on GPUs (reading the flag synchronises the host with the device)
+                stop = stoppable and (log_step or self.device.type == "cpu") and self._stop_agreed() \
+                    and k + 1 != t.steps
+                if not (log_step or stop):
                     continue
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -375,6 +411,8 @@ class Trainer:
                 pending, last, steps_at_last = [], time.perf_counter(), k + 1
                 comm_at_last = self.ledger.seconds()
                 busy_at_last = self._meter_marks()
+                if stop:
+                    raise self._stopped(k + 1, saving, all_losses)
             if saving and t.steps > self.start_step and self.checkpointer.last_requested != t.steps:
                 self.save_checkpoint(t.steps, blocking=True)      # the end of the run is always saved
             if self.checkpointer is not None:
