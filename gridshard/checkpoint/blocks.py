@@ -85,11 +85,48 @@ def canonical_block(fqn: str, local: torch.Tensor, spec: Optional[ShardSpec], me
     return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(o for o, _ in boxes), view)
 
 
-def model_blocks(model: torch.nn.Module) -> dict:
+def canonical_rows_block(fqn: str, rows: torch.Tensor, full_shape, start: int, spec: Optional[ShardSpec],
+                         mesh) -> Optional[CanonicalBlock]:
+    """The box of rows ``[start, start + len(rows))`` of a stored block of ``full_shape`` (a ZeRO
+    shard, :mod:`gridshard.zero.rows`) in its canonical tensor, or None when those rows hold
+    only padding. The stored dim 0 is canonical dim 0, or dim 1 for a transposed (Linear2D)
+    block; the box is the block's box with that dim narrowed to the rows."""
+    rows = rows.detach()
+    if spec is None:
+        if rows.shape[0] == 0:
+            return None
+        return CanonicalBlock(fqn, tuple(full_shape), (start,) + (0,) * (len(full_shape) - 1), rows)
+    if spec.fused_parts > 1:
+        return canonical_block(fqn, rows, spec, mesh)          # raises the fused-tensor error
+    boxes = block_offsets(spec, mesh)
+    if any(n == 0 for _, n in boxes):
+        return None
+    d = 1 if spec.transposed else 0
+    keep = min(start + rows.shape[0], boxes[d][1]) - start
+    if keep <= 0:
+        return None
+    view = rows.t() if spec.transposed else rows
+    cut = [slice(0, n) for _, n in boxes]
+    cut[d] = slice(0, keep)
+    offsets = [o for o, _ in boxes]
+    offsets[d] += start
+    return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(offsets), view[tuple(cut)])
+
+
+def model_blocks(model: torch.nn.Module, zero=None) -> dict:
     """fqn → block for every trainable parameter once (tied weights under their first name)
-    of a model laid out by :func:`gridshard.parallelize`; fqn = ``"model." + name``."""
+    of a model laid out by :func:`gridshard.parallelize`; fqn = ``"model." + name``. With
+    ``zero`` (:class:`gridshard.zero.ZeroDataParallel`) each data rank's block is its rows only
+    (the shard: the parameter itself is not gathered under ZeRO-3)."""
     ctx = model.parallel_context
     out = {}
+    if zero is not None:
+        for sp in zero.sharded():
+            b = canonical_rows_block(MODEL + sp.name, sp.shard, sp.shape, sp.start,
+                                     ctx.layouts.get(sp.name) or get_spec(sp.param), ctx.mesh)
+            if b is not None:
+                out[b.fqn] = b
+        return out
     for name, p in model.named_parameters():
         b = canonical_block(MODEL + name, p, ctx.layouts.get(name) or get_spec(p), ctx.mesh)
         if b is not None:
@@ -101,6 +138,9 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every parameter AdamW state (zero moments, step 0) if it has none yet, in the
     form ``torch.optim.AdamW`` itself creates on its first step, so a checkpoint can be read
     into it before any step."""
+    inner = getattr(optimizer, "inner", None)          # host-memory AdamW (gridshard.zero.offload)
+    if inner is not None:
+        return ensure_adam_state(inner)
     for group in optimizer.param_groups:
         fused_or_capturable = bool(group.get("fused")) or bool(group.get("capturable"))
         for p in group["params"]:
@@ -115,12 +155,34 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def adam_state(optimizer, tensor) -> dict:
+    """The AdamW state of ``tensor`` (an optimizer that keeps it elsewhere, e.g. in host memory,
+    answers through ``state_for``)."""
+    lookup = getattr(optimizer, "state_for", None)
+    return lookup(tensor) if lookup is not None else optimizer.state.get(tensor)
+
+
+def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, zero=None) -> dict:
     """fqn → block of each AdamW moment (``optim.<param>.exp_avg`` / ``.exp_avg_sq``, the
-    parameter's layout) plus ``optim.step`` (the shared step count, replicated, stored as shape [1])."""
+    parameter's layout) plus ``optim.step`` (the shared step count, replicated, stored as shape [1]).
+    With ``zero`` the moments are the shards' (rows of the parameter's block)."""
     ctx = model.parallel_context
     ensure_adam_state(optimizer)
     out, step = {}, None
+    if zero is not None:
+        for sp in zero.sharded():
+            st = adam_state(optimizer, sp.shard) if sp.stop > sp.start else None
+            if not st:
+                continue
+            spec = ctx.layouts.get(sp.name) or get_spec(sp.param)
+            for key in ADAM_MOMENTS:
+                b = canonical_rows_block(f"{OPTIM}{sp.name}.{key}", st[key], sp.shape, sp.start, spec, ctx.mesh)
+                if b is not None:
+                    out[b.fqn] = b
+            step = st["step"]
+        if step is not None:
+            out[OPTIM + "step"] = CanonicalBlock(OPTIM + "step", (1,), (0,), step.detach().reshape(1))
+        return out
     for name, p in model.named_parameters():
         st = optimizer.state.get(p)
         if not st:
@@ -138,6 +200,7 @@ def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 def set_optimizer_step(optimizer: torch.optim.Optimizer, value: torch.Tensor) -> None:
     """Write the loaded shared step count into every parameter's state."""
+    optimizer = getattr(optimizer, "inner", optimizer)
     for st in optimizer.state.values():
         if "step" in st:
             st["step"].copy_(value.to(st["step"].dtype).reshape(st["step"].shape))

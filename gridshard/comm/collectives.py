@@ -88,6 +88,24 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
     return out
 
 
+def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Sum a flat buffer ``x`` of n·m elements over the group; member k keeps elements
+    [k·m, (k+1)·m) (no copy: the segments are already contiguous). Ledger payload: ``x``.
+    With ``async_op`` a :class:`PendingCollective` is returned."""
+    if axis.size == 1:
+        return PendingCollective(None, x, None) if async_op else x
+    n = axis.size
+    if x.dim() != 1 or x.numel() % n:
+        raise ValueError(f"reduce_scatter_flat: needs a 1-dim buffer of a multiple of {n} elements, got {tuple(x.shape)}")
+    out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
+    entry = _ledger(axis).add("reduce_scatter", axis.name, _nbytes(x), n)
+    if async_op:
+        return PendingCollective(_reduce_scatter_flat(out, x, group=axis.group, async_op=True), out, entry)
+    with entry.owner.timed(entry, x.device):
+        _reduce_scatter_flat(out, x, group=axis.group)
+    return out
+
+
 class PendingCollective:
     """Handle of an async collective; ``wait()`` returns the received tensor."""
 

@@ -127,6 +127,10 @@ class TrainSection(BaseModel):
                                               "the end of the run")
     recompute: Literal["none", "full", "selective"] = Field(
         "none", description="activation recompute: none | full (every decoder layer) | selective (attention core)")
+    zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO over the data dimension: 0 off | 1 optimizer state | "
+                                                      "2 + gradients | 3 + parameters sharded by rows")
+    offload: Literal["none", "optimizer"] = Field("none", description="optimizer: AdamW's state and step in host "
+                                                                      "memory (GPU runs; no change on CPU)")
     keep_checkpoints: int = Field(3, description="complete checkpoints kept (oldest removed first); 0 = keep all")
     resume: str = Field("never", description="never | auto (the run directory's latest complete checkpoint, if "
                                              "any) | PATH (a checkpoint folder or a run directory)")

@@ -200,6 +200,10 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
     if t.recompute == "selective" and cfg.model.hf_config is not None:
         _fail("train.recompute", "selective", "selective recompute wraps the attention core of gridshard's own model; "
               "a Hugging Face model (model.hf_config) has its own attention code", "use train.recompute=full")
+    if t.zero == 3 and cfg.parallel.pipeline > 1 and cfg.parallel.pipeline_schedule == "zero_bubble":
+        _fail("train.zero", 3, "ZeRO-3 frees each layer's parameters after its backward, and the zero-bubble "
+              "schedule runs a layer's weight gradients in a separate later pass", "use train.zero=2, or "
+              "parallel.pipeline_schedule=1f1b")
     if t.keep_checkpoints < 0:
         _fail("train.keep_checkpoints", t.keep_checkpoints, "it must be >= 0 (0 keeps every checkpoint)",
               "use e.g. 3")

@@ -39,12 +39,15 @@ def counts_here(p: torch.Tensor, mesh, spec=None) -> bool:
     return all(index[c] == 0 for c in basis - split)
 
 
-def global_grad_norm(params, mesh, specs=None, pipeline_axis=None) -> torch.Tensor:
+def global_grad_norm(params, mesh, specs=None, pipeline_axis=None, data_axis=None) -> torch.Tensor:
     """‖g‖ over the global model (a 0-dim float64 tensor, equal on every rank). ``specs``:
     the layouts of ``params`` in the same order (default: each parameter's ``shard_spec``).
     ``pipeline_axis``: with pipeline stages each rank holds some layers only; the tensor
     group's sum of squares is summed over the stages too (one more 8-byte all-reduce;
-    ``params`` must list a tied weight on one stage only)."""
+    ``params`` must list a tied weight on one stage only). ``data_axis``: ``params`` are ZeRO
+    shards, each data rank holding different rows of every block, so the sum of squares is
+    summed over data ranks too (one more 8-byte all-reduce); a shard's tensor-group rule is
+    its parameter's (``specs``)."""
     specs = list(specs) if specs is not None else [None] * len(params)
     pairs = [(p, s) for p, s in zip(params, specs) if p.grad is not None]
     device = pairs[0][0].grad.device if pairs else torch.device("cpu")
@@ -54,6 +57,8 @@ def global_grad_norm(params, mesh, specs=None, pipeline_axis=None) -> torch.Tens
         norms = torch._foreach_norm([g.float() for g in mine])
         local = torch.stack(norms).double().pow(2).sum()
     total = C.all_reduce(local, mesh.tensor)
+    if data_axis is not None:
+        total = C.all_reduce(total, data_axis)
     if pipeline_axis is not None:
         total = C.all_reduce(total, pipeline_axis)
     return total.sqrt()

@@ -19,16 +19,26 @@ def global_ndim(p: torch.Tensor) -> int:
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                    eps: float = 1e-8) -> torch.optim.AdamW:
+                    eps: float = 1e-8, tensors=None, offload: bool = False) -> torch.optim.Optimizer:
     """AdamW with decay on parameters whose canonical tensor has ≥ 2 dims; a laid-out model's
-    layouts (``model.parallel_context.layouts``) say which, else the shard spec or shape."""
+    layouts (``model.parallel_context.layouts``) say which, else the shard spec or shape.
+
+    ``tensors``: (parameter name, tensor) pairs to step instead of the parameters themselves
+    (ZeRO: each parameter's rows, :mod:`gridshard.zero`); the name picks the decay.
+    ``offload``: keep AdamW's state and arithmetic in host memory (:class:`gridshard.zero.offload.HostAdamW`)."""
     ctx = getattr(model, "parallel_context", None)
+    named_params = dict(model.named_parameters())
+    if tensors is None:
+        tensors = [(n, p) for n, p in named_params.items() if p.requires_grad]   # tied weights appear once
     decay, no_decay = [], []
-    for name, p in model.named_parameters():            # tied weights appear once
-        if p.requires_grad:
-            ndim = len(ctx.layouts[name].canonical()) if ctx is not None else global_ndim(p)
-            (decay if ndim >= 2 else no_decay).append(p)
+    for name, t in tensors:
+        ndim = len(ctx.layouts[name].canonical()) if ctx is not None else global_ndim(named_params[name])
+        (decay if ndim >= 2 else no_decay).append(t)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if offload:
+        from ..zero.offload import HostAdamW
+
+        return HostAdamW(groups, lr=lr, betas=betas, eps=eps)
     fused = all(p.is_cuda for p in decay + no_decay) and len(decay + no_decay) > 0
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
 

@@ -149,9 +149,28 @@ class Trainer:
         named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
         self.params = [q for _, q in named]
         self.param_specs = [self.context.layouts[n] for n, _ in named]     # clipping reads the layouts
-        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps)
-        self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
-                                              overlap=t.overlap_grad_reduce and p.pipeline == 1)
+        self.faults = FaultPlan.from_env()
+        needs_checkpoints = run_dir is not None or self.resume_from is not None or cfg.model.init_from is not None
+        self.checkpointer = Checkpointer(run_dir, t.keep_checkpoints, self.faults) if needs_checkpoints else None
+        if self.resume_from is None and cfg.model.init_from is not None:
+            self._init_from(cfg.model.init_from)       # into the whole blocks, before ZeRO shards them
+        overlap = t.overlap_grad_reduce and p.pipeline == 1
+        self.zero = self.grad_sync = None
+        if t.zero >= 1:
+            from ..zero import ZeroDataParallel
+
+            self.zero = ZeroDataParallel(self.model, self.mesh.data, t.zero, overlap=overlap)
+        offload = t.offload == "optimizer" and self.device.type == "cuda"
+        if t.offload == "optimizer" and not offload:
+            from ..zero import warn_offload_on_cpu
+
+            warn_offload_on_cpu(self.device, self.rank)
+        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps,
+                                         tensors=self.zero.named_shards() if self.zero else None, offload=offload)
+        if self.zero is None:
+            self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
+                                                  overlap=overlap)
+        self.reducer = self.zero or self.grad_sync
         self.precision = Precision(t.precision, self.device)
         self.pipeline = self.tied = None
         if p.pipeline > 1:
@@ -165,17 +184,19 @@ class Trainer:
                 loss=lambda logits, targets: self.context.loss(logits, targets, self.ignore_index, reduction="sum"),
                 precision=self.precision, device=self.device)
             counted = {id(q) for q in self.tied.counted(self.params)}
-            self.norm_pairs = [(q, s) for q, s in zip(self.params, self.param_specs) if id(q) in counted]
         else:
-            self.norm_pairs = list(zip(self.params, self.param_specs))
-        self.faults = FaultPlan.from_env()
-        needs_checkpoints = run_dir is not None or self.resume_from is not None or cfg.model.init_from is not None
-        self.checkpointer = Checkpointer(run_dir, t.keep_checkpoints, self.faults) if needs_checkpoints else None
+            counted = {id(q) for q in self.params}
+        if self.zero is not None:                      # the norm of the shards: each row once over data ranks
+            spec_of = dict(zip(self.params, self.param_specs))
+            self.norm_pairs = [(sp.shard, spec_of[sp.param]) for sp in self.zero.sharded()
+                               if id(sp.param) in counted and sp.stop > sp.start]
+            self.clip_tensors = [sp.shard for sp in self.zero.sharded() if sp.stop > sp.start]
+        else:
+            self.norm_pairs = [(q, s) for q, s in zip(self.params, self.param_specs) if id(q) in counted]
+            self.clip_tensors = self.params
         self.start_step = 0
         if self.resume_from is not None:
             self._resume(self.resume_from)
-        elif cfg.model.init_from is not None:
-            self._init_from(cfg.model.init_from)
         tokens, val_tokens = load_split(cfg.data)
         self.plan = BatchPlan(tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data,
                               self.mesh.data.rank, t.seed, mc.vocab_size, cfg.data.ignore_token)
@@ -197,7 +218,9 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------
     def _resume(self, folder: str) -> None:
-        meta = self.checkpointer.load(folder, self.model, self.optimizer)
+        meta = self.checkpointer.load(folder, self.model, self.optimizer, zero=self.zero)
+        if hasattr(self.optimizer, "reload_from_device"):
+            self.optimizer.reload_from_device()
         self.start_step = int(meta["step"])
         G = self.cfg.train.global_batch
         if int(meta["samples"]) != self.start_step * G:
@@ -229,7 +252,7 @@ class Trainer:
                 "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor, "tensor_mode": p.tensor_mode,
                            "sequence_parallel": p.sequence_parallel},
                 "config": self.cfg.resolved(), "saved_unix_time": time.time()}
-        self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking)
+        self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking, zero=self.zero)
 
     # ---- one optimizer step -----------------------------------------------------------
     def step(self, k: int):
@@ -241,6 +264,8 @@ class Trainer:
         lr = lr_at(k, t.lr, t.min_lr, t.warmup_steps, self.decay_steps, t.schedule)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            self.zero.zero_grad()
         micro, n_valid = self.plan.step_batches(k)
         self.step_valid_tokens = n_valid
         if n_valid == 0 and self.rank == 0:            # every rank knows; each runs the step with weight 0
@@ -255,20 +280,23 @@ class Trainer:
             micro = []
         for a, (tokens, targets) in enumerate(micro):
             if a == len(micro) - 1:
-                self.grad_sync.arm()                   # reduce buckets during the last backward
+                self.reducer.arm()                     # reduce buckets/units during the last backward
             tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)
             targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
             with self.precision.autocast():
                 loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum")
             self.precision.scale(loss_sum * weight).backward()
             sums.append(loss_sum.detach())
-        self.grad_sync.sync()
+        self.reducer.sync()
         self.precision.unscale(self.optimizer)
         norm = global_grad_norm([q for q, _ in self.norm_pairs], self.mesh, [s for _, s in self.norm_pairs],
-                                pipeline_axis=self.mesh.pipeline)
+                                pipeline_axis=self.mesh.pipeline,
+                                data_axis=self.mesh.data if self.zero is not None else None)
         self.precision.agree_on_overflow(self.optimizer, norm)
-        clip_gradients(self.params, norm, t.grad_clip)
+        clip_gradients(self.clip_tensors, norm, t.grad_clip)
         self.precision.step(self.optimizer)
+        if self.zero is not None:
+            self.zero.after_step()                     # ZeRO-1/2: all-gather the updated rows
         if not sums:                                   # a pipeline rank without the last stage
             share = torch.zeros((), dtype=torch.float64, device=self.device)
         else:
@@ -298,6 +326,8 @@ class Trainer:
                         loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index,
                                                            reduction="sum")
                     total += loss_sum.double()
+        if self.zero is not None:
+            self.zero.free_all()                       # ZeRO-3: the root stays gathered after a forward
         with self.ledger.paused():
             total = C.all_reduce(total.reshape(1), self.mesh.data)
             total = C.all_reduce(total, self.mesh.pipeline)      # only the last stage holds sums
