@@ -46,8 +46,9 @@ module gathers the unit (all-gather of the flat shards, copied into the paramete
 storage); after the forward the layer is freed again; an identity autograd function on the
 layer's outputs gathers it again when backward reaches the layer (the saved activations
 refer to the same storage, so they see the same values); when the layer's gradients are
-complete it is freed. The root unit stays gathered from its first use in forward to the end
-of backward (the head is the first thing backward needs). With ``train.recompute=full`` the
+complete it is freed. The root unit stays gathered from its first use in forward to the
+step's reduction (:meth:`sync`): the head is the first thing every backward needs and the
+embedding the first thing every forward needs. With ``train.recompute=full`` the
 recomputation runs inside the layer's backward, after the regather.
 
 Communication per step and rank (payloads as the ledger records them, S_u = D · Σ_p c_p·R_p
@@ -55,9 +56,9 @@ elements of unit u, 4 bytes each; :func:`gridshard.theory.zero.zero_step_comm`):
 
 * ZeRO-1/2: one reduce-scatter of S_u and one all-gather of S_u per unit — on a ring
   (D−1)/D·S_u each, together the wire bytes of the all-reduce they replace (up to padding);
-* ZeRO-3: one reduce-scatter and two all-gathers per decoder layer (forward and backward),
-  one all-gather for the root unit — 1.5× the all-reduce's wire bytes — per micro-batch for
-  the gathers (each micro-batch's forward and backward gathers again).
+* ZeRO-3: one reduce-scatter per unit, two all-gathers per decoder layer and micro-batch
+  (forward and backward) and one per step for the root unit — with one micro-batch 1.5× the
+  all-reduce's wire bytes.
 
 Why our own and not FSDP2 / ``ZeroRedundancyOptimizer``: (1) a shard here is a *box of the
 canonical tensor* (rows of the tensor-parallel block, including the 2D norm pieces and the
