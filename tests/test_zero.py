@@ -4,7 +4,8 @@
   norms as ZeRO-0 (fp32, ≤ 1e-5 relative; they differ only in summation order:
   reduce-scatter instead of all-reduce), with accumulation (2 micro-batches per data rank),
   clipping active, a vocabulary and rows that D does not divide (padding), tied embeddings,
-  1D + SP with full recompute, and 2D on a 2×2 grid × D=2.
+  1D + SP with full recompute, 2D on a 2×2 grid × D=2, and two GPipe stages × D=2 with the
+  tied embedding split over the first and last stage.
 * Memory: the tensors a rank holds at the end of a step — counted by walking the model,
   the gradients, the optimizer and the ZeRO buffers, deduplicated by storage — equal
   :func:`~gridshard.theory.zero.model_state_bytes` exactly.
@@ -37,13 +38,15 @@ LAYOUTS = {  # name: (D, T, mode, sp, model, train overrides)
     "D4-none-odd-tied": (4, 1, "none", False, ODD, {}),
     "D2-T2-1d-SP-full": (2, 2, "1d", True, None, {"recompute": "full"}),
     "D2-T4-2d": (2, 4, "2d", False, None, {"micro_batch": 2, "steps": 5}),
+    "D2-P2-gpipe-tied": (2, 1, "none", False, {**ODD, "vocab_size": 256}, {"steps": 5}),
 }
+PIPELINE = {"D2-P2-gpipe-tied": {"pipeline": 2, "pipeline_schedule": "gpipe"}}
 RTOL = 1e-5
 
 
-def _cfg(D, T, mode, sp, model, train, **more):
+def _cfg(D, T, mode, sp, model, train, pipeline=None, **more):
     return {**BASE, "model": model or BASE["model"],
-            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
+            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp, **(pipeline or {})},
             "train": {**BASE["train"], **train, **more}}
 
 
@@ -77,15 +80,19 @@ def held_model_state(trainer) -> dict:
 
 
 def _stages_body(cfg):
-    """Every stage in turn on the same ranks: losses, grad norms, held vs formula bytes, ledger."""
+    """Every stage in turn on the same ranks: losses, grad norms, held vs formula bytes at the
+    end of the run, and the data axis's ledger per step vs the formula."""
     out = {}
     for stage in (0, 1, 2, 3):
         c = {**cfg, "train": {**cfg["train"], "zero": stage}}
         trainer = Trainer(c, progress=False)
-        trainer.ledger.reset()
-        trainer.step(0)                                # one step with an empty ledger
-        step_ledger = {op: (trainer.ledger.count(op, "data"), trainer.ledger.payload_bytes(op, "data"))
-                       for op in ("all_reduce", "all_gather", "reduce_scatter")}
+        losses = trainer.run()
+        steps = c["train"]["steps"]
+        per_step = {}
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            calls, payload = trainer.ledger.count(op, "data"), trainer.ledger.payload_bytes(op, "data")
+            assert calls % steps == 0 and payload % steps == 0, (op, calls, payload)
+            per_step[op] = (calls // steps, payload // steps)
         held = held_model_state(trainer)
         local_shapes = [tuple(p.shape) for p in trainer.params]
         D, r = trainer.mesh.data.size, trainer.mesh.data.rank
@@ -94,7 +101,7 @@ def _stages_body(cfg):
             units = trainer.zero.units
             layers = [D * u.segment for u in units if u.name != "root"]
             root = sum(D * u.segment for u in units if u.name == "root")
-            micro = len(trainer.plan.step_batches(0)[0])
+            micro = c["train"]["global_batch"] // (D * c["train"]["micro_batch"])
             vol = zero_step_comm(layers, root, D, stage, micro_batches=micro)
             want_comm = {op: (vol.count(op), vol.payload_bytes(op)) for op in ("all_gather", "reduce_scatter")}
             want_comm["all_reduce"] = (1, 8) if D > 1 else (0, 0)     # the shards' squared norm
@@ -102,16 +109,16 @@ def _stages_body(cfg):
             numel = sum(p.numel() for p in trainer.params)
             want_comm = {"all_reduce": (len(trainer.grad_sync.buckets), 4 * numel), "all_gather": (0, 0),
                          "reduce_scatter": (0, 0)}
-        rest = Trainer(c, progress=False)              # the full run, fresh
-        losses = rest.run()
-        out[stage] = (losses, [h["grad_norm"] for h in rest.history], held, want_state, step_ledger, want_comm)
+        out[stage] = (losses, [h["grad_norm"] for h in trainer.history], held, want_state, per_step, want_comm)
     return out
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_zero_stages_equal_zero0_memory_and_traffic_match_theory(name):
     D, T, mode, sp, model, train = LAYOUTS[name]
-    per_rank = run_on_ranks(D * T, _stages_body, _cfg(D, T, mode, sp, model, train), timeout=400)
+    pipe = PIPELINE.get(name)
+    P = pipe["pipeline"] if pipe else 1
+    per_rank = run_on_ranks(D * T * P, _stages_body, _cfg(D, T, mode, sp, model, train, pipe), timeout=400)
     for rank, out in enumerate(per_rank):
         ref_losses, ref_norms = out[0][0], out[0][1]
         for stage, (losses, norms, held, want_state, step_ledger, want_comm) in out.items():
