@@ -63,3 +63,14 @@ def test_recompute_is_exact_and_saves_activations(layout):
     tensor_ops = [k for k in ledger if k[1] != "world"]
     assert {k: runs["selective"][3][k] for k in tensor_ops} == {k: ledger[k] for k in tensor_ops}
     assert sum(runs["full"][3][k][1] for k in tensor_ops) > sum(ledger[k][1] for k in tensor_ops)
+    if mode == "1d":                  # the layers' forward collectives up to the last saved tensor, again
+        from gridshard.theory.tp1d import block_recompute_comm
+
+        t, m = BASE["train"], BASE["model"]
+        micro = t["steps"] * t["global_batch"] // t["micro_batch"]
+        layers, hidden = 2, 64                                            # the tiny preset
+        fwd = block_recompute_comm(t["micro_batch"], BASE["data"]["seq_len"], hidden, T, sp)
+        extra = {op: (runs["full"][3][(op, "tensor")][0] - ledger[(op, "tensor")][0],
+                      runs["full"][3][(op, "tensor")][1] - ledger[(op, "tensor")][1]) for op in fwd.calls}
+        assert extra == {op: (micro * layers * fwd.count(op), micro * layers * fwd.payload_bytes(op))
+                         for op in fwd.calls}, (extra, m)

@@ -7,7 +7,8 @@
   (``torch.utils.checkpoint``, non-reentrant) and then its backward. The layer's
   tensor-parallel *forward* collectives therefore run twice per step (forward and
   recomputation: the same ops in the same order on every rank, so no rank waits on another);
-  the step's tensor-group bytes grow by the decoder layers' forward bytes.
+  the step's tensor-group bytes grow by those forward collectives, up to the last tensor backward
+  needs (PyTorch stops the recomputation there: :func:`gridshard.theory.tp1d.block_recompute_comm`).
 * ``selective`` (Korthikanti et al. 2022): only the attention core — RoPE and the softmax
   attention, whose activations grow with s² per head while their FLOPs are small next to
   the projections — is recomputed; the projections, norms and MLP keep their activations.

@@ -84,6 +84,22 @@ def column_row_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel
     return v
 
 
+def block_recompute_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
+                         bytes_per_elem: int = 4) -> CommVolume:
+    """The collectives ``train.recompute=full`` runs a second time per decoder block and
+    micro-batch. The recomputation inside backward repeats the layer's forward, collectives
+    included (:mod:`gridshard.parallel.recompute`), but PyTorch's non-reentrant checkpoint
+    stops as soon as the last tensor backward needs is rebuilt — the MLP's down projection
+    input — so the MLP's row-output collective is *not* repeated: no SP one all-reduce of A
+    (attention's row output); SP two all-gathers (both column inputs) and one reduce-scatter
+    (attention's row output) of A. Norm-weight and kv-gradient all-reduces are backward-only."""
+    a = residual_bytes(batch, seq, hidden, bytes_per_elem)
+    v = CommVolume(T)
+    if sequence_parallel:
+        return v.add("all_gather", a, 2).add("reduce_scatter", a, 1)
+    return v.add("all_reduce", a, 1)
+
+
 def norm_comm(hidden: int, T: int, sequence_parallel: bool, bytes_per_elem: int = 4) -> CommVolume:
     """An RMSNorm: under SP its weight gradient is all-reduced (h·e); otherwise nothing."""
     return CommVolume(T).add("all_reduce", hidden * bytes_per_elem, 1 if sequence_parallel else 0)
