@@ -25,15 +25,16 @@ same 16 bytes per parameter as the seed's estimate)::
     2       4n       4p (shard only)  8s                                  —
     3       4p       4p               8s                                  —   (+ transient below)
 
+plus AdamW's ``step`` counter, a 0-dim fp32 tensor per parameter it steps (4 bytes each;
+ZeRO ≥ 1: per parameter whose shard is not empty). With D = 1, s = p = n and every stage
+equals stage 0 (up to the stage-1 buffer).
+
 Gradients of stages 0 and 1 are autograd's ``.grad`` tensors; where one is a view into a
 larger buffer the whole buffer stays alive. In our layers that happens once: 1D with more
 tensor ranks than kv heads (T > K), where the k/v gradient is a view of the all-reduced
 buffer of all K blocks and the q|k|v gradient matmul keeps the unused k, v rows behind q's
-view: K·(n_k + n_v) extra gradient elements per layer (``ParamBlock.grad_extra``).
-
-plus AdamW's ``step`` counter, a 0-dim fp32 tensor per parameter it steps (4 bytes each;
-ZeRO ≥ 1: per parameter whose shard is not empty). With D = 1, s = p = n and every stage
-equals stage 0 (up to the stage-1 buffer).
+view: K·(n_k + n_v) extra gradient elements per layer (``ParamBlock.grad_extra``; a
+``.clone()`` of the slice in ``sum_over_replicas``' backward would free them).
 
 ZeRO-3 *transient*: during forward and backward one decoder layer's parameters are
 gathered at a time — its full local blocks (4·Σn over the layer) plus the all-gather
@@ -65,9 +66,10 @@ parallelism, (H/T, K/min(T, K), f/T) in 1D (kv heads replicated in groups when T
 * **Attention core** (RoPE + ``scaled_dot_product_attention``, causal). RoPE's multiplies
   keep only the cos/sin tables ([s, d] fp32 each, built once per forward and shared by the
   layers: counted once per micro-batch, 2·s·d·4). PyTorch's SDPA on these shapes is the
-  flash kernel (CPU and GPU): it keeps rotated q (N_r·H_r·d·e), rotated k and v
-  (N_r·K_r·d·e each), its output (N_r·H_r·d·e) and the log-sum-exp (N_r·H_r·4), *not* the
-  s×s score matrix — Korthikanti's 5·a·s²·b term belongs to an unfused softmax.
+  flash kernel (measured on CPU; GPU flash / memory-efficient kernels keep the same set):
+  it keeps rotated q (N_r·H_r·d·e), rotated k and v (N_r·K_r·d·e each), its output
+  (N_r·H_r·d·e) and the log-sum-exp (N_r·H_r·4), *not* the s×s score matrix —
+  Korthikanti's 5·a·s²·b term belongs to an unfused softmax (and dropout, which we lack).
 * **o_proj** (row/2D): keeps its input, which is the attention output already counted
   (a view of the same storage).
 * **MLP**: gate output (for SiLU), SiLU output and up output (for the product), and the
@@ -80,6 +82,11 @@ Per layer, recompute ``none``::
     norm = 2R·e + R/h·4 + R·e                      (none, 1D)
          = 2R·e + R/h·4 + N·h·e                    (1D + SP: the gathered input)
          = 2R·e + N_r·4 + h/q·4                    (2D)
+
+For comparison with Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) bytes per GPT layer (2-byte
+activations, 1-byte dropout masks): ours at T = 1 with K = H and f = 8h/3 is
+s·b·h·(24 + 16 + 128/3) + small ≈ 82.7·s·b·h bytes in fp32 (≈ 41 in 2-byte units), with no s²
+term.
 
 ``selective`` (the attention core is a non-reentrant checkpoint): the core keeps its
 inputs — q, k, v before RoPE (same sizes as after) and cos/sin (shared) — instead of its
@@ -96,6 +103,11 @@ Outside the layers (first / last pipeline stage):
   N·V·4, the targets N·8 and a 4-byte total weight; 1D: the fp32 softmax block N·V_p/T·4,
   target index N·8 and two masks N·1; 2D: softmax N_r·V_p/q·4, index N_r·8, two masks
   N_r·1 and a 4-byte weight.
+
+Precision: the formulas are for fp32 runs and asserted there. Under bf16 autocast the
+projections keep bf16 copies of their inputs (one per projection) and of their weights,
+norms, RoPE tables and the loss stay fp32: not modelled yet (the fp32 figure is then an
+over-estimate of the activations, less the weight copies).
 
 Pipeline (:func:`gridshard.theory.pipeline.peak_in_flight`): stage i of P holds the
 activations of up to min(A, P − i) micro-batches under 1F1B, all A under GPipe.
@@ -436,7 +448,7 @@ class RankMemory:
     """Predicted peak memory of one rank (module docstring §3). ``total`` excludes
     ``margin``; ``total_with_margin`` adds it."""
 
-    baseline: int
+    baseline: int              # measured before the model was built (+ ``extra_bytes``)
     params: int
     grads: int
     optimizer: int
@@ -467,14 +479,16 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                         data_rank: int = 0, zero: int = 0, recompute: str = "none", micro_batch: int = 1,
                         seq_len: int = 128, n_microbatches: int = 1, pipeline: int = 1, pipeline_rank: int = 0,
                         schedule: str = "1f1b", layer_ids: Optional[Iterable[int]] = None,
-                        baseline_bytes: int = 0, margin_fraction: float = 0.10, grad_sync_copy: bool = True
-                        ) -> RankMemory:
+                        baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
+                        grad_sync_copy: bool = True) -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
     (:func:`activation_bytes` × :func:`gridshard.theory.pipeline.peak_in_flight`; one without
     pipeline: accumulation runs micro-batches one after another) + the logits workspace +
     the data-parallel gradient copy (ZeRO-0 with D > 1 and ``grad_sync_copy``: the bucketed
-    all-reduce concatenates every gradient into flat buffers, 4n).
+    all-reduce concatenates every gradient into flat buffers, 4n) + ``extra_bytes`` (other
+    resident bytes the caller knows of and the baseline missed, e.g. token arrays loaded
+    after it was measured).
 
     Pipeline: one stage per rank (``pipeline_rank`` = stage), ``layer_ids`` its layers
     (default: L/P consecutive layers); the first stage holds the embedding, the last the
@@ -494,7 +508,7 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     comm = state.comm_buffers
     if zero == 0 and data > 1 and grad_sync_copy:
         comm += state.grads
-    return RankMemory(baseline=int(baseline_bytes), params=state.params, grads=state.grads,
+    return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
                       optimizer=state.optimizer, activations=acts.total * in_flight + workspace,
                       comm_buffers=comm, transient=state.transient, margin_fraction=margin_fraction,
                       details={"activation_per_microbatch": acts.total, "in_flight": in_flight,
