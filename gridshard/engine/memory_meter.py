@@ -1,0 +1,109 @@
+"""Measuring memory on a rank: current RSS, bytes saved for backward, model-state tensors.
+
+These are the measurements :mod:`gridshard.theory.memory` is checked against.
+
+* :func:`rss_now`: the process's resident set size now (Linux ``/proc/self/statm``; falls back
+  to the peak RSS elsewhere). The trainer reads it just before building the model: the
+  baseline of ``predicted_mem_bytes``.
+* :class:`SavedTensorMeter`: a context manager around a forward that counts the bytes autograd
+  keeps for backward, through ``torch.autograd.graph.saved_tensors_hooks``: every packed
+  tensor's *storage* is counted once (views share it), parameters (and any storage passed
+  in ``exclude``) are not counted. Non-reentrant checkpointing packs its inputs under the
+  outer hooks and its inner activations under its own hooks, so what the meter sees is
+  exactly what recomputation keeps.
+* :func:`model_state_tensor_bytes`: the bytes of parameters, gradients and optimizer state a
+  rank holds (each storage once).
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+
+
+def rss_now() -> int:
+    """Resident set size of this process in bytes."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr(), t.device
+    except (RuntimeError, NotImplementedError):       # tensor subclasses without a storage
+        return None
+
+
+class SavedTensorMeter:
+    """Counts the bytes of distinct storages saved for backward inside the ``with`` block.
+
+    ``exclude``: tensors (typically ``model.parameters()``) whose storages are not counted.
+    After the block: ``bytes`` (total), ``entries`` (list of (shape, dtype, storage bytes))."""
+
+    def __init__(self, exclude=()):
+        self._excluded = {k for k in (_storage_key(t) for t in exclude) if k is not None}
+        self._seen: dict = {}
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key is not None and key not in self._excluded and key not in self._seen:
+            if key[0] != 0:                                 # empty storages hold nothing
+                self._seen[key] = (tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    def __enter__(self) -> "SavedTensorMeter":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def entries(self) -> list:
+        return list(self._seen.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, _, n in self._seen.values())
+
+
+def _tensors_of(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_of(v)
+
+
+def model_state_tensor_bytes(model: torch.nn.Module, optimizer=None, extra=()) -> dict:
+    """{"params", "grads", "optimizer", "extra"}: bytes of the distinct storages of the model's
+    parameters, their ``.grad``, the optimizer's state tensors and ``extra`` tensors (e.g. a
+    ZeRO implementation's flat buffers), each storage counted once across all four."""
+    seen: set = set()
+
+    def count(tensors) -> int:
+        total = 0
+        for t in tensors:
+            key = _storage_key(t)
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return total
+
+    params = list(model.parameters())
+    out = {"params": count(params), "grads": count(p.grad for p in params if p.grad is not None)}
+    out["optimizer"] = count(_tensors_of(list(optimizer.state.values()))) if optimizer is not None else 0
+    out["extra"] = count(_tensors_of(list(extra)))
+    return out
