@@ -4,7 +4,7 @@ Four gloo ranks (D = 4, T = 1) on one host share its memory. The model (h 1536, 
 f 4096, vocabulary 32000, untied: Ψ ≈ 438 M parameters) holds 16 bytes of fp32 model state
 per parameter at ZeRO-0 on *every* rank — 4 × 7.0 GB = 28 GB, more than the 24 GB machine —
 and 16/D bytes at ZeRO-3. The script prints the formula's per-rank model state for every
-stage (:func:`gridshard.theory.zero.model_state_bytes`), the host's memory, then trains
+stage (:func:`gridshard.theory.memory.model_state_bytes`), the host's memory, then trains
 ``--steps`` steps at ZeRO-3 + ``recompute=full`` and prints each rank's measured peak
 resident memory next to the trainer's prediction (``predicted_mem_bytes``, when the
 memory model provides it) and the losses.
@@ -53,7 +53,7 @@ def _host_bytes() -> int:
 
 
 def main(steps: int) -> None:
-    from gridshard.theory.zero import model_state_bytes
+    from gridshard.theory.memory import model_state_bytes
 
     res = run_on_fresh_ranks(D, _train, _config(steps), timeout=3600)
     shapes = res[0]["shapes"]
@@ -61,7 +61,7 @@ def main(steps: int) -> None:
     gib = 2**30
     rows = []
     for stage in range(4):
-        per_rank = model_state_bytes(shapes, D, 0, stage)["total"]
+        per_rank = model_state_bytes([(s, None) for s in shapes], stage, D, 0).held
         rows.append([f"ZeRO-{stage}", f"{per_rank / gib:.2f}", f"{D * per_rank / gib:.1f}"])
     print(f"model: {params / 1e6:.0f} M parameters; host memory {_host_bytes() / gib:.1f} GiB; D = {D} ranks")
     print(format_table(["stage", "model state per rank (GiB)", f"all {D} ranks (GiB)"], rows))

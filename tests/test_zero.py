@@ -8,7 +8,7 @@
   tied embedding split over the first and last stage.
 * Memory: the tensors a rank holds at the end of a step — counted by walking the model,
   the gradients, the optimizer and the ZeRO buffers, deduplicated by storage — equal
-  :func:`~gridshard.theory.zero.model_state_bytes` exactly.
+  :func:`~gridshard.theory.memory.model_state_bytes` exactly (AdamW's 0-dim step counters aside).
 * Communication: the data axis's ledger equals :func:`~gridshard.theory.zero.zero_step_comm`
   (calls and payload per op), plus the clipping norm's 8-byte all-reduce per step.
 * Checkpoints: a ZeRO-3 D=4 checkpoint resumes at ZeRO-0 D=2 × T=2 and back, continuing the
@@ -26,7 +26,8 @@ from gridshard.checkpoint.hf_io import read_checkpoint_tensors
 from gridshard.engine import Trainer
 from gridshard.errors import ConfigError
 from gridshard.testing import run_on_ranks
-from gridshard.theory.zero import model_state_bytes, zero_step_comm
+from gridshard.theory.memory import model_state_bytes
+from gridshard.theory.zero import zero_step_comm
 
 # vocabulary 257 and hidden 48: rows that D=4 does not divide (padding in the flat buffers)
 ODD = {"preset": None, "vocab_size": 257, "hidden": 48, "layers": 2, "heads": 4, "kv_heads": 2,
@@ -96,7 +97,9 @@ def _stages_body(cfg):
         held = held_model_state(trainer)
         local_shapes = [tuple(p.shape) for p in trainer.params]
         D, r = trainer.mesh.data.size, trainer.mesh.data.rank
-        want_state = model_state_bytes(local_shapes, D, r, stage)
+        st = model_state_bytes([(shape, None) for shape in local_shapes], stage, D, r, step_counters=False)
+        want_state = {"params": st.params, "grads": st.grads + st.comm_buffers, "optimizer": st.optimizer,
+                      "total": st.held}
         if stage:
             units = trainer.zero.units
             layers = [D * u.segment for u in units if u.name != "root"]

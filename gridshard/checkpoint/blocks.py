@@ -88,7 +88,7 @@ def canonical_block(fqn: str, local: torch.Tensor, spec: Optional[ShardSpec], me
 def canonical_rows_block(fqn: str, rows: torch.Tensor, full_shape, start: int, spec: Optional[ShardSpec],
                          mesh) -> Optional[CanonicalBlock]:
     """The box of rows ``[start, start + len(rows))`` of a stored block of ``full_shape`` (a ZeRO
-    shard, :mod:`gridshard.zero.rows`) in its canonical tensor, or None when those rows hold
+    shard, :mod:`gridshard.theory.zero`) in its canonical tensor, or None when those rows hold
     only padding. The stored dim 0 is canonical dim 0, or dim 1 for a transposed (Linear2D)
     block; the box is the block's box with that dim narrowed to the rows."""
     rows = rows.detach()

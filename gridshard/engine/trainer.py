@@ -71,6 +71,7 @@ import time
 import warnings
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -90,6 +91,7 @@ from ..theory.training import flops_per_token, mfu
 from . import control
 from .clip import clip_gradients, global_grad_norm
 from .grad_sync import DataParallelGradSync
+from .memory_meter import rss_now
 from .metrics import RunFiles, device_peak_flops, format_postfix, peak_memory_bytes
 from .optim import build_optimizer, set_lr
 from .precision import Precision
@@ -130,6 +132,8 @@ class Trainer:
                                                    describe(self.resume_from))
         self.ledger = CommLedger()                     # this job's collectives only (its mesh records here)
         self.mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=self.ledger)
+        # what the process holds before the model exists (Python, torch, gloo): the prediction's base
+        self.mem_baseline = rss_now() if self.device.type == "cpu" else 0
         self.model_cfg = cfg.model.resolve()
         mc = self.model_cfg
         if cfg.model.hf_config is not None:
@@ -209,12 +213,31 @@ class Trainer:
         self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, cfg.data.seq_len,
                                            mc.kv_heads * mc.head_dim)
         self.peak_flops = device_peak_flops(self.device, t.precision)
+        self.predicted_mem = self._predict_memory(tokens, val_tokens)
         self.files = RunFiles(run_dir, active=self.rank == 0,
                               keep_until_step=self.start_step if self.resume_from is not None else None,
                               log_to=t.log_to)
         self.files.write_config(cfg.resolved())
         self.progress = progress
         self.history: list = []                        # metrics records (every rank)
+
+    def _predict_memory(self, tokens, val_tokens):
+        """This rank's predicted peak bytes (:func:`gridshard.theory.memory.predict_rank_memory`),
+        or None for a model the memory model does not describe (a Hugging Face model)."""
+        if self.cfg.model.hf_config is not None:
+            return None
+        from ..theory.memory import predict_rank_memory
+
+        p, t = self.cfg.parallel, self.cfg.train
+        resident = [x for x in (tokens, val_tokens) if x is not None and not isinstance(x, np.memmap)]
+        return predict_rank_memory(
+            self.model_cfg, mode=p.tensor_mode, T=p.tensor, sequence_parallel=p.sequence_parallel, data=p.data,
+            data_rank=self.mesh.data.rank, zero=t.zero, recompute=t.recompute, micro_batch=t.micro_batch,
+            seq_len=self.cfg.data.seq_len, n_microbatches=t.global_batch // (t.micro_batch * p.data),
+            pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
+            layer_ids=[int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None,
+            baseline_bytes=self.mem_baseline,
+            extra_bytes=sum(int(getattr(x, "nbytes", 0)) for x in resident) if self.device.type == "cpu" else 0)
 
     # ---- checkpoints -------------------------------------------------------------------
     def _resume(self, folder: str) -> None:
@@ -346,15 +369,18 @@ class Trainer:
         return (m.busy_s, m.schedule_s) if m is not None else (0.0, 0.0)
 
     def _gather_rank_stats(self, comm_s: float, wall_s: float, busy: tuple = (0.0, 0.0)) -> tuple:
-        """(mean communication share, peak memory per rank, worst pipeline bubble share);
+        """(mean communication share, peak memory per rank, pipeline bubble share per rank,
+        predicted peak memory per rank);
         ``busy``: (time in stage forward/backward, wall time in the schedule) of the interval."""
         idle = 1.0 - busy[0] / max(busy[1], 1e-12) if self.pipeline is not None else 0.0
-        stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device)), idle]],
+        predicted = float(self.predicted_mem.total) if self.predicted_mem is not None else -1.0
+        stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device)), idle, predicted]],
                              dtype=torch.float64, device=self.device)
         with self.ledger.paused():
             allr = C.all_gather(stats, world_axis(self.ledger), dim=0).cpu()
         bubble = [float(x) for x in allr[:, 2]] if self.pipeline is not None else None
-        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble
+        predicted = [int(x) for x in allr[:, 3]] if self.predicted_mem is not None else None
+        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble, predicted
 
     # ---- stopping on request (gridshard.engine.control) ---------------------------------
     def _stop_agreed(self) -> bool:
@@ -421,7 +447,7 @@ class Trainer:
                 wall, n_steps = now - last, k + 1 - steps_at_last
                 busy = (self.pipeline.meter.busy_s - busy_at_last[0], self.pipeline.meter.schedule_s - busy_at_last[1]) \
                     if self.pipeline is not None else (0.0, 0.0)
-                comm_share, mems, bubble = self._gather_rank_stats(self.ledger.seconds() - comm_at_last, wall, busy)
+                comm_share, mems, bubble, predicted = self._gather_rank_stats(self.ledger.seconds() - comm_at_last, wall, busy)
                 losses = self._global_losses(pending)
                 all_losses += losses
                 tps = n_steps * tokens_per_step / wall
@@ -429,7 +455,9 @@ class Trainer:
                        "lr": lr, "grad_norm": float(norm),
                        "tokens_per_s": tps, "mfu": mfu(self.flops_token, tps, self.peak_flops, dist.get_world_size()),
                        "comm_share": comm_share if time_comm else None, "peak_mem_bytes": max(mems),
-                       "peak_mem_bytes_per_rank": mems, "step_time_s": wall / n_steps,
+                       "peak_mem_bytes_per_rank": mems,
+                       "predicted_mem_bytes": max(predicted) if predicted else None,
+                       "predicted_mem_bytes_per_rank": predicted, "step_time_s": wall / n_steps,
                        "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - start,
                        "loss_scale": self.precision.loss_scale(),
                        "bubble_share": max(bubble) if bubble else None, "bubble_share_per_rank": bubble}

@@ -12,7 +12,7 @@ group's micro-batch, T tensor size (q = √T in 2D), D data size, P pipeline sta
 ==========================================
 Per parameter, n = numel of the rank's local tensor-parallel block (tied weights once; a
 pipeline rank holds only its stages' parameters). ZeRO splits that block by rows over the
-D data ranks (:mod:`gridshard.zero.rows`): this rank owns s = ``shard_numel`` elements,
+D data ranks (:mod:`gridshard.theory.zero`): this rank owns s = ``shard_numel`` elements,
 and communication buffers use the padded segment p = ``padded_numel`` (every data rank's
 segment equally long). What a rank holds after ``optimizer.step`` and before ``zero_grad``,
 all fp32 (bf16/fp16 runs autocast with fp32 parameters, gradients and AdamW state: the
@@ -43,6 +43,14 @@ final norm, head: not in a decoder layer) stay gathered from forward to the end 
 backward (4·Σn_root)::
 
     transient = 4·Σ_root n + max over layers ℓ (4·Σ_ℓ n + 4·D·Σ_ℓ p)
+
+ZeRO-2/3 *backward gradients* (:func:`zero_gradient_transient`): gradients are full blocks
+until their unit (a decoder layer, or the root) is packed into its reduce-scatter buffer
+(4·D·Σ_u p) and dropped; at most 2 reduce-scatters are outstanding (+1 being packed).
+With A > 1 micro-batches every full gradient lives from the first backward to the last
+(accumulation without communication)::
+
+    A = 1:  4·max_u Σ_u n + 3 · 4·D·max_u Σ_u p        A > 1:  4·Σ n + 3 · 4·D·max_u Σ_u p
 
 2. Activations (:func:`activation_bytes`)
 =========================================
@@ -127,7 +135,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from ..zero.rows import padded_numel, shard_numel
+from .zero import padded_numel, shard_numel
 from .pipeline import peak_in_flight
 from .vocab import padded_vocab_size
 
@@ -320,6 +328,21 @@ def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank:
     return ModelState(FP32 * sum(p), FP32 * sum(p), opt, transient=transient)
 
 
+def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batches: int = 1) -> int:
+    """Full gradients and packed reduce-scatter buffers alive during a ZeRO-2/3 backward
+    (module docstring §1); 0 for ZeRO-0/1, whose full gradients are already in the held state."""
+    if zero < 2:
+        return 0
+    blocks = _as_blocks(blocks)
+    units: dict = {}
+    for b in blocks:
+        units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
+    n_max = max((sum(b.numel for b in bs) for bs in units.values()), default=0)
+    buf_max = max((data * sum(padded_numel(b.shape, data) for b in bs) for bs in units.values()), default=0)
+    full = sum(b.numel for b in blocks) if micro_batches > 1 else n_max
+    return FP32 * full + 3 * FP32 * buf_max
+
+
 # ---------------------------------------------------------------------------------------
 # activations
 # ---------------------------------------------------------------------------------------
@@ -510,11 +533,13 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
         comm += state.grads
     return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
                       optimizer=state.optimizer, activations=acts.total * in_flight + workspace,
-                      comm_buffers=comm, transient=state.transient, margin_fraction=margin_fraction,
+                      comm_buffers=comm,
+                      transient=state.transient + zero_gradient_transient(blocks, zero, data, n_microbatches),
+                      margin_fraction=margin_fraction,
                       details={"activation_per_microbatch": acts.total, "in_flight": in_flight,
                                "logits_workspace": workspace, "per_layer": acts.per_layer})
 
 
-__all__ = ["ParamBlock", "rank_parameter_blocks", "ModelState", "model_state_bytes", "ActivationBytes",
+__all__ = ["ParamBlock", "rank_parameter_blocks", "ModelState", "model_state_bytes", "zero_gradient_transient", "ActivationBytes",
            "activation_bytes", "layer_saved_bytes", "norm_saved_bytes", "embedding_saved_bytes",
            "head_and_loss_saved_bytes", "logits_workspace_bytes", "RankMemory", "predict_rank_memory"]

@@ -1,5 +1,20 @@
-"""ZeRO over the data dimension: bytes moved per step and model-state bytes per rank.
+"""ZeRO over the data dimension: which rows each data rank owns, and bytes moved per step.
 
+Row shards
+----------
+A parameter's local block (the tensor-parallel shard a rank stores, shape ``[n0, *rest]``)
+is split over the D data ranks along its first stored dim, as ``torch.chunk`` would:
+every rank is given ``c = ceil(n0 / D)`` rows, the last ones fewer (or none), so data
+rank r owns rows ``[min(r·c, n0), min((r+1)·c, n0))``. Its shard is therefore a
+*rectangular box* of the local block (rows × all of ``rest``), and so of the canonical
+tensor: a checkpoint can write it as one chunk, and another layout reads it by overlap.
+
+Communication buffers use the padded size ``c·R`` per rank and parameter (``R = Π rest``)
+so that every rank's segment has the same length (reduce-scatter and all-gather need
+equal segments); padding elements are zero and never reach the optimizer.
+
+Communication
+-------------
 Notation (per rank, fp32, :mod:`gridshard.zero.data_parallel`): the rank's trainable
 parameters are grouped into units u (one per decoder layer, one *root* unit with the
 embedding, final norm and head); a parameter with a local block of n0 rows of R elements
@@ -28,23 +43,8 @@ of an all-gather; b = bytes per element):
 
 Clipping adds one 8-byte all-reduce over data (the shards' sum of squares).
 
-**Model state at the end of a step** (after the optimizer, before the next zero_grad),
-per parameter with n local elements, s = its owned rows' elements (≈ n/D), p = c·R (its
-padded segment), fp32 (bf16/fp16 autocast keeps fp32 parameters, gradients and
-moments):
-
-====  ================  ==================  ===========
-ZeRO  parameters        gradients           AdamW
-====  ================  ==================  ===========
-0     4n                4n                  8n
-1     4n                4n + 4p (reduced)   8s
-2     4n                4p                  8s
-3     4p (flat shard)   4p                  8s
-====  ================  ==================  ===========
-
-(the reduced segment is the reduce-scatter's output, padded; each shard's gradient is a
-view into it). Summed over a model, 16 bytes per element at ZeRO-0 become
-4 + 4 + 8/D at ZeRO-1 (plus the reduced segment), 4 + 12/D at ZeRO-2 and 16/D at ZeRO-3.
+**Model state** per stage (what each rank holds, and ZeRO-3's transient gathered layer):
+:func:`gridshard.theory.memory.model_state_bytes`.
 """
 from __future__ import annotations
 
@@ -75,24 +75,28 @@ def zero_step_comm(layer_units: list, root_unit: int, data: int, stage: int, mic
     return vol
 
 
-def model_state_bytes(shapes: list, data: int, rank: int, stage: int) -> dict:
-    """Bytes of parameters, gradients and AdamW moments data rank ``rank`` of ``data`` holds at
-    a step's end (module docstring's table); ``shapes``: the local block shape of each trainable
-    parameter (tied weights once)."""
-    from ..zero.rows import padded_numel, shard_numel
+def rows_per_rank(n0: int, data: int) -> int:
+    """c = ceil(n0 / D): rows of a rank's padded segment."""
+    return -(-n0 // data) if n0 else 0
 
-    params = grads = optim = 0
-    for shape in shapes:
-        n = math.prod(shape)
-        s, p = shard_numel(shape, data, rank), padded_numel(shape, data)
-        if stage == 0:
-            params, grads, optim = params + 4 * n, grads + 4 * n, optim + 8 * n
-        elif stage == 1:
-            params, grads, optim = params + 4 * n, grads + 4 * n + 4 * p, optim + 8 * s
-        elif stage == 2:
-            params, grads, optim = params + 4 * n, grads + 4 * p, optim + 8 * s
-        elif stage == 3:
-            params, grads, optim = params + 4 * p, grads + 4 * p, optim + 8 * s
-        else:
-            raise ValueError(f"model_state_bytes: stage {stage} is not 0–3")
-    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+def owned_rows(n0: int, data: int, rank: int) -> tuple:
+    """(start, stop) of the rows data rank ``rank`` of ``data`` owns (module docstring)."""
+    c = rows_per_rank(n0, data)
+    start = min(rank * c, n0)
+    return start, min(start + c, n0)
+
+
+def shard_numel(shape, data: int, rank: int) -> int:
+    """Elements of the shard of a block of ``shape`` owned by data rank ``rank``."""
+    if len(shape) == 0:
+        return 1 if rank == 0 else 0
+    start, stop = owned_rows(shape[0], data, rank)
+    return (stop - start) * math.prod(shape[1:])
+
+
+def padded_numel(shape, data: int) -> int:
+    """Elements of one rank's padded segment for a block of ``shape``: c·R."""
+    if len(shape) == 0:
+        return 1
+    return rows_per_rank(shape[0], data) * math.prod(shape[1:])

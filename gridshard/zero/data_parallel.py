@@ -2,7 +2,7 @@
 all-reduce of :class:`gridshard.engine.grad_sync.DataParallelGradSync` when ``train.zero ≥ 1``.
 
 Shards. Every trainable parameter's local block ``[n0, *rest]`` (the tensor-parallel shard
-this rank stores) is split by rows over the D data ranks (:mod:`gridshard.zero.rows`):
+this rank stores) is split by rows over the D data ranks (:mod:`gridshard.theory.zero`):
 data rank r owns rows ``[start_r, stop_r)``, a box of the canonical tensor. The optimizer
 (AdamW, element-wise) steps only those rows, so its two moments are ``s = (stop−start)·R``
 elements per parameter instead of ``n0·R``.
@@ -31,7 +31,11 @@ with no communication; only the last micro-batch's backward reduces):
 2. in the last backward, the moment a unit's gradients are complete (a post-accumulate-grad
    hook counts them) its gradients are packed into the flat buffer and one asynchronous
    ``reduce_scatter`` over data is issued (``overlap``; else after the backward). ZeRO-2/3
-   drop the full ``p.grad`` right after packing; ZeRO-1 keeps it;
+   drop the full ``p.grad`` right after packing; ZeRO-1 keeps it. At most ``MAX_IN_FLIGHT``
+   reduce-scatters are outstanding: launching another first waits for the oldest, so the
+   packed input buffers (D·segment each) do not pile up over the whole backward. With
+   A > 1 the full gradients live from the first micro-batch's backward to the last one's
+   (accumulation without communication, 4 bytes per local element, as at ZeRO-0);
 3. :meth:`sync` waits, divides the segment by D (the data mean) and hands each shard a
    gradient view into the segment;
 4. clipping and AdamW act on the shards (the norm counts each shard once: sum of squares
@@ -85,9 +89,10 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from .rows import owned_rows, rows_per_rank
+from ..theory.zero import owned_rows, rows_per_rank
 
 DECODER_LAYER = re.compile(r"^(model\.)?layers\.\d+$")
+MAX_IN_FLIGHT = 2          # reduce-scatters outstanding in backward; the oldest is waited for beyond it
 STAGES = (0, 1, 2, 3)
 
 
@@ -155,6 +160,7 @@ class ZeroDataParallel:
         self.units = self._build_units(model)
         self.by_param = {id(sp.param): sp for u in self.units for sp in u.params}
         self._armed = False
+        self._in_flight: list = []                     # units whose reduce-scatter is outstanding, oldest first
         D, r = data_axis.size, data_axis.rank
         for u in self.units:
             dtype, device = u.params[0].param.dtype, u.params[0].param.device
@@ -299,7 +305,7 @@ class ZeroDataParallel:
             if u.ready < len(u.params):
                 return
             u.ready = 0
-            if self._armed and u.pending is None:
+            if self._armed and u.pending is None and u.reduced is None:
                 self._launch(u)
             if self.stage == 3 and u.name != "root":
                 self._free(u)
@@ -333,6 +339,17 @@ class ZeroDataParallel:
             if self.stage >= 2:
                 sp.param.grad = None               # only the shard's gradient is kept
         u.pending = C.reduce_scatter_flat(flat, self.axis, async_op=True)
+        self._in_flight.append(u)
+        while len(self._in_flight) > MAX_IN_FLIGHT:
+            self._finish(self._in_flight.pop(0))
+
+    def _finish(self, u: Unit) -> None:
+        """Wait for unit ``u``'s reduce-scatter; keep the data-parallel mean of this rank's segment."""
+        seg = u.pending.wait()
+        u.pending = None
+        if self.axis.size > 1:
+            seg.div_(self.axis.size)
+        u.reduced = seg
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -340,21 +357,17 @@ class ZeroDataParallel:
         gradient (module docstring, step 3)."""
         self._armed = False
         for u in self.units:
-            if u.pending is None:
+            if u.pending is None and u.reduced is None:
                 self._launch(u)
-        D = self.axis.size
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
         for u in self.units:
-            seg = u.pending.wait()
-            u.pending = None
-            if D > 1:
-                seg.div_(D)
-            u.reduced = seg
+            seg = u.reduced
             for sp in u.params:
                 rows = sp.stop - sp.start
                 sp.shard.grad = seg[sp.offset:sp.offset + rows * sp.row_elems].view(rows, *sp.shape[1:])
             u.ready = 0
-            if self.stage == 3 and u.name == "root":
-                self._free(u)
+        self.free_all()                                # ZeRO-3: the root, and any layer that got no gradient
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -388,6 +401,12 @@ class ZeroDataParallel:
 
     def shard_of(self, param) -> Optional[ShardedParam]:
         return self.by_param.get(id(param))
+
+    def memory_tensors(self) -> list:
+        """The buffers ZeRO itself holds (ZeRO-3 flat shards, reduced gradient segments), for
+        memory accounting; shards and their gradients are views into these or the parameters."""
+        out = [u.flat_shard for u in self.units if u.flat_shard is not None]
+        return out + [u.reduced for u in self.units if u.reduced is not None]
 
     def segment_elems(self) -> list:
         """Elements of each unit's flat buffer (D segments): the theory's S_u."""
