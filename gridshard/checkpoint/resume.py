@@ -21,7 +21,8 @@ from typing import Optional
 from . import files as F
 
 FIXED_FIELDS = (("train", "global_batch"), ("data", "seq_len"))
-LOGGED_FIELDS = (("data", "kind"), ("data", "path"), ("train", "seed"), ("train", "micro_batch"))
+LOGGED_FIELDS = (("data", "kind"), ("data", "path"), ("train", "seed"), ("train", "micro_batch"), ("train", "zero"),
+                 ("train", "recompute"), ("train", "offload"))
 _MODEL_IGNORED = ("preset", "init_from", "hf_config")
 
 
