@@ -29,7 +29,7 @@ D = 4
 def _config(steps):
     return {"model": MODEL, "data": {"kind": "stdlib", "seq_len": 64, "max_bytes": 1_000_000},
             "parallel": {"data": D, "tensor": 1, "tensor_mode": "none"},
-            "train": {"global_batch": 4, "micro_batch": 1, "steps": steps, "lr": 1e-4, "warmup_steps": 1,
+            "train": {"global_batch": 4, "micro_batch": 1, "steps": steps, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 1,
                       "log_interval": 1, "seed": 1, "zero": 3, "recompute": "full"}}
 
 

@@ -6,9 +6,9 @@
   clipping active, a vocabulary and rows that D does not divide (padding), tied embeddings,
   1D + SP with full recompute, 2D on a 2×2 grid × D=2, and two GPipe stages × D=2 with the
   tied embedding split over the first and last stage.
-* Memory: the tensors a rank holds at the end of a step — counted by walking the model,
-  the gradients, the optimizer and the ZeRO buffers, deduplicated by storage — equal
-  :func:`~gridshard.theory.memory.model_state_bytes` exactly (AdamW's 0-dim step counters aside).
+* Memory: the tensors a rank holds at the end of a step — the distinct storages of the
+  parameters, gradients, optimizer state and ZeRO's buffers — equal
+  :func:`~gridshard.theory.memory.model_state_bytes` exactly.
 * Communication: the data axis's ledger equals :func:`~gridshard.theory.zero.zero_step_comm`
   (calls and payload per op), plus the clipping norm's 8-byte all-reduce per step.
 * Checkpoints: a ZeRO-3 D=4 checkpoint resumes at ZeRO-0 D=2 × T=2 and back, continuing the
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from gridshard.checkpoint.files import checkpoints_root
 from gridshard.checkpoint.hf_io import read_checkpoint_tensors
 from gridshard.engine import Trainer
+from gridshard.engine.memory_meter import model_state_tensor_bytes
 from gridshard.errors import ConfigError
 from gridshard.testing import run_on_ranks
 from gridshard.theory.memory import model_state_bytes
@@ -51,33 +52,14 @@ def _cfg(D, T, mode, sp, model, train, pipeline=None, **more):
             "train": {**BASE["train"], **train, **more}}
 
 
-def _storage_bytes(tensors, seen):
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        st = t.untyped_storage()
-        if st.data_ptr() in seen or st.nbytes() == 0:
-            continue
-        seen.add(st.data_ptr())
-        total += st.nbytes()
-    return total
-
-
 def held_model_state(trainer) -> dict:
-    """Bytes of parameters, gradients and AdamW moments this rank holds now, found by walking
-    every place a tensor can live (dedup by storage: views and shared storage count once)."""
-    seen = set()
-    params = list(trainer.model.parameters())
+    """Bytes of parameters, gradients and AdamW state this rank holds now: the distinct storages
+    of the parameters, their gradients, the optimizer state and ZeRO's own buffers (flat shards,
+    reduced gradient segments; shards and their gradients are views into those or the
+    parameters), each counted once."""
     zero = trainer.zero
-    shards = [sp.shard for sp in zero.sharded()] if zero else []
-    flat = [u.flat_shard for u in zero.units] if zero else []
-    p_bytes = _storage_bytes(params + flat + shards, seen)
-    grads = [p.grad for p in params] + [s.grad for s in shards] + ([u.reduced for u in zero.units] if zero else [])
-    g_bytes = _storage_bytes(grads, seen)
-    moments = [st[k] for st in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in st]
-    o_bytes = _storage_bytes(moments, seen)
-    return {"params": p_bytes, "grads": g_bytes, "optimizer": o_bytes, "total": p_bytes + g_bytes + o_bytes}
+    got = model_state_tensor_bytes(trainer.model, trainer.optimizer, zero.memory_tensors() if zero else ())
+    return {"optimizer": got["optimizer"], "total": got["params"] + got["grads"] + got["optimizer"] + got["extra"]}
 
 
 def _stages_body(cfg):
@@ -97,9 +79,8 @@ def _stages_body(cfg):
         held = held_model_state(trainer)
         local_shapes = [tuple(p.shape) for p in trainer.params]
         D, r = trainer.mesh.data.size, trainer.mesh.data.rank
-        st = model_state_bytes([(shape, None) for shape in local_shapes], stage, D, r, step_counters=False)
-        want_state = {"params": st.params, "grads": st.grads + st.comm_buffers, "optimizer": st.optimizer,
-                      "total": st.held}
+        st = model_state_bytes([(shape, None) for shape in local_shapes], stage, D, r)
+        want_state = {"optimizer": st.optimizer, "total": st.held}
         if stage:
             units = trainer.zero.units
             layers = [D * u.segment for u in units if u.name != "root"]
