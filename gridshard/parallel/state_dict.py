@@ -10,6 +10,8 @@ padding). Keys and shapes equal the plain model's ``state_dict()``, so
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..comm import collectives as C
@@ -41,10 +43,13 @@ def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:
 
 def gathered_state_dict(model: torch.nn.Module) -> dict:
     """Canonical state dict (CPU tensors) of a model laid out by :func:`gridshard.parallelize`;
-    every tensor rank must call it (it gathers)."""
+    every tensor rank must call it (it gathers) — under ZeRO-3 every rank (the data ranks first
+    gather their rows of every parameter, :meth:`gridshard.zero.ZeroDataParallel.gathered`)."""
     ctx = context_of(model)
+    zero = getattr(model, "zero_data_parallel", None)
     out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        spec = ctx.layouts.get(name) or get_spec(t)
-        out[name] = gather_canonical(t, spec, ctx.mesh)
+    with zero.gathered() if zero is not None else contextlib.nullcontext():
+        for name, t in model.state_dict(keep_vars=True).items():
+            spec = ctx.layouts.get(name) or get_spec(t)
+            out[name] = gather_canonical(t, spec, ctx.mesh)
     return out

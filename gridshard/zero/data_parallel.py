@@ -79,6 +79,7 @@ gloo (pytorch #162338); (4) the pipeline runner and the tied-embedding sync work
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import warnings
@@ -180,6 +181,7 @@ class ZeroDataParallel:
             for u in self.units:
                 self._free(u)
             self._install_gather_hooks()
+        model.zero_data_parallel = self                # gathered_state_dict finds the shards through it
         del D, r
 
     # ---- construction ------------------------------------------------------------------
@@ -278,6 +280,17 @@ class ZeroDataParallel:
         for sp in u.params:
             sp.param.untyped_storage().resize_(0)
         u.gathered = False
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter whole on every data rank inside the block (ZeRO-3: one all-gather per
+        unit; a collective, every rank enters it); freed again after."""
+        for u in self.units:
+            self.gather(u)
+        try:
+            yield
+        finally:
+            self.free_all()
 
     def free_all(self) -> None:
         """ZeRO-3: free every gathered unit (e.g. the root after an evaluation)."""
