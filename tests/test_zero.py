@@ -34,13 +34,13 @@ from gridshard.theory.zero import zero_step_comm
 ODD = {"preset": None, "vocab_size": 257, "hidden": 48, "layers": 2, "heads": 4, "kv_heads": 2,
        "ffn_hidden": 120, "max_seq_len": 64, "tie_embeddings": True}
 BASE = {"model": {"preset": "tiny"}, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 200_000},
-        "train": {"global_batch": 8, "micro_batch": 1, "steps": 8, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2,
+        "train": {"global_batch": 8, "micro_batch": 1, "steps": 4, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2,
                   "grad_clip": 0.5, "log_interval": 1, "seed": 5}}
 LAYOUTS = {  # name: (D, T, mode, sp, model, train overrides)
     "D4-none-odd-tied": (4, 1, "none", False, ODD, {}),
     "D2-T2-1d-SP-full": (2, 2, "1d", True, None, {"recompute": "full"}),
-    "D2-T4-2d": (2, 4, "2d", False, None, {"micro_batch": 2, "steps": 5}),
-    "D2-P2-gpipe-tied": (2, 1, "none", False, {**ODD, "vocab_size": 256}, {"steps": 5}),
+    "D2-T4-2d": (2, 4, "2d", False, None, {"micro_batch": 2, "steps": 3}),
+    "D2-P2-gpipe-tied": (2, 1, "none", False, {**ODD, "vocab_size": 256}, {}),
 }
 PIPELINE = {"D2-P2-gpipe-tied": {"pipeline": 2, "pipeline_schedule": "gpipe"}}
 RTOL = 1e-5

@@ -94,7 +94,6 @@ from ..theory.zero import owned_rows, rows_per_rank
 
 DECODER_LAYER = re.compile(r"^(model\.)?layers\.\d+$")
 MAX_IN_FLIGHT = 2          # reduce-scatters outstanding in backward; the oldest is waited for beyond it
-STAGES = (0, 1, 2, 3)
 
 
 @dataclass
@@ -162,7 +161,6 @@ class ZeroDataParallel:
         self.by_param = {id(sp.param): sp for u in self.units for sp in u.params}
         self._armed = False
         self._in_flight: list = []                     # units whose reduce-scatter is outstanding, oldest first
-        D, r = data_axis.size, data_axis.rank
         for u in self.units:
             dtype, device = u.params[0].param.dtype, u.params[0].param.device
             if stage == 3:
@@ -177,16 +175,13 @@ class ZeroDataParallel:
                         sp.shard = sp.param.detach()[sp.start:sp.stop]
             for sp in u.params:
                 sp.param.register_post_accumulate_grad_hook(self._on_grad(u))
+            self._free(u)                              # ZeRO-3: the rows are in the flat shard now
         if stage == 3:
-            for u in self.units:
-                self._free(u)
             self._install_gather_hooks()
         model.zero_data_parallel = self                # gathered_state_dict finds the shards through it
-        del D, r
 
     # ---- construction ------------------------------------------------------------------
     def _build_units(self, model) -> list:
-        owner = {}
         layers = []
         for name, module in model.named_modules():
             if DECODER_LAYER.match(name):
@@ -198,7 +193,6 @@ class ZeroDataParallel:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     u.params.append(pname)
-                    owner[id(p)] = p
             units.append(u)
         root = Unit("root", [])
         for pname, p in model.named_parameters():
@@ -333,8 +327,8 @@ class ZeroDataParallel:
 
     @torch.no_grad()
     def _launch(self, u: Unit) -> None:
-        D, R0 = self.axis.size, u.params[0]
-        flat = torch.zeros(D * u.segment, dtype=R0.param.dtype, device=R0.param.device)
+        D, first = self.axis.size, u.params[0].param
+        flat = torch.zeros(D * u.segment, dtype=first.dtype, device=first.device)
         for sp in u.params:
             g = sp.param.grad
             if g is None:
