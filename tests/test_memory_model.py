@@ -168,3 +168,12 @@ def test_prediction_adds_baseline_and_margin():
     acts = M.activation_bytes(cfg, 2, 8).total + M.logits_workspace_bytes(cfg, 2, 8)
     assert pred.total == 1000 + state.held + acts
     assert pred.total_with_margin == pred.total + int(0.1 * (state.held + acts))
+
+
+def test_zero_backward_gradient_transient_by_hand():
+    """Units: layer 0 = 5·3 + 4 = 19 elements, layer 1 = 6·2 = 12, root = 7·2 = 14; D = 2:
+    padded buffers 2·(3·3 + 2) = 22, 2·(3·2) = 12, 2·(4·2) = 16 elements."""
+    blocks = [((5, 3), 0), ((4,), 0), ((6, 2), 1), ((7, 2), None)]
+    assert M.zero_gradient_transient(blocks, 1, 2) == 0                    # ZeRO-1 keeps full grads anyway
+    assert M.zero_gradient_transient(blocks, 2, 2) == 4 * 19 + 4 * (22 + 16 + 12)       # one unit's grads
+    assert M.zero_gradient_transient(blocks, 3, 2, micro_batches=2) == 4 * (19 + 12 + 14) + 4 * (22 + 16 + 12)

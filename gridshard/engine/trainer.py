@@ -14,8 +14,10 @@ One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
         backward(L_da · D/N)                                  (× loss scale in fp16)
     grads ← mean over data ranks (bucketed all-reduce, DataParallelGradSync; issued during
             the last micro-batch's backward as each bucket completes)
-    ‖g‖  ← global norm, every parameter once (one all-reduce over tensor)
-    clip to train.grad_clip; AdamW step
+            train.zero ≥ 1: reduce-scatter per layer unit instead, each data rank keeping the
+            mean of its rows (gridshard.zero.ZeroDataParallel)
+    ‖g‖  ← global norm, every parameter once (one all-reduce over tensor; ZeRO: over data too)
+    clip to train.grad_clip; AdamW step (ZeRO: on this rank's rows, then ZeRO-1/2 all-gather them)
 
 Normalisation. The step's loss is the mean over the valid targets (``data.ignore_token``
 masks the others) of the whole global batch, L = (1/N) Σ_{d,a} L_da, and its gradient

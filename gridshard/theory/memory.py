@@ -46,11 +46,11 @@ backward (4·Σn_root)::
 
 ZeRO-2/3 *backward gradients* (:func:`zero_gradient_transient`): gradients are full blocks
 until their unit (a decoder layer, or the root) is packed into its reduce-scatter buffer
-(4·D·Σ_u p) and dropped; at most 2 reduce-scatters are outstanding (+1 being packed).
-With A > 1 micro-batches every full gradient lives from the first backward to the last
-(accumulation without communication)::
+(B_u = 4·D·Σ_u p) and dropped; at most 2 reduce-scatters are outstanding (+1 being packed),
+bounded by the three largest buffers B_(1) ≥ B_(2) ≥ B_(3). With A > 1 micro-batches every full
+gradient lives from the first backward to the last (accumulation without communication)::
 
-    A = 1:  4·max_u Σ_u n + 3 · 4·D·max_u Σ_u p        A > 1:  4·Σ n + 3 · 4·D·max_u Σ_u p
+    A = 1:  4·max_u Σ_u n + B_(1) + B_(2) + B_(3)        A > 1:  4·Σ n + B_(1) + B_(2) + B_(3)
 
 2. Activations (:func:`activation_bytes`)
 =========================================
@@ -338,9 +338,9 @@ def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batche
     for b in blocks:
         units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
     n_max = max((sum(b.numel for b in bs) for bs in units.values()), default=0)
-    buf_max = max((data * sum(padded_numel(b.shape, data) for b in bs) for bs in units.values()), default=0)
+    buffers = sorted((data * sum(padded_numel(b.shape, data) for b in bs) for bs in units.values()), reverse=True)
     full = sum(b.numel for b in blocks) if micro_batches > 1 else n_max
-    return FP32 * full + 3 * FP32 * buf_max
+    return FP32 * full + FP32 * sum(buffers[:3])
 
 
 # ---------------------------------------------------------------------------------------
