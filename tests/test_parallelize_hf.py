@@ -43,13 +43,13 @@ def test_hf_llama_parallelized_equals_hf(name):
         assert errors[what] <= TOL, f"{name}: {what} differs by {errors[what]:.2e}"
 
 
-def _train_hf(path, D, T, mode, sp=False):
+def _train_hf(path, D, T, mode, sp=False, zero=0):
     from gridshard.engine import Trainer
 
     cfg = {"model": {"hf_config": path}, "data": {"kind": "stdlib", "seq_len": 16, "max_bytes": 100_000},
            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
            "train": {"global_batch": 4, "micro_batch": 2 if D < 4 else 1, "steps": 30, "lr": 3e-3,
-                     "warmup_steps": 3, "grad_clip": 0.5, "log_interval": 1, "seed": 3}}
+                     "warmup_steps": 3, "grad_clip": 0.5, "log_interval": 1, "seed": 3, "zero": zero}}
     trainer = Trainer(cfg, progress=False)
     return trainer.run(), [h["grad_norm"] for h in trainer.history]
 
@@ -57,7 +57,8 @@ def _train_hf(path, D, T, mode, sp=False):
 def test_hf_config_trains_the_same_at_any_layout(tmp_path):
     """``model.hf_config`` builds the architecture on the meta device from a config.json;
     30 steps (clipping active) agree between one process and (D,T,mode) = (4,1,none),
-    (1,4,1d) with kv heads replicated, (2,2,1d+SP) and (1,4,2d)."""
+    (1,4,1d) with kv heads replicated, (2,2,1d+SP), (2,2,1d+SP) at ZeRO-3 (the decoder layers
+    ``model.layers.N`` are its gather units) and (1,4,2d)."""
     import json
 
     path = tmp_path / "config.json"
@@ -66,8 +67,9 @@ def test_hf_config_trains_the_same_at_any_layout(tmp_path):
                                 "num_key_value_heads": 2, "max_position_embeddings": 32}))
     ref_loss, ref_norm = run_on_ranks(1, _train_hf, str(path), 1, 1, "none")[0]
     assert max(ref_norm) > 0.5, "clipping (grad_clip=0.5) must be active for the norm to matter"
-    for D, T, mode, sp in ((4, 1, "none", False), (1, 4, "1d", False), (2, 2, "1d", True), (1, 4, "2d", False)):
-        loss, norm = run_on_ranks(D * T, _train_hf, str(path), D, T, mode, sp)[0]
+    for D, T, mode, sp, zero in ((4, 1, "none", False, 0), (1, 4, "1d", False, 0), (2, 2, "1d", True, 0),
+                                 (2, 2, "1d", True, 3), (1, 4, "2d", False, 0)):
+        loss, norm = run_on_ranks(D * T, _train_hf, str(path), D, T, mode, sp, zero)[0]
         # fp32, 30 steps: summation order only (own model: ≤ 3e-6, docs/training.md)
         assert max(abs(a - b) / b for a, b in zip(loss, ref_loss)) <= 1e-4, (D, T, mode, sp, loss, ref_loss)
         assert max(abs(a - b) / b for a, b in zip(norm, ref_norm)) <= 1e-4, (D, T, mode, sp, norm, ref_norm)
