@@ -137,8 +137,10 @@ def main(argv=None) -> None:
           f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs")
     if state_rows:
         print("\nmodel state after one optimizer step (MiB)")
-        print(format_table(["model", "zero", "rank", "params", "grads", "optimizer", "measured", "formula", "diff"],
-                           state_rows))
+        print(format_table(["model", "zero", "rank", "params", "grads", "optimizer + ZeRO buffers", "measured",
+                            "formula", "diff"], state_rows))
+        print("ZeRO buffers: the flat row shards of ZeRO-3 (its parameters' storage is released between uses) "
+              "and the reduced gradient segments of ZeRO 1-3 (the shards' gradients are views into them)")
     for note in notes:
         print(f"skipped: {note}")
     print("\nactivations saved for backward, one micro-batch, rank 0 (MiB)")
