@@ -4,8 +4,9 @@ No formula lives here; this module only decides *which ranks* to ask about and w
 arguments, the way the trainer does (:meth:`gridshard.engine.trainer.Trainer._predict_memory`):
 
 * data rank 0 (it owns the most rows of every ZeRO shard: ``ceil(n0/D)``);
-* every pipeline rank r (at most 8 of them: the first, the last and the ranks holding the
-  most decoder layers — the others cannot be larger); rank r holds stages r, r+P, … of the
+* the pipeline ranks that can hold the most: the first (embedding, the most micro-batches
+  in flight), the last (head, loss and logits) and the first rank holding the most decoder
+  layers; rank r holds stages r, r+P, … of the
   P·V stages, whose layers come from :func:`gridshard.pipeline.split.stage_layer_counts`
   (the split the pipeline builder uses); the first stage's rank holds the embedding, the
   last's the final norm, head and loss.
@@ -38,11 +39,9 @@ def stage_layers_of_rank(layers: int, P: int, V: int) -> list:
 def ranks_to_check(layer_ids: list) -> list:
     """Pipeline ranks whose memory can be the largest: first, last, and those with the most layers."""
     P = len(layer_ids)
-    if P <= 8:
-        return list(range(P))
     most = max(len(x) for x in layer_ids)
-    heavy = [r for r in range(P) if len(layer_ids[r]) == most][:6]
-    return sorted({0, P - 1, *heavy})
+    heavy = next(r for r in range(P) if len(layer_ids[r]) == most)
+    return sorted({0, P - 1, heavy})
 
 
 def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,

@@ -137,10 +137,24 @@ def tensor_comm_2d(cfg, layout: Layout, seq: int, layers: int, first: bool, last
     return [tp2d.total(p) for p in parts]
 
 
+_BLOCKS: dict = {}
+
+
+def _blocks(cfg, mode: str, T: int, layer_ids, first: bool, last: bool) -> list:
+    """:func:`gridshard.theory.memory.rank_parameter_blocks`, memoised (the planner asks for the
+    same rank's blocks for many layouts)."""
+    key = (tuple(sorted(vars(cfg).items())), mode, T, None if layer_ids is None else tuple(layer_ids), first, last)
+    if key not in _BLOCKS:
+        if len(_BLOCKS) > 10_000:
+            _BLOCKS.clear()
+        _BLOCKS[key] = rank_parameter_blocks(cfg, mode, T, layer_ids, first, last)
+    return _BLOCKS[key]
+
+
 def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
     """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step."""
     D = layout.data
-    blocks = rank_parameter_blocks(cfg, layout.tensor_mode, layout.tensor, layer_ids, first, last)
+    blocks = _blocks(cfg, layout.tensor_mode, layout.tensor, layer_ids, first, last)
     if D == 1:
         return None, None, 1
     if layout.zero == 0:
@@ -249,7 +263,7 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     bubble = bubble_fraction(P, A, layout.pipeline_schedule, V) if P > 1 else 0.0
     bubble_s = A * t_mb * bubble / (1.0 - bubble) if P > 1 else 0.0
 
-    blocks = rank_parameter_blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
+    blocks = _blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
     owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
     t_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth * stretch
     small = sum(hw.link(levels[d], "all_reduce").latency_s for d, n in (("tensor", T), ("pipeline", P),

@@ -10,7 +10,7 @@ combination the device count allows:
   is a perfect square;
 * ZeRO 0–3 when D > 1 (with D = 1 every stage holds the same bytes: only 0);
 * recompute none / selective / full;
-* micro_batch: every divisor of global_batch / D;
+* micro_batch: every divisor of global_batch / D (up to ``max_micro_batch``, 16 by default);
 * P > 1: ``gpipe``, ``1f1b`` and ``interleaved_1f1b`` with V ∈ {2, 4} virtual stages.
   ``zero_bubble`` is not enumerated (the memory model does not describe its deferred
   weight passes, and ZeRO-3 refuses it).
@@ -18,9 +18,9 @@ combination the device count allows:
 Validity is the config's own: :func:`layout_problem` applies
 :mod:`gridshard.config.validate`'s rules to the input config with the layout written in,
 and returns the rule's message (``None`` when valid). The data-source check reads files
-and does not depend on the layout, so the planner runs it once (:func:`check_data_once`)
-and the per-layout rules without it; ``tests/test_planner.py`` checks that the verdicts
-equal a full :func:`gridshard.config.validate.validate_config` on sampled layouts.
+and does not depend on the layout, so the per-layout rules run without it (``--write``
+runs the full validation on the written file); ``tests/test_planner.py`` checks that the
+verdicts equal a full :func:`gridshard.config.validate.validate_config` on sampled layouts.
 """
 from __future__ import annotations
 
@@ -102,10 +102,11 @@ def _schedules(P: int) -> list:
 
 
 def enumerate_layouts(world: int, global_batch: int, zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE,
-                      micro_batches: Optional[list] = None) -> Iterator[Layout]:
-    """Every candidate layout of ``world`` ranks (module docstring), valid or not."""
+                      micro_batches: Optional[list] = None, max_micro_batch: Optional[int] = None) -> Iterator[Layout]:
+    """Every candidate layout of ``world`` ranks (module docstring), valid or not; micro-batches
+    ``micro_batches`` if given, else the divisors of global_batch/D up to ``max_micro_batch``."""
     for D, P, T in factorisations(world):
-        mbs = [m for m in divisors(global_batch // D) if global_batch % D == 0] if micro_batches is None \
+        mbs = [m for m in divisors(global_batch // D) if m <= (max_micro_batch or m)] if micro_batches is None \
             else list(micro_batches)
         if global_batch % D:
             mbs = [1]            # kept so that the batch rule names the reason
@@ -122,11 +123,6 @@ def apply_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
     parallel = cfg.parallel.model_copy(update={**layout.parallel_section(), "stage_layers": None})
     train = cfg.train.model_copy(update=layout.train_section())
     return cfg.model_copy(update={"parallel": parallel, "train": train})
-
-
-def check_data_once(cfg: TrainConfig) -> None:
-    """The layout-independent data-source rule (reads file sizes): raises ConfigError."""
-    rules._data(cfg)
 
 
 def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available: bool = False) -> Optional[str]:
@@ -146,4 +142,4 @@ def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available:
 
 
 __all__ = ["Layout", "enumerate_layouts", "factorisations", "divisors", "apply_layout", "layout_problem",
-           "check_data_once", "RECOMPUTE", "SCHEDULES"]
+"RECOMPUTE", "SCHEDULES"]

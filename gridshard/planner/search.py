@@ -26,7 +26,7 @@ from ..theory.training import flops_per_token, mfu
 from .cost_memory import layout_memory, ranks_to_check, stage_layers_of_rank
 from .cost_time import StepTime, step_time
 from .hardware import Hardware, load_hardware
-from .layouts import Layout, apply_layout, check_data_once, enumerate_layouts, layout_problem
+from .layouts import Layout, apply_layout, enumerate_layouts, layout_problem
 
 
 class PlanError(ConfigError):
@@ -112,6 +112,10 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1) -> C
         cand.reason = problem
         return cand
     cand.memory, cand.memory_rank = layout_memory(mc, layout, s, G, hw.reserved_bytes, hw.margin_fraction)
+    if cand.memory.total_with_margin > hw.device_memory_bytes:
+        cand.reason = (f"memory: {gib(cand.memory.total_with_margin)} per rank (with the "
+                       f"{cand.memory.margin_fraction:.0%} margin) > {gib(hw.device_memory_bytes)} on {hw.name}")
+        return cand                        # not priced: it cannot run
     P, V = layout.pipeline, layout.virtual_stages
     per_rank = stage_layers_of_rank(mc.layers, P, V) if P > 1 else [None]
     worst = None
@@ -125,10 +129,6 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1) -> C
         if worst is None or t.total_s > worst.total_s:
             worst = t
     cand.step = worst
-    if cand.memory.total_with_margin > hw.device_memory_bytes:
-        cand.reason = (f"memory: {gib(cand.memory.total_with_margin)} per rank (with the "
-                       f"{cand.memory.margin_fraction:.0%} margin) > {gib(hw.device_memory_bytes)} on {hw.name}")
-        return cand
     cand.feasible = True
     return cand
 
@@ -142,10 +142,12 @@ def _sort_key(c: Candidate):
 
 
 def plan(config=None, gpus: Optional[int] = None, *, nodes: int = 1, hardware="cpu", overrides=(),
-         top: Optional[int] = None, zero_stages=(0, 1, 2, 3), raise_if_none: bool = True) -> PlanResult:
+         top: Optional[int] = None, zero_stages=(0, 1, 2, 3), max_micro_batch: int = 16,
+         raise_if_none: bool = True) -> PlanResult:
     """Plan ``config`` (YAML path, dict, TrainConfig or None) on ``gpus`` devices over ``nodes`` nodes.
 
     ``hardware``: a packaged name (h100, h200, a100, cpu), a profile path, or a Hardware.
+    ``max_micro_batch``: largest micro-batch tried (all divisors of global_batch/D up to it).
     Returns a :class:`PlanResult` (feasible candidates best first, ``top`` of them if given);
     raises :class:`PlanError` when none is feasible (``raise_if_none``)."""
     cfg = load_config(config, overrides)
@@ -157,10 +159,10 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: int = 1, hardware="c
     if cfg.model.hf_config is not None:
         raise ConfigError("model.hf_config: the planner's memory and communication formulas describe gridshard's "
                           "own model. Fix: plan with the equivalent explicit model.* fields.")
-    check_data_once(cfg)
     feasible, rejected = [], []
     counts = collections.Counter()
-    for layout in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages):
+    for layout in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages,
+                                    max_micro_batch=max_micro_batch):
         c = evaluate(cfg, layout, hw, world, nodes)
         (feasible if c.feasible else rejected).append(c)
         counts["feasible" if c.feasible else ("memory" if c.memory is not None else "rule")] += 1

@@ -1,0 +1,236 @@
+"""``gridshard plan --calibrate``: measure this machine and write a hardware profile.
+
+The one part of the planner that starts processes. It spawns ``nproc`` local ranks
+(``torch.multiprocessing``, one thread each, a gloo group — NCCL on GPUs) and measures:
+
+* **GEMM rate** by size: square fp32 matmuls of n ∈ {32 … 512} (GPU: bf16, up to 8192) on
+  rank 0 alone, then on every rank at once. ``gemm_efficiency`` is the alone rate over
+  the best rate; ``compute_slots_per_node`` = nproc × (rate at once / rate alone), the
+  number of ranks that compute at full speed together (2 cores → ≈ 2; one GPU per rank → nproc).
+* **memory bandwidth**: a 64 MiB tensor copy (read + write bytes / time).
+* **per-layer and per-step overheads**: gridshard's own model (``gridshard.models.Transformer``,
+  no process group) of one and of three tiny layers, forward + backward + AdamW; the
+  difference over two layers minus the predicted GEMM time is ``layer_overhead_s``, the
+  rest of the one-layer step ``step_overhead_s``.
+* **collectives**: all_reduce, all_gather, reduce_scatter, broadcast over all ranks and a
+  send/recv pair, payloads 4 KiB … 4 MiB; a least-squares fit of t = latency + W/bandwidth
+  on ring wire bytes W (:func:`gridshard.comm.ledger.ring_wire_bytes`) per op.
+* **baseline**: the resident set of a rank after ``import torch`` and the process group
+  (``reserved_bytes``), and the host's memory (``device_memory_bytes``: physical RAM / nproc
+  on CPU).
+
+Every measurement is a median of repeats; on a shared machine they move with the load,
+which is why the profile records the load average it saw.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+SIZES = (32, 64, 128, 256, 512)
+PAYLOADS = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+
+
+def _median_time(fn, repeats: int, sync=lambda: None) -> float:
+    fn()
+    sync()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _gemm_rates(torch, device, dtype, sizes, repeats=5) -> dict:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        reps = max(1, int(2e7 / (2 * n ** 3))) if device.type == "cpu" else 10
+        t = _median_time(lambda: [a @ b for _ in range(reps)], repeats, sync)
+        out[n] = 2.0 * n ** 3 * reps / t
+    return out
+
+
+def _collective_times(torch, dist, device, world, repeats=5) -> dict:
+    out = {op: [] for op in OPS}
+    rank = dist.get_rank()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for nbytes in PAYLOADS:
+        n = nbytes // 4
+        x = torch.ones(n, device=device)
+        chunks = [torch.empty(n // world, device=device) for _ in range(world)]
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(x),
+            "all_gather": lambda: dist.all_gather(chunks, chunks[0].clone()),
+            "reduce_scatter": lambda: dist.reduce_scatter(chunks[0], list(x.chunk(world))) if device.type == "cuda"
+            else dist.reduce_scatter_tensor(chunks[0], x),
+            "broadcast": lambda: dist.broadcast(x, 0),
+        }
+        for op, fn in calls.items():
+            dist.barrier()
+            try:
+                out[op].append((nbytes, _median_time(fn, repeats, sync)))
+            except (RuntimeError, ValueError):
+                out[op].append((nbytes, None))
+        if world > 1:
+            def pingpong():
+                if rank == 0:
+                    dist.send(x, 1)
+                    dist.recv(x, 1)
+                elif rank == 1:
+                    dist.recv(x, 0)
+                    dist.send(x, 0)
+            dist.barrier()
+            out["send"].append((nbytes, _median_time(pingpong, repeats, sync) / 2))
+    return out
+
+
+def _rank_main(rank, world, port, backend, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    from ..engine.memory_meter import rss_now
+
+    torch.set_num_threads(1)
+    cuda = backend == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    baseline = rss_now() if not cuda else 0
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sizes = (256, 1024, 2048, 4096, 8192) if cuda else SIZES
+    alone = _gemm_rates(torch, device, dtype, sizes) if rank == 0 else None
+    dist.barrier()
+    together = _gemm_rates(torch, device, dtype, sizes)
+    comm = _collective_times(torch, dist, device, world)
+    result = None
+    if rank == 0:
+        big = torch.empty(16 << 20, device=device)
+        dst = torch.empty_like(big)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big), 5, sync)
+        result = {"alone": alone, "together": together, "comm": comm, "memory_bandwidth": bw, "baseline": baseline,
+                  "overheads": _model_overheads(torch, device)}
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _model_overheads(torch, device) -> dict:
+    """Seconds of forward + backward + AdamW of gridshard's plain model at 1 and 3 tiny layers."""
+    from ..models import ModelConfig, Transformer
+
+    out = {}
+    for layers in (1, 3):
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=256, hidden=64, layers=layers, heads=4, ffn_hidden=176, max_seq_len=64)
+        model = Transformer(cfg).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, 256, (2, 64), device=device)
+
+        def step():
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[layers] = _median_time(step, 7)
+    return out
+
+
+def _fit(points, world: int, op: str):
+    """Least-squares latency and bandwidth of t = a + W/b over (payload, seconds) points."""
+    from ..comm.ledger import ring_wire_bytes
+
+    pts = [(ring_wire_bytes(op if op != "send" else "send", p, world), t) for p, t in points if t]
+    if len(pts) < 2:
+        return None
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    slope = max(slope, 1e-15)
+    latency = max(my - slope * mx, min(ys) * 0.5, 1e-7)
+    return {"bandwidth": 1.0 / slope, "latency_s": latency}
+
+
+def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int) -> dict:
+    """The hardware JSON (hardware module docstring) from rank 0's measurements."""
+    alone = {int(k): v for k, v in m["alone"].items()}
+    together = {int(k): v for k, v in m["together"].items()}
+    peak = max(alone.values())
+    biggest = max(alone)
+    slots = min(float(nproc), max(1.0, nproc * together[biggest] / alone[biggest]))
+    gemm = [[2.0 * n ** 3, alone[n] / peak] for n in sorted(alone)]
+    ops = {}
+    for op, points in m["comm"].items():
+        fit = _fit(points, nproc, op)
+        if fit:
+            ops[op] = fit
+    default = ops.get("all_reduce") or next(iter(ops.values()), {"bandwidth": 1e9, "latency_s": 1e-4})
+    ops["default"] = default
+    t1, t3 = m["overheads"]["1"] if "1" in m["overheads"] else m["overheads"][1], \
+        m["overheads"]["3"] if "3" in m["overheads"] else m["overheads"][3]
+    # the tiny model's GEMM time is small: its layers cost mostly dispatch overhead
+    layer = max(0.0, (t3 - t1) / 2)
+    step = max(0.0, t1 - layer)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "name": f"calibrated-{'gpu' if cuda else 'cpu'}-{nproc}",
+        "device_memory_bytes": int(host_memory),
+        "peak_flops": {"fp32": peak, "bf16": peak, "fp16": peak},
+        "gemm_efficiency": gemm, "memory_bandwidth": m["memory_bandwidth"],
+        "devices_per_node": nproc if cuda else 1024, "compute_slots_per_node": nproc if cuda else slots,
+        "reserved_bytes": int(m["baseline"]), "margin_fraction": 0.10,
+        "layer_overhead_s": layer, "step_overhead_s": step, "dp_overlap": 1.0 if cuda else 0.0,
+        "links": {"intra": ops, "inter": ops},
+        "sources": [f"gridshard plan --calibrate --nproc {nproc} on {os.uname().nodename} at "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average {load}"],
+        "notes": "peak_flops: the best measured single-rank GEMM rate (efficiency 1.0 at that size); collectives "
+                 "measured over all nproc ranks on one host (no inter-node link: inter = intra).",
+        "raw": m,
+    }
+
+
+def calibrate(nproc: int = 4, out: str = "gridshard-profile.json", timeout_s: float = 900.0) -> dict:
+    """Run the measurements on ``nproc`` local ranks and write the profile to ``out``."""
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from ..netutil import free_port
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+    backend = "nccl" if cuda else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "m.json")
+        ctx = mp.start_processes(_rank_main, args=(nproc, free_port(), backend, path), nprocs=nproc, join=False,
+                                 start_method="spawn")
+        deadline = time.time() + timeout_s
+        while not ctx.join(timeout=max(1.0, deadline - time.time())):
+            if time.time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"calibration did not finish in {timeout_s:.0f} s")
+        with open(path) as f:
+            m = json.load(f)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mem = torch.cuda.get_device_properties(0).total_memory if cuda else host // nproc
+    profile = profile_from_measurements(m, nproc, cuda, mem)
+    with open(out, "w") as f:
+        json.dump(profile, f, indent=1)
+    return profile
+
+
+__all__ = ["calibrate", "profile_from_measurements"]
