@@ -177,16 +177,18 @@ def test_calibration_profile_loads():
     from gridshard.planner.calibrate import profile_from_measurements
 
     m = {"alone": {"64": 2e9, "256": 8e9}, "together": {"64": 1e9, "256": 4e9},
-         "comm": {"all_reduce": [[4096, 1e-4], [4 << 20, 1e-2]], "send": [[4096, 5e-5], [4 << 20, 4e-3]]},
-         "memory_bandwidth": 5e9, "baseline": 300 << 20, "overheads": {"1": 0.02, "3": 0.05}}
+         "comm": {"all_reduce": [[4096, 3e-4], [4 << 20, 1e-2]], "send": [[4096, 5e-5], [4 << 20, 4e-3]]},
+         "comm_pair": {"all_reduce": [[4096, 1e-4], [4 << 20, 1e-2]]},
+         "memory_bandwidth": 5e9, "peak_after_reference": 310 << 20, "reference_model_bytes": 10 << 20,
+         "overheads": {"1": 0.02, "3": 0.05}}
     prof = profile_from_measurements(m, 4, False, 8 << 30)
     hw = load_hardware(prof)
     assert hw.compute_slots_per_node == pytest.approx(2.0)             # half the rate with 4 at once
     assert hw.layer_overhead_s == pytest.approx(0.015) and hw.step_overhead_s == pytest.approx(0.005)
+    assert hw.reserved_bytes == 300 << 20                             # the floor under the reference step
     ar = hw.link("intra", "all_reduce")
-    wire = 2 * 3 / 4                                                  # ring all-reduce wire bytes per payload byte
-    assert ar.seconds(wire * 4096) == pytest.approx(1e-4, rel=1e-6)
-    assert ar.seconds(wire * (4 << 20)) == pytest.approx(1e-2, rel=1e-6)
+    assert ar.seconds(4096, 1, 2) == pytest.approx(1e-4, rel=1e-3)   # pair: 2-rank ring sends the payload
+    assert ar.seconds(1.5 * 4096, 1, 4) == pytest.approx(3e-4, rel=0.02)   # 4 ranks: latency grows, wire 1.5×
 
 
 # ---- published numbers ---------------------------------------------------------------

@@ -12,12 +12,16 @@ The one part of the planner that starts processes. It spawns ``nproc`` local ran
   no process group) of one and of three tiny layers, forward + backward + AdamW; the
   difference over two layers minus the predicted GEMM time is ``layer_overhead_s``, the
   rest of the one-layer step ``step_overhead_s``.
-* **collectives**: all_reduce, all_gather, reduce_scatter, broadcast over all ranks and a
-  send/recv pair, payloads 4 KiB … 4 MiB; a least-squares fit of t = latency + W/bandwidth
-  on ring wire bytes W (:func:`gridshard.comm.ledger.ring_wire_bytes`) per op.
-* **baseline**: the resident set of a rank after ``import torch`` and the process group
-  (``reserved_bytes``), and the host's memory (``device_memory_bytes``: physical RAM / nproc
-  on CPU).
+* **collectives**: all_reduce, all_gather, reduce_scatter, broadcast over a pair of ranks
+  and over all ranks, and a send/recv pair, payloads 4 KiB and 4 MiB (median of 9); per op
+  a two-point fit of t = latency + W/bandwidth on ring wire bytes W
+  (:func:`gridshard.comm.ledger.ring_wire_bytes`): latency from the small payload, bandwidth
+  from the difference; the latency's growth from 2 to nproc ranks is ``latency_per_rank_s``.
+* **baseline** (``reserved_bytes``): the peak resident set of rank 0 after the reference
+  training steps above minus the memory model's prediction for that reference model
+  (:func:`gridshard.theory.memory.predict_rank_memory` with no baseline) — the Python, torch,
+  gloo and allocator floor a real step runs on; the host's memory / nproc is
+  ``device_memory_bytes`` on CPU.
 
 Every measurement is a median of repeats; on a shared machine they move with the load,
 which is why the profile records the load average it saw.
@@ -30,7 +34,8 @@ import statistics
 import time
 
 SIZES = (32, 64, 128, 256, 512)
-PAYLOADS = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+PAYLOADS = (4 << 10, 4 << 20)
+REPEATS = 9
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
 
 
@@ -58,28 +63,36 @@ def _gemm_rates(torch, device, dtype, sizes, repeats=5) -> dict:
     return out
 
 
-def _collective_times(torch, dist, device, world, repeats=5) -> dict:
+def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -> dict:
+    """Median seconds per (op, payload) on ``group`` (None: all ranks); ranks outside it skip."""
     out = {op: [] for op in OPS}
     rank = dist.get_rank()
+    if group is not None:
+        members = dist.get_process_group_ranks(group)
+        if rank not in members:
+            return out
+        world = len(members)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    g = {"group": group} if group is not None else {}
+    barrier = (lambda: dist.barrier(group=group)) if group is not None else dist.barrier
     for nbytes in PAYLOADS:
         n = nbytes // 4
         x = torch.ones(n, device=device)
         chunks = [torch.empty(n // world, device=device) for _ in range(world)]
+        src = 0 if group is None else dist.get_process_group_ranks(group)[0]
         calls = {
-            "all_reduce": lambda: dist.all_reduce(x),
-            "all_gather": lambda: dist.all_gather(chunks, chunks[0].clone()),
-            "reduce_scatter": lambda: dist.reduce_scatter(chunks[0], list(x.chunk(world))) if device.type == "cuda"
-            else dist.reduce_scatter_tensor(chunks[0], x),
-            "broadcast": lambda: dist.broadcast(x, 0),
+            "all_reduce": lambda: dist.all_reduce(x, **g),
+            "all_gather": lambda: dist.all_gather(chunks, chunks[0].clone(), **g),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(chunks[0], x, **g),
+            "broadcast": lambda: dist.broadcast(x, src, **g),
         }
         for op, fn in calls.items():
-            dist.barrier()
+            barrier()
             try:
                 out[op].append((nbytes, _median_time(fn, repeats, sync)))
             except (RuntimeError, ValueError):
                 out[op].append((nbytes, None))
-        if world > 1:
+        if world > 1 and group is None:
             def pingpong():
                 if rank == 0:
                     dist.send(x, 1)
@@ -97,7 +110,6 @@ def _rank_main(rank, world, port, backend, result_path):
     import torch
     import torch.distributed as dist
 
-    from ..engine.memory_meter import rss_now
 
     torch.set_num_threads(1)
     cuda = backend == "nccl"
@@ -105,25 +117,54 @@ def _rank_main(rank, world, port, backend, result_path):
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
-    baseline = rss_now() if not cuda else 0
+    overheads = _model_overheads(torch, device) if rank == 0 else None      # first: its peak is the floor
+    floor = _peak_bytes(torch, device) if rank == 0 else 0
+    dist.barrier()
     dtype = torch.bfloat16 if cuda else torch.float32
     sizes = (256, 1024, 2048, 4096, 8192) if cuda else SIZES
     alone = _gemm_rates(torch, device, dtype, sizes) if rank == 0 else None
     dist.barrier()
     together = _gemm_rates(torch, device, dtype, sizes)
+    pair = dist.new_group([0, 1]) if world > 2 else None
     comm = _collective_times(torch, dist, device, world)
+    comm_pair = _collective_times(torch, dist, device, world, group=pair) if pair is not None else comm
+    dist.barrier()
     result = None
     if rank == 0:
         big = torch.empty(16 << 20, device=device)
         dst = torch.empty_like(big)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big), 5, sync)
-        result = {"alone": alone, "together": together, "comm": comm, "memory_bandwidth": bw, "baseline": baseline,
-                  "overheads": _model_overheads(torch, device)}
+        result = {"alone": alone, "together": together, "comm": comm, "comm_pair": comm_pair, "memory_bandwidth": bw,
+                  "peak_after_reference": floor, "reference_model_bytes": _reference_prediction(),
+                  "overheads": overheads}
         with open(result_path, "w") as f:
             json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+REFERENCE = dict(vocab_size=256, hidden=64, heads=4, ffn_hidden=176, max_seq_len=64)
+REFERENCE_BATCH = (2, 64)
+
+
+def _peak_bytes(torch, device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _reference_prediction() -> int:
+    """The memory model's bytes (no baseline) for the largest reference model of :func:`_model_overheads`."""
+    from ..models import ModelConfig
+    from ..theory.memory import predict_rank_memory
+
+    cfg = ModelConfig(layers=3, **REFERENCE)
+    return predict_rank_memory(cfg, micro_batch=REFERENCE_BATCH[0], seq_len=REFERENCE_BATCH[1]).total
 
 
 def _model_overheads(torch, device) -> dict:
@@ -133,10 +174,10 @@ def _model_overheads(torch, device) -> dict:
     out = {}
     for layers in (1, 3):
         torch.manual_seed(0)
-        cfg = ModelConfig(vocab_size=256, hidden=64, layers=layers, heads=4, ffn_hidden=176, max_seq_len=64)
+        cfg = ModelConfig(layers=layers, **REFERENCE)
         model = Transformer(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.randint(0, 256, (2, 64), device=device)
+        tokens = torch.randint(0, 256, REFERENCE_BATCH, device=device)
 
         def step():
             logits = model(tokens)
@@ -149,19 +190,17 @@ def _model_overheads(torch, device) -> dict:
 
 
 def _fit(points, world: int, op: str):
-    """Least-squares latency and bandwidth of t = a + W/b over (payload, seconds) points."""
+    """Two-point fit of t = latency + W/bandwidth from the smallest and largest payload
+    (module docstring); None when a point is missing."""
     from ..comm.ledger import ring_wire_bytes
 
-    pts = [(ring_wire_bytes(op if op != "send" else "send", p, world), t) for p, t in points if t]
+    pts = sorted((ring_wire_bytes(op, p, world), t) for p, t in points if t)
     if len(pts) < 2:
         return None
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    slope = max(slope, 1e-15)
-    latency = max(my - slope * mx, min(ys) * 0.5, 1e-7)
-    return {"bandwidth": 1.0 / slope, "latency_s": latency}
+    (w0, t0), (w1, t1) = pts[0], pts[-1]
+    bw = (w1 - w0) / (t1 - t0) if t1 > t0 else w1 / t1
+    latency = max(t0 - w0 / bw, 1e-7)
+    return {"bandwidth": bw, "latency_s": latency}
 
 
 def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int) -> dict:
@@ -174,9 +213,14 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
     gemm = [[2.0 * n ** 3, alone[n] / peak] for n in sorted(alone)]
     ops = {}
     for op, points in m["comm"].items():
-        fit = _fit(points, nproc, op)
-        if fit:
-            ops[op] = fit
+        fit_all = _fit(points, nproc if op != "send" else 2, op)
+        fit_pair = _fit(m.get("comm_pair", {}).get(op) or points, 2, op)
+        if fit_all and fit_pair:
+            grow = (fit_all["latency_s"] - fit_pair["latency_s"]) / (nproc - 2) if nproc > 2 else 0.0
+            ops[op] = {"bandwidth": min(fit_all["bandwidth"], fit_pair["bandwidth"]),
+                       "latency_s": fit_pair["latency_s"], "latency_per_rank_s": max(0.0, grow)}
+        elif fit_all:
+            ops[op] = fit_all
     default = ops.get("all_reduce") or next(iter(ops.values()), {"bandwidth": 1e9, "latency_s": 1e-4})
     ops["default"] = default
     t1, t3 = m["overheads"]["1"] if "1" in m["overheads"] else m["overheads"][1], \
@@ -191,7 +235,7 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
         "peak_flops": {"fp32": peak, "bf16": peak, "fp16": peak},
         "gemm_efficiency": gemm, "memory_bandwidth": m["memory_bandwidth"],
         "devices_per_node": nproc if cuda else 1024, "compute_slots_per_node": nproc if cuda else slots,
-        "reserved_bytes": int(m["baseline"]), "margin_fraction": 0.10,
+        "reserved_bytes": int(m["peak_after_reference"] - m["reference_model_bytes"]), "margin_fraction": 0.10,
         "layer_overhead_s": layer, "step_overhead_s": step, "dp_overlap": 1.0 if cuda else 0.0,
         "links": {"intra": ops, "inter": ops},
         "sources": [f"gridshard plan --calibrate --nproc {nproc} on {os.uname().nodename} at "

@@ -184,7 +184,7 @@ def comm_seconds(vols, hw: Hardware, level: str) -> float:
         if v is None:
             continue
         for op, payload in v.payload.items():
-            total += hw.link(level, op).seconds(ring_wire_bytes(op, payload, v.group_size), v.calls[op])
+            total += hw.link(level, op).seconds(ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size)
     return total
 
 
@@ -266,8 +266,8 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     blocks = _blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
     owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
     t_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth * stretch
-    small = sum(hw.link(levels[d], "all_reduce").latency_s for d, n in (("tensor", T), ("pipeline", P),
-                                                                       ("data", layout.data)) if n > 1)
+    small = sum(hw.link(levels[d], "all_reduce").seconds(8, 1, n) for d, n in (("tensor", T), ("pipeline", P),
+                                                                               ("data", layout.data)) if n > 1)
     return StepTime(compute_s=A * compute_mb, tensor_comm_s=A * t_tensor_mb, pipeline_comm_s=A * t_p2p_mb,
                     data_comm_s=exposed_reduce + t_gather_after + A * t_gather_in_step, bubble_s=bubble_s,
                     optimizer_s=t_opt, overhead_s=hw.step_overhead_s * stretch + small,

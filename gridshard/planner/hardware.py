@@ -24,9 +24,10 @@ Links
 -----
 ``links[level][op] = {"bandwidth": B/s, "latency_s": s}`` for level ``intra`` (inside a
 node) and ``inter`` (across nodes), op ∈ all_reduce, all_gather, reduce_scatter,
-broadcast, reduce, send (``default`` for any op not listed). One collective moving wire
-bytes W (:func:`gridshard.comm.ledger.ring_wire_bytes`, the bytes a rank sends on a ring)
-costs ``latency_s + W / bandwidth`` (the α–β model; ``bandwidth`` is the *achieved*
+broadcast, reduce, send (``default`` for any op not listed). One collective on a group of
+n ranks moving wire bytes W (:func:`gridshard.comm.ledger.ring_wire_bytes`, the bytes a rank
+sends on a ring) costs ``latency_s + latency_per_rank_s·(n − 2) + W / bandwidth`` (the α–β
+model, latency measured at n = 2 and growing with the ring's steps; ``bandwidth`` is the *achieved*
 algorithm bandwidth per rank, not the raw link rate: the data files derate the
 datasheet's link rate by ``link_efficiency``).
 """
@@ -50,10 +51,14 @@ class LinkCost:
     """α–β cost of one collective kind on one link level."""
 
     bandwidth: float          # achieved bytes/s per rank (wire bytes)
-    latency_s: float
+    latency_s: float          # per call, on 2 ranks
+    latency_per_rank_s: float = 0.0
 
-    def seconds(self, wire_bytes: float, calls: int = 1) -> float:
-        return calls * self.latency_s + wire_bytes / self.bandwidth if calls else 0.0
+    def seconds(self, wire_bytes: float, calls: int = 1, group_size: int = 2) -> float:
+        if not calls:
+            return 0.0
+        latency = self.latency_s + self.latency_per_rank_s * max(0, group_size - 2)
+        return calls * latency + wire_bytes / self.bandwidth
 
 
 @dataclass
@@ -108,8 +113,8 @@ class Hardware:
 def _link_table(raw: dict) -> dict:
     out = {}
     for level, ops in raw.items():
-        out[level] = {op: LinkCost(float(v["bandwidth"]), float(v["latency_s"])) for op, v in ops.items()
-                      if isinstance(v, dict)}
+        out[level] = {op: LinkCost(float(v["bandwidth"]), float(v["latency_s"]), float(v.get("latency_per_rank_s", 0)))
+                      for op, v in ops.items() if isinstance(v, dict)}
         if "default" not in out[level]:
             raise ConfigError(f"hardware links.{level} has no 'default' entry. Fix: add "
                               f"\"default\": {{\"bandwidth\": ..., \"latency_s\": ...}}.")
