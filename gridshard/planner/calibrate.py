@@ -208,8 +208,11 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
     alone = {int(k): v for k, v in m["alone"].items()}
     together = {int(k): v for k, v in m["together"].items()}
     peak = max(alone.values())
-    biggest = max(alone)
-    slots = min(float(nproc), max(1.0, nproc * together[biggest] / alone[biggest]))
+    # ranks that compute at full speed together: nproc × (rate together / rate alone), the median
+    # over the larger sizes; on CPU at most the cores (a noisy "alone" run cannot make it more)
+    ratios = sorted(together[n] / alone[n] for n in sorted(alone)[len(alone) // 2:])
+    cap = float(nproc) if cuda else float(min(nproc, os.cpu_count() or nproc))
+    slots = min(cap, max(1.0, nproc * statistics.median(ratios)))
     gemm = [[2.0 * n ** 3, alone[n] / peak] for n in sorted(alone)]
     ops = {}
     for op, points in m["comm"].items():
