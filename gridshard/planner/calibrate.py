@@ -8,20 +8,23 @@ The one part of the planner that starts processes. It spawns ``nproc`` local ran
   the best rate; ``compute_slots_per_node`` = nproc × (rate at once / rate alone), the
   number of ranks that compute at full speed together (2 cores → ≈ 2; one GPU per rank → nproc).
 * **memory bandwidth**: a 64 MiB tensor copy (read + write bytes / time).
-* **per-layer and per-step overheads**: gridshard's own model (``gridshard.models.Transformer``,
-  no process group) of one and of three tiny layers, forward + backward + AdamW; the
-  difference over two layers minus the predicted GEMM time is ``layer_overhead_s``, the
-  rest of the one-layer step ``step_overhead_s``.
+* **per-layer and per-step overheads**: the real trainer (``gridshard.engine.Trainer``, D =
+  nproc, all ranks at once) on the ``tiny`` preset at one and at three layers; half the
+  difference is the per-layer cost, the rest of the one-layer step the per-step cost, both
+  divided by the measured contention (nproc / compute slots) so that the planner's
+  contention factor gives them back at nproc ranks. Their GEMMs are negligible at this size:
+  the figures are operator dispatch, autograd, the optimizer loop and the trainer's own
+  per-step work.
 * **collectives**: all_reduce, all_gather, reduce_scatter, broadcast over a pair of ranks
   and over all ranks, and a send/recv pair, payloads 4 KiB and 4 MiB (median of 9); per op
   a two-point fit of t = latency + W/bandwidth on ring wire bytes W
   (:func:`gridshard.comm.ledger.ring_wire_bytes`): latency from the small payload, bandwidth
   from the difference; the latency's growth from 2 to nproc ranks is ``latency_per_rank_s``.
 * **baseline** (``reserved_bytes``): the peak resident set of rank 0 after the reference
-  training steps above minus the memory model's prediction for that reference model
-  (:func:`gridshard.theory.memory.predict_rank_memory` with no baseline) — the Python, torch,
-  gloo and allocator floor a real step runs on; the host's memory / nproc is
-  ``device_memory_bytes`` on CPU.
+  training runs above minus the memory model's modelled bytes for them
+  (:func:`gridshard.theory.memory.predict_rank_memory`, as the trainer reports it) — the
+  Python, torch, gloo, data and allocator floor a real step runs on; the host's memory /
+  nproc is ``device_memory_bytes`` on CPU.
 
 Every measurement is a median of repeats; on a shared machine they move with the load,
 which is why the profile records the load average it saw.
@@ -117,8 +120,8 @@ def _rank_main(rank, world, port, backend, result_path):
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
-    overheads = _model_overheads(torch, device) if rank == 0 else None      # first: its peak is the floor
-    floor = _peak_bytes(torch, device) if rank == 0 else 0
+    overheads, modelled = _trainer_reference(world)        # first: its peak is the floor
+    floor = _peak_bytes(torch, device)
     dist.barrier()
     dtype = torch.bfloat16 if cuda else torch.float32
     sizes = (256, 1024, 2048, 4096, 8192) if cuda else SIZES
@@ -136,7 +139,7 @@ def _rank_main(rank, world, port, backend, result_path):
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big), 5, sync)
         result = {"alone": alone, "together": together, "comm": comm, "comm_pair": comm_pair, "memory_bandwidth": bw,
-                  "peak_after_reference": floor, "reference_model_bytes": _reference_prediction(),
+                  "peak_after_reference": floor, "reference_model_bytes": modelled,
                   "overheads": overheads}
         with open(result_path, "w") as f:
             json.dump(result, f)
@@ -144,8 +147,7 @@ def _rank_main(rank, world, port, backend, result_path):
     dist.destroy_process_group()
 
 
-REFERENCE = dict(vocab_size=256, hidden=64, heads=4, ffn_hidden=176, max_seq_len=64)
-REFERENCE_BATCH = (2, 64)
+REFERENCE_STEPS = 6
 
 
 def _peak_bytes(torch, device) -> int:
@@ -158,35 +160,23 @@ def _peak_bytes(torch, device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def _reference_prediction() -> int:
-    """The memory model's bytes (no baseline) for the largest reference model of :func:`_model_overheads`."""
-    from ..models import ModelConfig
-    from ..theory.memory import predict_rank_memory
+def _trainer_reference(world: int) -> tuple:
+    """Median step seconds of the real trainer (``gridshard.engine.Trainer``, D = world, the
+    ``tiny`` preset at 1 and 3 layers, micro-batch 2 × 64 tokens) on all ranks at once, and the
+    memory model's modelled bytes of the 3-layer run on this rank (for the memory floor)."""
+    from ..engine import Trainer
 
-    cfg = ModelConfig(layers=3, **REFERENCE)
-    return predict_rank_memory(cfg, micro_batch=REFERENCE_BATCH[0], seq_len=REFERENCE_BATCH[1]).total
-
-
-def _model_overheads(torch, device) -> dict:
-    """Seconds of forward + backward + AdamW of gridshard's plain model at 1 and 3 tiny layers."""
-    from ..models import ModelConfig, Transformer
-
-    out = {}
+    times, modelled = {}, 0
     for layers in (1, 3):
-        torch.manual_seed(0)
-        cfg = ModelConfig(layers=layers, **REFERENCE)
-        model = Transformer(cfg).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.randint(0, 256, REFERENCE_BATCH, device=device)
-
-        def step():
-            logits = model(tokens)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        out[layers] = _median_time(step, 7)
-    return out
+        cfg = {"model": {"preset": "tiny", "layers": layers}, "parallel": {"data": world},
+               "data": {"kind": "stdlib", "seq_len": 64, "max_bytes": 200_000},
+               "train": {"global_batch": 2 * world, "micro_batch": 2, "steps": REFERENCE_STEPS, "log_interval": 1,
+                         "warmup_steps": 1}}
+        tr = Trainer(cfg, progress=False)
+        tr.run()
+        times[layers] = statistics.median(r["step_time_s"] for r in tr.history[2:])
+        modelled = tr.predicted_mem.modelled if tr.predicted_mem is not None else 0
+    return times, int(modelled)
 
 
 def _fit(points, world: int, op: str):
@@ -226,11 +216,11 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
             ops[op] = fit_all
     default = ops.get("all_reduce") or next(iter(ops.values()), {"bandwidth": 1e9, "latency_s": 1e-4})
     ops["default"] = default
-    t1, t3 = m["overheads"]["1"] if "1" in m["overheads"] else m["overheads"][1], \
-        m["overheads"]["3"] if "3" in m["overheads"] else m["overheads"][3]
-    # the tiny model's GEMM time is small: its layers cost mostly dispatch overhead
-    layer = max(0.0, (t3 - t1) / 2)
-    step = max(0.0, t1 - layer)
+    ov = {int(k): v for k, v in m["overheads"].items()}
+    stretch = max(1.0, nproc / slots)
+    layer = max(0.0, (ov[3] - ov[1]) / 2)
+    step = max(0.0, ov[1] - layer) / stretch
+    layer /= stretch
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
         "name": f"calibrated-{'gpu' if cuda else 'cpu'}-{nproc}",
