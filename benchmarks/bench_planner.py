@@ -9,7 +9,7 @@ first by this script. Layouts: a fixed list spanning none / 1d / 1d+SP / 2d, ZeR
 and P = 1/2 on 4 ranks (``tiny``) and 8 ranks (``small``), plus the planner's own top 3 for each
 (model, N), so that "the planner's top 3 contains the measured fastest" can be checked.
 
-    .venv/bin/python benchmarks/bench_planner.py [--steps 6] [--only 4|8] [--profile-dir /tmp]
+    .venv/bin/python benchmarks/bench_planner.py [--steps 8] [--only 4|8] [--profile-dir /tmp]
 
 Prints one row per layout (predicted and measured step time and peak memory, residuals) and the
 summary: median / max |residual|, and whether the measured fastest is in the planner's top 3.
@@ -105,7 +105,8 @@ def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
         row = [name, str(world), lay.label() + (" *" if lay in top3 else ""), f"{pred_s:.3f}", f"{step_s:.3f}",
                f"{(pred_s - step_s) / step_s:+.0%}", f"{pred_mem / 2**20:.0f}", f"{peak / 2**20:.0f}",
                f"{(pred_mem - peak) / peak:+.1%}", f"{(pred_mem - base_b) / 2**20:.1f}",
-               f"{(peak - base_b) / 2**20:.1f}", f"{trainer_pred / 2**20:.0f}", f"{time.time() - t0:.0f}"]
+               f"{(peak - base_b) / 2**20:.1f}", f"{trainer_pred / 2**20:.0f}", f"{time.time() - t0:.0f}",
+               f"{os.getloadavg()[0]:.1f}"]
         rows.append(row)
         measured.append((lay, step_s, pred_s, peak, pred_mem))
         print(" | ".join(row), flush=True)
@@ -119,12 +120,12 @@ def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
 
 
 HEADERS = ["model", "N", "layout (* planner top 3)", "pred step s", "meas step s", "step resid", "pred MiB",
-           "meas MiB", "mem resid", "pred - base MiB", "meas - base MiB", "trainer pred MiB", "wall s"]
+           "meas MiB", "mem resid", "pred - base MiB", "meas - base MiB", "trainer pred MiB", "wall s", "load"]
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--only", type=int, choices=[4, 8], default=None)
     ap.add_argument("--profile-dir", default="/tmp")
     args = ap.parse_args()

@@ -147,7 +147,7 @@ def _rank_main(rank, world, port, backend, result_path):
     dist.destroy_process_group()
 
 
-REFERENCE_STEPS = 6
+REFERENCE_STEPS = 12
 
 
 def _peak_bytes(torch, device) -> int:
@@ -161,22 +161,31 @@ def _peak_bytes(torch, device) -> int:
 
 
 def _trainer_reference(world: int) -> tuple:
-    """Median step seconds of the real trainer (``gridshard.engine.Trainer``, D = world, the
-    ``tiny`` preset at 1 and 3 layers, micro-batch 2 × 64 tokens) on all ranks at once, and the
-    memory model's modelled bytes of the 3-layer run on this rank (for the memory floor)."""
+    """Step seconds of the real trainer (``gridshard.engine.Trainer``, D = world, the ``tiny``
+    preset at 1 and 3 layers, micro-batch 2 × 64 tokens) on all ranks at once — both trainers
+    in the same processes, taking turns step by step so that a change of machine load hits them
+    alike; medians over the rounds — and the memory model's modelled bytes of both (for the floor)."""
+    import torch.distributed as dist
+
     from ..engine import Trainer
 
-    times, modelled = {}, 0
+    trainers = {}
     for layers in (1, 3):
         cfg = {"model": {"preset": "tiny", "layers": layers}, "parallel": {"data": world},
                "data": {"kind": "stdlib", "seq_len": 64, "max_bytes": 200_000},
-               "train": {"global_batch": 2 * world, "micro_batch": 2, "steps": REFERENCE_STEPS, "log_interval": 1,
-                         "warmup_steps": 1}}
-        tr = Trainer(cfg, progress=False)
-        tr.run()
-        times[layers] = statistics.median(r["step_time_s"] for r in tr.history[2:])
-        modelled = tr.predicted_mem.modelled if tr.predicted_mem is not None else 0
-    return times, int(modelled)
+               "train": {"global_batch": 2 * world, "micro_batch": 2, "steps": REFERENCE_STEPS, "warmup_steps": 1}}
+        trainers[layers] = Trainer(cfg, progress=False)
+    times = {layers: [] for layers in trainers}
+    for k in range(REFERENCE_STEPS):
+        for layers, tr in trainers.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            tr.step(k)
+            dist.barrier()
+            if k >= 2:
+                times[layers].append(time.perf_counter() - t0)
+    modelled = sum(tr.predicted_mem.modelled for tr in trainers.values() if tr.predicted_mem is not None)
+    return {layers: statistics.median(ts) for layers, ts in times.items()}, int(modelled)
 
 
 def _fit(points, world: int, op: str):
