@@ -243,3 +243,14 @@ def test_presets_on_h100_keep_tensor_inside_a_node():
                   zero_stages=(0, 1, 3), max_micro_batch=2)
     best = result.best.layout
     assert best.tensor <= 8 and result.best.predicted_mem_bytes <= load_hardware("h100").device_memory_bytes
+
+
+def test_interleaved_holds_more_micro_batches():
+    from gridshard.planner.cost_memory import interleaved_in_flight
+
+    assert interleaved_in_flight(0, 8, 4, 64) == 10 and interleaved_in_flight(7, 8, 4, 64) == 7   # 1F1B: 8 and 1
+    assert interleaved_in_flight(0, 2, 2, 2) == 2                                                  # at most A
+    cfg = load_config("configs/tiny.yaml", ["model.layers=4"])
+    one = evaluate(cfg, Layout(1, 2, 1, "none", False, 0, "none", 1, "1f1b"), CPU, 2)
+    inter = evaluate(cfg, Layout(1, 2, 1, "none", False, 0, "none", 1, "interleaved_1f1b", 2), CPU, 2)
+    assert inter.memory.details["in_flight"] > one.memory.details["in_flight"]

@@ -18,11 +18,21 @@ Safety margin: ``margin_fraction`` (10 % by default, from the hardware file) of 
 modelled bytes, as :class:`~gridshard.theory.memory.RankMemory` states it; a layout fits
 when ``total_with_margin`` ≤ the device's memory.
 
+Interleaved 1F1B (an adapter: the memory model counts one stage per rank): rank r warms up
+with 2·(P − r − 1) + (V − 1)·P + 1 forward chunks of 1/V of its layers before its first
+backward (Narayanan et al. 2021's interleaved schedule), so it holds about
+⌈(2·(P − r − 1) + (V − 1)·P + 1) / V⌉ micro-batches of its layers (at most A) instead of
+min(A, P − r); :func:`interleaved_in_flight` gives the count and the planner adds the
+difference × the rank's activation bytes per micro-batch.
+
 Precision: the memory model is fp32 (asserted there); under bf16 autocast it over-states
 activations (it keeps fp32 copies where autocast keeps bf16), so GPU plans at bf16 are
 conservative on activations.
 """
 from __future__ import annotations
+
+import dataclasses
+import math
 
 from ..pipeline.split import stage_layer_counts
 from ..theory.memory import predict_rank_memory
@@ -34,6 +44,11 @@ def stage_layers_of_rank(layers: int, P: int, V: int) -> list:
     counts = stage_layer_counts(layers, P * V)
     starts = [sum(counts[:s]) for s in range(P * V)]
     return [[i for s in range(r, P * V, P) for i in range(starts[s], starts[s] + counts[s])] for r in range(P)]
+
+
+def interleaved_in_flight(rank: int, P: int, V: int, A: int) -> int:
+    """Micro-batches (of the rank's whole layer set) rank ``rank`` holds under interleaved 1F1B."""
+    return min(A, math.ceil((2 * (P - rank - 1) + (V - 1) * P + 1) / V))
 
 
 def ranks_to_check(layer_ids: list) -> list:
@@ -72,9 +87,14 @@ def _layout_memory(model_cfg, layout, seq_len, global_batch, baseline_bytes, mar
             micro_batch=layout.micro_batch, seq_len=seq_len, n_microbatches=A, pipeline=P, pipeline_rank=r,
             schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=baseline_bytes,
             margin_fraction=margin_fraction)
+        if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
+            extra = interleaved_in_flight(r, P, V, A) - mem.details["in_flight"]
+            if extra > 0:
+                mem = dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
+                                          details={**mem.details, "in_flight": mem.details["in_flight"] + extra})
         if worst is None or mem.total_with_margin > worst[0].total_with_margin:
             worst = (mem, r)
     return worst
 
 
-__all__ = ["layout_memory", "stage_layers_of_rank", "ranks_to_check"]
+__all__ = ["layout_memory", "stage_layers_of_rank", "ranks_to_check", "interleaved_in_flight"]
