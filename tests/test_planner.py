@@ -150,14 +150,12 @@ def test_cli_json_and_bad_input():
 
 
 def test_model_too_large_names_the_nearest_feasible():
-    small = dict(load_hardware("cpu").__dict__)
     hw = load_hardware("cpu")
     hw.device_memory_bytes = hw.reserved_bytes + (1 << 20)            # room for half the model state
     with pytest.raises(PlanError) as e:
         plan("configs/tiny.yaml", 1, hardware=hw)
     msg = str(e.value)
     assert "no layout of 1 × cpu fits" in msg and "Nearest feasible: --gpus" in msg
-    assert small["name"] == "cpu"
 
 
 def test_hardware_files_and_efficiency_curve():

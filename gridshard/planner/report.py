@@ -58,7 +58,6 @@ def explain(result: PlanResult) -> str:
              f"  links: tensor {st.details['links']['tensor']}, pipeline {st.details['links']['pipeline']}, data "
              f"{st.details['links']['data']} node; {st.details['micro_batches']} micro-batches per step"
              + (f", bubble fraction {st.details['bubble_fraction']:.3f}" if best.layout.pipeline > 1 else "")]
-    seen = {best.layout.label()}
     others = []
     for c in result.candidates[1:]:
         key = (c.layout.data, c.layout.pipeline, c.layout.tensor, c.layout.tensor_mode, c.layout.sequence_parallel)

@@ -192,7 +192,7 @@ def no_layout_message(result: PlanResult) -> str:
             msg += " Fix: more devices, a shorter data.seq_len or a smaller model."
         return msg
     reasons = collections.Counter(c.reason.split(" Fix:")[0] for c in result.rejected)
-    common = reasons.most_common(1)[0][0] if reasons else "no candidate"
+    common = reasons.most_common(1)[0][0].rstrip(". ") if reasons else "no candidate"
     alt = _nearest_device_count(cfg, hw, N, result.nodes, upward=None)
     msg = f"no layout of {N} devices passes the config rules; the most common reason: {common}."
     if alt:
