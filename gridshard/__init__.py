@@ -6,8 +6,9 @@ from .errors import GridshardError, LayoutError, ShapeError, ConfigError, Checkp
 from .mesh import ParallelMesh, Axis, build_mesh, init_distributed, validate_layout
 from .comm.ledger import LEDGER
 from .parallel import gathered_state_dict, parallelize
+from .planner import plan
 
 __version__ = "0.1.0"
 __all__ = ["GridshardError", "LayoutError", "ShapeError", "ConfigError", "CheckpointError",
            "ParallelMesh", "Axis", "build_mesh", "init_distributed", "validate_layout", "LEDGER",
-           "parallelize", "gathered_state_dict"]
+           "parallelize", "gathered_state_dict", "plan"]

@@ -3,6 +3,8 @@
     gridshard train [CONFIG] [--nproc N] [--run-dir DIR] [--resume PATH|latest] [--max-restarts N]
                     [key.sub=value ...]
     gridshard export CKPT_DIR --to hf OUT_DIR
+    gridshard plan [CONFIG] --gpus N [--nodes K] [--hardware NAME|PROFILE.json] [--top K] [--json] [--write OUT.yaml]
+                   [--explain] [key.sub=value ...];  gridshard plan --calibrate [--nproc N] [--out PROFILE.json]
     gridshard plot RUN_DIR [--out DIR]
     gridshard prepare-data INPUT... --out DIR [--train-tokenizer --vocab-size N | --tokenizer FILE | --bytes]
     gridshard generate RUN_DIR|CKPT_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S]
@@ -479,6 +481,42 @@ def failure_message(error, run_dir: str, stalled=(), timeout_s=None) -> str:
     lines.append(f"last complete checkpoint: {latest} (continue with: gridshard train ... --run-dir {run_dir} "
                  f"--resume latest)" if latest else "no complete checkpoint was written")
     return "\n".join(lines)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, metavar="[CONFIG] [key.sub=value ...]")
+@click.option("--gpus", type=int, default=None, help="Devices N to plan for (default: the config's D×P×T).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes the N devices are spread over.")
+@click.option("--hardware", default="cpu", show_default=True,
+              help="h100 | h200 | a100 | cpu | calibrated | PROFILE.json (from --calibrate).")
+@click.option("--top", type=int, default=10, show_default=True, help="Layouts to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the layouts as a JSON list, best first.")
+@click.option("--write", type=click.Path(dir_okay=False), default=None,
+              help="Write the input config with the best layout's parallel:/train: keys to this YAML file.")
+@click.option("--explain", "explain_flag", is_flag=True, help="Say why the top layout wins.")
+@click.option("--calibrate", "calibrate_flag", is_flag=True, help="Measure this machine (GEMM, memory, "
+              "collectives over --nproc local ranks) and write a profile for --hardware.")
+@click.option("--nproc", type=int, default=4, show_default=True, help="Ranks for --calibrate.")
+@click.option("--out", default="gridshard-profile.json", show_default=True, help="Profile file of --calibrate.")
+def plan(args, gpus, nodes, hardware, top, as_json, write, explain_flag, calibrate_flag, nproc, out):
+    """Rank every layout of CONFIG on N devices by predicted step time (docs/planner.md).
+
+    \b
+      gridshard plan configs/tiny.yaml --gpus 8 --explain
+      gridshard plan --gpus 64 --nodes 8 --hardware h100 model.preset=7b data.seq_len=4096
+      gridshard plan --calibrate --nproc 4 --out cpu.json && gridshard plan --gpus 4 --hardware cpu.json
+    """
+    from .planner.command import run_calibrate, run_plan
+
+    try:
+        if calibrate_flag:
+            run_calibrate(nproc, out)
+            return
+        source, overrides = _split_args(args)
+        run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag)
+    except ConfigError as e:
+        click.echo(f"gridshard plan: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
 
 
 @main.command()

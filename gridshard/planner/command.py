@@ -1,0 +1,51 @@
+"""The body of ``gridshard plan`` (``gridshard/cli.py`` only declares the options)."""
+from __future__ import annotations
+
+import os
+
+import click
+
+DEFAULT_PROFILE = "gridshard-profile.json"
+
+
+def resolve_hardware(name: str):
+    """``calibrated`` → the profile at $GRIDSHARD_PROFILE or ./gridshard-profile.json."""
+    if name == "calibrated":
+        path = os.environ.get("GRIDSHARD_PROFILE", DEFAULT_PROFILE)
+        if not os.path.isfile(path):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"--hardware calibrated: no profile at {path!r}. Fix: run gridshard plan --calibrate "
+                              f"--out {path} first, or pass --hardware PROFILE.json.")
+        return path
+    return name
+
+
+def run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag) -> None:
+    from . import report
+    from .search import plan
+
+    result = plan(source, gpus, nodes=nodes, hardware=resolve_hardware(hardware), overrides=overrides)
+    if as_json:
+        click.echo(report.as_json(result, top))
+    else:
+        click.echo(report.table(result, top))
+    if explain_flag:
+        click.echo("")
+        click.echo(report.explain(result))
+    if write:
+        warning = report.write_config(result, write)
+        click.echo(f"wrote {write}: {result.best.layout.label()} (gridshard train {write} --nproc {result.world})",
+                   err=as_json)
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
+
+
+def run_calibrate(nproc: int, out: str) -> None:
+    from .calibrate import calibrate
+
+    prof = calibrate(nproc=nproc, out=out)
+    click.echo(f"wrote {out}: GEMM {prof['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s per rank, "
+               f"{prof['compute_slots_per_node']:.2f} ranks compute at once, all-reduce "
+               f"{prof['links']['intra']['default']['bandwidth'] / 1e6:.0f} MB/s + "
+               f"{prof['links']['intra']['default']['latency_s'] * 1e6:.0f} us; use --hardware {out}")

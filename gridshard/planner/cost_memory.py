@@ -1,0 +1,100 @@
+"""Predicted peak memory of a layout: the worst rank of :func:`gridshard.theory.memory.predict_rank_memory`.
+
+No formula lives here; this module only decides *which ranks* to ask about and with what
+arguments, the way the trainer does (:meth:`gridshard.engine.trainer.Trainer._predict_memory`):
+
+* data rank 0 (it owns the most rows of every ZeRO shard: ``ceil(n0/D)``);
+* the pipeline ranks that can hold the most: the first (embedding, the most micro-batches
+  in flight), the last (head, loss and logits) and the first rank holding the most decoder
+  layers; rank r holds stages r, r+P, … of the
+  P·V stages, whose layers come from :func:`gridshard.pipeline.split.stage_layer_counts`
+  (the split the pipeline builder uses); the first stage's rank holds the embedding, the
+  last's the final norm, head and loss.
+
+``baseline_bytes`` is the hardware's ``reserved_bytes`` (GPU: CUDA context, NCCL buffers,
+allocator; CPU: the Python + torch + gloo resident set measured before the model is built).
+
+Safety margin: ``margin_fraction`` (10 % by default, from the hardware file) of the
+modelled bytes, as :class:`~gridshard.theory.memory.RankMemory` states it; a layout fits
+when ``total_with_margin`` ≤ the device's memory.
+
+Interleaved 1F1B (an adapter: the memory model counts one stage per rank): rank r warms up
+with 2·(P − r − 1) + (V − 1)·P + 1 forward chunks of 1/V of its layers before its first
+backward (Narayanan et al. 2021's interleaved schedule), so it holds about
+⌈(2·(P − r − 1) + (V − 1)·P + 1) / V⌉ micro-batches of its layers (at most A) instead of
+min(A, P − r); :func:`interleaved_in_flight` gives the count and the planner adds the
+difference × the rank's activation bytes per micro-batch.
+
+Precision: the memory model is fp32 (asserted there); under bf16 autocast it over-states
+activations (it keeps fp32 copies where autocast keeps bf16), so GPU plans at bf16 are
+conservative on activations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..pipeline.split import stage_layer_counts
+from ..theory.memory import predict_rank_memory
+from .layouts import Layout
+
+
+def stage_layers_of_rank(layers: int, P: int, V: int) -> list:
+    """Decoder layer ids of each pipeline rank (stages r, r+P, … of the P·V stages)."""
+    counts = stage_layer_counts(layers, P * V)
+    starts = [sum(counts[:s]) for s in range(P * V)]
+    return [[i for s in range(r, P * V, P) for i in range(starts[s], starts[s] + counts[s])] for r in range(P)]
+
+
+def interleaved_in_flight(rank: int, P: int, V: int, A: int) -> int:
+    """Micro-batches (of the rank's whole layer set) rank ``rank`` holds under interleaved 1F1B."""
+    return min(A, math.ceil((2 * (P - rank - 1) + (V - 1) * P + 1) / V))
+
+
+def ranks_to_check(layer_ids: list) -> list:
+    """Pipeline ranks whose memory can be the largest: first, last, and those with the most layers."""
+    P = len(layer_ids)
+    most = max(len(x) for x in layer_ids)
+    heavy = next(r for r in range(P) if len(layer_ids[r]) == most)
+    return sorted({0, P - 1, heavy})
+
+
+def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,
+                  margin_fraction: float = 0.10):
+    """(worst RankMemory, pipeline rank it belongs to) of ``layout`` (module docstring)."""
+    key = (tuple(sorted(vars(model_cfg).items())), layout, seq_len, global_batch, int(baseline_bytes),
+           float(margin_fraction))
+    if key not in _CACHE:
+        if len(_CACHE) > 100_000:
+            _CACHE.clear()
+        _CACHE[key] = _layout_memory(model_cfg, layout, seq_len, global_batch, int(baseline_bytes),
+                                     float(margin_fraction))
+    return _CACHE[key]
+
+
+_CACHE: dict = {}
+
+
+def _layout_memory(model_cfg, layout, seq_len, global_batch, baseline_bytes, margin_fraction):
+    P, V = layout.pipeline, layout.virtual_stages
+    A = global_batch // (layout.micro_batch * layout.data)
+    per_rank = stage_layers_of_rank(model_cfg.layers, P, V) if P > 1 else [None]
+    worst = None
+    for r in ranks_to_check(per_rank) if P > 1 else [0]:
+        mem = predict_rank_memory(
+            model_cfg, mode=layout.tensor_mode, T=layout.tensor, sequence_parallel=layout.sequence_parallel,
+            data=layout.data, data_rank=0, zero=layout.zero, recompute=layout.recompute,
+            micro_batch=layout.micro_batch, seq_len=seq_len, n_microbatches=A, pipeline=P, pipeline_rank=r,
+            schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=baseline_bytes,
+            margin_fraction=margin_fraction)
+        if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
+            extra = interleaved_in_flight(r, P, V, A) - mem.details["in_flight"]
+            if extra > 0:
+                mem = dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
+                                          details={**mem.details, "in_flight": mem.details["in_flight"] + extra})
+        if worst is None or mem.total_with_margin > worst[0].total_with_margin:
+            worst = (mem, r)
+    return worst
+
+
+__all__ = ["layout_memory", "stage_layers_of_rank", "ranks_to_check", "interleaved_in_flight"]

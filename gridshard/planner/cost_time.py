@@ -1,0 +1,280 @@
+"""Predicted step time of a layout: compute, exposed communication per mesh dim, bubble.
+
+Every count of FLOPs and bytes comes from :mod:`gridshard.theory` (the functions the ledger
+tests assert); this module only prices them with a :class:`~gridshard.planner.hardware.Hardware`.
+Notation: D, P, T (q = √T in 2D), A = global_batch/(m·D) micro-batches of m sequences of
+s tokens, L_r the decoder layers of the slowest pipeline rank (its stages' layers).
+
+Compute, per micro-batch on that rank (× the node's contention, ``Hardware.contention``)::
+
+    F_layer = flops_per_token(V=0, L=1)             (6·N_mm of one layer + 12·s·h)
+    F_head  = flops_per_token(V, L=0)               (6·V·h, last stage only)
+    F       = m·s·(L_r·F_layer + F_head)/T
+            + recompute: full  m·s·L_r·F_layer/(3T)                 (one more forward)
+                         selective m·s·L_r·(F_layer(s) − F_layer(s=0))/(3T)   (attention core forward)
+    t_gemm  = F / (peak[precision] · efficiency(G))   G = FLOPs of the rank's gate|up GEMM:
+              2·N·h·f (none), 2·N·h·f/T (1D), 2·N·h·f/q³ (2D: one SUMMA panel step)
+    t_elem  = 3 · activation bytes of the micro-batch / memory_bandwidth    (written forward,
+              read backward, gradient written: a stated approximation)
+    t_ops   = L_r · layer_overhead_s · (4/3 with full recompute)
+
+Tensor communication (exposed: it sits between dependent matmuls), per micro-batch:
+1D :func:`~gridshard.theory.tp1d.block_comm` per layer (+ embedding / final norm / head /
+cross-entropy on the end stages; + :func:`~gridshard.theory.tp1d.block_recompute_comm` per
+layer with full recompute); 2D the :mod:`~gridshard.theory.tp2d` pieces likewise (full
+recompute repeats the q|k|v, o and gate|up forward products and the norms' forward reduce:
+:func:`recompute2d_comm`, an adapter composed of ``summa_ab_comm``/``rmsnorm2d_comm``).
+Each collective costs ``latency + ring wire bytes / bandwidth`` on the tensor group's link.
+
+Pipeline: each micro-batch crosses the rank's stage boundaries forward and backward,
+:func:`~gridshard.theory.pipeline.boundary_bytes` each (``send`` link), exposed. The
+schedule's idle share b = :func:`~gridshard.theory.pipeline.bubble_fraction`; with t_mb the
+busy time of one micro-batch::
+
+    t_pipeline = A·t_mb / (1 − b)        (bubble = A·t_mb·b/(1 − b));   P = 1: A·t_mb
+
+Data parallelism, per step, on the data group's link (bytes:
+:func:`~gridshard.theory.training.dp_gradient_allreduce` over the trainer's buckets at ZeRO-0,
+:func:`~gridshard.theory.zero.zero_step_comm` at ZeRO 1–3):
+
+* the gradient reduction (ZeRO-0 all-reduce, ZeRO 1–3 reduce-scatters) is issued during the
+  last micro-batch's backward: **assumption** — it hides under ``dp_overlap`` × that backward
+  (2/3 of its compute) when P = 1 (the pipeline schedule owns the backward, so with P > 1 it
+  runs after it, exposed), and its last bucket/unit is always exposed;
+* ZeRO-1/2's all-gather of updated rows runs after the optimizer: exposed;
+* ZeRO-3's per-layer all-gathers in forward and backward: exposed (no prefetch), counted in
+  t_mb so the bubble stretches them too.
+
+Optimizer: AdamW streams 28 bytes per owned element (read param, grad, m, v; write param,
+m, v) at ``memory_bandwidth``; plus ``step_overhead_s``.
+
+    step = t_pipeline + exposed data comm + optimizer + step_overhead
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..comm.ledger import ring_wire_bytes
+from ..theory import CommVolume, tp1d, tp2d
+from ..theory.pipeline import boundary_bytes, bubble_fraction
+from ..theory.memory import rank_parameter_blocks
+from ..theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token
+from ..theory.zero import padded_numel, zero_step_comm
+from .hardware import Hardware
+from .layouts import Layout
+
+FP32 = 4
+ADAMW_BYTES_PER_ELEM = 28
+ELEMENTWISE_PASSES = 3
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step, split by cause."""
+
+    compute_s: float
+    tensor_comm_s: float
+    pipeline_comm_s: float
+    data_comm_s: float          # exposed
+    bubble_s: float
+    optimizer_s: float
+    overhead_s: float
+    details: dict = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.tensor_comm_s + self.pipeline_comm_s + self.data_comm_s + self.bubble_s
+                + self.optimizer_s + self.overhead_s)
+
+    def as_dict(self) -> dict:
+        return {"compute_s": self.compute_s, "tensor_comm_s": self.tensor_comm_s,
+                "pipeline_comm_s": self.pipeline_comm_s, "data_comm_s": self.data_comm_s, "bubble_s": self.bubble_s,
+                "optimizer_s": self.optimizer_s, "overhead_s": self.overhead_s, "total_s": self.total_s}
+
+
+# ---------------------------------------------------------------------------------------
+# byte counts (theory functions, composed per pipeline stage)
+# ---------------------------------------------------------------------------------------
+def tensor_comm_1d(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> list:
+    """CommVolumes of one micro-batch on a 1D rank holding ``layers`` decoder layers."""
+    T, sp, m, h = layout.tensor, layout.sequence_parallel, layout.micro_batch, cfg.hidden
+    vols = [tp1d.block_comm(m, seq, h, T, sp, heads=cfg.heads, kv_heads=cfg.kv_heads)] * layers
+    if layout.recompute == "full":
+        vols += [tp1d.block_recompute_comm(m, seq, h, T, sp)] * layers
+    if first:
+        vols.append(tp1d.embedding_comm(m, seq, h, T, sp))
+    if last:
+        vols += [tp1d.norm_comm(h, T, sp), tp1d.head_comm(m, seq, h, T, sp), tp1d.cross_entropy_comm(m * seq, T)]
+    return vols
+
+
+def recompute2d_comm(cfg, tokens: int, q: int) -> dict:
+    """Adapter (no theory function exists for it): what ``recompute=full`` repeats per 2D layer —
+    the forward SUMMA products of q|k|v, o and gate|up (the down projection's input is the last
+    tensor backward needs, as in 1D) and the two norms' forward row all-reduce of N/q·4 bytes."""
+    h, f, d = cfg.hidden, cfg.ffn_hidden, cfg.head_dim
+    qkv = h + 2 * cfg.kv_heads * d
+    norm = {"row": CommVolume(q).add("all_reduce", tokens // q * FP32, 2), "col": CommVolume(q)}
+    return tp2d.combine(tp2d.summa_ab_comm(tokens, h, qkv, q), tp2d.summa_ab_comm(tokens, h, h, q),
+                        tp2d.summa_ab_comm(tokens, h, 2 * f, q), norm)
+
+
+def tensor_comm_2d(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> list:
+    """Per-axis volumes of one micro-batch on a 2D rank, flattened to a CommVolume list (both
+    groups have q ranks and share the node's link)."""
+    q = math.isqrt(layout.tensor)
+    m, h, n = layout.micro_batch, cfg.hidden, layout.micro_batch * seq
+    parts = [tp2d.block2d_comm(m, seq, h, cfg.ffn_hidden, q, heads=cfg.heads, kv_heads=cfg.kv_heads)] * layers
+    if layout.recompute == "full":
+        parts += [recompute2d_comm(cfg, n, q)] * layers
+    if first:
+        parts.append(tp2d.embedding2d_comm(m, seq, h, q))
+    if last:
+        head = tp2d.tied_head2d_comm(n, h, cfg.vocab_size, q) if cfg.tie_embeddings and first else \
+            tp2d.linear2d_comm(n, h, tp2d.padded_vocab(cfg.vocab_size, q), q)
+        parts += [tp2d.rmsnorm2d_comm(n, h, q), head, tp2d.cross_entropy2d_comm(n, q)]
+    return [tp2d.total(p) for p in parts]
+
+
+_BLOCKS: dict = {}
+
+
+def _blocks(cfg, mode: str, T: int, layer_ids, first: bool, last: bool) -> list:
+    """:func:`gridshard.theory.memory.rank_parameter_blocks`, memoised (the planner asks for the
+    same rank's blocks for many layouts)."""
+    key = (tuple(sorted(vars(cfg).items())), mode, T, None if layer_ids is None else tuple(layer_ids), first, last)
+    if key not in _BLOCKS:
+        if len(_BLOCKS) > 10_000:
+            _BLOCKS.clear()
+        _BLOCKS[key] = rank_parameter_blocks(cfg, mode, T, layer_ids, first, last)
+    return _BLOCKS[key]
+
+
+def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
+    """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step."""
+    D = layout.data
+    blocks = _blocks(cfg, layout.tensor_mode, layout.tensor, layer_ids, first, last)
+    if D == 1:
+        return None, None, 1
+    if layout.zero == 0:
+        numels = [b.numel for b in blocks]
+        buckets = bucket_partition(numels, FP32, bucket_bytes)
+        return dp_gradient_allreduce([sum(numels[i] for i in b) for b in buckets], D), None, len(buckets)
+    units: dict = {}
+    for b in blocks:
+        units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
+    size = {u: D * sum(padded_numel(b.shape, D) for b in bs) for u, bs in units.items()}
+    layer_units = [size[u] for u in units if u != "root"]
+    vol = zero_step_comm(layer_units, size.get("root", 0), D, layout.zero, A)
+    reduce = type(vol)(D).add("reduce_scatter", vol.payload_bytes("reduce_scatter") // max(1, vol.count("reduce_scatter")),
+                              vol.count("reduce_scatter"))
+    gather = type(vol)(D).add("all_gather", vol.payload_bytes("all_gather") // max(1, vol.count("all_gather")),
+                              vol.count("all_gather"))
+    return reduce, gather, len(size)
+
+
+# ---------------------------------------------------------------------------------------
+# pricing
+# ---------------------------------------------------------------------------------------
+def comm_seconds(vols, hw: Hardware, level: str) -> float:
+    """Σ over ops of calls·latency + ring wire bytes / bandwidth (hardware module docstring)."""
+    total = 0.0
+    for v in vols:
+        if v is None:
+            continue
+        for op, payload in v.payload.items():
+            total += hw.link(level, op).seconds(ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size)
+    return total
+
+
+def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
+    """Which link each mesh dim uses: mesh order (data, pipeline, tensor), tensor innermost,
+    ``devices_per_node`` consecutive ranks per node."""
+    world = layout.data * layout.pipeline * layout.tensor
+    per_node = max(1, world // max(1, nodes))
+    inside = lambda span: "intra" if span <= per_node else "inter"  # noqa: E731
+    return {"tensor": inside(layout.tensor), "pipeline": inside(layout.tensor * layout.pipeline),
+            "data": inside(world)}
+
+
+def gemm_flops(cfg, layout: Layout, seq: int) -> float:
+    """FLOPs of one of the rank's gate|up GEMMs (the module docstring's G)."""
+    N, h, f = layout.micro_batch * seq, cfg.hidden, cfg.ffn_hidden
+    if layout.tensor_mode == "2d":
+        q = math.isqrt(layout.tensor)
+        return 2.0 * N * h * f / q ** 3
+    return 2.0 * N * h * f / layout.tensor
+
+
+def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: int, precision: str = "fp32",
+              nodes: int = 1, layer_ids=None, first: bool = True, last: bool = True, activation_bytes: int = 0,
+              bucket_mb: float = 25.0) -> StepTime:
+    """Predicted step time of the rank holding ``layer_ids`` (default all layers), module docstring."""
+    s, m, T = seq_len, layout.micro_batch, layout.tensor
+    A = global_batch // (m * layout.data)
+    layers = cfg.layers if layer_ids is None else len(layer_ids)
+    kvh = cfg.kv_heads * cfg.head_dim
+    world = layout.data * layout.pipeline * T
+    stretch = hw.contention(max(1, world // max(1, nodes)))
+    levels = link_levels(layout, hw, nodes)
+
+    f_layer = flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, s, kvh)
+    f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, cfg.ffn_hidden, s, kvh)
+    flops = m * s * (layers * f_layer + (f_head if last else 0.0)) / T
+    if layout.recompute == "full":
+        flops += m * s * layers * f_layer / (3 * T)
+    elif layout.recompute == "selective":
+        core = f_layer - flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, 0, kvh)
+        flops += m * s * layers * core / (3 * T)
+    t_gemm = flops / hw.flops_rate(precision, gemm_flops(cfg, layout, s))
+    t_elem = ELEMENTWISE_PASSES * activation_bytes / hw.memory_bandwidth
+    t_ops = layers * hw.layer_overhead_s * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
+    compute_mb = (t_gemm + t_elem + t_ops) * stretch
+
+    if layout.tensor_mode == "1d" and T > 1:
+        t_tensor_mb = comm_seconds(tensor_comm_1d(cfg, layout, s, layers, first, last), hw, levels["tensor"])
+    elif layout.tensor_mode == "2d" and T > 1:
+        t_tensor_mb = comm_seconds(tensor_comm_2d(cfg, layout, s, layers, first, last), hw, levels["tensor"])
+    else:
+        t_tensor_mb = 0.0
+
+    P, V = layout.pipeline, layout.virtual_stages
+    t_p2p_mb = 0.0
+    if P > 1:
+        per = boundary_bytes(layout.tensor_mode, layout.sequence_parallel, T, m, s, cfg.hidden)
+        crossings = 2 * V - (1 if first else 0) - (1 if last else 0) if V > 1 else (not last) + (not first)
+        t_p2p_mb = hw.link(levels["pipeline"], "send").seconds(per * crossings, max(crossings, 0))
+
+    reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, int(bucket_mb * (1 << 20)))
+    t_gather_in_step = 0.0
+    t_gather_after = 0.0
+    if gather is not None:
+        t_gather = comm_seconds([gather], hw, levels["data"])
+        if layout.zero == 3:
+            t_gather_in_step = t_gather / A          # per micro-batch (its layer gathers)
+        else:
+            t_gather_after = t_gather
+    t_reduce = comm_seconds([reduce], hw, levels["data"]) if reduce is not None else 0.0
+    hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb if P == 1 else 0.0
+    exposed_reduce = max(t_reduce - hide, t_reduce / max(1, units)) if t_reduce else 0.0
+
+    t_mb = compute_mb + t_tensor_mb + t_p2p_mb + t_gather_in_step
+    bubble = bubble_fraction(P, A, layout.pipeline_schedule, V) if P > 1 else 0.0
+    bubble_s = A * t_mb * bubble / (1.0 - bubble) if P > 1 else 0.0
+
+    blocks = _blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
+    owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
+    t_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth * stretch
+    small = sum(hw.link(levels[d], "all_reduce").seconds(8, 1, n) for d, n in (("tensor", T), ("pipeline", P),
+                                                                               ("data", layout.data)) if n > 1)
+    return StepTime(compute_s=A * compute_mb, tensor_comm_s=A * t_tensor_mb, pipeline_comm_s=A * t_p2p_mb,
+                    data_comm_s=exposed_reduce + t_gather_after + A * t_gather_in_step, bubble_s=bubble_s,
+                    optimizer_s=t_opt, overhead_s=hw.step_overhead_s * stretch + small,
+                    details={"micro_batches": A, "bubble_fraction": bubble, "links": levels, "contention": stretch,
+                             "gemm_flops": gemm_flops(cfg, layout, s), "flops_per_microbatch": flops,
+                             "data_reduce_s": t_reduce, "data_reduce_hidden_s": t_reduce - exposed_reduce})
+
+
+__all__ = ["StepTime", "step_time", "tensor_comm_1d", "tensor_comm_2d", "recompute2d_comm", "data_comm",
+           "comm_seconds", "link_levels", "gemm_flops"]

@@ -1,0 +1,145 @@
+"""Layouts: what the planner enumerates, and which of them the config rules accept.
+
+A :class:`Layout` is everything ``gridshard plan`` chooses: the ``parallel:`` section
+(D, P, T, tensor mode, sequence parallelism, pipeline schedule, virtual stages) and the
+``train:`` keys zero, recompute and micro_batch. :func:`enumerate_layouts` lists every
+combination the device count allows:
+
+* D·P·T = N over all ordered factorisations of N;
+* T = 1: ``none``; T > 1: ``1d`` without and with sequence parallelism, and ``2d`` when T
+  is a perfect square;
+* ZeRO 0–3 when D > 1 (with D = 1 every stage holds the same bytes: only 0);
+* recompute none / selective / full;
+* micro_batch: every divisor of global_batch / D (up to ``max_micro_batch``, 16 by default);
+* P > 1: ``gpipe``, ``1f1b`` and ``interleaved_1f1b`` with V ∈ {2, 4} virtual stages.
+  ``zero_bubble`` is not enumerated (the memory model does not describe its deferred
+  weight passes, and ZeRO-3 refuses it).
+
+Validity is the config's own: :func:`layout_problem` applies
+:mod:`gridshard.config.validate`'s rules to the input config with the layout written in,
+and returns the rule's message (``None`` when valid). The data-source check reads files
+and does not depend on the layout, so the per-layout rules run without it (``--write``
+runs the full validation on the written file); ``tests/test_planner.py`` checks that the
+verdicts equal a full :func:`gridshard.config.validate.validate_config` on sampled layouts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterator, Optional
+
+from ..config import validate as rules
+from ..config.schema import TrainConfig
+from ..errors import ConfigError
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+VIRTUAL_STAGES = (2, 4)
+
+
+@dataclass(frozen=True)
+class Layout:
+    data: int
+    pipeline: int
+    tensor: int
+    tensor_mode: str
+    sequence_parallel: bool
+    zero: int
+    recompute: str
+    micro_batch: int
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    def parallel_section(self) -> dict:
+        return {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor, "tensor_mode": self.tensor_mode,
+                "sequence_parallel": self.sequence_parallel, "pipeline_schedule": self.pipeline_schedule,
+                "virtual_stages": self.virtual_stages}
+
+    def train_section(self) -> dict:
+        return {"zero": self.zero, "recompute": self.recompute, "micro_batch": self.micro_batch}
+
+    def label(self) -> str:
+        mode = self.tensor_mode + ("+SP" if self.sequence_parallel else "")
+        pipe = ""
+        if self.pipeline > 1:
+            pipe = f" {self.pipeline_schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return f"D{self.data} P{self.pipeline} T{self.tensor} {mode}{pipe} z{self.zero} rc={self.recompute} m{self.micro_batch}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def factorisations(n: int) -> list:
+    """Every (D, P, T) with D·P·T = n."""
+    out = []
+    for d in range(1, n + 1):
+        if n % d:
+            continue
+        for p in range(1, n // d + 1):
+            if (n // d) % p == 0:
+                out.append((d, p, n // d // p))
+    return out
+
+
+def divisors(n: int) -> list:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _modes(T: int) -> list:
+    if T == 1:
+        return [("none", False)]
+    out = [("1d", False), ("1d", True)]
+    q = math.isqrt(T)
+    if q * q == T:
+        out.append(("2d", False))
+    return out
+
+
+def _schedules(P: int) -> list:
+    if P == 1:
+        return [("1f1b", 1)]
+    return [("gpipe", 1), ("1f1b", 1)] + [("interleaved_1f1b", v) for v in VIRTUAL_STAGES]
+
+
+def enumerate_layouts(world: int, global_batch: int, zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE,
+                      micro_batches: Optional[list] = None, max_micro_batch: Optional[int] = None) -> Iterator[Layout]:
+    """Every candidate layout of ``world`` ranks (module docstring), valid or not; micro-batches
+    ``micro_batches`` if given, else the divisors of global_batch/D up to ``max_micro_batch``."""
+    for D, P, T in factorisations(world):
+        mbs = [m for m in divisors(global_batch // D) if m <= (max_micro_batch or m)] if micro_batches is None \
+            else list(micro_batches)
+        if global_batch % D:
+            mbs = [1]            # kept so that the batch rule names the reason
+        for mode, sp in _modes(T):
+            for sched, V in _schedules(P):
+                for m in mbs:
+                    for z in (zero_stages if D > 1 else (0,)):
+                        for rc in recompute:
+                            yield Layout(D, P, T, mode, sp, z, rc, m, sched, V)
+
+
+def apply_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
+    """``cfg`` with the layout's parallel section and train keys written in (nothing else changes)."""
+    parallel = cfg.parallel.model_copy(update={**layout.parallel_section(), "stage_layers": None})
+    train = cfg.train.model_copy(update=layout.train_section())
+    return cfg.model_copy(update={"parallel": parallel, "train": train})
+
+
+def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available: bool = False) -> Optional[str]:
+    """The config rule ``layout`` breaks (its message), or None. Same order as
+    :func:`gridshard.config.validate.validate_config`, the data check excepted (module docstring)."""
+    c = apply_layout(cfg, layout)
+    try:
+        rules._positive(c)
+        rules._layout(c, world)
+        rules._batch(c)
+        rules._pipeline(c)
+        rules._shapes(c)
+        rules._optim(c, cuda_available)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+__all__ = ["Layout", "enumerate_layouts", "factorisations", "divisors", "apply_layout", "layout_problem",
+"RECOMPUTE", "SCHEDULES"]

@@ -1,0 +1,138 @@
+"""What ``gridshard plan`` prints and writes: the table, ``--json``, ``--explain``, ``--write``."""
+from __future__ import annotations
+
+import copy
+import json
+
+import yaml
+
+from .search import Candidate, PlanResult, gib
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / (1 << 20):,.0f}"
+
+
+def table(result: PlanResult, top: int = 10) -> str:
+    """A fixed-width table of the ``top`` feasible layouts, best first."""
+    head = ["#", "layout", "mem/rank MiB", "step s", "compute", "tensor", "pipe", "data", "bubble", "tok/s", "MFU"]
+    rows = []
+    for i, c in enumerate(result.candidates[:top], 1):
+        st = c.step
+        rows.append([str(i), c.layout.label(), _mib(c.predicted_mem_bytes), f"{st.total_s:.4g}", f"{st.compute_s:.3g}",
+                     f"{st.tensor_comm_s:.3g}", f"{st.pipeline_comm_s:.3g}", f"{st.data_comm_s:.3g}",
+                     f"{st.bubble_s:.3g}", f"{c.tokens_per_s:,.0f}", "-" if c.mfu is None else f"{c.mfu:.1%}"])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    fmt = lambda r: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
+    cfg = result.config
+    m = cfg.model.resolve()
+    lines = [f"gridshard plan: {result.world} × {result.hardware.name} on {result.nodes} node(s); model h={m.hidden} "
+             f"L={m.layers} V={m.vocab_size}, global batch {cfg.train.global_batch} × seq {cfg.data.seq_len}, "
+             f"{cfg.train.precision}",
+             f"layouts: {result.counts.get('feasible', 0)} feasible, {result.counts.get('memory', 0)} too large, "
+             f"{result.counts.get('rule', 0)} against the config rules; step s = compute + exposed comm (tensor, "
+             f"pipe, data) + bubble + optimizer/overhead",
+             fmt(head), fmt(["-" * w for w in widths])]
+    return "\n".join(lines + [fmt(r) for r in rows])
+
+
+def as_json(result: PlanResult, top: int = 10, rejected: int = 0) -> str:
+    """The ``--json`` list: ``top`` feasible layouts best first, then ``rejected`` infeasible ones."""
+    out = [c.as_json() for c in result.candidates[:top]]
+    out += [c.as_json() for c in result.rejected[:rejected]]
+    return json.dumps(out, indent=1)
+
+
+def explain(result: PlanResult) -> str:
+    """Why the top choice wins: its memory and time split, and how the runners-up differ."""
+    best = result.best
+    mem, st, hw = best.memory, best.step, result.hardware
+    lines = [f"Best: {best.layout.label()}",
+             f"  memory per rank (worst rank, pipeline rank {best.memory_rank}): params {gib(mem.params)}, grads "
+             f"{gib(mem.grads)}, optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)}, buffers "
+             f"{gib(mem.comm_buffers + mem.transient)}, baseline {gib(mem.baseline)}, + {mem.margin_fraction:.0%} "
+             f"margin = {gib(mem.total_with_margin)} of {gib(hw.device_memory_bytes)}",
+             f"  step {st.total_s:.4g} s = compute {st.compute_s:.3g} + tensor comm {st.tensor_comm_s:.3g} + pipeline "
+             f"comm {st.pipeline_comm_s:.3g} + data comm (exposed) {st.data_comm_s:.3g} + bubble {st.bubble_s:.3g} "
+             f"+ optimizer {st.optimizer_s:.3g} + overhead {st.overhead_s:.3g}",
+             f"  links: tensor {st.details['links']['tensor']}, pipeline {st.details['links']['pipeline']}, data "
+             f"{st.details['links']['data']} node; {st.details['micro_batches']} micro-batches per step"
+             + (f", bubble fraction {st.details['bubble_fraction']:.3f}" if best.layout.pipeline > 1 else "")]
+    others = []
+    for c in result.candidates[1:]:
+        key = (c.layout.data, c.layout.pipeline, c.layout.tensor, c.layout.tensor_mode, c.layout.sequence_parallel)
+        if key in {(o.layout.data, o.layout.pipeline, o.layout.tensor, o.layout.tensor_mode,
+                    o.layout.sequence_parallel) for o in others + [best]}:
+            continue
+        others.append(c)
+        if len(others) == 3:
+            break
+    for c in others:
+        lines.append(f"  vs {c.layout.label()}: {c.predicted_step_s / st.total_s:.2f}× the step time "
+                     f"({_why(best, c)}), {c.predicted_mem_bytes / best.predicted_mem_bytes:.2f}× the memory")
+    too_big = [c for c in result.rejected if c.memory is not None]
+    if too_big:
+        fastest_rejected = min(too_big, key=lambda c: c.predicted_mem_bytes)
+        lines.append(f"  {len(too_big)} layouts do not fit, e.g. {fastest_rejected.layout.label()} needs "
+                     f"{gib(fastest_rejected.predicted_mem_bytes)}")
+    return "\n".join(lines)
+
+
+def _why(best: Candidate, other: Candidate) -> str:
+    """The step-time component that differs most between two candidates."""
+    a, b = best.step.as_dict(), other.step.as_dict()
+    parts = [k for k in a if k != "total_s"]
+    k = max(parts, key=lambda k: abs(b[k] - a[k]))
+    return f"{k[:-2].replace('_', ' ')} {b[k]:.3g} s vs {a[k]:.3g} s"
+
+
+def written_config(result: PlanResult, candidate: Candidate = None) -> dict:
+    """The input config (as written, plus the overrides) with the chosen ``parallel:`` section and
+    ``train.zero/recompute/micro_batch`` merged in."""
+    from ..config.load import apply_overrides, default_config_dict, read_yaml
+
+    src = result.source
+    if isinstance(src, str):
+        raw = read_yaml(src)
+    elif isinstance(src, dict):
+        raw = copy.deepcopy(src)
+    elif src is None:
+        raw = default_config_dict()
+    else:
+        raw = src.model_dump()
+    raw = apply_overrides(raw, result.overrides)
+    c = candidate or result.best
+    parallel = dict(raw.get("parallel") or {})
+    parallel.update(c.layout.parallel_section())
+    parallel.pop("stage_layers", None)
+    train = dict(raw.get("train") or {})
+    train.update(c.layout.train_section())
+    raw["parallel"], raw["train"] = parallel, train
+    return raw
+
+
+def write_config(result: PlanResult, path: str, candidate: Candidate = None):
+    """Write :func:`written_config` as YAML after the full config validation at the planned world
+    size. A layout or model rule that fails raises ConfigError (nothing written); a data-section
+    failure (e.g. a cluster path absent here) is returned as a warning and the file is written."""
+    from ..config import resolve_config
+    from ..errors import ConfigError
+
+    raw = written_config(result, candidate)
+    warning = None
+    try:
+        resolve_config(raw, world_size=result.world, cuda_available=result.hardware.name != "cpu")
+    except ConfigError as e:
+        if not str(e).startswith("data."):
+            raise
+        warning = f"{path} written, but its data section does not validate on this machine: {e}"
+    c = candidate or result.best
+    header = (f"# written by gridshard plan: {c.layout.label()} on {result.world} × {result.hardware.name}; predicted "
+              f"{gib(c.predicted_mem_bytes)} per rank, {c.predicted_step_s:.4g} s per step\n")
+    with open(path, "w") as f:
+        f.write(header)
+        yaml.safe_dump(raw, f, sort_keys=False)
+    return warning
+
+
+__all__ = ["table", "as_json", "explain", "written_config", "write_config"]
