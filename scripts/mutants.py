@@ -179,6 +179,18 @@ MUTANTS = [
            (("        total = C.all_reduce(total, pipeline_axis)", "        pass"),),
            ("tests/test_pipeline.py::test_pipeline_run_equals_one_device[D1-P2-none-1f1b]",),
            "the gradient norm for clipping counts only this stage's parameters"),
+    Mutant("zero-sum-not-mean", "gridshard/zero/data_parallel.py",
+           (("            seg.div_(self.axis.size)\n", "            pass\n"),),
+           ("tests/test_zero.py::test_zero_stages_equal_zero0_memory_and_traffic_match_theory[D4-none-odd-tied]",),
+           "ZeRO's reduce-scatter sums the data ranks' gradients instead of averaging them (D× too large)"),
+    Mutant("zero-norm-one-data-rank", "gridshard/engine/clip.py",
+           (("        total = C.all_reduce(total, data_axis)\n", "        pass\n"),),
+           ("tests/test_zero.py::test_zero_stages_equal_zero0_memory_and_traffic_match_theory[D4-none-odd-tied]",),
+           "under ZeRO the gradient norm counts only this data rank's rows (clipping too weak, ranks disagree)"),
+    Mutant("zero3-regather-skipped", "gridshard/zero/data_parallel.py",
+           (("        ctx.zero.gather(ctx.unit, in_backward=True)\n", "        pass\n"),),
+           ("tests/test_zero.py::test_zero_stages_equal_zero0_memory_and_traffic_match_theory[D4-none-odd-tied]",),
+           "ZeRO-3 does not gather a layer's parameters again for its backward (freed storage used)"),
 ]
 
 
