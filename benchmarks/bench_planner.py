@@ -54,9 +54,9 @@ LAYOUTS = {
 
 def _config(base: dict, layout) -> dict:
     cfg = json.loads(json.dumps(base))
-    D, P, T, mode, sp, zero, rc, m, sched = layout
+    D, P, T, mode, sp, zero, rc, m, sched, *rest = layout
     cfg["parallel"] = {"data": D, "pipeline": P, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp,
-                       "pipeline_schedule": sched}
+                       "pipeline_schedule": sched, "virtual_stages": rest[0] if rest else 1}
     cfg["train"].update(zero=zero, recompute=rc, micro_batch=m)
     return cfg
 
@@ -72,7 +72,7 @@ def _train(cfg: dict):
 def _as_layout(t):
     from gridshard.planner.layouts import Layout
 
-    return Layout(*t[:8], pipeline_schedule=t[8])
+    return Layout(*t[:8], pipeline_schedule=t[8], virtual_stages=t[9] if len(t) > 9 else 1)
 
 
 def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
@@ -96,7 +96,7 @@ def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
     measured = []
     for lay in layouts:
         t = (lay.data, lay.pipeline, lay.tensor, lay.tensor_mode, lay.sequence_parallel, lay.zero, lay.recompute,
-             lay.micro_batch, lay.pipeline_schedule)
+             lay.micro_batch, lay.pipeline_schedule, lay.virtual_stages)
         cand = evaluate(cfg0, lay, hw, world, stop_agreement=False)
         if not cand.feasible:
             print(f"skip {lay.label()}: {cand.reason}", flush=True)
@@ -117,6 +117,9 @@ def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
         measured.append((lay, step_s, pred_s, peak, pred_mem))
         RECORDS.append({"world": world, "layout": list(t), "step_s": step_s, "peak": peak, "load": os.getloadavg()[0],
                         "top3": lay in top3, "wall_s": time.time() - t0})
+        if JSON_OUT:
+            with open(JSON_OUT, "w") as f:
+                json.dump(RECORDS, f, indent=1)
         print(" | ".join(row), flush=True)
     fastest = min(measured, key=lambda x: x[1])[0]
     summary.append(f"{name} on {world} ranks: measured fastest {fastest.label()}; planner top 3: "
@@ -128,6 +131,7 @@ def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
 
 
 RECORDS: list = []
+JSON_OUT = None
 
 
 def rescore(path: str, profile_dir: str):
@@ -168,6 +172,7 @@ if __name__ == "__main__":
     ap.add_argument("--json", default=None)
     ap.add_argument("--rescore", default=None)
     args = ap.parse_args()
+    JSON_OUT = args.json
     if args.rescore:
         rescore(args.rescore, args.profile_dir)
         sys.exit(0)
