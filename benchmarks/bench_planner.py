@@ -9,7 +9,13 @@ first by this script. Layouts: a fixed list spanning none / 1d / 1d+SP / 2d, ZeR
 and P = 1/2 on 4 ranks (``tiny``) and 8 ranks (``small``), plus the planner's own top 3 for each
 (model, N), so that "the planner's top 3 contains the measured fastest" can be checked.
 
-    .venv/bin/python benchmarks/bench_planner.py [--steps 8] [--only 4|8] [--profile-dir /tmp]
+    .venv/bin/python benchmarks/bench_planner.py [--steps 8] [--only 4|8] [--profile-dir /tmp] [--json out.json]
+
+The ranks build a ``Trainer`` directly, so no stop handler is installed
+(``control.stop_installed()`` is False there): the planner is asked without the per-step stop
+agreement (``evaluate(..., stop_agreement=False)``). ``--json`` also writes the measured rows
+(layout, measured step and peak), so that a later cost model can be compared against the same
+measurements (``--rescore out.json``: predictions only, no training).
 
 Prints one row per layout (predicted and measured step time and peak memory, residuals) and the
 summary: median / max |residual|, and whether the measured fastest is in the planner's top 3.
@@ -48,9 +54,9 @@ LAYOUTS = {
 
 def _config(base: dict, layout) -> dict:
     cfg = json.loads(json.dumps(base))
-    D, P, T, mode, sp, zero, rc, m, sched = layout
+    D, P, T, mode, sp, zero, rc, m, sched, *rest = layout
     cfg["parallel"] = {"data": D, "pipeline": P, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp,
-                       "pipeline_schedule": sched}
+                       "pipeline_schedule": sched, "virtual_stages": rest[0] if rest else 1}
     cfg["train"].update(zero=zero, recompute=rc, micro_batch=m)
     return cfg
 
@@ -66,7 +72,7 @@ def _train(cfg: dict):
 def _as_layout(t):
     from gridshard.planner.layouts import Layout
 
-    return Layout(*t[:8], pipeline_schedule=t[8])
+    return Layout(*t[:8], pipeline_schedule=t[8], virtual_stages=t[9] if len(t) > 9 else 1)
 
 
 def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
@@ -90,8 +96,8 @@ def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
     measured = []
     for lay in layouts:
         t = (lay.data, lay.pipeline, lay.tensor, lay.tensor_mode, lay.sequence_parallel, lay.zero, lay.recompute,
-             lay.micro_batch, lay.pipeline_schedule)
-        cand = evaluate(cfg0, lay, hw, world)
+             lay.micro_batch, lay.pipeline_schedule, lay.virtual_stages)
+        cand = evaluate(cfg0, lay, hw, world, stop_agreement=False)
         if not cand.feasible:
             print(f"skip {lay.label()}: {cand.reason}", flush=True)
             continue
@@ -109,6 +115,11 @@ def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
                f"{os.getloadavg()[0]:.1f}"]
         rows.append(row)
         measured.append((lay, step_s, pred_s, peak, pred_mem))
+        RECORDS.append({"world": world, "layout": list(t), "step_s": step_s, "peak": peak, "load": os.getloadavg()[0],
+                        "top3": lay in top3, "wall_s": time.time() - t0})
+        if JSON_OUT:
+            with open(JSON_OUT, "w") as f:
+                json.dump(RECORDS, f, indent=1)
         print(" | ".join(row), flush=True)
     fastest = min(measured, key=lambda x: x[1])[0]
     summary.append(f"{name} on {world} ranks: measured fastest {fastest.label()}; planner top 3: "
@@ -117,6 +128,36 @@ def run(world: int, steps: int, profile_dir: str, rows: list, summary: list):
                    f"max {max(abs(p - s) / s for _, s, p, _, _ in measured):.0%}; |memory residual| median "
                    f"{statistics.median(abs(pm - m) / m for *_, m, pm in measured):.1%}, max "
                    f"{max(abs(pm - m) / m for *_, m, pm in measured):.1%}")
+
+
+RECORDS: list = []
+JSON_OUT = None
+
+
+def rescore(path: str, profile_dir: str):
+    """Predictions of the current cost model against the measurements stored by ``--json``."""
+    from gridshard.config import load_config
+    from gridshard.planner import evaluate, load_hardware, plan
+
+    recs = json.load(open(path))
+    for world in sorted({r["world"] for r in recs}):
+        name, base, _ = LAYOUTS[world]
+        hw = load_hardware(os.path.join(profile_dir, f"gridshard-profile-cpu{world}.json"))
+        cfg0 = load_config(base)
+        top3 = [c.layout for c in plan(base, world, hardware=hw).candidates[:3]]
+        res, best = [], None
+        for r in (r for r in recs if r["world"] == world):
+            lay = _as_layout(r["layout"])
+            pred = evaluate(cfg0, lay, hw, world, stop_agreement=False).predicted_step_s
+            res.append((pred - r["step_s"]) / r["step_s"])
+            if best is None or r["step_s"] < best[1]:
+                best = (lay, r["step_s"])
+            print(f"| {name} | {world} | {lay.label() + (' *' if lay in top3 else '')} | {pred:.3f} | {r['step_s']:.3f} "
+                  f"| {res[-1]:+.0%} | {r['load']:.1f} |")
+        print(f"{name} on {world}: |step residual| median {statistics.median(map(abs, res)):.0%}, max "
+              f"{max(map(abs, res)):.0%}, under {sum(x < 0 for x in res)} of {len(res)}; measured fastest "
+              f"{best[0].label()}; current top 3 {[x.label() for x in top3]} -> "
+              f"{'contains it' if best[0] in top3 else 'does NOT contain it'}")
 
 
 HEADERS = ["model", "N", "layout (* planner top 3)", "pred step s", "meas step s", "step resid", "pred MiB",
@@ -128,7 +169,13 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--only", type=int, choices=[4, 8], default=None)
     ap.add_argument("--profile-dir", default="/tmp")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rescore", default=None)
     args = ap.parse_args()
+    JSON_OUT = args.json
+    if args.rescore:
+        rescore(args.rescore, args.profile_dir)
+        sys.exit(0)
     rows, summary = [], []
     print(f"load average at start: {os.getloadavg()}", flush=True)
     for world in ([args.only] if args.only else [4, 8]):
@@ -136,3 +183,6 @@ if __name__ == "__main__":
     print(format_table(HEADERS, rows))
     print("\n".join(summary))
     print(f"load average at end: {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RECORDS, f, indent=1)

@@ -5,7 +5,9 @@
   full :func:`gridshard.config.validate.validate_config`;
 * memory: the planner's figure *is* :func:`gridshard.theory.memory.predict_rank_memory` of the worst rank;
 * step time: the components add up, tensor comm is zero without tensor parallelism and grows
-  when the tensor group leaves the node;
+  when the tensor group leaves the node; ZeRO-3's exposed gathers grow with layers × micro-batches;
+  the per-call sync skew is paid once per priced call; the trainer's stop agreement and log-step
+  collectives are priced from the calibrated latency;
 * ``--write`` output validates and trains as is (validation only here), ``--json`` has the interface fields;
 * bad input: one clear message with the nearest feasible alternative;
 * published numbers: model state of GPT-3 175B at T=8, P=8 (16 bytes per parameter, Narayanan et al. 2021),
@@ -109,6 +111,63 @@ def test_step_time_components():
     assert across.tensor_comm_s > 5 * inside.tensor_comm_s       # IB vs NVLink
 
 
+def _skewed(skew: float):
+    hw = load_hardware("cpu")
+    hw.sync_skew_s = skew
+    return hw
+
+
+def test_zero3_gathers_grow_with_layers_times_micro_batches():
+    """2·A·L all-gathers of one layer each (theory.zero.zero_step_comm) + one of the root, each
+    latency + bytes/bandwidth + skew, all exposed: the cost of the layer gathers is ∝ L·A."""
+    hw = _skewed(1e-3)
+    gather = {}
+    for layers in (2, 4):
+        mc = load_config(None, ["model.preset=tiny", f"model.layers={layers}"]).model.resolve()
+        for m in (4, 2):                                                   # A = 16 / (m·D) = 1, 2
+            lay = Layout(4, 1, 1, "none", False, 3, "none", m)
+            st = step_time(mc, lay, hw, seq_len=64, global_batch=16)
+            gather[layers, 16 // (4 * m)] = st.details["zero3_gather_s"]
+            assert st.data_comm_s >= st.details["zero3_gather_s"] > 0
+    per_layer_mb = (gather[4, 1] - gather[2, 1]) / (2 * 1)
+    assert (gather[4, 2] - gather[2, 2]) / (2 * 2) == pytest.approx(per_layer_mb, rel=1e-6)   # integer bytes per call
+    ag = hw.link("intra", "all_gather")
+    assert per_layer_mb > 2 * (ag.latency_s + ag.latency_per_rank_s * 2 + hw.sync_skew_s)   # two calls, plus bytes
+
+
+def test_sync_skew_is_paid_per_priced_call():
+    """A 2D layout's SUMMA broadcasts/reduces: tensor comm rises by A × calls × skew, from the
+    theory.tp2d call counts (cost_time.tensor_comm_2d)."""
+    from gridshard.planner.cost_time import tensor_comm_2d
+
+    mc = load_config("configs/tiny.yaml").model.resolve()
+    lay = Layout(1, 1, 4, "2d", False, 0, "none", 4)
+    a = step_time(mc, lay, _skewed(0.0), seq_len=64, global_batch=16)
+    b = step_time(mc, lay, _skewed(2e-3), seq_len=64, global_batch=16)
+    calls = sum(sum(v.calls.values()) for v in tensor_comm_2d(mc, lay, 64, mc.layers, True, True))
+    A = a.details["micro_batches"]
+    assert calls > 50 * mc.layers / 2                                  # latency-bound on gloo: many small calls
+    assert b.tensor_comm_s - a.tensor_comm_s == pytest.approx(A * calls * 2e-3, rel=1e-9)
+
+
+def test_trainer_bookkeeping_priced():
+    """The stop agreement (one 4-byte MAX all-reduce over the world per step) goes into the
+    step; the log-step stats gather and loss all-reduces are reported ÷ log_interval."""
+    from gridshard.planner.cost_time import call_seconds
+
+    mc = load_config("configs/tiny.yaml").model.resolve()
+    hw = _skewed(1e-3)
+    lay = Layout(2, 2, 1, "none", False, 0, "none", 2)
+    off = step_time(mc, lay, hw, seq_len=64, global_batch=16)
+    on = step_time(mc, lay, hw, seq_len=64, global_batch=16, stop_agreement=True)
+    assert on.overhead_s - off.overhead_s == pytest.approx(call_seconds(hw, "intra", "all_reduce", 4, 4))
+    assert on.overhead_s - off.overhead_s > hw.sync_skew_s
+    every = step_time(mc, lay, hw, seq_len=64, global_batch=16, log_interval=1).details["log_bookkeeping_s"]
+    tenth = step_time(mc, lay, hw, seq_len=64, global_batch=16, log_interval=10).details["log_bookkeeping_s"]
+    assert every > 0 and tenth < every / 5
+    assert on.total_s - off.total_s == pytest.approx(on.details["stop_agreement_s"])   # log steps: outside
+
+
 def test_plan_ranks_and_json_fields():
     result = plan("configs/tiny.yaml", 4, hardware="cpu")
     steps = [c.predicted_step_s for c in result.candidates]
@@ -178,7 +237,7 @@ def test_calibration_profile_loads():
          "comm": {"all_reduce": [[4096, 3e-4], [4 << 20, 1e-2]], "send": [[4096, 5e-5], [4 << 20, 4e-3]]},
          "comm_pair": {"all_reduce": [[4096, 1e-4], [4 << 20, 1e-2]]},
          "memory_bandwidth": 5e9, "peak_after_reference": 310 << 20, "reference_model_bytes": 10 << 20,
-         "overheads": {"1": 0.02, "3": 0.05}}
+         "overheads": {"1": 0.02, "3": 0.05}, "sync": {"rounds": 10, "compute_s": 0.05, "with_sync_s": 0.07}}
     prof = profile_from_measurements(m, 4, False, 8 << 30)
     hw = load_hardware(prof)
     assert hw.compute_slots_per_node == pytest.approx(2.0)             # half the rate with 4 at once
@@ -187,6 +246,9 @@ def test_calibration_profile_loads():
     ar = hw.link("intra", "all_reduce")
     assert ar.seconds(4096, 1, 2) == pytest.approx(1e-4, rel=1e-3)   # pair: 2-rank ring sends the payload
     assert ar.seconds(1.5 * 4096, 1, 4) == pytest.approx(3e-4, rel=0.02)   # 4 ranks: latency grows, wire 1.5×
+    # 2 ms per call between compute phases, less the pair's isolated latency (no broadcast measured: all_reduce's)
+    assert hw.sync_skew_s == pytest.approx(2e-3 - ar.latency_s, rel=1e-6)
+    assert load_hardware(profile_from_measurements(m, 4, True, 8 << 30)).sync_skew_s == 0.0   # GPUs: left 0
 
 
 # ---- published numbers ---------------------------------------------------------------

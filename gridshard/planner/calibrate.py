@@ -20,6 +20,13 @@ The one part of the planner that starts processes. It spawns ``nproc`` local ran
   a two-point fit of t = latency + W/bandwidth on ring wire bytes W
   (:func:`gridshard.comm.ledger.ring_wire_bytes`): latency from the small payload, bandwidth
   from the difference; the latency's growth from 2 to nproc ranks is ``latency_per_rank_s``.
+* **sync skew** (``sync_skew_s``): every rank runs K rounds of a 256³ GEMM, once alone and
+  once followed by a 4 KiB broadcast each round inside its pair of ranks ((0, 1), (2, 3), …:
+  a tensor or data group of 2 while every other rank computes too; alternating, median of
+  repeats); (with − without)/K is what one synchronous call costs between compute phases,
+  the pair's isolated broadcast latency off it is the skew — peers arriving late or
+  descheduled, which the isolated collective timings above (the pair measured while the other
+  ranks wait) cannot see.
 * **baseline** (``reserved_bytes``): the peak resident set of rank 0 after the reference
   training runs above minus the memory model's modelled bytes for them
   (:func:`gridshard.theory.memory.predict_rank_memory`, as the trainer reports it) — the
@@ -108,6 +115,41 @@ def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -
     return out
 
 
+SKEW_ROUNDS = 30
+
+
+def _sync_skew(torch, dist, device, world: int, repeats: int = 5) -> dict:
+    """Seconds of K rounds of a GEMM alone and with a 4 KiB broadcast after each (module
+    docstring), medians over alternating repeats; every rank takes part."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a = torch.randn(256, 256, device=device)
+    b = torch.randn(256, 256, device=device)
+    x = torch.ones(1024, device=device)
+    pairs = [dist.new_group([i, i + 1]) if world > 2 else None for i in range(0, world - 1, 2)]
+    rank = dist.get_rank()
+    mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    src = (rank // 2) * 2
+    g = {"group": mine} if mine is not None else {}
+
+    def rounds(with_call: bool):
+        for _ in range(SKEW_ROUNDS):
+            a @ b
+            if with_call and (mine is not None or world == 2):
+                dist.broadcast(x, src, **g)
+        sync()
+        dist.barrier()
+
+    times = {False: [], True: []}
+    for _ in range(repeats):
+        for with_call in (False, True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            rounds(with_call)
+            times[with_call].append(time.perf_counter() - t0)
+    return {"rounds": SKEW_ROUNDS, "compute_s": statistics.median(times[False]),
+            "with_sync_s": statistics.median(times[True])}
+
+
 def _rank_main(rank, world, port, backend, result_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
@@ -131,6 +173,7 @@ def _rank_main(rank, world, port, backend, result_path):
     pair = dist.new_group([0, 1]) if world > 2 else None
     comm = _collective_times(torch, dist, device, world)
     comm_pair = _collective_times(torch, dist, device, world, group=pair) if pair is not None else comm
+    skew = _sync_skew(torch, dist, device, world)
     dist.barrier()
     result = None
     if rank == 0:
@@ -140,7 +183,7 @@ def _rank_main(rank, world, port, backend, result_path):
         bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big), 5, sync)
         result = {"alone": alone, "together": together, "comm": comm, "comm_pair": comm_pair, "memory_bandwidth": bw,
                   "peak_after_reference": floor, "reference_model_bytes": modelled,
-                  "overheads": overheads}
+                  "overheads": overheads, "sync": skew}
         with open(result_path, "w") as f:
             json.dump(result, f)
     dist.barrier()
@@ -230,6 +273,11 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
     layer = max(0.0, (ov[3] - ov[1]) / 2)
     step = max(0.0, ov[1] - layer) / stretch
     layer /= stretch
+    sync = m.get("sync")
+    skew = 0.0
+    if sync and not cuda:                # GPUs: a device per rank, left 0 (hardware module docstring)
+        lat = (ops.get("broadcast") or default)["latency_s"]          # the pair's
+        skew = max(0.0, (sync["with_sync_s"] - sync["compute_s"]) / sync["rounds"] - lat)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
         "name": f"calibrated-{'gpu' if cuda else 'cpu'}-{nproc}",
@@ -239,6 +287,7 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
         "devices_per_node": nproc if cuda else 1024, "compute_slots_per_node": nproc if cuda else slots,
         "reserved_bytes": int(m["peak_after_reference"] - m["reference_model_bytes"]), "margin_fraction": 0.10,
         "layer_overhead_s": layer, "step_overhead_s": step, "dp_overlap": 1.0 if cuda else 0.0,
+        "sync_skew_s": skew,
         "links": {"intra": ops, "inter": ops},
         "sources": [f"gridshard plan --calibrate --nproc {nproc} on {os.uname().nodename} at "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average {load}"],

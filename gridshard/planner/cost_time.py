@@ -24,7 +24,13 @@ cross-entropy on the end stages; + :func:`~gridshard.theory.tp1d.block_recompute
 layer with full recompute); 2D the :mod:`~gridshard.theory.tp2d` pieces likewise (full
 recompute repeats the q|k|v, o and gate|up forward products and the norms' forward reduce:
 :func:`recompute2d_comm`, an adapter composed of ``summa_ab_comm``/``rmsnorm2d_comm``).
-Each collective costs ``latency + ring wire bytes / bandwidth`` on the tensor group's link.
+Each collective costs ``latency + ring wire bytes / bandwidth`` on the tensor group's link,
+plus ``Hardware.sync_skew_s`` per call: every collective the step prices here is synchronous
+(tensor, ZeRO-3 gathers, exposed reductions, pipeline sends), and inside a step the ranks reach it
+at different times — on an over-subscribed CPU about a scheduler slice per call, measured by
+``--calibrate``; 0 in the GPU files. With gloo's small payloads this, with the latency, is what
+2D's many SUMMA broadcasts/reduces cost (``calls × (latency + skew)``, from the
+:mod:`~gridshard.theory.tp2d` call counts).
 
 Pipeline: each micro-batch crosses the rank's stage boundaries forward and backward,
 :func:`~gridshard.theory.pipeline.boundary_bytes` each (``send`` link), exposed. The
@@ -43,12 +49,22 @@ Data parallelism, per step, on the data group's link (bytes:
   runs after it, exposed), and its last bucket/unit is always exposed;
 * ZeRO-1/2's all-gather of updated rows runs after the optimizer: exposed;
 * ZeRO-3's per-layer all-gathers in forward and backward: exposed (no prefetch), counted in
-  t_mb so the bubble stretches them too.
+  t_mb so the bubble stretches them too — ``2·A·L_r`` calls of one layer's bytes
+  (:func:`~gridshard.theory.zero.zero_step_comm`), each latency + bytes/bandwidth + skew; with
+  full recompute the recomputation runs after the backward regather (no third gather).
+
+Trainer bookkeeping (:func:`trainer_bookkeeping`, the calls of ``gridshard.engine.trainer``):
+with a stop handler installed (``gridshard train`` installs one; ``control.stop_installed()``)
+the trainer agrees on stopping with a one-element MAX all-reduce over the world after every
+step on CPU (at log steps on GPUs): priced into ``overhead_s``. At log steps it all-gathers the
+ranks' stats (4 float64 per rank) and all-reduces the losses over the data and pipeline groups;
+the trainer's ``step_time_s`` is timed before them, so they are reported per step
+(÷ ``log_interval``) in ``details["log_bookkeeping_s"]`` and kept out of the total.
 
 Optimizer: AdamW streams 28 bytes per owned element (read param, grad, m, v; write param,
 m, v) at ``memory_bandwidth``; plus ``step_overhead_s``.
 
-    step = t_pipeline + exposed data comm + optimizer + step_overhead
+    step = t_pipeline + exposed data comm + optimizer + step_overhead (+ stop agreement)
 """
 from __future__ import annotations
 
@@ -178,14 +194,39 @@ def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, b
 # pricing
 # ---------------------------------------------------------------------------------------
 def comm_seconds(vols, hw: Hardware, level: str) -> float:
-    """Σ over ops of calls·latency + ring wire bytes / bandwidth (hardware module docstring)."""
+    """Σ over ops of calls·(latency + sync skew) + ring wire bytes / bandwidth (hardware module
+    docstring): the collectives are synchronous, each exposed."""
     total = 0.0
     for v in vols:
         if v is None:
             continue
         for op, payload in v.payload.items():
             total += hw.link(level, op).seconds(ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size)
+            total += v.calls[op] * hw.sync_skew_s
     return total
+
+
+def call_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1) -> float:
+    """One kind of small synchronous call, priced as :func:`comm_seconds` does."""
+    if group <= 1 or not calls:
+        return 0.0
+    return hw.link(level, op).seconds(ring_wire_bytes(op, payload, group), calls, group) + calls * hw.sync_skew_s
+
+
+def trainer_bookkeeping(hw: Hardware, layout: Layout, level: str, stop_agreement: bool, log_interval: int) -> tuple:
+    """(seconds per step inside the timed step, seconds per step of the log-step collectives)
+    of ``gridshard.engine.trainer``'s own calls (module docstring): the stop agreement (an
+    all-reduce of 4 bytes over the world, every step, when a stop handler is installed); at log
+    steps ``_gather_rank_stats`` (all-gather of 4 float64 per rank over the world) and
+    ``_global_losses`` (all-reduce of the pending steps' float64 losses over data, then
+    pipeline), ÷ ``log_interval``."""
+    world = layout.data * layout.pipeline * layout.tensor
+    every = call_seconds(hw, level, "all_reduce", 4, world) if stop_agreement else 0.0
+    n = max(1, log_interval)
+    at_log = (call_seconds(hw, level, "all_gather", 32 * world, world)
+              + call_seconds(hw, level, "all_reduce", 8 * n, layout.data)
+              + call_seconds(hw, level, "all_reduce", 8 * n, layout.pipeline))
+    return every, at_log / n
 
 
 def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
@@ -209,7 +250,7 @@ def gemm_flops(cfg, layout: Layout, seq: int) -> float:
 
 def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: int, precision: str = "fp32",
               nodes: int = 1, layer_ids=None, first: bool = True, last: bool = True, activation_bytes: int = 0,
-              bucket_mb: float = 25.0) -> StepTime:
+              bucket_mb: float = 25.0, stop_agreement: bool = False, log_interval: int = 1) -> StepTime:
     """Predicted step time of the rank holding ``layer_ids`` (default all layers), module docstring."""
     s, m, T = seq_len, layout.micro_batch, layout.tensor
     A = global_batch // (m * layout.data)
@@ -244,7 +285,8 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     if P > 1:
         per = boundary_bytes(layout.tensor_mode, layout.sequence_parallel, T, m, s, cfg.hidden)
         crossings = 2 * V - (1 if first else 0) - (1 if last else 0) if V > 1 else (not last) + (not first)
-        t_p2p_mb = hw.link(levels["pipeline"], "send").seconds(per * crossings, max(crossings, 0))
+        t_p2p_mb = hw.link(levels["pipeline"], "send").seconds(per * crossings, max(crossings, 0)) \
+            + max(crossings, 0) * hw.sync_skew_s
 
     reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, int(bucket_mb * (1 << 20)))
     t_gather_in_step = 0.0
@@ -266,15 +308,18 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     blocks = _blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
     owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
     t_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth * stretch
-    small = sum(hw.link(levels[d], "all_reduce").seconds(8, 1, n) for d, n in (("tensor", T), ("pipeline", P),
-                                                                               ("data", layout.data)) if n > 1)
+    small = sum(call_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in (("tensor", T), ("pipeline", P),
+                                                                              ("data", layout.data)))
+    stop_s, log_s = trainer_bookkeeping(hw, layout, levels["data"], stop_agreement, log_interval)
     return StepTime(compute_s=A * compute_mb, tensor_comm_s=A * t_tensor_mb, pipeline_comm_s=A * t_p2p_mb,
                     data_comm_s=exposed_reduce + t_gather_after + A * t_gather_in_step, bubble_s=bubble_s,
-                    optimizer_s=t_opt, overhead_s=hw.step_overhead_s * stretch + small,
+                    optimizer_s=t_opt, overhead_s=hw.step_overhead_s * stretch + small + stop_s,
                     details={"micro_batches": A, "bubble_fraction": bubble, "links": levels, "contention": stretch,
                              "gemm_flops": gemm_flops(cfg, layout, s), "flops_per_microbatch": flops,
-                             "data_reduce_s": t_reduce, "data_reduce_hidden_s": t_reduce - exposed_reduce})
+                             "data_reduce_s": t_reduce, "data_reduce_hidden_s": t_reduce - exposed_reduce,
+                             "zero3_gather_s": A * t_gather_in_step, "stop_agreement_s": stop_s,
+                             "log_bookkeeping_s": log_s})
 
 
 __all__ = ["StepTime", "step_time", "tensor_comm_1d", "tensor_comm_2d", "recompute2d_comm", "data_comm",
-           "comm_seconds", "link_levels", "gemm_flops"]
+           "comm_seconds", "call_seconds", "trainer_bookkeeping", "link_levels", "gemm_flops"]

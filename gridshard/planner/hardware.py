@@ -30,6 +30,13 @@ sends on a ring) costs ``latency_s + latency_per_rank_s·(n − 2) + W / bandwid
 model, latency measured at n = 2 and growing with the ring's steps; ``bandwidth`` is the *achieved*
 algorithm bandwidth per rank, not the raw link rate: the data files derate the
 datasheet's link rate by ``link_efficiency``).
+
+``sync_skew_s`` (default 0): the extra wait of one *synchronous* collective inside a training
+step over its isolated α–β cost — the ranks reach it at different times. On a GPU node (a device
+per rank) this is small and left 0; on an over-subscribed CPU (more ranks than cores) a rank
+that arrives waits for its peers to be scheduled and finish their share of the compute
+before it, about a scheduler time slice per call. ``gridshard plan --calibrate`` measures it
+(calibrate module docstring); the planner adds it once per exposed call (cost_time).
 """
 from __future__ import annotations
 
@@ -78,6 +85,7 @@ class Hardware:
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     dp_overlap: float = 1.0                # share of the last backward a gradient reduction can hide under
+    sync_skew_s: float = 0.0               # extra wait per synchronous collective inside a training step
     sources: list = field(default_factory=list)
     notes: str = ""
 
@@ -134,7 +142,8 @@ def hardware_from_dict(raw: dict) -> Hardware:
             compute_slots_per_node=raw.get("compute_slots_per_node"),
             reserved_bytes=int(raw.get("reserved_bytes", 0)), margin_fraction=float(raw.get("margin_fraction", 0.10)),
             layer_overhead_s=float(raw.get("layer_overhead_s", 0.0)), step_overhead_s=float(raw.get("step_overhead_s", 0.0)),
-            dp_overlap=float(raw.get("dp_overlap", 1.0)), sources=list(raw.get("sources", [])),
+            dp_overlap=float(raw.get("dp_overlap", 1.0)), sync_skew_s=float(raw.get("sync_skew_s", 0.0)),
+            sources=list(raw.get("sources", [])),
             notes=raw.get("notes", ""))
     except KeyError as e:
         raise ConfigError(f"hardware description lacks the field {e.args[0]!r}. Fix: see "

@@ -99,8 +99,9 @@ def _precision(cfg) -> str:
     return cfg.train.precision if cfg.train.precision in ("bf16", "fp16") else "fp32"
 
 
-def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1) -> Candidate:
-    """Rules, memory and step time of one layout of ``cfg`` (module docstring)."""
+def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop_agreement: bool = False) -> Candidate:
+    """Rules, memory and step time of one layout of ``cfg`` (module docstring);
+    ``stop_agreement``: the run has a stop handler installed (cost_time's trainer bookkeeping)."""
     mc, s, G = cfg.model.resolve(), cfg.data.seq_len, cfg.train.global_batch
     prec = _precision(cfg)
     cand = Candidate(layout, False, tokens_per_step=G * s, world=world,
@@ -125,7 +126,8 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1) -> C
                                 layout.sequence_parallel, layout.recompute,
                                 None if ids is None else len(ids), first, last).total
         t = step_time(mc, layout, hw, seq_len=s, global_batch=G, precision=prec, nodes=nodes, layer_ids=ids,
-                      first=first, last=last, activation_bytes=acts, bucket_mb=cfg.train.bucket_mb)
+                      first=first, last=last, activation_bytes=acts, bucket_mb=cfg.train.bucket_mb,
+                      stop_agreement=stop_agreement, log_interval=cfg.train.log_interval)
         if worst is None or t.total_s > worst.total_s:
             worst = t
     cand.step = worst
