@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -77,21 +76,10 @@ def equivalence():
 
 def _timed_rounds(configs, rounds):
     """Every config's trainer in this process; step k of each in turn; per-round seconds."""
-    import torch.distributed as dist
-
     from gridshard.engine import Trainer
+    from gridshard.planner.calibrate import alternating_step_times
 
-    trainers = [Trainer(c, progress=False) for c in configs]
-    times = [[] for _ in trainers]
-    for k in range(rounds + 2):
-        for i, tr in enumerate(trainers):
-            dist.barrier()
-            t0 = time.perf_counter()
-            tr.step(k)
-            dist.barrier()
-            if k >= 2:
-                times[i].append(time.perf_counter() - t0)
-    return times
+    return alternating_step_times([Trainer(c, progress=False) for c in configs], rounds + 2)
 
 
 def step_time(rounds: int):

@@ -113,22 +113,31 @@ def canonical_rows_block(fqn: str, rows: torch.Tensor, full_shape, start: int, s
     return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(offsets), view[tuple(cut)])
 
 
+def _stepped_tensors(model: torch.nn.Module, zero=None):
+    """(name, the tensor the optimizer steps, box) for every trainable parameter once (tied weights
+    under their first name): the parameter itself, or with ``zero`` this data rank's rows of it.
+    ``box(fqn, t)`` is the :class:`CanonicalBlock` of a tensor ``t`` laid out like that one
+    (the parameter or one of its AdamW moments)."""
+    ctx = model.parallel_context
+    if zero is not None:
+        for sp in zero.sharded():
+            spec = ctx.layouts.get(sp.name) or get_spec(sp.param)
+            yield sp.name, sp.shard, (lambda fqn, t, sp=sp, spec=spec:
+                                      canonical_rows_block(fqn, t, sp.shape, sp.start, spec, ctx.mesh))
+        return
+    for name, p in model.named_parameters():
+        spec = ctx.layouts.get(name) or get_spec(p)
+        yield name, p, (lambda fqn, t, spec=spec: canonical_block(fqn, t, spec, ctx.mesh))
+
+
 def model_blocks(model: torch.nn.Module, zero=None) -> dict:
     """fqn → block for every trainable parameter once (tied weights under their first name)
     of a model laid out by :func:`gridshard.parallelize`; fqn = ``"model." + name``. With
     ``zero`` (:class:`gridshard.zero.ZeroDataParallel`) each data rank's block is its rows only
     (the shard: the parameter itself is not gathered under ZeRO-3)."""
-    ctx = model.parallel_context
     out = {}
-    if zero is not None:
-        for sp in zero.sharded():
-            b = canonical_rows_block(MODEL + sp.name, sp.shard, sp.shape, sp.start,
-                                     ctx.layouts.get(sp.name) or get_spec(sp.param), ctx.mesh)
-            if b is not None:
-                out[b.fqn] = b
-        return out
-    for name, p in model.named_parameters():
-        b = canonical_block(MODEL + name, p, ctx.layouts.get(name) or get_spec(p), ctx.mesh)
+    for name, t, box in _stepped_tensors(model, zero):
+        b = box(MODEL + name, t)
         if b is not None:
             out[b.fqn] = b
     return out
@@ -166,30 +175,14 @@ def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, z
     """fqn → block of each AdamW moment (``optim.<param>.exp_avg`` / ``.exp_avg_sq``, the
     parameter's layout) plus ``optim.step`` (the shared step count, replicated, stored as shape [1]).
     With ``zero`` the moments are the shards' (rows of the parameter's block)."""
-    ctx = model.parallel_context
     ensure_adam_state(optimizer)
     out, step = {}, None
-    if zero is not None:
-        for sp in zero.sharded():
-            st = adam_state(optimizer, sp.shard) if sp.stop > sp.start else None
-            if not st:
-                continue
-            spec = ctx.layouts.get(sp.name) or get_spec(sp.param)
-            for key in ADAM_MOMENTS:
-                b = canonical_rows_block(f"{OPTIM}{sp.name}.{key}", st[key], sp.shape, sp.start, spec, ctx.mesh)
-                if b is not None:
-                    out[b.fqn] = b
-            step = st["step"]
-        if step is not None:
-            out[OPTIM + "step"] = CanonicalBlock(OPTIM + "step", (1,), (0,), step.detach().reshape(1))
-        return out
-    for name, p in model.named_parameters():
-        st = optimizer.state.get(p)
+    for name, t, box in _stepped_tensors(model, zero):
+        st = adam_state(optimizer, t) if t.numel() else None
         if not st:
             continue
-        spec = ctx.layouts.get(name) or get_spec(p)
         for key in ADAM_MOMENTS:
-            b = canonical_block(f"{OPTIM}{name}.{key}", st[key], spec, ctx.mesh)
+            b = box(f"{OPTIM}{name}.{key}", st[key])
             if b is not None:
                 out[b.fqn] = b
         step = st["step"]

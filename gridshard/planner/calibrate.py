@@ -203,13 +203,29 @@ def _peak_bytes(torch, device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def alternating_step_times(trainers: list, steps: int, warmup: int = 2) -> list:
+    """Seconds of each trainer's step k, the trainers taking turns step by step in the same
+    processes (a barrier before and after each step, so every rank times the same step);
+    steps < ``warmup`` are not timed. One list per trainer."""
+    import torch.distributed as dist
+
+    times = [[] for _ in trainers]
+    for k in range(steps):
+        for i, tr in enumerate(trainers):
+            dist.barrier()
+            t0 = time.perf_counter()
+            tr.step(k)
+            dist.barrier()
+            if k >= warmup:
+                times[i].append(time.perf_counter() - t0)
+    return times
+
+
 def _trainer_reference(world: int) -> tuple:
     """Step seconds of the real trainer (``gridshard.engine.Trainer``, D = world, the ``tiny``
     preset at 1 and 3 layers, micro-batch 2 × 64 tokens) on all ranks at once — both trainers
     in the same processes, taking turns step by step so that a change of machine load hits them
     alike; medians over the rounds — and the memory model's modelled bytes of both (for the floor)."""
-    import torch.distributed as dist
-
     from ..engine import Trainer
 
     trainers = {}
@@ -218,15 +234,7 @@ def _trainer_reference(world: int) -> tuple:
                "data": {"kind": "stdlib", "seq_len": 64, "max_bytes": 200_000},
                "train": {"global_batch": 2 * world, "micro_batch": 2, "steps": REFERENCE_STEPS, "warmup_steps": 1}}
         trainers[layers] = Trainer(cfg, progress=False)
-    times = {layers: [] for layers in trainers}
-    for k in range(REFERENCE_STEPS):
-        for layers, tr in trainers.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            tr.step(k)
-            dist.barrier()
-            if k >= 2:
-                times[layers].append(time.perf_counter() - t0)
+    times = dict(zip(trainers, alternating_step_times(list(trainers.values()), REFERENCE_STEPS)))
     modelled = sum(tr.predicted_mem.modelled for tr in trainers.values() if tr.predicted_mem is not None)
     return {layers: statistics.median(ts) for layers, ts in times.items()}, int(modelled)
 

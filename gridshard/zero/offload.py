@@ -46,7 +46,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def state_for(self, tensor) -> dict:
         """The host AdamW state of device tensor ``tensor``."""
-        return self.inner.state.get(self.copies[tensor])
+        host = self.copies.get(tensor)
+        return None if host is None else self.inner.state.get(host)
 
     @torch.no_grad()
     def step(self, closure=None):
