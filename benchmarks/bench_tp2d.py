@@ -21,7 +21,9 @@ blocks in the same processes.
 Columns:
 
 * ``step ms``: forward + backward (input grad and every parameter grad, fixed random
-  output gradient, no optimizer); each timed step starts after a barrier and lasts as
+  output gradient, no optimizer; each step marks the 2D layers' gathered bias / norm
+  vectors stale, as an optimizer step does, so they are gathered once per step as in
+  training with one micro-batch per step); each timed step starts after a barrier and lasts as
   long as its slowest rank; median over ``--iters`` (≥ 5) timed steps after ``--warmup``,
   then the median over ``--repeats`` runs of the row (fresh processes each, the order of
   the rows alternated between runs); ``spread`` is the range of the per-run medians.
@@ -185,8 +187,11 @@ def bench_row(impl, q, args) -> dict:
 
             extra = rope_tables(s, h // args["heads"], _cfg(args).rope_theta)
 
+        from gridshard.comm.grid_ops import refresh_gathered_vectors
+
         def step():
             model.zero_grad(set_to_none=True)
+            refresh_gathered_vectors()   # as an optimizer step would: 2D vectors are gathered again
             x = x_loc.detach().requires_grad_(True)
             y = model(x, *extra)
             y.backward(gy_loc)
