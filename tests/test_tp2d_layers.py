@@ -164,6 +164,8 @@ def _norms(q, shapes, seed):
             compare_parameters(par, ref, mesh, what)
             if kind == "rms":
                 ledger_matches(tp2d.rmsnorm2d_comm(b * s, h, q), what)
+            else:
+                ledger_matches(tp2d.layernorm2d_comm(b * s, h, q), what)
     return True
 
 

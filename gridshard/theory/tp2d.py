@@ -136,6 +136,17 @@ def rmsnorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, ve
     return v
 
 
+def layernorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, vector_gathers: int = 1) -> dict:
+    """LayerNorm2D forward + backward: weight and bias all-gathered (h/q·e each) forward when
+    stale (``vector_gathers``) and reduce-scattered backward on the column; Σx and Σ(x−μ)²
+    forward ([N/q, 1] each) and (Σ g·w, Σ g·w·x̂) backward ([N/q, 2]) all-reduced on the row."""
+    e = bytes_per_elem
+    v = _zero(q)
+    v["col"].add("all_gather", hidden // q * e, 2 * vector_gathers).add("reduce_scatter", hidden // q * e, 2)
+    v["row"].add("all_reduce", tokens // q * e, 2).add("all_reduce", 2 * tokens // q * e)
+    return v
+
+
 def _qkv_width(hidden: int, heads, kv_heads) -> int:
     """h + 2·K·d (d = h/H); 3h for multi-head attention (``heads``/``kv_heads`` None or equal)."""
     if heads is None or kv_heads is None or kv_heads == heads:
@@ -225,7 +236,7 @@ def linear2d_saved_activation_bytes(tokens: int, in_features: int, q: int, bytes
     return tokens * in_features // (q * q) * bytes_per_elem
 
 
-__all__ = ["summa_ab_comm", "summa_abt_comm", "summa_atb_comm", "linear2d_comm", "rmsnorm2d_comm",
+__all__ = ["summa_ab_comm", "summa_abt_comm", "summa_atb_comm", "linear2d_comm", "rmsnorm2d_comm", "layernorm2d_comm",
            "block2d_comm", "embedding2d_comm", "tied_head2d_comm", "cross_entropy2d_comm", "transformer2d_comm",
            "linear2d_param_bytes", "block2d_param_bytes", "transformer2d_param_bytes",
            "linear2d_saved_activation_bytes", "combine", "total", "rounds"]
