@@ -69,7 +69,7 @@ def main(argv=None):
     p.add_argument("--old", required=True)
     p.add_argument("--new", required=True)
     p.add_argument("--bench", choices=["tp1d", "tp2d"], required=True)
-    p.add_argument("--block", choices=["mlp", "transformer"], default="mlp")
+    p.add_argument("--block", choices=["mlp", "transformer", "prenorm_mlp"], default="mlp")
     p.add_argument("--T", type=int, default=4, help="tp1d: tensor size (ratio 1D+SP / 1D)")
     p.add_argument("--q", type=int, default=2, help="tp2d: grid side (ratio 2D / 1D at T = q²)")
     p.add_argument("--pairs", type=int, default=5)
