@@ -116,7 +116,7 @@ def gather_vector(shard: torch.Tensor, axis, fused_parts: int = 1) -> torch.Tens
     still runs in every backward, so gradients reach the owner shards as before."""
     if axis.size == 1:
         return shard
-    key = (shard._version, _STEP[0], shard.dtype, shard.device)
+    key = (shard._version, _STEP[0], shard.dtype, shard.device, fused_parts)
     hit = getattr(shard, "_gridshard_gathered", None)
     if hit is None or hit[0] != key:
         with torch.no_grad():
