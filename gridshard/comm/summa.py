@@ -16,8 +16,8 @@ ever holds a full operand):
     issued (async) before the multiply of step t.
 ``summa_abt``  C[m, n] = A[m, k] · B[n, k]ᵀ
     C(i, t) = Σ_j A(i, j) B(t, j)ᵀ. Rank (i, j) all-gathers B(0, j) … B(q−1, j) along
-    column j (one call), forms the q terms A(i, j) · B(t, j)ᵀ as one batched product
-    [q, m/q, n/q] (term t in slot t) and reduce-scatters them along row i: member t
+    column j (one call), forms the q terms A(i, j) · B(t, j)ᵀ into one buffer
+    [q, m/q, n/q] (term t written by its GEMM into slot t) and reduce-scatters them along row i: member t
     receives C(i, t). Two calls, where a sweep of q broadcasts + q reduces took 2q.
 ``summa_atb``  C[k, n] = A[m, k]ᵀ · B[m, n]
     C(t, j) = Σ_i A(i, t)ᵀ B(i, j). Rank (i, j) all-gathers A(i, 0) … A(i, q−1) along
@@ -106,7 +106,7 @@ def _reduce_scatter_terms(terms: torch.Tensor, axis) -> torch.Tensor:
 
 
 def _abt(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Tensor:
-    """C(i, t) = Σ_j A(i, j) · B(t, j)ᵀ: one column all-gather, one batched GEMM, one row
+    """C(i, t) = Σ_j A(i, j) · B(t, j)ᵀ: one column all-gather, q GEMMs into one buffer, one row
     reduce-scatter.
 
     Rank (i, j) gathers the q blocks B(0, j) … B(q−1, j) of its grid column ([q, n/q, k/q],
@@ -117,12 +117,14 @@ def _abt(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Ten
     ``overlap`` has no effect here (both collectives are single blocking calls)."""
     _check(a.shape[1] == b.shape[1], "summa_abt", a, b)
     panels = _gather_panels(b.contiguous(), col)                 # [q, n/q, k/q]
-    terms = torch.matmul(a, panels.transpose(1, 2))              # [q, m/q, n/q]
+    terms = a.new_empty(panels.shape[0], a.shape[0], panels.shape[1])   # [q, m/q, n/q], slot t = term t
+    for t in range(panels.shape[0]):                             # q GEMMs straight into the slots: no copies
+        torch.mm(a, panels[t].t(), out=terms[t])
     return _reduce_scatter_terms(terms, row)
 
 
 def _atb(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Tensor:
-    """C(t, j) = Σ_i A(i, t)ᵀ · B(i, j): one row all-gather, one batched GEMM, one column
+    """C(t, j) = Σ_i A(i, t)ᵀ · B(i, j): one row all-gather, q GEMMs into one buffer, one column
     reduce-scatter.
 
     Rank (i, j) gathers A(i, 0) … A(i, q−1) along row i ([q, m/q, k/q], one call), forms the
@@ -130,7 +132,10 @@ def _atb(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Ten
     column j: member t receives Σ_i term t = C(t, j). 2 calls instead of 2q (see :func:`_abt`)."""
     _check(a.shape[0] == b.shape[0], "summa_atb", a, b)
     panels = _gather_panels(a.contiguous(), row)                 # [q, m/q, k/q]
-    terms = torch.matmul(panels.transpose(1, 2), b)              # [q, k/q, n/q]
+    b = b.contiguous()
+    terms = b.new_empty(panels.shape[0], panels.shape[2], b.shape[1])   # [q, k/q, n/q], slot t = term t
+    for t in range(panels.shape[0]):
+        torch.mm(panels[t].t(), b, out=terms[t])
     return _reduce_scatter_terms(terms, col)
 
 
