@@ -23,7 +23,9 @@ one thread per rank.
 Columns:
 
 * ``step ms``: forward + backward of the block with a fixed random output gradient (input
-  grad and every parameter grad computed, no optimizer). Each timed step starts after a
+  grad and every parameter grad computed, no optimizer). gridshard's SP rows get the input
+  block and output gradient stored sequence-first, the layout its SP layers keep inside a
+  model (:mod:`gridshard.comm.dual_ops`); DTensor's get them contiguous. Each timed step starts after a
   barrier; a step lasts as long as its slowest rank (max over ranks); the figure is the
   median over ``--iters`` timed steps after ``--warmup``, then the median over
   ``--repeats`` runs (each in fresh processes). The spread column shows the range of the
@@ -229,6 +231,13 @@ def _param_bytes(model) -> int:
     return total
 
 
+def _sequence_first_layout() -> bool:
+    """Whether this gridshard keeps SP activations sequence-first (commits before it did not)."""
+    import importlib
+
+    return hasattr(importlib.import_module("gridshard.nn.linear_1d"), "is_sequence_first")
+
+
 def bench_variant(block: str, impl: str, T: int, sp: bool, args: dict) -> dict:
     """One row on one rank (run on T fresh ranks by the runner, which seeds every rank alike).
 
@@ -251,6 +260,10 @@ def bench_variant(block: str, impl: str, T: int, sp: bool, args: dict) -> dict:
     rank = dist.get_rank()
     x_loc = x_full.chunk(T, dim=1)[rank].contiguous() if sp else x_full
     gy_loc = gy_full.chunk(T, dim=1)[rank].contiguous() if sp else gy_full
+    if sp and impl == "gridshard" and _sequence_first_layout():
+        # gridshard stores SP activations sequence-first ([b, s/T, h] view of a contiguous
+        # [s/T, b, h]), as its SP embedding and row layers hand them on inside a model
+        x_loc, gy_loc = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (x_loc, gy_loc))
 
     finish = _dtensor_finish if impl == "dtensor" else (lambda model, y, gx: (y, gx))
     extra = () if block == "mlp" else _rope(args)      # the decoder layer takes (x, cos, sin)

@@ -5,6 +5,10 @@ Blocks (global shapes; b = batch, s = sequence, h = hidden, f = SwiGLU width):
 
 * ``mlp``: Linear h→4h, GELU, Linear 4h→h, with biases (2D: two Linear2D; 1D: column →
   row).
+* ``prenorm_mlp``: x + Linear 4h→h(GELU(Linear h→4h(LayerNorm(x)))), with biases (2D:
+  LayerNorm2D and two Linear2D; 1D: a replicated LayerNorm, column → row; 1D+SP: the
+  LayerNorm on the sequence block, its weight and bias through ``copy_to_group``). The
+  block of issue 12's 2D/1D figure. Not in the default ``--blocks``.
 * ``transformer``: one decoder layer (``layers[0]``) of the plain Llama-style
   :class:`gridshard.models.Transformer`, fed ``rope_tables(s, head_dim)``: a 1-layer model
   built on the meta device and laid out by ``gridshard.parallelize`` on each row's mesh
@@ -21,7 +25,9 @@ blocks in the same processes.
 Columns:
 
 * ``step ms``: forward + backward (input grad and every parameter grad, fixed random
-  output gradient, no optimizer); each timed step starts after a barrier and lasts as
+  output gradient, no optimizer; each step marks the 2D layers' gathered bias / norm
+  vectors stale, as an optimizer step does, so they are gathered once per step as in
+  training with one micro-batch per step); each timed step starts after a barrier and lasts as
   long as its slowest rank; median over ``--iters`` (≥ 5) timed steps after ``--warmup``,
   then the median over ``--repeats`` runs of the row (fresh processes each, the order of
   the rows alternated between runs); ``spread`` is the range of the per-run medians.
@@ -60,7 +66,7 @@ from benchmarks._runner import (format_table, median, run_on_fresh_ranks, step_t
                                 tensor_from_bytes, tensor_to_bytes, time_steps)
 
 MiB = 2.0 ** 20
-BLOCKS = ("mlp", "transformer")
+BLOCKS = ("mlp", "transformer", "prenorm_mlp")
 
 
 # --------------------------------------------------------------------------------------
@@ -100,15 +106,49 @@ def _mlp(first, second):
     return MLP()
 
 
+def _prenorm_mlp(norm, first, second, axis=None):
+    """x + fc2(gelu(fc1(norm(x)))); ``axis``: 1D+SP, the norm's parameters are used through
+    ``copy_to_group`` (their gradient is partial over the sequence blocks). A sequence-first
+    input is normalised as its [s, b, h] view, keeping the layout (as gridshard's RMSNorm)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class PreNormMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc1, self.fc2 = norm, first, second
+
+        def _norm(self, x):
+            if axis is None:
+                return self.norm(x)
+            from gridshard.comm.dual_ops import copy_to_group
+
+            w, b = copy_to_group(self.norm.weight, axis), copy_to_group(self.norm.bias, axis)
+            seq_first = x.dim() == 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
+            xin = x.transpose(0, 1) if seq_first else x
+            y = F.layer_norm(xin, self.norm.normalized_shape, w, b, self.norm.eps)
+            return y.transpose(0, 1) if seq_first else y
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self._norm(x))))
+
+    return PreNormMLP()
+
+
 def build(block, impl, q, args):
     """(model, mesh) of one row; every rank holds the same global weights (same seed)."""
     from gridshard import build_mesh
     from gridshard.nn.plain import plain_linear
 
     h, std = args["hidden"], args["init_std"]
+    from torch import nn
+
     if impl == "single":
         if block == "mlp":
             return _mlp(plain_linear(h, 4 * h, True, std), plain_linear(4 * h, h, True, std)), None
+        if block == "prenorm_mlp":
+            return _prenorm_mlp(nn.LayerNorm(h), plain_linear(h, 4 * h, True, std),
+                                plain_linear(4 * h, h, True, std)), None
         return _decoder_layer(args, build_mesh(tensor=1, tensor_mode="none")), None
     if impl.startswith("1d"):
         from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
@@ -118,6 +158,11 @@ def build(block, impl, q, args):
         if block == "mlp":
             return _mlp(ColumnParallelLinear(h, 4 * h, mesh, bias=True, sequence_parallel=sp, init_std=std),
                         RowParallelLinear(4 * h, h, mesh, bias=True, sequence_parallel=sp, init_std=std)), mesh
+        if block == "prenorm_mlp":
+            return _prenorm_mlp(nn.LayerNorm(h),
+                                ColumnParallelLinear(h, 4 * h, mesh, bias=True, sequence_parallel=sp, init_std=std),
+                                RowParallelLinear(4 * h, h, mesh, bias=True, sequence_parallel=sp, init_std=std),
+                                mesh.tensor if sp else None), mesh
         return _decoder_layer(args, mesh, sp), mesh
     from gridshard.nn.linear_2d import Linear2D
 
@@ -126,6 +171,11 @@ def build(block, impl, q, args):
     if block == "mlp":
         return _mlp(Linear2D(h, 4 * h, mesh, bias=True, init_std=std, overlap=overlap),
                     Linear2D(4 * h, h, mesh, bias=True, init_std=std, overlap=overlap)), mesh
+    if block == "prenorm_mlp":
+        from gridshard.nn.norm_2d import LayerNorm2D
+
+        return _prenorm_mlp(LayerNorm2D(h, mesh), Linear2D(h, 4 * h, mesh, bias=True, init_std=std, overlap=overlap),
+                            Linear2D(4 * h, h, mesh, bias=True, init_std=std, overlap=overlap)), mesh
     return _decoder_layer(args, mesh, summa_overlap=overlap), mesh
 
 
@@ -185,8 +235,14 @@ def bench_row(impl, q, args) -> dict:
 
             extra = rope_tables(s, h // args["heads"], _cfg(args).rope_theta)
 
+        try:
+            from gridshard.comm.grid_ops import refresh_gathered_vectors
+        except ImportError:              # gridshard before the gathered-vector cache: nothing to refresh
+            refresh_gathered_vectors = lambda: None  # noqa: E731
+
         def step():
             model.zero_grad(set_to_none=True)
+            refresh_gathered_vectors()   # as an optimizer step would: 2D vectors are gathered again
             x = x_loc.detach().requires_grad_(True)
             y = model(x, *extra)
             y.backward(gy_loc)
@@ -222,12 +278,18 @@ def theory_bytes(block, impl, q, args):
         sp = impl == "1d+sp"
         if block == "mlp":
             return tp1d.column_row_comm(b, s, h, q * q, sp, row_bias=True).payload_bytes()
+        if block == "prenorm_mlp":     # + the SP LayerNorm's weight and bias gradients, h·e each
+            return tp1d.column_row_comm(b, s, h, q * q, sp, row_bias=True).payload_bytes() + (2 * h * 4 if sp else 0)
         return tp1d.block_comm(b, s, h, q * q, sp, heads=args["heads"], kv_heads=args["kv_heads"]).payload_bytes()
     from gridshard.theory import tp2d
 
-    if block == "mlp":
+    if block in ("mlp", "prenorm_mlp"):
         vol = tp2d.combine(tp2d.linear2d_comm(b * s, h, 4 * h, q, bias=True),
                            tp2d.linear2d_comm(b * s, 4 * h, h, q, bias=True))
+        if block == "prenorm_mlp":
+            if not hasattr(tp2d, "layernorm2d_comm"):
+                return float("nan")
+            vol = tp2d.combine(vol, tp2d.layernorm2d_comm(b * s, h, q))
     else:
         vol = tp2d.block2d_comm(b, s, h, f, q, heads=args["heads"], kv_heads=args["kv_heads"])
     return tp2d.total(vol).payload_bytes()
@@ -262,7 +324,7 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=None, help="kv heads (grouped-query attention; default: heads)")
     p.add_argument("--ffn", type=int, default=1584)
     p.add_argument("--q", type=int, nargs="+", default=[2, 3], help="grid sides (T = q² for 1D and 2D)")
-    p.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
+    p.add_argument("--blocks", nargs="+", choices=BLOCKS, default=["mlp", "transformer"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=7, help="timed steps per row (≥ 5)")
     p.add_argument("--repeats", type=int, default=3, help="runs per row, fresh processes each, order alternated")

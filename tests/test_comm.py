@@ -44,6 +44,20 @@ def _collectives(n):
         # the ledger accumulates floats of (n−1)/n·B: equal to within float rounding
         assert LEDGER.total("wire_bytes", op) == pytest.approx(want, rel=1e-12), \
             f"{op} wire bytes {LEDGER.total('wire_bytes', op)} != {want}"
+    # sequence-first storage ([b, s, h] view of a contiguous [s, b, h]): the dim-1 collectives
+    # take the copy-free path and keep the layout; values equal the definitions exactly
+    seq = [_global((3, 2 * n, 5), 50 + k) for k in range(n)]
+    xs = seq[r].transpose(0, 1).contiguous().transpose(0, 1)
+    assert not xs.is_contiguous()
+    LEDGER.reset()
+    g = C.all_gather(xs, ax, 1)
+    assert_close(g, torch.cat(seq, 1), 0, "all_gather dim 1, sequence-first")
+    assert g.transpose(0, 1).is_contiguous(), f"all_gather lost the sequence-first layout: {g.stride()}"
+    rs = C.reduce_scatter(g, ax, 1)
+    want = (n * torch.cat(seq, 1)).chunk(n, 1)[r]   # every rank passed the same gathered tensor
+    assert_close(rs, want, 1e-12, "reduce_scatter dim 1, sequence-first")
+    assert rs.transpose(0, 1).is_contiguous(), f"reduce_scatter lost the sequence-first layout: {rs.stride()}"
+    assert LEDGER.payload_bytes("all_gather") == LEDGER.payload_bytes("reduce_scatter") == n * seq[r].numel() * 8
     return True
 
 
@@ -93,3 +107,48 @@ def _duals(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_dual_functions_backward_is_adjoint(n):
     assert all(run_on_ranks(n, _duals, n))
+
+
+def _sp_model_layout(T):
+    """In a sequence-parallel Transformer (parallelize, T ranks) every sequence all-gather and
+    reduce-scatter, forward and backward, gets its input with the sequence outermost in memory
+    (the copy-free path of gridshard.comm.collectives), and the loss equals one device's."""
+    import gridshard
+    from gridshard.models import ModelConfig, Transformer
+
+    seen = []
+    ag, rs = C.all_gather, C.reduce_scatter
+
+    def spy(fn, name):
+        def wrapped(x, axis, dim=-1):
+            if axis.name == "tensor" and x.dim() == 3:
+                seen.append((name, x.movedim(dim % x.dim(), 0).is_contiguous()))
+            return fn(x, axis, dim)
+        return wrapped
+
+    cfg = ModelConfig(hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64, vocab_size=50, max_seq_len=16)
+    tokens = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(5))
+    def plain():
+        with torch.device("meta"):
+            return Transformer(cfg)
+
+    ref = gridshard.parallelize(plain(), build_mesh(T, 1, 1, "none"), seed=3, device="cpu")
+    model = gridshard.parallelize(plain(), build_mesh(1, 1, T, "1d"), sequence_parallel=True, seed=3, device="cpu")
+    ref_loss = ref.parallel_context.model_loss(ref, tokens, tokens.roll(-1, 1))
+    C.all_gather, C.reduce_scatter = spy(ag, "all_gather"), spy(rs, "reduce_scatter")
+    try:
+        ctx = model.parallel_context
+        loss = ctx.model_loss(model, tokens, tokens.roll(-1, 1))
+        loss.backward()
+    finally:
+        C.all_gather, C.reduce_scatter = ag, rs
+    assert_close(loss, ref_loss, 1e-5, "SP loss")
+    # embedding RS, per layer 2 AG + 2 RS, head AG; the same again in backward
+    assert len(seen) == 2 * (2 + 4 * cfg.layers), seen
+    assert all(ok for _, ok in seen), f"a sequence collective reordered its input: {seen}"
+    return True
+
+
+@pytest.mark.parametrize("T", [2])
+def test_sequence_parallel_collectives_need_no_reorder(T):
+    assert all(run_on_ranks(T, _sp_model_layout, T))

@@ -142,11 +142,26 @@ def _check_mlp_and_ledger(mesh, sp, b, s, h, seed):
         assert LEDGER.payload_bytes(op) == theory.payload_bytes(op), f"{what} {op} bytes"
     # ring wire bytes, written out (the ledger and the theory share ring_wire_bytes, so comparing
     # them would not test it): no SP 2 all-reduces of A, 2(T−1)/T·A each; SP 2 all-gathers + 2
-    # reduce-scatters of A, (T−1)/T·A each, + the row bias gradient all-reduce of h·4 bytes
+    # reduce-scatters of A, (T−1)/T·A each (the row bias gradient is summed from the gathered
+    # output gradient: no all-reduce of its own)
     A = b * s * h * 4
-    want = (4 * (T - 1) / T * A + (2 * (T - 1) / T * h * 4 if sp else 0.0))
+    want = 4 * (T - 1) / T * A
     assert LEDGER.total("wire_bytes") == pytest.approx(want, rel=1e-12), f"{what} wire bytes"
     assert theory.wire_bytes() == pytest.approx(want, rel=1e-12), f"{what} theory wire bytes"
+    if sp and T > 1 and b > 1:
+        # the SP region's own layout: the block stored sequence-first (as the SP embedding and row
+        # layers leave it) takes the copy-free collectives; the same values, and the output and the
+        # input gradient come back sequence-first
+        for p in (*up.parameters(), *down.parameters()):
+            p.grad = None
+        xs = _residual(X, mesh, sp).transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+        y = mlp(xs, up, down)
+        assert y.transpose(0, 1).is_contiguous(), f"{what}: output strides {y.stride()} not sequence-first"
+        y.backward(_residual(G, mesh, sp).transpose(0, 1).contiguous().transpose(0, 1))
+        assert_close(y, _residual(Y, mesh, sp), TOL, f"{what} sequence-first forward")
+        assert_close(xs.grad, _residual(X.grad, mesh, sp), TOL, f"{what} sequence-first input grad")
+        compare_parameters(up, ref_up, mesh, what + " up (sequence-first)")
+        compare_parameters(down, ref_down, mesh, what + " down (sequence-first)")
 
 
 def _check_embedding(mesh, sp, b, s, h, seed):

@@ -10,6 +10,10 @@ Shapes (group of n ranks, ``dim`` = d):
 * ``all_reduce(x)``: x → x summed over the group (in place on a contiguous copy).
 * ``all_gather(x, d)``: local [.., m, ..] → [.., n·m, ..], member k's block at k·m.
 * ``reduce_scatter(x, d)``: [.., n·m, ..] → member k gets the sum over ranks of block k.
+
+  Both are copy-free (besides the transfer) when d is the outermost dim of the tensor in
+  memory, and then keep that layout (the result is a view with d outermost); otherwise
+  they reorder through one extra copy and return a contiguous tensor.
 * ``broadcast(x, src)``: x on group member ``src`` → every member (async optional).
 * ``reduce(x, dst)``: x summed over the group → member ``dst`` only (async optional).
 """
@@ -54,31 +58,53 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = Fa
 
 
 def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
-    """Concatenate every member's ``x`` along ``dim`` in group-rank order."""
+    """Concatenate every member's ``x`` along ``dim`` in group-rank order.
+
+    Layout: when ``dim`` is the outermost dim of ``x`` in memory (``x.movedim(dim, 0)`` is
+    contiguous: always for dim 0; for a [b, s/n, h] block stored sequence-first as the
+    sequence-parallel layers leave it, :mod:`gridshard.comm.dual_ops`) the members' blocks
+    are received straight into one buffer with that dim outermost and the result is returned
+    as a view in the same layout: no copy besides the receive. Otherwise the blocks are
+    gathered on dim 0 and concatenated along ``dim`` (one extra copy of the output, which is
+    then contiguous)."""
     if axis.size == 1:
         return x
-    x = x.contiguous()
     n = axis.size
-    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dim = dim % x.dim()
+    lead = x.movedim(dim, 0)
+    outermost = lead.is_contiguous()
+    src = lead if outermost else x.contiguous()
+    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     entry = _ledger(axis).add("all_gather", axis.name, _nbytes(out), n)
     with entry.owner.timed(entry, x.device):
-        _all_gather_flat(out, x, group=axis.group)
-    dim = dim % x.dim()
-    if dim == 0:
-        return out
+        _all_gather_flat(out, src, group=axis.group)
+    if outermost:
+        return out.movedim(0, dim)
     return torch.cat(out.chunk(n, 0), dim=dim)
 
 
 def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
-    """Sum ``x`` over the group and keep this member's 1/n block along ``dim``."""
+    """Sum ``x`` over the group and keep this member's 1/n block along ``dim``.
+
+    Layout: when ``dim`` is outermost in memory (see :func:`all_gather`) ``x`` is already in
+    member order and is reduce-scattered as it is; the block comes back in the same layout
+    (a view with ``dim`` outermost). Otherwise the n blocks of ``dim`` are first stacked into
+    a contiguous buffer (one copy of the input) and the block is contiguous."""
     if axis.size == 1:
         return x
     n = axis.size
     dim = dim % x.dim()
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible by the group size {n}")
-    # member k receives slab k of the input viewed as [n, *block]: put the blocks of ``dim`` in front
-    stacked = x.contiguous() if dim == 0 else torch.stack(x.chunk(n, dim=dim), dim=0).contiguous()
+    lead = x.movedim(dim, 0)
+    if lead.is_contiguous():
+        # member k receives slab k of the input viewed as [n, *block], with the blocks of ``dim`` in front
+        out = torch.empty((lead.shape[0] // n,) + tuple(lead.shape[1:]), dtype=x.dtype, device=x.device)
+        entry = _ledger(axis).add("reduce_scatter", axis.name, _nbytes(x), n)
+        with entry.owner.timed(entry, x.device):
+            _reduce_scatter_flat(out, lead, group=axis.group)
+        return out.movedim(0, dim)
+    stacked = torch.stack(x.chunk(n, dim=dim), dim=0).contiguous()
     block_shape = list(x.shape)
     block_shape[dim] //= n
     out = torch.empty(block_shape, dtype=x.dtype, device=x.device)

@@ -12,6 +12,8 @@ function                   forward                 backward
 ``gather_from_group``      all-gather ``dim``      split along ``dim``
 ``gather_sequence``        all-gather ``dim``      reduce-scatter ``dim``
 ``reduce_scatter_sequence`` reduce-scatter ``dim``  all-gather ``dim``
+``reduce_scatter_sequence_bias`` RS ``dim`` + bias  all-gather ``dim``; bias
+                                                   grad from the gathered g
 =========================  ======================  ======================
 
 Why each pair is right, for a group of n ranks that all compute the same loss L:
@@ -30,6 +32,19 @@ Why each pair is right, for a group of n ranks that all compute the same loss L:
 
 The group is given as a :class:`gridshard.mesh.Axis`; on an axis of size 1 every
 function is the identity.
+
+Sequence-first storage. Sequence-parallel activations keep the model's logical shape
+[b, s, h] (the block [b, s/n, h]) but are *stored* sequence-first, i.e. they are
+``transpose(0, 1)`` views of contiguous [s, b, h] tensors, as Megatron's sequence-first
+activations are, without the model code having to know. Then the sequence dim is the
+outermost in memory and ``gather_sequence`` / ``reduce_scatter_sequence`` (dim 1) move the
+blocks straight into / out of one buffer, forward and backward, with no reorder copy
+(:mod:`gridshard.comm.collectives`), and hand on the same layout. The 1D layers produce
+and consume it: the SP embedding looks up the transposed tokens, the row layer computes
+its partial product sequence-first, the column layer multiplies the [s, b, h] view
+(:func:`gridshard.nn.linear_1d.linear_in_layout`). Element-wise ops, RMSNorm and the
+residual adds keep a dense layout, so the residual stream stays sequence-first. An input
+stored batch-first is still correct: the collectives then reorder it with one copy.
 """
 from __future__ import annotations
 
@@ -112,6 +127,24 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return C.all_gather(g, ctx.axis, ctx.dim), None, None
 
 
+class _ReduceScatterSequenceBias(torch.autograd.Function):
+    """y = reduce_scatter(p, dim) + b with a replicated bias b [h]. Backward: the all-gather
+    of g that ∂L/∂p needs anyway gives every rank the whole [.., s, .., h] gradient, so
+    ∂L/∂b = Σ_tokens g_full is complete, and the same, on every rank: no all-reduce of the
+    bias gradient (which adding b to the block through ``copy_to_group`` would need)."""
+
+    @staticmethod
+    def forward(ctx, partial, bias, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return C.reduce_scatter(partial, axis, dim) + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        g_full = C.all_gather(g, ctx.axis, ctx.dim)
+        db = g_full.sum(dim=tuple(range(g_full.dim() - 1))) if ctx.needs_input_grad[1] else None
+        return g_full, db, None, None
+
+
 class _SumOverReplicas(torch.autograd.Function):
     """Forward identity on a parameter block that groups of ``r`` consecutive ranks hold in
     common (block k = rank // r); backward sums the gradient over each group. The T/r blocks
@@ -129,6 +162,15 @@ class _SumOverReplicas(torch.autograd.Function):
         buf = g.new_zeros((axis.size // r, *g.shape))
         buf[axis.rank // r] = g
         return C.all_reduce(buf, axis)[axis.rank // r], None, None
+
+
+def reduce_scatter_sequence_bias(x: torch.Tensor, bias: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel exit with a replicated bias [h] added to the block: forward
+    reduce-scatter + bias, backward all-gather, and the bias gradient summed over the
+    gathered gradient (complete on every rank, no collective of its own)."""
+    if axis.size == 1:
+        return x + bias
+    return _ReduceScatterSequenceBias.apply(x, bias, axis, dim)
 
 
 def sum_over_replicas(w: torch.Tensor, axis: Axis, r: int) -> torch.Tensor:

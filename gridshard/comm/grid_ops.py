@@ -14,6 +14,8 @@ function                    forward                         backward
 ``reduce_by_batch(x, m)``   all-reduce along ``m.col``      identity
 ``split_batch(x, m, d)``    keep batch block i of dim d     all-gather on ``col``, then
                                                             all-reduce on ``row``
+``gather_vector(v, ax, k)`` all-gather along ``ax`` once    reduce-scatter along ``ax``
+                            per version of ``v`` (cached)
 ==========================  ==============================  ==============================
 
 Why each backward is right (every rank computes the same global loss L and
@@ -30,6 +32,9 @@ backpropagates through its own graph, so a rank's upstream gradient is the exact
   of the members' gradients: all-reduce both ways.
 * ``reduce_by_batch``: a value summed over batch blocks that every member then uses
   *identically* (the loss): identity backward (Megatron's reduce).
+* ``gather_vector``: ``gather_along`` for a parameter vector (bias, norm weight), whose
+  value changes only when the optimizer (or a loader) writes it: the gathered copy is
+  kept and reused until then (below), the backward is the same reduce-scatter.
 * ``split_batch``: the input is replicated on all q² ranks; rank (i, j) feeds its
   batch block i to its part j of the computation, so ∂L/∂X[block i] is the sum over
   the row, and the full ∂L/∂X the concatenation over the column.
@@ -37,6 +42,7 @@ backpropagates through its own graph, so a rank's upstream gradient is the exact
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import check_divisible
 from . import collectives as C
@@ -64,6 +70,62 @@ class _SplitBatch(torch.autograd.Function):
     def backward(ctx, g):
         g = C.all_reduce(g, ctx.mesh.row)
         return C.all_gather(g, ctx.mesh.col, ctx.dim), None, None
+
+
+_STEP = [0]
+
+
+def refresh_gathered_vectors(*_args) -> None:
+    """Mark every cached :func:`gather_vector` result stale (the next forward gathers again).
+    Registered as a global optimizer step post-hook, so it runs after every
+    ``torch.optim`` step; call it yourself after changing parameters through ``.data``."""
+    _STEP[0] += 1
+
+
+register_optimizer_step_post_hook(refresh_gathered_vectors)
+
+
+class _GatheredVector(torch.autograd.Function):
+    """Forward: the already gathered vector (a view of the cache); backward: reduce-scatter of
+    its gradient to the shard, as :func:`gather_along` (member k gets Σ_members g[block k])."""
+
+    @staticmethod
+    def forward(ctx, shard, gathered, axis, parts):
+        ctx.axis, ctx.parts = axis, parts
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, parts = ctx.axis.size, ctx.parts
+        if parts > 1:                       # [part][member][m] → [member][part][m], the shards' order
+            g = g.reshape(parts, q, -1).transpose(0, 1).reshape(-1)
+        return C.reduce_scatter(g, ctx.axis, 0), None, None, None
+
+
+def gather_vector(shard: torch.Tensor, axis, fused_parts: int = 1) -> torch.Tensor:
+    """All-gather a parameter vector [n/q] along ``axis`` → [n] (member order; with
+    ``fused_parts`` = k the member pieces [member][part][m] are reordered to [part][member][m]);
+    backward reduce-scatter of the gradient, exactly as :func:`gather_along`.
+
+    The gathered copy is cached on ``shard`` and reused while ``shard``'s version counter
+    (bumped by every in-place write: optimizer steps, ``copy_`` of a loader) and the global
+    step counter of :func:`refresh_gathered_vectors` (bumped after every optimizer step) are
+    unchanged: one all-gather of n·e bytes per optimizer step instead of one per forward
+    (M micro-batches, recompute: 1 instead of M or 2M). Every member of ``axis`` writes its
+    shard in the same steps, so all members decide alike. The reduce-scatter of the gradient
+    still runs in every backward, so gradients reach the owner shards as before."""
+    if axis.size == 1:
+        return shard
+    key = (shard._version, _STEP[0], shard.dtype, shard.device, fused_parts)
+    hit = getattr(shard, "_gridshard_gathered", None)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            full = C.all_gather(shard.detach(), axis, 0)
+            if fused_parts > 1:
+                full = full.view(axis.size, fused_parts, -1).transpose(0, 1).reshape(-1)
+        hit = (key, full)
+        shard._gridshard_gathered = hit
+    return _GatheredVector.apply(shard, hit[1], axis, fused_parts)
 
 
 def gather_along(x: torch.Tensor, axis, dim: int = -1) -> torch.Tensor:

@@ -15,14 +15,19 @@ ever holds a full operand):
     C(i, j) += A(i, t) · B(t, j). Double buffering: the broadcasts of step t+1 are
     issued (async) before the multiply of step t.
 ``summa_abt``  C[m, n] = A[m, k] · B[n, k]ᵀ
-    q steps; step t computes output column block t: B(t, j) is broadcast along
-    column j (source: row t); rank (i, j) forms A(i, j) · B(t, j)ᵀ, the j-th term of
-    C(i, t) = Σ_j A(i, j) B(t, j)ᵀ, and the terms are reduced along row i into
-    member t. The next step's broadcast is issued before the current multiply.
+    C(i, t) = Σ_j A(i, j) B(t, j)ᵀ. Rank (i, j) all-gathers B(0, j) … B(q−1, j) along
+    column j (one call), forms the q terms A(i, j) · B(t, j)ᵀ into one buffer
+    [q, m/q, n/q] (term t written by its GEMM into slot t) and reduce-scatters them along row i: member t
+    receives C(i, t). Two calls, where a sweep of q broadcasts + q reduces took 2q.
 ``summa_atb``  C[k, n] = A[m, k]ᵀ · B[m, n]
-    q steps; step t computes output row block t: A(i, t) is broadcast along row i
-    (source: column t); rank (i, j) forms A(i, t)ᵀ · B(i, j), the i-th term of
-    C(t, j) = Σ_i A(i, t)ᵀ B(i, j), reduced along column j into member t.
+    C(t, j) = Σ_i A(i, t)ᵀ B(i, j). Rank (i, j) all-gathers A(i, 0) … A(i, q−1) along
+    row i, forms the q terms A(i, t)ᵀ · B(i, j) [q, k/q, n/q] and reduce-scatters them
+    along column j: member t receives C(t, j). Two calls.
+
+The slot dim of the gathered panels and of the terms is the outermost, so neither
+collective copies (all-gather and reduce-scatter on dim 0). The price is a transient of
+q blocks per operand and q output blocks (the sweep held one or two); the sums are the
+same (the reduce-scatter adds the same q terms the reduces added, in the backend's order).
 
 Backward passes are the same three products (Cotangent g of C):
 
@@ -30,21 +35,24 @@ Backward passes are the same three products (Cotangent g of C):
 * C = A·Bᵀ:  dA = g·B (ab),   dB = gᵀ·A (atb with (g, A))
 * C = Aᵀ·B:  dA = B·gᵀ (abt with (B, g)), dB = A·g (ab)
 
-Payload per rank (ledger convention, e = bytes per element), for one product:
+Payload per rank (ledger convention, e = bytes per element; all-gather: the gathered
+output, reduce-scatter: the unscattered input), for one product:
 
-* ab:  q broadcasts on the row of m/q·k/q·e and q on the column of k/q·n/q·e;
-* abt: q broadcasts on the column of n/q·k/q·e and q reduces on the row of m/q·n/q·e;
-* atb: q broadcasts on the row of m/q·k/q·e and q reduces on the column of k/q·n/q·e.
+* ab:  q broadcasts on the row of m/q·k/q·e and q on the column of k/q·n/q·e (2q calls);
+* abt: 1 all-gather on the column of q·n/q·k/q·e and 1 reduce-scatter on the row of
+  q·m/q·n/q·e (2 calls);
+* atb: 1 all-gather on the row of q·m/q·k/q·e and 1 reduce-scatter on the column of
+  q·k/q·n/q·e (2 calls).
 
-So every product is 2q collective calls per rank; a linear layer forward+backward
-(ab forward, abt + atb backward) is 6q calls: the 6(q−1) latency term of the SUMMA
-cost table counts the q−1 of each q that a rank receives rather than sends. The
-closed forms live in :mod:`gridshard.theory.tp2d`.
+The payloads equal those of the q broadcasts / q reduces they replace, and so do the ring
+wire bytes ((q−1)/q of the payload either way). A linear layer forward+backward (ab
+forward, abt + atb backward) is 2q + 4 calls (was 6q). The closed forms live in
+:mod:`gridshard.theory.tp2d`.
 
 Overlap switch: ``overlap=False`` (per call; :class:`gridshard.nn.linear_2d.Linear2D`
 and the 2D heads take it as a constructor argument, ``parallelize(summa_overlap=...)``
-and the config key ``parallel.summa_overlap`` set it for a model) makes every broadcast
-and reduce blocking, the benchmark's baseline. A forward's setting is also used by its
+and the config key ``parallel.summa_overlap`` set it for a model) makes the broadcasts of
+A·B blocking (the benchmark's baseline); A·Bᵀ and Aᵀ·B are single blocking calls either way. A forward's setting is also used by its
 backward. There is no process-wide switch.
 """
 from __future__ import annotations
@@ -62,12 +70,6 @@ def _panel(x: torch.Tensor, axis, src: int, overlap: bool):
     if overlap:
         return C.broadcast(buf, axis, src, async_op=True)
     return C.PendingCollective(None, C.broadcast(buf, axis, src), None)
-
-
-def _reduce_to(x: torch.Tensor, axis, dst: int, overlap: bool):
-    if overlap:
-        return C.reduce(x, axis, dst, async_op=True)
-    return C.PendingCollective(None, C.reduce(x, axis, dst), None)
 
 
 def _check(cond: bool, what: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -91,46 +93,50 @@ def _ab(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Tens
     return out
 
 
+def _gather_panels(x: torch.Tensor, axis) -> torch.Tensor:
+    """All-gather the blocks of one grid row (or column) along ``axis``: [q, *block], member t's
+    block at index t. One call; payload q·block (the q broadcasts of the panel sweep)."""
+    return C.all_gather(x.unsqueeze(0), axis, 0)
+
+
+def _reduce_scatter_terms(terms: torch.Tensor, axis) -> torch.Tensor:
+    """terms [q, *block] on every member, term t destined to member t → my Σ_members term[me].
+    One call; payload q·block (the q reduces of the term sweep)."""
+    return C.reduce_scatter(terms, axis, 0)[0]
+
+
 def _abt(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Tensor:
-    """C(i, t) = Σ_j A(i, j) · B(t, j)ᵀ, reduced along row i into member t."""
+    """C(i, t) = Σ_j A(i, j) · B(t, j)ᵀ: one column all-gather, q GEMMs into one buffer, one row
+    reduce-scatter.
+
+    Rank (i, j) gathers the q blocks B(0, j) … B(q−1, j) of its grid column ([q, n/q, k/q],
+    one call), forms all q terms A(i, j)·B(t, j)ᵀ at once ([q, m/q, n/q], term t in slot t:
+    the slot dim is the outermost, so the buffer is already in reduce-scatter order) and
+    reduce-scatters them along row i: member t receives Σ_j term t = C(i, t). Same payload
+    as q broadcasts + q reduces, 2 calls instead of 2q; transient q·(n·k + m·n)/q² elements.
+    ``overlap`` has no effect here (both collectives are single blocking calls)."""
     _check(a.shape[1] == b.shape[1], "summa_abt", a, b)
-    q = row.size
-    a, b = a.contiguous(), b.contiguous()
-    mine, in_flight = None, None
-    pending = _panel(b, col, 0, overlap)
-    for t in range(q):
-        nxt = _panel(b, col, t + 1, overlap) if t + 1 < q else None
-        part = a @ pending.wait().t()
-        red = _reduce_to(part, row, t, overlap)
-        if in_flight is not None:
-            in_flight.wait()
-        in_flight = red
-        if row.rank == t:
-            mine = red
-        pending = nxt
-    in_flight.wait()
-    return mine.wait()
+    panels = _gather_panels(b.contiguous(), col)                 # [q, n/q, k/q]
+    terms = a.new_empty(panels.shape[0], a.shape[0], panels.shape[1])   # [q, m/q, n/q], slot t = term t
+    for t in range(panels.shape[0]):                             # q GEMMs straight into the slots: no copies
+        torch.mm(a, panels[t].t(), out=terms[t])
+    return _reduce_scatter_terms(terms, row)
 
 
 def _atb(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Tensor:
-    """C(t, j) = Σ_i A(i, t)ᵀ · B(i, j), reduced along column j into member t."""
+    """C(t, j) = Σ_i A(i, t)ᵀ · B(i, j): one row all-gather, q GEMMs into one buffer, one column
+    reduce-scatter.
+
+    Rank (i, j) gathers A(i, 0) … A(i, q−1) along row i ([q, m/q, k/q], one call), forms the
+    q terms A(i, t)ᵀ·B(i, j) ([q, k/q, n/q], term t in slot t) and reduce-scatters them along
+    column j: member t receives Σ_i term t = C(t, j). 2 calls instead of 2q (see :func:`_abt`)."""
     _check(a.shape[0] == b.shape[0], "summa_atb", a, b)
-    q = row.size
-    a, b = a.contiguous(), b.contiguous()
-    mine, in_flight = None, None
-    pending = _panel(a, row, 0, overlap)
-    for t in range(q):
-        nxt = _panel(a, row, t + 1, overlap) if t + 1 < q else None
-        part = pending.wait().t() @ b
-        red = _reduce_to(part, col, t, overlap)
-        if in_flight is not None:
-            in_flight.wait()
-        in_flight = red
-        if col.rank == t:
-            mine = red
-        pending = nxt
-    in_flight.wait()
-    return mine.wait()
+    panels = _gather_panels(a.contiguous(), row)                 # [q, m/q, k/q]
+    b = b.contiguous()
+    terms = b.new_empty(panels.shape[0], panels.shape[2], b.shape[1])   # [q, k/q, n/q], slot t = term t
+    for t in range(panels.shape[0]):
+        torch.mm(panels[t].t(), b, out=terms[t])
+    return _reduce_scatter_terms(terms, col)
 
 
 class _SummaAB(torch.autograd.Function):

@@ -98,8 +98,17 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
                          f"{n_local} columns × T={T} (= {padded} padded columns): the padded vocabulary must be "
                          f"⌈V/T⌉·T. Fix: pass the vocab_size the head was built with.")
     check_token_range(targets, vocab_size, "vocab_parallel_cross_entropy targets", ignore_index)
+    # Logits of a sequence-parallel model come stored sequence-first ([b, s, V_l] view of a
+    # contiguous [s, b, V_l]): flatten the tokens in that order, so no copy of the logits is made.
+    seq_first = local_logits.dim() == 3 and not local_logits.is_contiguous() \
+        and local_logits.transpose(0, 1).is_contiguous()
+    if seq_first:
+        local_logits, targets_in = local_logits.transpose(0, 1), targets.transpose(0, 1)
+    else:
+        targets_in = targets
     flat_logits = local_logits.reshape(-1, n_local)
-    flat_targets = targets.reshape(-1).long()
+    flat_targets = targets_in.reshape(-1).long()
     loss = _VocabParallelCrossEntropy.apply(flat_logits, flat_targets, axis, axis.rank * n_local,
                                             vocab_size, ignore_index)
-    return loss.reshape(targets.shape)
+    loss = loss.reshape(targets_in.shape)
+    return loss.transpose(0, 1) if seq_first else loss

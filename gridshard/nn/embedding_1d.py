@@ -13,7 +13,9 @@ Forward for tokens [b, s] (the full, replicated token ids):
 Every token is owned by exactly one rank, so the sum is the plain lookup. Under
 sequence parallelism the sum is reduce-scattered along the sequence instead,
 giving this rank's block [b, s/T, h] (reduce-scatter of b·s·h·bytes; backward
-all-gather of b·s·h·bytes). Without SP the backward needs no communication: every
+all-gather of b·s·h·bytes). The lookup is then done on the transposed ids [s, b], so the
+partial sum is stored sequence-first and the reduce-scatter reads it in place; the block
+comes out sequence-first, the layout of the whole SP region (:mod:`gridshard.comm.dual_ops`). Without SP the backward needs no communication: every
 rank already holds the full output gradient and scatters it into its own rows.
 """
 from __future__ import annotations
@@ -90,11 +92,13 @@ class VocabParallelEmbedding(nn.Module):
             check_sequence_divisible(tokens.unsqueeze(-1), self.axis.size, name)
         if self.axis.size == 1:
             return F.embedding(tokens, self.weight)
+        if self.sequence_parallel:                 # look up [s, b]: the partial is stored sequence-first
+            tokens = tokens.t()
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local_ids = (tokens - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_sequence(partial, self.axis, 1)
+            return reduce_scatter_sequence(partial.transpose(0, 1), self.axis, 1)
         return reduce_from_group(partial, self.axis)
 
     def extra_repr(self) -> str:

@@ -19,6 +19,9 @@ stacked along ``out`` and each part is split separately, so rank t holds
 Under sequence parallelism the input arrives as the sequence block x_t
 [b, s/T, in]; ``gather_sequence`` all-gathers the full x along dim 1 (forward,
 b·s·in) and reduce-scatters its gradient (backward, b·s·in) instead of the copy.
+The block is stored sequence-first and so is the gathered x; the product is taken on
+its [s, b, in] view (``linear_in_layout``), so neither the collectives nor the GEMM
+reorder it, and y comes out sequence-first too.
 
 ``gather_output=True`` all-gathers y along the last dim (and reorders fused parts
 back to the global order) so every rank gets the full [b, s, out].
@@ -33,11 +36,16 @@ and it computes the partial product p_t = x_t W_tᵀ [b, s, out]. The output is
 
 or, under sequence parallelism, the sequence block t of that sum
 (``reduce_scatter_sequence``: forward reduce-scatter of b·s·out, backward
-all-gather of b·s·out). The bias is added exactly once, after the reduction. Under
-SP the bias meets only the sequence block t, so its gradient is partial over the
-tensor group; it is used through ``copy_to_group`` (backward all-reduce of
-out·bytes) and its spec is marked ``partial_grad_axes=("tensor",)`` (already
-reduced inside the layer: do not reduce again).
+all-gather of b·s·out; the partial product is computed sequence-first, so the
+reduce-scatter needs no reorder copy: :mod:`gridshard.comm.dual_ops`). The bias is
+added exactly once, after the reduction. Under SP the bias meets only the sequence
+block t; its gradient Σ_tokens ∂L/∂y is taken from the all-gathered output gradient
+that the backward of the reduce-scatter computes anyway
+(``reduce_scatter_sequence_bias``), so it is complete on every rank with no
+collective of its own. With ``skip_bias_add`` the caller adds the bias to the block,
+so it is handed out through ``copy_to_group`` (backward all-reduce of out·bytes).
+Either way the spec is marked ``partial_grad_axes=("tensor",)``: the
+block's share is partial, and it is made whole inside the layer (do not reduce again).
 
 Column → row needs no communication between them (the column output block t is
 exactly the row input block t), hence one all-reduce forward and one backward per
@@ -53,7 +61,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.dual_ops import (copy_to_group, gather_from_group, gather_sequence, reduce_from_group,
-                             reduce_scatter_sequence, scatter_to_group, sum_over_replicas)
+                             reduce_scatter_sequence, reduce_scatter_sequence_bias, scatter_to_group,
+                             sum_over_replicas)
 from ..errors import LayoutError, ShapeError, check_divisible
 from .precomputed import take_output
 from .sharding import ShardSpec, sharded_parameter
@@ -88,6 +97,29 @@ def check_sequence_divisible(x: torch.Tensor, T: int, layer: str) -> None:
     check_sequence_input(x, layer)
     check_divisible(x.shape[1], T, f"{layer}: sequence length s", T_NAME,
                     f"use a sequence length that is a multiple of {T}, or turn sequence_parallel off")
+
+
+def is_sequence_first(x: torch.Tensor) -> bool:
+    """A [b, s, ..] tensor stored as a contiguous [s, b, ..] (the layout of sequence-parallel
+    activations, :mod:`gridshard.comm.dual_ops`), and not also plainly contiguous (b = 1)."""
+    return x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous()
+
+
+def linear_in_layout(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``F.linear`` that keeps a sequence-first input's layout: computed on the contiguous
+    [s, b, in] view (a plain GEMM of b·s rows; ``F.linear`` on the [b, s, in] view would first
+    copy it batch-first) and returned as the [b, s, out] view of the [s, b, out] result."""
+    if is_sequence_first(x):
+        return F.linear(x.transpose(0, 1), weight, bias).transpose(0, 1)
+    return F.linear(x, weight, bias)
+
+
+def linear_sequence_first(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x·Wᵀ for x [b, s, in] with the result stored sequence-first ([b, s, out] view of a
+    contiguous [s, b, out]), ready for the sequence reduce-scatter without a reorder copy. A
+    batch-first x is read through its [s, b, in] view (the GEMM copies x, in elements per
+    token, instead of the reduce-scatter copying the result, out per token)."""
+    return F.linear(x.transpose(0, 1), weight).transpose(0, 1)
 
 
 def _unfuse_gathered(y: torch.Tensor, T: int, parts: int) -> torch.Tensor:
@@ -165,7 +197,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_group(x, self.axis)
         weight, bias = self.local_weight_and_bias()
-        y = F.linear(x, weight, None if self.skip_bias_add else bias)
+        y = linear_in_layout(x, weight, None if self.skip_bias_add else bias)
         if self.gather_output:
             y = _unfuse_gathered(gather_from_group(y, self.axis, -1), self.axis.size, self.fused_parts)
             if self.skip_bias_add and bias is not None:
@@ -235,11 +267,15 @@ class RowParallelLinear(nn.Module):
             check_sequence_divisible(x, T, name)
         if not self.input_is_parallel:
             x = scatter_to_group(x, self.axis, -1)
-        partial = F.linear(x, self.weight)
-        y = reduce_scatter_sequence(partial, self.axis, 1) if self.sequence_parallel \
-            else reduce_from_group(partial, self.axis)
+        if self.sequence_parallel:
+            partial = linear_sequence_first(x, self.weight)
+            if self.bias is not None and not self.skip_bias_add:
+                return reduce_scatter_sequence_bias(partial, self.bias, self.axis, 1)
+            y = reduce_scatter_sequence(partial, self.axis, 1)
+        else:
+            y = reduce_from_group(F.linear(x, self.weight), self.axis)
         bias = self.bias
-        if bias is not None and self.sequence_parallel:
+        if bias is not None and self.sequence_parallel:      # skip_bias_add: the caller adds it to a block
             bias = copy_to_group(bias, self.axis)
         if self.skip_bias_add:
             return y, bias

@@ -13,7 +13,8 @@ Layout (rank (i, j) = (``mesh.grid_row``, ``mesh.grid_col``)):
 Forward: the token matrix X [b·s, in] (rows ordered batch-major, so batch block i is
 row block i) times W by :func:`gridshard.comm.summa.summa_ab`; the bias is
 all-gathered along the column (the q ranks holding out block j) to [out/q] and
-added once per output element. Backward (autograd): dX = dY·Wᵀ (SUMMA ABᵀ),
+added once per output element (the gathered bias is cached until the optimizer
+changes the shard: one all-gather per step). Backward (autograd): dX = dY·Wᵀ (SUMMA ABᵀ),
 dW = Xᵀ·dY (SUMMA AᵀB), db = reduce-scatter along the column of Σ_tokens dY.
 
 ``fused_parts`` = k (gate|up: 2, q|k|v: 3): the out dim is k equal parts each split
@@ -31,7 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..comm.grid_ops import gather_along
+from ..comm.grid_ops import gather_vector
 from ..comm.summa import summa_ab
 from ..errors import ShapeError, check_divisible
 from .precomputed import take_output
@@ -51,12 +52,11 @@ def bias_spec_2d(out_features: int, fused_parts: int = 1) -> ShardSpec:
 
 def gather_vector_2d(shard: torch.Tensor, mesh, fused_parts: int = 1) -> torch.Tensor:
     """All-gather a :func:`bias_spec_2d` shard [n/q²] along the column → block j [n/q]
-    (backward: reduce-scatter). With fused parts the gathered pieces are reordered
-    from [i][part] to [part][i] so the result is [part₀ block j, part₁ block j, …]."""
-    full = gather_along(shard, mesh.col, 0)
-    if fused_parts > 1 and mesh.q > 1:
-        full = full.view(mesh.q, fused_parts, -1).transpose(0, 1).reshape(-1)
-    return full
+    (backward: reduce-scatter of n/q·e). With fused parts the gathered pieces are reordered
+    from [i][part] to [part][i] so the result is [part₀ block j, part₁ block j, …].
+    The gathered block is kept until the shard changes (:func:`gridshard.comm.grid_ops.gather_vector`):
+    one all-gather per optimizer step, not one per forward."""
+    return gather_vector(shard, mesh.col, fused_parts)
 
 
 def _transposed_normal(out_features: int, in_features: int, std: float) -> Callable[[torch.Tensor], None]:

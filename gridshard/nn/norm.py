@@ -20,6 +20,9 @@ record that its gradient is born partial over ``tensor`` — reduced inside the 
 so callers must NOT all-reduce it again over that axis.
 
 Communication per forward+backward under SP: one all-reduce of h·bytes (backward).
+A sequence-first input (how SP activations are stored, :mod:`gridshard.comm.dual_ops`) is
+normalised as its contiguous [s, b, h] view, so the output keeps that layout (``F.rms_norm``
+would return a batch-first copy).
 """
 from __future__ import annotations
 
@@ -55,6 +58,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = copy_to_group(self.weight, self.axis) if self.sequence_parallel else self.weight
+        if x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
+            # sequence-first storage (SP): normalise the contiguous [s, b, h] view, keep the layout
+            return F.rms_norm(x.transpose(0, 1), (self.hidden,), w, self.eps).transpose(0, 1)
         return F.rms_norm(x, (self.hidden,), w, self.eps)
 
     def extra_repr(self) -> str:

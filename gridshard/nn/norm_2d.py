@@ -5,7 +5,9 @@ spread over the q ranks of grid row i, so the statistics are all-reduced along
 ``mesh.row`` (one [b/q, s, 1] tensor per reduction). The affine weight (and bias)
 [h] is stored as h/q² shards like a Linear2D bias (sub-block i of hidden block j)
 and all-gathered along ``mesh.col`` to block j [h/q] (backward: reduce-scatter of
-the weight gradient, summing the q batch blocks).
+the weight gradient, summing the q batch blocks); the gathered block is kept until the
+optimizer changes the shard (:func:`gridshard.comm.grid_ops.gather_vector`), so the
+all-gather runs once per step, not once per forward.
 
 RMSNorm (r = (Σ_global x²/h + ε)^(−1/2), y = x·r·w):
 

@@ -17,7 +17,7 @@ pre-hook that, for its input x,
   block j is [q block j | k block j | v block j]) and adds each part's gathered bias;
 
 then splits the result into the children's output blocks (made contiguous: models
-``view`` them into heads) and leaves each child its slice (:mod:`gridshard.nn.precomputed`). Communication per forward+backward is therefore
+``view`` them into heads; under SP contiguous in the sequence-first order of the gathered x) and leaves each child its slice (:mod:`gridshard.nn.precomputed`). Communication per forward+backward is therefore
 that of one layer of width Σ out: the old fused-weight figures of
 :mod:`gridshard.theory.tp1d` / :mod:`gridshard.theory.tp2d`. If the parent calls a child
 with another tensor than its own input, the child just computes on its own (correct,
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..comm.dual_ops import copy_to_group, gather_sequence
 from ..comm.summa import summa_ab_parts
-from ..nn.linear_1d import ColumnParallelLinear
+from ..nn.linear_1d import ColumnParallelLinear, is_sequence_first
 from ..nn.linear_2d import Linear2D, gather_vector_2d
 from ..nn.precomputed import leave_output
 
@@ -87,11 +87,16 @@ class _LinearParts(torch.autograd.Function):
 
 
 def _fused_1d(children, xp):
+    """A sequence-first xp (the SP gather's output) is multiplied as its [s, b, in] view and the
+    outputs are made contiguous in that order, returned as [b, s, n] views: every output is
+    then stored sequence-first like the rest of the SP region, and no step reorders it."""
     blocks = [c.local_weight_and_bias() for c in children]
-    y = _LinearParts.apply(xp, *(w for w, _ in blocks))
+    seq_first = is_sequence_first(xp)
+    y = _LinearParts.apply(xp.transpose(0, 1) if seq_first else xp, *(w for w, _ in blocks))
     if blocks[0][1] is not None:
         y = y + torch.cat([b for _, b in blocks], 0)
-    return [o.contiguous() for o in y.split([c.out_local for c in children], -1)]
+    outs = [o.contiguous() for o in y.split([c.out_local for c in children], -1)]
+    return [o.transpose(0, 1) for o in outs] if seq_first else outs
 
 
 def _fused_2d(children, x):

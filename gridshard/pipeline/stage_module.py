@@ -40,4 +40,5 @@ class StageModule(nn.Module):
             x = layer(x, cos, sin)
         if self.last:
             x = self.lm_head(self.norm(x))
-        return x
+            return x
+        return x.contiguous()      # sent to the next stage: SP activations are stored sequence-first

@@ -13,8 +13,9 @@ Column → row pair (one MLP, or attention's qkv → proj), forward + backward
 * SP: the column input is all-gathered along the sequence forward (A) and its
   gradient reduce-scattered backward (A); the row output is reduce-scattered
   forward (A) and its gradient all-gathered backward (A): 2 all-gathers + 2
-  reduce-scatters of A. A row bias (replicated, seen by one sequence block per
-  rank) adds an all-reduce of h·e for its gradient.
+  reduce-scatters of A. A row bias (replicated, added to the sequence block) needs
+  no collective: its gradient is summed from the all-gathered output gradient that
+  the reduce-scatter's backward produces anyway (an all-reduce of h·e before).
 
 Ring wire bytes are equal in both cases (2·2(T−1)/T·A): SP moves the same volume,
 it only splits the all-reduce into its two halves, and stores the residual
@@ -72,13 +73,12 @@ def column_row_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel
                     bytes_per_elem: int = 4, row_bias: bool = False) -> CommVolume:
     """One ColumnParallelLinear(h→n) → RowParallelLinear(n→h) pair, forward + backward
     (see the module docstring): no SP 2 all-reduces of A; SP 2 all-gathers + 2
-    reduce-scatters of A (+ one all-reduce of h·e for a row bias)."""
+    reduce-scatters of A. ``row_bias`` (a bias on the row layer) adds nothing either way
+    (under SP its gradient comes from the gathered output gradient; kept for callers)."""
     a = residual_bytes(batch, seq, hidden, bytes_per_elem)
     v = CommVolume(T)
     if sequence_parallel:
         v.add("all_gather", a, 2).add("reduce_scatter", a, 2)
-        if row_bias:
-            v.add("all_reduce", hidden * bytes_per_elem)
     else:
         v.add("all_reduce", a, 2)
     return v

@@ -9,29 +9,36 @@ reduce-scatter: the unscattered input); volumes are returned per axis as
 ``{"row": CommVolume, "col": CommVolume}`` so tests can compare with the ledger's
 (op, axis) entries exactly. With q = 1 nothing is communicated.
 
-One SUMMA product, per rank (q steps, one panel per operand per step):
+One SUMMA product, per rank (:mod:`gridshard.comm.summa`):
 
 ====================  =====================================  ======================================
 product               row                                    col
 ====================  =====================================  ======================================
 C = A·B   [m,k]·[k,n]  q broadcasts of m·k/q²·e (A panels)    q broadcasts of k·n/q²·e (B panels)
-C = A·Bᵀ  [m,k]·[n,k]ᵀ q reduces of m·n/q²·e (C terms)        q broadcasts of n·k/q²·e (B panels)
-C = Aᵀ·B  [m,k]ᵀ·[m,n] q broadcasts of m·k/q²·e (A panels)    q reduces of k·n/q²·e (C terms)
+C = A·Bᵀ  [m,k]·[n,k]ᵀ 1 reduce-scatter of q·m·n/q²·e         1 all-gather of q·n·k/q²·e (B panels)
+                       (the q C terms)
+C = Aᵀ·B  [m,k]ᵀ·[m,n] 1 all-gather of q·m·k/q²·e (A panels)  1 reduce-scatter of q·k·n/q²·e
+                                                              (the q C terms)
 ====================  =====================================  ======================================
+
+(A·Bᵀ and Aᵀ·B were q broadcasts + q reduces of the same blocks: the same payload and the
+same ring wire bytes, (q − 1)/q of the payload, in 2 calls instead of 2q.)
 
 Linear2D forward + backward = A·B (forward) + dX = dY·Wᵀ (A·Bᵀ with m=N, k=out,
 n=in) + dW = Xᵀ·dY (Aᵀ·B with m=N, k=in, n=out):
 
-* row: 2q broadcasts of N·in/q²·e (X panels, forward and again for dW) and q
-  reduces of N·in/q²·e (dX terms) → payload 3·N·in/q·e;
-* col: 2q broadcasts of in·out/q²·e (W panels, forward and for dX) and q reduces of
-  in·out/q²·e (dW terms) → payload 3·in·out/q·e;
-* bias: one all-gather (out/q·e) forward, one reduce-scatter (out/q·e) backward, col.
+* row: q broadcasts of N·in/q²·e (X panels, forward), one all-gather of N·in/q·e (X
+  panels for dW) and one reduce-scatter of N·in/q·e (dX terms) → payload 3·N·in/q·e;
+* col: q broadcasts of in·out/q²·e (W panels, forward), one all-gather of in·out/q·e (W
+  panels for dX) and one reduce-scatter of in·out/q·e (dW terms) → payload 3·in·out/q·e;
+* bias: one all-gather (out/q·e) forward when the gathered copy is stale (once per
+  optimizer step, :func:`gridshard.nn.linear_2d.gather_vector_2d`; ``vector_gathers=0``
+  when it is current), one reduce-scatter (out/q·e) backward, col.
 
-Rounds: 6q collective calls (+2 with bias). Of each q, a rank is the source/owner of
-one and receives q − 1, hence the cost table's latency 6(q − 1). Ring wire bytes are
-(q − 1)/q of the payload: 3(q − 1)/q²·(N·in + in·out)·e, i.e. the table's bandwidth
-6(q − 1)/q in units of the per-rank blocks (N·in + in·out)/(2q)·e.
+Rounds: 2q + 4 collective calls (+1 or 2 with bias); of the 2q broadcasts a rank sources
+2 and receives 2(q − 1). Ring wire bytes are (q − 1)/q of the payload:
+3(q − 1)/q²·(N·in + in·out)·e, i.e. the seed table's bandwidth 6(q − 1)/q in units of the
+per-rank blocks (N·in + in·out)/(2q)·e.
 
 Per rank: parameters (in·out + out)/q² elements (exactly 1/q² of the layer); saved
 for backward the input block N·in/q² elements (1/q² of a single device's).
@@ -82,25 +89,30 @@ def summa_ab_comm(m: int, k: int, n: int, q: int, bytes_per_elem: int = 4) -> di
 
 
 def summa_abt_comm(m: int, k: int, n: int, q: int, bytes_per_elem: int = 4) -> dict:
-    """C[m, n] = A[m, k]·B[n, k]ᵀ: q column broadcasts of B panels, q row reduces of C terms."""
+    """C[m, n] = A[m, k]·B[n, k]ᵀ: one column all-gather of the q B panels (q·n·k/q²·e), one
+    row reduce-scatter of the q C terms (q·m·n/q²·e)."""
     v = _zero(q)
-    v["col"].add("broadcast", n * k // (q * q) * bytes_per_elem, q)
-    v["row"].add("reduce", m * n // (q * q) * bytes_per_elem, q)
+    v["col"].add("all_gather", q * (n * k // (q * q)) * bytes_per_elem)
+    v["row"].add("reduce_scatter", q * (m * n // (q * q)) * bytes_per_elem)
     return v
 
 
 def summa_atb_comm(m: int, k: int, n: int, q: int, bytes_per_elem: int = 4) -> dict:
-    """C[k, n] = A[m, k]ᵀ·B[m, n]: q row broadcasts of A panels, q column reduces of C terms."""
+    """C[k, n] = A[m, k]ᵀ·B[m, n]: one row all-gather of the q A panels (q·m·k/q²·e), one
+    column reduce-scatter of the q C terms (q·k·n/q²·e)."""
     v = _zero(q)
-    v["row"].add("broadcast", m * k // (q * q) * bytes_per_elem, q)
-    v["col"].add("reduce", k * n // (q * q) * bytes_per_elem, q)
+    v["row"].add("all_gather", q * (m * k // (q * q)) * bytes_per_elem)
+    v["col"].add("reduce_scatter", q * (k * n // (q * q)) * bytes_per_elem)
     return v
 
 
 def linear2d_comm(tokens: int, in_features: int, out_features: int, q: int, bytes_per_elem: int = 4,
-                  bias: bool = False, input_grad: bool = True) -> dict:
+                  bias: bool = False, input_grad: bool = True, vector_gathers: int = 1) -> dict:
     """One Linear2D forward + backward over ``tokens`` = b·s tokens (module docstring).
-    ``input_grad=False`` drops the dX product (a layer whose input needs no gradient)."""
+    ``input_grad=False`` drops the dX product (a layer whose input needs no gradient).
+    ``vector_gathers``: bias all-gathers in this pass (1 when the shard changed since the
+    last forward, e.g. the first forward after an optimizer step; 0 when the cached block
+    is current)."""
     e = bytes_per_elem
     parts = [summa_ab_comm(tokens, in_features, out_features, q, e),
              summa_atb_comm(tokens, in_features, out_features, q, e)]
@@ -108,18 +120,30 @@ def linear2d_comm(tokens: int, in_features: int, out_features: int, q: int, byte
         parts.append(summa_abt_comm(tokens, out_features, in_features, q, e))
     vol = combine(*parts)
     if bias:
-        vol["col"].add("all_gather", out_features // q * e).add("reduce_scatter", out_features // q * e)
+        vol["col"].add("all_gather", out_features // q * e, vector_gathers)
+        vol["col"].add("reduce_scatter", out_features // q * e)
     return vol
 
 
-def rmsnorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4) -> dict:
-    """RMSNorm2D forward + backward: weight all-gather (h/q·e) forward and reduce-scatter
-    backward on the column; Σx² forward and Σ(g·w·x) backward all-reduced on the row
-    ([N/q, 1] each)."""
+def rmsnorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, vector_gathers: int = 1) -> dict:
+    """RMSNorm2D forward + backward: weight all-gather (h/q·e) forward when stale
+    (``vector_gathers``, see :func:`linear2d_comm`) and reduce-scatter backward on the
+    column; Σx² forward and Σ(g·w·x) backward all-reduced on the row ([N/q, 1] each)."""
     e = bytes_per_elem
     v = _zero(q)
-    v["col"].add("all_gather", hidden // q * e).add("reduce_scatter", hidden // q * e)
+    v["col"].add("all_gather", hidden // q * e, vector_gathers).add("reduce_scatter", hidden // q * e)
     v["row"].add("all_reduce", tokens // q * e, 2)
+    return v
+
+
+def layernorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, vector_gathers: int = 1) -> dict:
+    """LayerNorm2D forward + backward: weight and bias all-gathered (h/q·e each) forward when
+    stale (``vector_gathers``) and reduce-scattered backward on the column; Σx and Σ(x−μ)²
+    forward ([N/q, 1] each) and (Σ g·w, Σ g·w·x̂) backward ([N/q, 2]) all-reduced on the row."""
+    e = bytes_per_elem
+    v = _zero(q)
+    v["col"].add("all_gather", hidden // q * e, 2 * vector_gathers).add("reduce_scatter", hidden // q * e, 2)
+    v["row"].add("all_reduce", tokens // q * e, 2).add("all_reduce", 2 * tokens // q * e)
     return v
 
 
@@ -212,7 +236,7 @@ def linear2d_saved_activation_bytes(tokens: int, in_features: int, q: int, bytes
     return tokens * in_features // (q * q) * bytes_per_elem
 
 
-__all__ = ["summa_ab_comm", "summa_abt_comm", "summa_atb_comm", "linear2d_comm", "rmsnorm2d_comm",
+__all__ = ["summa_ab_comm", "summa_abt_comm", "summa_atb_comm", "linear2d_comm", "rmsnorm2d_comm", "layernorm2d_comm",
            "block2d_comm", "embedding2d_comm", "tied_head2d_comm", "cross_entropy2d_comm", "transformer2d_comm",
            "linear2d_param_bytes", "block2d_param_bytes", "transformer2d_param_bytes",
            "linear2d_saved_activation_bytes", "combine", "total", "rounds"]
