@@ -235,14 +235,8 @@ def bench_row(impl, q, args) -> dict:
 
             extra = rope_tables(s, h // args["heads"], _cfg(args).rope_theta)
 
-        try:
-            from gridshard.comm.grid_ops import refresh_gathered_vectors
-        except ImportError:              # gridshard before the gathered-vector cache: nothing to refresh
-            refresh_gathered_vectors = lambda: None  # noqa: E731
-
-        def step():
+        def step():                      # no cache window: 2D vectors gathered in the forward, as in step 1
             model.zero_grad(set_to_none=True)
-            refresh_gathered_vectors()   # as an optimizer step would: 2D vectors are gathered again
             x = x_loc.detach().requires_grad_(True)
             y = model(x, *extra)
             y.backward(gy_loc)

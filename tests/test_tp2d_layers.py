@@ -83,14 +83,14 @@ def test_linear2d_q3():
     assert all(run_on_ranks(9, _linear, 3, [(3, 2, 9, 18, True, 2)], fresh_seed()))
 
 
-# ---- gathered vectors: once per optimizer step, refreshed after it ------------------------------------------
+# ---- gathered vectors: once per cache window (one optimizer step) ------------------------------------------
 def _vector_cache(q, seed):
-    """Linear2D (bias) → RMSNorm2D over three SGD steps against the same plain
-    modules: every forward, gradient and updated parameter matches, the bias and norm weight
-    are all-gathered in the first forward after each optimizer step only (a second forward
-    in the same step gathers nothing), and a write through ``.data`` plus
-    ``refresh_gathered_vectors`` is seen too."""
-    from gridshard.comm.grid_ops import refresh_gathered_vectors
+    """Linear2D (bias) → RMSNorm2D over three SGD steps against the same plain modules, each
+    step's forwards inside one ``GatheredVectors`` window: every forward, gradient and updated
+    parameter matches; the bias and norm weight are all-gathered in the first forward of a
+    window only (a second forward in it gathers nothing); outside a window every forward
+    gathers, so a write the optimizer does not make (through ``.data``) is seen at once."""
+    from gridshard.comm.grid_ops import GatheredVectors
 
     mesh = mesh_2d(q)
     b, s, fin, fout = 2 * q, 3, 4 * q, 4 * q * q
@@ -104,6 +104,8 @@ def _vector_cache(q, seed):
     with torch.no_grad():
         ref_norm.weight.copy_(randn((fout,), seed + 1) * 0.5 + 1)
         par_norm.weight.copy_(expected_shard(ref_norm.weight, par_norm.weight.shard_spec, mesh))
+    cache = GatheredVectors()
+    par_lin.vector_cache = par_norm.vector_cache = cache
     ref, par = nn.Sequential(ref_lin, ref_norm), nn.Sequential(par_lin, par_norm)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt_par = torch.optim.SGD(par.parameters(), lr=0.5)
@@ -115,23 +117,33 @@ def _vector_cache(q, seed):
         opt_ref.zero_grad()
         opt_par.zero_grad()
         ref(X).backward(G)
-        for repeat in range(2):                     # two forwards in one step: micro-batches
-            LEDGER.reset()
-            y = par(block(X, mesh))
-            assert_close(y, fused_block(ref(X), mesh, 1), TOL, f"{what} step {step} forward {repeat}")
-            # q > 1: one gather per vector (bias, norm weight) in the first forward of a step
-            assert gathers() == (2 if repeat == 0 and q > 1 else 0), f"{what} step {step}: {gathers()} gathers"
-            if repeat == 0:
-                y.backward(block(G, mesh))
+        with cache.window():
+            for repeat in range(2):                 # two forwards in one step: micro-batches
+                LEDGER.reset()
+                y = par(block(X, mesh))
+                assert_close(y, fused_block(ref(X), mesh, 1), TOL, f"{what} step {step} forward {repeat}")
+                # q > 1: one gather per vector (bias, norm weight) in the first forward of a window
+                assert gathers() == (2 if repeat == 0 and q > 1 else 0), f"{what} step {step}: {gathers()} gathers"
+                if repeat == 0:
+                    y.backward(block(G, mesh))
         compare_parameters(par, ref, mesh, f"{what} step {step}")
         opt_ref.step()
         opt_par.step()
-    with torch.no_grad():                          # a write the version counter does not see
+    with torch.no_grad():                          # a write the optimizer does not make
         ref_norm.weight.mul_(2.0)
         par_norm.weight.data.mul_(2.0)
-    refresh_gathered_vectors()
     X = randn((b, s, fin), seed + 30)
-    assert_close(par(block(X, mesh)), fused_block(ref(X), mesh, 1), TOL, f"{what} after a .data write")
+    for repeat in range(2):                        # outside a window: gathered on every forward
+        LEDGER.reset()
+        assert_close(par(block(X, mesh)), fused_block(ref(X), mesh, 1), TOL, f"{what} after a .data write")
+        assert gathers() == (2 if q > 1 else 0), f"{what}: {gathers()} gathers outside a window"
+    try:
+        with cache.window(), cache.window():
+            pass
+        raise AssertionError(f"{what}: nested windows were accepted")
+    except RuntimeError as e:
+        assert "do not nest" in str(e), e
+    assert not cache.open
     return True
 
 

@@ -14,8 +14,8 @@ function                    forward                         backward
 ``reduce_by_batch(x, m)``   all-reduce along ``m.col``      identity
 ``split_batch(x, m, d)``    keep batch block i of dim d     all-gather on ``col``, then
                                                             all-reduce on ``row``
-``gather_vector(v, ax, k)`` all-gather along ``ax`` once    reduce-scatter along ``ax``
-                            per version of ``v`` (cached)
+``gather_vector(v, ax, k)`` all-gather along ``ax`` (once  reduce-scatter along ``ax``
+                            per window of ``GatheredVectors``)
 ==========================  ==============================  ==============================
 
 Why each backward is right (every rank computes the same global loss L and
@@ -33,16 +33,18 @@ backpropagates through its own graph, so a rank's upstream gradient is the exact
 * ``reduce_by_batch``: a value summed over batch blocks that every member then uses
   *identically* (the loss): identity backward (Megatron's reduce).
 * ``gather_vector``: ``gather_along`` for a parameter vector (bias, norm weight), whose
-  value changes only when the optimizer (or a loader) writes it: the gathered copy is
-  kept and reused until then (below), the backward is the same reduce-scatter.
+  value does not change within an optimizer step: inside a :class:`GatheredVectors` window
+  the gathered copy is reused (below), the backward is the same reduce-scatter.
 * ``split_batch``: the input is replicated on all q² ranks; rank (i, j) feeds its
   batch block i to its part j of the computation, so ∂L/∂X[block i] is the sum over
   the row, and the full ∂L/∂X the concatenation over the column.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import check_divisible
 from . import collectives as C
@@ -72,17 +74,44 @@ class _SplitBatch(torch.autograd.Function):
         return C.all_gather(g, ctx.mesh.col, ctx.dim), None, None
 
 
-_STEP = [0]
+class GatheredVectors:
+    """Gathered 2D parameter vectors (biases, norm weights), kept for one *window* in which no
+    parameter changes: the forwards and backwards of one optimizer step (every micro-batch,
+    recompute). Outside a window nothing is kept and :func:`gather_vector` gathers on every
+    call, so a forward after any write (optimizer step, checkpoint load, ``.data``) is always
+    current; inside one, each vector is all-gathered once.
 
+    One instance per parallelized model (:class:`gridshard.parallel.ParallelContext`
+    ``.vector_cache``, handed to its 2D modules as ``module.vector_cache``); the trainer opens
+    the window around a step's forwards and backwards. Every member of a gathering axis opens
+    and closes the same windows, so all members decide alike whether to gather."""
 
-def refresh_gathered_vectors(*_args) -> None:
-    """Mark every cached :func:`gather_vector` result stale (the next forward gathers again).
-    Registered as a global optimizer step post-hook, so it runs after every
-    ``torch.optim`` step; call it yourself after changing parameters through ``.data``."""
-    _STEP[0] += 1
+    def __init__(self):
+        self._kept = None                  # {(id(shard), parts): (shard, gathered)} while open
 
+    @contextlib.contextmanager
+    def window(self):
+        """Keep gathered vectors until the block exits (parameters must not change inside)."""
+        if self._kept is not None:
+            raise RuntimeError("GatheredVectors.window() is already open; windows do not nest. Fix: "
+                               "open one window per optimizer step, around its forwards and backwards.")
+        self._kept = {}
+        try:
+            yield self
+        finally:
+            self._kept = None
 
-register_optimizer_step_post_hook(refresh_gathered_vectors)
+    @property
+    def open(self) -> bool:
+        return self._kept is not None
+
+    def lookup(self, shard: torch.Tensor, parts: int):
+        hit = None if self._kept is None else self._kept.get((id(shard), parts))
+        return hit[1] if hit is not None and hit[0] is shard else None
+
+    def keep(self, shard: torch.Tensor, parts: int, gathered: torch.Tensor) -> None:
+        if self._kept is not None:
+            self._kept[(id(shard), parts)] = (shard, gathered)
 
 
 class _GatheredVector(torch.autograd.Function):
@@ -102,30 +131,27 @@ class _GatheredVector(torch.autograd.Function):
         return C.reduce_scatter(g, ctx.axis, 0), None, None, None
 
 
-def gather_vector(shard: torch.Tensor, axis, fused_parts: int = 1) -> torch.Tensor:
+def gather_vector(shard: torch.Tensor, axis, fused_parts: int = 1,
+                  cache: Optional[GatheredVectors] = None) -> torch.Tensor:
     """All-gather a parameter vector [n/q] along ``axis`` → [n] (member order; with
     ``fused_parts`` = k the member pieces [member][part][m] are reordered to [part][member][m]);
     backward reduce-scatter of the gradient, exactly as :func:`gather_along`.
 
-    The gathered copy is cached on ``shard`` and reused while ``shard``'s version counter
-    (bumped by every in-place write: optimizer steps, ``copy_`` of a loader) and the global
-    step counter of :func:`refresh_gathered_vectors` (bumped after every optimizer step) are
-    unchanged: one all-gather of n·e bytes per optimizer step instead of one per forward
-    (M micro-batches, recompute: 1 instead of M or 2M). Every member of ``axis`` writes its
-    shard in the same steps, so all members decide alike. The reduce-scatter of the gradient
-    still runs in every backward, so gradients reach the owner shards as before."""
+    With an open :class:`GatheredVectors` window the gathered copy is reused by every later
+    forward in the window: one all-gather of n·e bytes per optimizer step instead of one per
+    forward (M micro-batches, recompute: 1 instead of M or 2M). The reduce-scatter of the
+    gradient still runs in every backward, so gradients reach the owner shards as before."""
     if axis.size == 1:
         return shard
-    key = (shard._version, _STEP[0], shard.dtype, shard.device, fused_parts)
-    hit = getattr(shard, "_gridshard_gathered", None)
-    if hit is None or hit[0] != key:
+    full = cache.lookup(shard, fused_parts) if cache is not None else None
+    if full is None:
         with torch.no_grad():
             full = C.all_gather(shard.detach(), axis, 0)
             if fused_parts > 1:
                 full = full.view(axis.size, fused_parts, -1).transpose(0, 1).reshape(-1)
-        hit = (key, full)
-        shard._gridshard_gathered = hit
-    return _GatheredVector.apply(shard, hit[1], axis, fused_parts)
+        if cache is not None:
+            cache.keep(shard, fused_parts, full)
+    return _GatheredVector.apply(shard, full, axis, fused_parts)
 
 
 def gather_along(x: torch.Tensor, axis, dim: int = -1) -> torch.Tensor:

@@ -298,20 +298,8 @@ class Trainer:
                           f"{self.cfg.data.ignore_token}; the step's gradient is zero and its loss is "
                           f"reported as null", RuntimeWarning, stacklevel=2)
         weight = self.mesh.data.size / n_valid if n_valid else 0.0      # D/N (module docstring)
-        sums = []
-        if self.pipeline is not None:                  # the schedule runs every micro-batch's forward/backward
-            sums = self.pipeline.run(micro, weight, self.device)
-            self.tied.sync()
-            micro = []
-        for a, (tokens, targets) in enumerate(micro):
-            if a == len(micro) - 1:
-                self.reducer.arm()                     # reduce buckets/units during the last backward
-            tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)
-            targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
-            with self.precision.autocast():
-                loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum")
-            self.precision.scale(loss_sum * weight).backward()
-            sums.append(loss_sum.detach())
+        with self.context.vector_cache.window():       # parameters are fixed until the optimizer step
+            sums = self._forward_backward(micro, weight)
         self.reducer.sync()
         self.precision.unscale(self.optimizer)
         norm = global_grad_norm([q for q, _ in self.norm_pairs], self.mesh, [s for _, s in self.norm_pairs],
@@ -328,6 +316,25 @@ class Trainer:
             share = torch.stack(sums).double().sum() / n_valid if n_valid else \
                 torch.full((), float("nan"), dtype=torch.float64, device=self.device)
         return share, norm, lr
+
+    def _forward_backward(self, micro: list, weight: float) -> list:
+        """Every micro-batch's forward and backward (the pipeline schedule's, or one after the
+        other), gradients scaled by ``weight``; returns the detached loss sums."""
+        if self.pipeline is not None:                  # the schedule runs every micro-batch's forward/backward
+            sums = self.pipeline.run(micro, weight, self.device)
+            self.tied.sync()
+            return sums
+        sums = []
+        for a, (tokens, targets) in enumerate(micro):
+            if a == len(micro) - 1:
+                self.reducer.arm()                     # reduce buckets/units during the last backward
+            tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)
+            targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
+            with self.precision.autocast():
+                loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum")
+            self.precision.scale(loss_sum * weight).backward()
+            sums.append(loss_sum.detach())
+        return sums
 
     def evaluate(self) -> Optional[float]:
         """The validation loss (module docstring), the same value on every rank; None without

@@ -50,13 +50,13 @@ def bias_spec_2d(out_features: int, fused_parts: int = 1) -> ShardSpec:
     return ShardSpec((out_features,), ((0, "grid_col"), (0, "grid_row")), fused_parts=fused_parts, fused_dim=0)
 
 
-def gather_vector_2d(shard: torch.Tensor, mesh, fused_parts: int = 1) -> torch.Tensor:
+def gather_vector_2d(shard: torch.Tensor, mesh, fused_parts: int = 1, cache=None) -> torch.Tensor:
     """All-gather a :func:`bias_spec_2d` shard [n/q²] along the column → block j [n/q]
     (backward: reduce-scatter of n/q·e). With fused parts the gathered pieces are reordered
     from [i][part] to [part][i] so the result is [part₀ block j, part₁ block j, …].
-    The gathered block is kept until the shard changes (:func:`gridshard.comm.grid_ops.gather_vector`):
-    one all-gather per optimizer step, not one per forward."""
-    return gather_vector(shard, mesh.col, fused_parts)
+    Inside an open ``cache`` window (:class:`gridshard.comm.grid_ops.GatheredVectors`, one
+    optimizer step) the gathered block is reused: one all-gather per step, not one per forward."""
+    return gather_vector(shard, mesh.col, fused_parts, cache)
 
 
 def _transposed_normal(out_features: int, in_features: int, std: float) -> Callable[[torch.Tensor], None]:
@@ -84,6 +84,7 @@ class Linear2D(nn.Module):
         self.mesh, self.in_features, self.out_features = mesh, in_features, out_features
         self.fused_parts = fused_parts
         self.in_local, self.out_local = in_features // q, out_features // q
+        self.vector_cache = None            # GatheredVectors of the model (set by parallelize), or none
         init = weight_init or _transposed_normal(out_features, in_features, init_std)
         self.weight = sharded_parameter(weight_spec_2d(in_features, out_features, fused_parts), mesh, init, dtype,
                                         device)
@@ -104,7 +105,7 @@ class Linear2D(nn.Module):
         y = summa_ab(x.reshape(-1, self.in_local), self.weight, self.mesh, self.overlap)
         y = y.view(*x.shape[:-1], self.out_local)
         if self.bias is not None:
-            y = y + gather_vector_2d(self.bias, self.mesh, self.fused_parts)
+            y = y + gather_vector_2d(self.bias, self.mesh, self.fused_parts, self.vector_cache)
         return y
 
     def extra_repr(self) -> str:

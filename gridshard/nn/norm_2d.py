@@ -83,6 +83,7 @@ class _Norm2DBase(nn.Module):
                         f"use hidden a multiple of {q * q}")
         self.mesh, self.hidden, self.eps = mesh, hidden, eps
         self.hidden_local = hidden // q
+        self.vector_cache = None            # GatheredVectors of the model (set by parallelize), or none
 
     def _check(self, x):
         if x.shape[-1] != self.hidden_local:
@@ -103,7 +104,7 @@ class RMSNorm2D(_Norm2DBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        w = gather_vector_2d(self.weight, self.mesh)
+        w = gather_vector_2d(self.weight, self.mesh, cache=self.vector_cache)
         return _RMSNorm2DFn.apply(x, w, self.mesh.row, self.hidden, self.eps)
 
 
@@ -117,6 +118,6 @@ class LayerNorm2D(_Norm2DBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        w = gather_vector_2d(self.weight, self.mesh)
-        b = gather_vector_2d(self.bias, self.mesh)
+        w = gather_vector_2d(self.weight, self.mesh, cache=self.vector_cache)
+        b = gather_vector_2d(self.bias, self.mesh, cache=self.vector_cache)
         return _LayerNorm2DFn.apply(x, w, b, self.mesh.row, self.hidden, self.eps)

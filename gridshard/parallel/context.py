@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..comm.grid_ops import GatheredVectors
 from ..errors import LayoutError, ShapeError, check_divisible
 from ..nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from ..nn.cross_entropy_2d import REDUCTIONS, cross_entropy_2d
@@ -45,6 +46,8 @@ class ParallelContext:
     vocab_size: int
     hf: bool = False
     layouts: dict = field(default_factory=dict)
+    # 2D biases/norm weights gathered once per optimizer step: ``with ctx.vector_cache.window():``
+    vector_cache: GatheredVectors = field(default_factory=GatheredVectors)
 
     def shard_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Global tokens or targets [b, s] → what this rank feeds the model / the loss."""

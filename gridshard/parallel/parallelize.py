@@ -221,6 +221,9 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     layouts = {name: (get_spec(p) or ShardSpec(tuple(p.shape)))
                for name, p in model.named_parameters(remove_duplicate=False)}
     model.parallel_context = ParallelContext(mesh, mode, sp, dims.vocab, dims.hf, layouts)
+    for module in model.modules():                     # 2D vectors: gathered once per cache window
+        if hasattr(module, "vector_cache"):
+            module.vector_cache = model.parallel_context.vector_cache
     return model
 
 

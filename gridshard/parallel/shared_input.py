@@ -104,7 +104,7 @@ def _fused_2d(children, x):
     y = summa_ab_parts(x.reshape(-1, first.in_local), [c.weight for c in children], first.mesh, first.overlap)
     y = y.view(*x.shape[:-1], y.shape[-1])
     outs = y.split([c.out_local for c in children], -1)
-    return [o.contiguous() if c.bias is None else o + gather_vector_2d(c.bias, c.mesh) for o, c in zip(outs, children)]
+    return [o.contiguous() if c.bias is None else o + gather_vector_2d(c.bias, c.mesh, cache=c.vector_cache) for o, c in zip(outs, children)]
 
 
 def install_shared_input(parent: torch.nn.Module, child_names) -> None:

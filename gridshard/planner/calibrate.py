@@ -75,6 +75,8 @@ def _gemm_rates(torch, device, dtype, sizes, repeats=5) -> dict:
 
 def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -> dict:
     """Median seconds per (op, payload) on ``group`` (None: all ranks); ranks outside it skip."""
+    from ..comm.collectives import _all_gather_flat, _reduce_scatter_flat
+
     out = {op: [] for op in OPS}
     rank = dist.get_rank()
     if group is not None:
@@ -90,10 +92,11 @@ def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -
         x = torch.ones(n, device=device)
         chunks = [torch.empty(n // world, device=device) for _ in range(world)]
         src = 0 if group is None else dist.get_process_group_ranks(group)[0]
-        calls = {
+        gathered = torch.empty(n // world * world, device=device)
+        calls = {                                    # the calls gridshard's collectives make
             "all_reduce": lambda: dist.all_reduce(x, **g),
-            "all_gather": lambda: dist.all_gather(chunks, chunks[0].clone(), **g),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(chunks[0], x, **g),
+            "all_gather": lambda: _all_gather_flat(gathered, chunks[0], group=group),
+            "reduce_scatter": lambda: _reduce_scatter_flat(chunks[0], x[:n // world * world], group=group),
             "broadcast": lambda: dist.broadcast(x, src, **g),
         }
         for op, fn in calls.items():

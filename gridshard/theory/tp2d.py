@@ -31,9 +31,10 @@ n=in) + dW = Xᵀ·dY (Aᵀ·B with m=N, k=in, n=out):
   panels for dW) and one reduce-scatter of N·in/q·e (dX terms) → payload 3·N·in/q·e;
 * col: q broadcasts of in·out/q²·e (W panels, forward), one all-gather of in·out/q·e (W
   panels for dX) and one reduce-scatter of in·out/q·e (dW terms) → payload 3·in·out/q·e;
-* bias: one all-gather (out/q·e) forward when the gathered copy is stale (once per
-  optimizer step, :func:`gridshard.nn.linear_2d.gather_vector_2d`; ``vector_gathers=0``
-  when it is current), one reduce-scatter (out/q·e) backward, col.
+* bias: one all-gather (out/q·e) forward unless a gathered copy is kept (the first forward
+  of a :class:`gridshard.comm.grid_ops.GatheredVectors` window gathers, later ones in it
+  do not: ``vector_gathers=0``; the trainer opens one window per optimizer step), one
+  reduce-scatter (out/q·e) backward, col.
 
 Rounds: 2q + 4 collective calls (+1 or 2 with bias); of the 2q broadcasts a rank sources
 2 and receives 2(q − 1). Ring wire bytes are (q − 1)/q of the payload:
@@ -110,9 +111,8 @@ def linear2d_comm(tokens: int, in_features: int, out_features: int, q: int, byte
                   bias: bool = False, input_grad: bool = True, vector_gathers: int = 1) -> dict:
     """One Linear2D forward + backward over ``tokens`` = b·s tokens (module docstring).
     ``input_grad=False`` drops the dX product (a layer whose input needs no gradient).
-    ``vector_gathers``: bias all-gathers in this pass (1 when the shard changed since the
-    last forward, e.g. the first forward after an optimizer step; 0 when the cached block
-    is current)."""
+    ``vector_gathers``: bias all-gathers in this pass (1 without a window or in its first
+    forward; 0 for a later forward in the same window, whose gathered block is kept)."""
     e = bytes_per_elem
     parts = [summa_ab_comm(tokens, in_features, out_features, q, e),
              summa_atb_comm(tokens, in_features, out_features, q, e)]
