@@ -25,13 +25,14 @@ blocks in the same processes.
 Columns:
 
 * ``step ms``: forward + backward (input grad and every parameter grad, fixed random
-  output gradient, no optimizer; each step marks the 2D layers' gathered bias / norm
-  vectors stale, as an optimizer step does, so they are gathered once per step as in
-  training with one micro-batch per step); each timed step starts after a barrier and lasts as
+  output gradient, no optimizer; no ``GatheredVectors`` window is open, so the 2D layers'
+  bias / norm vectors are gathered in every forward, once per step as in training with one
+  micro-batch per step); each timed step starts after a barrier and lasts as
   long as its slowest rank; median over ``--iters`` (≥ 5) timed steps after ``--warmup``,
   then the median over ``--repeats`` runs of the row (fresh processes each, the order of
   the rows alternated between runs); ``spread`` is the range of the per-run medians.
 * ``vs 1 dev``: step time / single-device step time (same run).
+* ``vs best other``: step time / the fastest other row at the same device count (same run).
 * ``comm MiB``: payload bytes per rank per step from the ledger (its convention);
   ``theory MiB``: :mod:`gridshard.theory.tp2d` / :mod:`gridshard.theory.tp1d`.
 * ``wire MiB``: bytes one rank sends per step on bandwidth-optimal rings (the ledger's
@@ -304,7 +305,7 @@ def variants(qs):
     return out
 
 
-HEADERS = ["block", "impl", "T", "step ms", "spread", "vs 1 dev", "comm MiB", "theory MiB", "wire MiB", "calls", "wait ms",
+HEADERS = ["block", "impl", "T", "step ms", "spread", "vs 1 dev", "vs best other", "comm MiB", "theory MiB", "wire MiB", "calls", "wait ms",
            "param MiB", "saved MiB", "max rel err"]
 
 
@@ -382,8 +383,10 @@ def main(argv=None):
                 gx = assemble([tensor_from_bytes(r[block]["gx"]) for r in per_rank], impl, q)
                 err = f"{max(_rel_err(y, tensor_from_bytes(ref['y'])), _rel_err(gx, tensor_from_bytes(ref['gx']))):.1e}"
             lo, hi = spread[(impl, q)]
+            others = [step[v] for v in results if v[1] == q and v != (impl, q)] if impl != "single" else []
             rows.append([block, impl, q * q, f"{step[(impl, q)]:.1f}", f"{lo:.0f}–{hi:.0f}",
                          f"{step[(impl, q)] / step[('single', 1)]:.2f}",
+                         f"{step[(impl, q)] / min(others):.2f}" if others else "—",
                          f"{max(r[block]['comm'] for r in per_rank) / MiB:.2f}",
                          f"{theory_bytes(block, impl, q, args) / MiB:.2f}",
                          f"{max(r[block]['wire'] for r in per_rank) / MiB:.2f}", r0["calls"],

@@ -127,6 +127,8 @@ class TrainSection(BaseModel):
                                               "the end of the run")
     recompute: Literal["none", "full", "selective"] = Field(
         "none", description="activation recompute: none | full (every decoder layer) | selective (attention core)")
+    compile: bool = Field(False, description="torch.compile each decoder layer's forward (collectives stay "
+                                             "eager between compiled pieces; same losses as eager)")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO over the data dimension: 0 off | 1 optimizer state | "
                                                       "2 + gradients | 3 + parameters sharded by rows")
     offload: Literal["none", "optimizer"] = Field("none", description="optimizer: AdamW's state and step in host "

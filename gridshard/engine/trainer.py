@@ -87,6 +87,7 @@ from ..data import BatchPlan, load_split
 from ..mesh import Axis, build_mesh, default_device, init_distributed
 from ..models import Transformer
 from ..parallel import context_of, parallelize
+from ..parallel.compile import apply_compile
 from ..parallel.recompute import apply_recompute
 from ..pipeline.build import pipeline_rank_model
 from ..theory.training import flops_per_token, mfu
@@ -151,6 +152,8 @@ class Trainer:
         self.model = parallelize(plain, self.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
                                  device=self.device, summa_overlap=p.summa_overlap)
         self.context = context_of(self.model)
+        if t.compile:                                  # before recompute, which wraps the compiled forward
+            apply_compile(self.model)
         apply_recompute(self.model, t.recompute)
         named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
         self.params = [q for _, q in named]

@@ -20,15 +20,13 @@ fp32 ops; no dropout), which ``tests/test_recompute.py`` checks bit for bit.
 """
 from __future__ import annotations
 
-import re
-
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import LayoutError
+from .decoder_layers import decoder_layers
 
 MODES = ("none", "full", "selective")
-_DECODER_LAYER = re.compile(r"^(model\.)?layers\.\d+$")
 
 
 def _checkpointed(forward):
@@ -43,10 +41,9 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
         raise LayoutError(f"train.recompute={mode!r} is not one of {MODES}. Fix: use one of them.")
     count = 0
     if mode == "full":
-        for name, module in model.named_modules():
-            if _DECODER_LAYER.match(name):
-                module.forward = _checkpointed(module.forward)
-                count += 1
+        for _, module in decoder_layers(model):
+            module.forward = _checkpointed(module.forward)
+            count += 1
     elif mode == "selective":
         from ..models.llama import Attention
 

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -90,9 +89,9 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..parallel.decoder_layers import decoder_layers
 from ..theory.zero import owned_rows, rows_per_rank
 
-DECODER_LAYER = re.compile(r"^(model\.)?layers\.\d+$")
 MAX_IN_FLIGHT = 2          # reduce-scatters outstanding in backward; the oldest is waited for beyond it
 
 
@@ -182,10 +181,7 @@ class ZeroDataParallel:
 
     # ---- construction ------------------------------------------------------------------
     def _build_units(self, model) -> list:
-        layers = []
-        for name, module in model.named_modules():
-            if DECODER_LAYER.match(name):
-                layers.append((name, module))
+        layers = decoder_layers(model)
         units, seen = [], set()
         for lname, module in layers:
             u = Unit(lname, [], modules=[module])

@@ -1,0 +1,35 @@
+"""``train.compile``: ``torch.compile`` of each decoder layer's forward.
+
+Each decoder layer (``layers.N`` / ``model.layers.N``, the units recompute and ZeRO use) has
+its ``forward`` replaced by ``torch.compile(forward)``; the module itself stays as it is, so
+parameter names, state dicts, checkpoints, forward hooks (ZeRO-3's release and regather) and
+recompute (which wraps the compiled forward) are unchanged. One compiled graph serves every
+layer: since torch 2.5 Dynamo treats a module's parameters as graph inputs, not constants
+(``inline_inbuilt_nn_modules``), so the layers differ only in their inputs.
+
+gridshard's tensor-parallel collectives are autograd Functions that call
+``torch.distributed`` and record into the ledger (Python side effects Dynamo does not
+trace): each one is a graph break, and Dynamo compiles the pieces between them (norms,
+rotary embedding, attention core, activations, residual adds) and runs the collectives
+eagerly, so the ledger and every rank's order of collectives are the same as without
+compile. A single-device layer (``parallel.tensor: 1``) has no collective and compiles
+whole. ``tests/test_compile.py`` checks losses against eager; ``benchmarks/bench_compile.py``
+measures the step-time ratio.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .decoder_layers import decoder_layers
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
+    """Compile every decoder layer's forward of ``model`` in place; returns how many.
+    Call before :func:`gridshard.parallel.recompute.apply_recompute` (which then wraps the
+    compiled forward)."""
+    count = 0
+    for _, module in decoder_layers(model):
+        module.forward = torch.compile(module.forward, backend=backend)
+        count += 1
+    return count
