@@ -1,0 +1,85 @@
+"""``train.compile`` measured: the same losses as eager over 20 steps, and the step-time ratio.
+
+``--part equivalence``: 20 steps of the tiny model (global batch 4, micro-batch 2) with and
+without ``train.compile`` at (D,T,mode) = (1,1,none), (1,2,1d), (1,2,1d+SP); prints the largest
+relative per-step loss difference (issue 12's bar: 1e-5).
+
+``--part time``: step time of compiled over eager at (1,1,none), (1,2,1d) and (1,4,1d) for a
+mid-size model (h 256, 4 layers, s 128). Both trainers live in the same processes and take
+turns step by step (:func:`gridshard.planner.calibrate.alternating_step_times`: a barrier
+before each step, the job's step time is the slowest rank's), so the machine's noise hits
+them alike; medians over the timed rounds after two warm-up rounds (which include the
+compilation).
+
+    .venv/bin/python benchmarks/bench_compile.py --part equivalence|time [--rounds 12]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _runner import format_table, run_on_fresh_ranks  # noqa: E402
+
+TINY = {"preset": "tiny"}
+MID = {"preset": None, "vocab_size": 512, "hidden": 256, "layers": 4, "heads": 4, "ffn_hidden": 704,
+       "max_seq_len": 128}
+LAYOUTS = [(1, "none", False), (2, "1d", False), (2, "1d", True)]
+
+
+def _config(T, mode, sp, compile_, model=TINY, steps=20, global_batch=4, micro_batch=2, seq_len=32):
+    return {"model": model, "data": {"kind": "stdlib", "seq_len": seq_len, "max_bytes": 300_000},
+            "parallel": {"data": 1, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
+            "train": {"global_batch": global_batch, "micro_batch": micro_batch, "steps": steps, "lr": 3e-3,
+                      "warmup_steps": 3, "log_interval": 1, "seed": 3, "eval_interval": 0, "compile": compile_}}
+
+
+def _losses(configs):
+    from gridshard.engine import Trainer
+
+    return [Trainer(c, progress=False).run() for c in configs]
+
+
+def equivalence():
+    rows = []
+    for T, mode, sp in LAYOUTS:
+        eager, compiled = run_on_fresh_ranks(T, _losses, [_config(T, mode, sp, c) for c in (False, True)],
+                                             timeout=3600)[0]
+        rel = max(abs(a - b) / abs(a) for a, b in zip(eager, compiled))
+        rows.append([f"(1,{T},{mode}{'+SP' if sp else ''})", len(eager), f"{rel:.1e}"])
+        print(rows[-1], flush=True)
+    print(format_table(["(D,T,mode)", "steps", "max rel. loss diff, compiled vs eager"], rows))
+
+
+def _timed_rounds(configs, rounds):
+    from gridshard.engine import Trainer
+    from gridshard.planner.calibrate import alternating_step_times
+
+    return alternating_step_times([Trainer(c, progress=False) for c in configs], rounds + 2)
+
+
+def step_time(rounds: int):
+    rows = []
+    for T, mode, sp in ((1, "none", False), (2, "1d", False), (4, "1d", False)):
+        cfgs = [_config(T, mode, sp, c, model=MID, steps=rounds + 2, global_batch=4, micro_batch=2, seq_len=128)
+                for c in (False, True)]
+        per_rank = run_on_fresh_ranks(T, _timed_rounds, cfgs, rounds, timeout=3600)
+        job = [[max(r[i][j] for r in per_rank) for j in range(rounds)] for i in range(2)]
+        ratios = sorted(c / e for c, e in zip(job[1], job[0]))
+        rows.append([f"(1,{T},{mode})", f"{statistics.median(job[0]) * 1e3:.0f}",
+                     f"{statistics.median(job[1]) * 1e3:.0f}",
+                     f"{statistics.median(job[1]) / statistics.median(job[0]):.2f}",
+                     f"{ratios[len(ratios) // 4]:.2f}–{ratios[3 * len(ratios) // 4]:.2f}"])
+        print(rows[-1], flush=True)
+    print(format_table(["(D,T,mode)", "eager ms", "compiled ms", "compiled / eager", "per-round ratio IQR"], rows))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["equivalence", "time"], required=True)
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+    equivalence() if args.part == "equivalence" else step_time(args.rounds)
