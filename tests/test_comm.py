@@ -120,10 +120,10 @@ def _sp_model_layout(T):
     ag, rs = C.all_gather, C.reduce_scatter
 
     def spy(fn, name):
-        def wrapped(x, axis, dim=-1):
+        def wrapped(x, axis, dim=-1, **kwargs):
             if axis.name == "tensor" and x.dim() == 3:
                 seen.append((name, x.movedim(dim % x.dim(), 0).is_contiguous()))
-            return fn(x, axis, dim)
+            return fn(x, axis, dim, **kwargs)
         return wrapped
 
     cfg = ModelConfig(hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=64, vocab_size=50, max_seq_len=16)

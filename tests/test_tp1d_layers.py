@@ -38,17 +38,19 @@ def _residual(Y, mesh, sp):
 
 def _check_column(mesh, sp, b, s, h, seed):
     T = mesh.tensor.size
-    combos = [  # (bias, fused_parts, gather_output, skip_bias_add)
-        (True, 1, False, False), (False, 2, False, False), (True, 3, True, True), (True, 2, True, False),
-        (True, 1, False, True)]
-    for k, (bias, parts, gather, skip) in enumerate(combos):
+    combos = [  # (bias, fused_parts, gather_output, skip_bias_add, overlap_input_grad)
+        (True, 1, False, False, True), (False, 2, False, False, True), (True, 3, True, True, True),
+        (True, 2, True, False, True), (True, 1, False, True, True), (True, 1, False, False, False),
+        (True, 3, True, True, False)]
+    for k, (bias, parts, gather, skip, overlap) in enumerate(combos):
         out = 12 * parts
-        what = f"column(bias={bias}, parts={parts}, gather={gather}, skip={skip}, b,s,h={b},{s},{h})"
+        what = f"column(bias={bias}, parts={parts}, gather={gather}, skip={skip}, overlap={overlap}, b,s,h={b},{s},{h})"
         torch.manual_seed(seed + k)
         ref = plain_linear(h, out, bias, 0.05)
         torch.manual_seed(seed + k)
         par = ColumnParallelLinear(h, out, mesh, bias=bias, gather_output=gather, skip_bias_add=skip,
                                    sequence_parallel=sp, init_std=0.05, fused_parts=parts)
+        par.overlap_input_grad = overlap
         with torch.no_grad():   # a non-zero bias, so the bias path is really exercised
             for m in (ref, par):
                 if m.bias is not None:
@@ -70,6 +72,44 @@ def _check_column(mesh, sp, b, s, h, seed):
         assert_close(x.grad, _residual(X.grad, mesh, sp), TOL, f"{what} input grad")
         compare_parameters(par, ref, mesh, what)
         assert par.weight.shape == (out // T, h)
+
+
+def _check_input_grad_overlap(mesh, sp, b, s, h, seed):
+    """A column product whose backward starts the input-gradient collective before its weight
+    gradient (``column_input`` + ``column_product``) equals the two-node order
+    (``copy_to_group`` / ``gather_sequence`` then ``F.linear``) with the same ledger; and when
+    the full input has a second consumer, the entry sees a gradient that is not the launched
+    one and reduces the received sum instead (one extra collective, the same values)."""
+    from gridshard.comm.dual_ops import copy_to_group, gather_sequence
+    from gridshard.comm.input_grad_overlap import column_input
+    from gridshard.nn.linear_1d import column_product
+
+    parts = [randn((8, h), seed + 1), randn((4, h), seed + 2)]
+    X, G, C2 = randn((b, s, h), seed + 3), randn((b, s, 12), seed + 4), randn((b, s, h), seed + 5)
+    for second in (False, True):
+        got = {}
+        for overlap in (True, False):
+            x = _input(X, mesh, sp)
+            w = [p.clone().requires_grad_() for p in parts]
+            LEDGER.reset()
+            if overlap:
+                xf, handoff = column_input(x, mesh.tensor, sp)
+                y = column_product(xf, w, handoff)
+            else:
+                xf = gather_sequence(x, mesh.tensor, 1) if sp else copy_to_group(x, mesh.tensor)
+                y = F.linear(xf, torch.cat(w, 0))
+            loss = (y * G).sum() + ((xf * C2).sum() if second else 0.0)
+            loss.backward()
+            got[overlap] = (y.detach(), x.grad, [p.grad for p in w],
+                            sum(e.count for e in LEDGER.entries.values()))
+        what = f"input-grad overlap sp={sp} second consumer={second} b,s,h={b},{s},{h}"
+        (y1, gx1, gw1, n1), (y0, gx0, gw0, n0) = got[True], got[False]
+        assert_close(y1, y0, TOL, f"{what} forward")
+        assert_close(gx1, gx0, TOL, f"{what} input grad")
+        for a, c in zip(gw1, gw0):
+            assert_close(a, c, TOL, f"{what} weight grad")
+        T = mesh.tensor.size
+        assert n1 == n0 + (1 if second and T > 1 else 0), (what, n1, n0)
 
 
 def _check_row(mesh, sp, b, s, h, seed):
@@ -254,6 +294,7 @@ def _layers(T, sp):
     for i, (b, s, h) in enumerate(SHAPES):
         seed = 1000 * (i + 1) + 10 * T + int(sp)
         _check_column(mesh, sp, b, s, h, seed)
+        _check_input_grad_overlap(mesh, sp, b, s, h, seed + 900)
         _check_row(mesh, sp, b, s, h, seed + 300)
         _check_mlp_and_ledger(mesh, sp, b, s, h, seed + 500)
         _check_embedding(mesh, sp, b, s, h, seed + 600)

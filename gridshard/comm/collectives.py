@@ -19,11 +19,33 @@ Shapes (group of n ranks, ``dim`` = d):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from ..mesh import Axis
 from .ledger import current_ledger
+
+
+def _eager(fn):
+    """Run the collective ``fn`` eagerly under ``torch.compile`` (``train.compile``): when
+    Dynamo traces a call, it meets ``torch.compiler.disable(fn)`` and breaks the graph around
+    it, so neither the process-group call nor the ledger's bookkeeping is traced (traced, the
+    ledger's counters became guards that recompiled every call). Outside compilation ``fn``
+    is called directly; torch._dynamo is imported only by a compiled run (it costs seconds
+    per process)."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return run
 
 
 def _ledger(axis):
@@ -81,6 +103,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@_eager
 def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False, inplace: bool = False):
     """Sum (or max) ``x`` over ``axis``; returns a new contiguous tensor (``x`` itself with
     ``inplace``, which needs a contiguous ``x``). With ``async_op`` returns a
@@ -99,7 +122,8 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = Fa
     return out
 
 
-def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+@_eager
+def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = False):
     """Concatenate every member's ``x`` along ``dim`` in group-rank order.
 
     Layout: when ``dim`` is the outermost dim of ``x`` in memory (``x.movedim(dim, 0)`` is
@@ -108,16 +132,22 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
     are received straight into one buffer with that dim outermost and the result is returned
     as a view in the same layout: no copy besides the receive. Otherwise the blocks are
     gathered on dim 0 and concatenated along ``dim`` (one extra copy of the output, which is
-    then contiguous)."""
+    then contiguous). With ``async_op`` (an outermost ``dim`` only) a
+    :class:`PendingCollective` is returned (its ``wait()`` gives the gathered tensor)."""
     if axis.size == 1:
-        return x
+        return PendingCollective(None, x, None) if async_op else x
     n = axis.size
     dim = dim % x.dim()
     lead = x.movedim(dim, 0)
     outermost = lead.is_contiguous()
+    if async_op and not outermost:
+        raise ValueError(f"all_gather(async_op=True) needs dim {dim} outermost in memory; got strides {x.stride()}")
     src = lead if outermost else x.contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     entry = _ledger(axis).add("all_gather", axis.name, _nbytes(out), n)
+    if async_op:
+        return PendingCollective(_all_gather_flat(out, src, group=axis.group, async_op=True), out.movedim(0, dim),
+                                 entry)
     with entry.owner.timed(entry, x.device):
         _all_gather_flat(out, src, group=axis.group)
     if outermost:
@@ -125,15 +155,17 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
     return torch.cat(out.chunk(n, 0), dim=dim)
 
 
-def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+@_eager
+def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = False):
     """Sum ``x`` over the group and keep this member's 1/n block along ``dim``.
 
     Layout: when ``dim`` is outermost in memory (see :func:`all_gather`) ``x`` is already in
     member order and is reduce-scattered as it is; the block comes back in the same layout
     (a view with ``dim`` outermost). Otherwise the n blocks of ``dim`` are first stacked into
-    a contiguous buffer (one copy of the input) and the block is contiguous."""
+    a contiguous buffer (one copy of the input) and the block is contiguous. With
+    ``async_op`` a :class:`PendingCollective` is returned (its ``wait()`` gives the block)."""
     if axis.size == 1:
-        return x
+        return PendingCollective(None, x, None) if async_op else x
     n = axis.size
     dim = dim % x.dim()
     if x.shape[dim] % n:
@@ -142,20 +174,22 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
     if lead.is_contiguous():
         # member k receives slab k of the input viewed as [n, *block], with the blocks of ``dim`` in front
         out = torch.empty((lead.shape[0] // n,) + tuple(lead.shape[1:]), dtype=x.dtype, device=x.device)
-        entry = _ledger(axis).add("reduce_scatter", axis.name, _nbytes(x), n)
-        with entry.owner.timed(entry, x.device):
-            _reduce_scatter_flat(out, lead, group=axis.group)
-        return out.movedim(0, dim)
-    stacked = torch.stack(x.chunk(n, dim=dim), dim=0).contiguous()
-    block_shape = list(x.shape)
-    block_shape[dim] //= n
-    out = torch.empty(block_shape, dtype=x.dtype, device=x.device)
+        src, result = lead, out.movedim(0, dim)
+    else:
+        block_shape = list(x.shape)
+        block_shape[dim] //= n
+        out = torch.empty(block_shape, dtype=x.dtype, device=x.device)
+        src = torch.stack(x.chunk(n, dim=dim), dim=0).contiguous().view(n * block_shape[0], *block_shape[1:])
+        result = out
     entry = _ledger(axis).add("reduce_scatter", axis.name, _nbytes(x), n)
+    if async_op:
+        return PendingCollective(_reduce_scatter_flat(out, src, group=axis.group, async_op=True), result, entry)
     with entry.owner.timed(entry, x.device):
-        _reduce_scatter_flat(out, stacked.view(n * block_shape[0], *block_shape[1:]), group=axis.group)
-    return out
+        _reduce_scatter_flat(out, src, group=axis.group)
+    return result
 
 
+@_eager
 def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False):
     """Sum a flat buffer ``x`` of n·m elements over the group; member k keeps elements
     [k·m, (k+1)·m) (no copy: the segments are already contiguous). Ledger payload: ``x``.
@@ -188,6 +222,7 @@ class PendingCollective:
         return self.tensor
 
 
+@_eager
 def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
     """Send ``x`` from group member ``src`` (an index into ``axis.ranks``) to every member.
 
@@ -206,6 +241,7 @@ def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
     return x
 
 
+@_eager
 def reduce(x: torch.Tensor, axis: Axis, dst: int, async_op: bool = False):
     """Sum ``x`` over ``axis`` into group member ``dst`` (an index into ``axis.ranks``).
 

@@ -52,7 +52,11 @@ forward, abt + atb backward) is 2q + 4 calls (was 6q). The closed forms live in
 Overlap switch: ``overlap=False`` (per call; :class:`gridshard.nn.linear_2d.Linear2D`
 and the 2D heads take it as a constructor argument, ``parallelize(summa_overlap=...)``
 and the config key ``parallel.summa_overlap`` set it for a model) makes the broadcasts of
-A·B blocking (the benchmark's baseline); A·Bᵀ and Aᵀ·B are single blocking calls either way. A forward's setting is also used by its
+A·B blocking (the benchmark's baseline) and the backward of A·B run its two products one
+after the other with blocking calls. With overlap (the default) the backward of A·B
+(:func:`_ab_backward`, every Linear2D's) issues both panel all-gathers at once, computes
+each product's own term while they travel, and runs dA's reduce-scatter during dB's GEMMs;
+a standalone A·Bᵀ or Aᵀ·B product is blocking either way. A forward's setting is also used by its
 backward. There is no process-wide switch.
 """
 from __future__ import annotations
@@ -139,6 +143,49 @@ def _atb(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Ten
     return _reduce_scatter_terms(terms, col)
 
 
+def _ab_backward(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row, col, need_a: bool, need_b: bool,
+                 overlap: bool):
+    """(dA, dB) of C = A·B: dA = g·Bᵀ (:func:`_abt`), dB = Aᵀ·g (:func:`_atb`); None where not needed.
+
+    With ``overlap`` the two products' four collectives run while the GEMMs do: both panel
+    all-gathers (B along the column, A along the row) are issued first, asynchronously; each
+    product's own term (the block this rank already holds: B(i, j) is slot i of the column,
+    A(i, j) slot j of the row) is computed while they travel; the other q − 1 terms follow
+    when the panels arrive, and dA's reduce-scatter along the row runs while dB's terms are
+    computed. Every rank issues the same calls in the same order on each group (row: gather A,
+    reduce-scatter dA; column: gather B, reduce-scatter dB). The same calls, payloads and
+    sums as the two blocking products, which ``overlap=False`` runs one after the other."""
+    if not overlap:
+        return (_abt(g, b, row, col, False) if need_a else None, _atb(a, g, row, col, False) if need_b else None)
+    g, a, b = g.contiguous(), a.contiguous(), b.contiguous()
+    _check(g.shape[1] == b.shape[1], "summa_abt", g, b)
+    _check(a.shape[0] == g.shape[0], "summa_atb", a, g)
+    q = row.size
+    gather_b = C.all_gather(b.unsqueeze(0), col, 0, async_op=True) if need_a else None    # [q, k/q, n/q]
+    gather_a = C.all_gather(a.unsqueeze(0), row, 0, async_op=True) if need_b else None    # [q, m/q, k/q]
+    terms_a = terms_b = None
+    if need_a:                                   # dA(i, t) terms g·B(t, j)ᵀ, slot t; mine: t = i
+        terms_a = g.new_empty(q, g.shape[0], b.shape[0])
+        torch.mm(g, b.t(), out=terms_a[col.rank])
+    if need_b:                                   # dB(t, j) terms A(i, t)ᵀ·g, slot t; mine: t = j
+        terms_b = g.new_empty(q, a.shape[1], g.shape[1])
+        torch.mm(a.t(), g, out=terms_b[row.rank])
+    reduce_a = reduce_b = None
+    if need_a:
+        panels = gather_b.wait()
+        for t in range(q):
+            if t != col.rank:
+                torch.mm(g, panels[t].t(), out=terms_a[t])
+        reduce_a = C.reduce_scatter(terms_a, row, 0, async_op=True)
+    if need_b:
+        panels = gather_a.wait()
+        for t in range(q):
+            if t != row.rank:
+                torch.mm(panels[t].t(), g, out=terms_b[t])
+        reduce_b = C.reduce_scatter(terms_b, col, 0, async_op=True)
+    return (reduce_a.wait()[0] if need_a else None, reduce_b.wait()[0] if need_b else None)
+
+
 class _SummaAB(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, row, col, overlap):
@@ -150,8 +197,7 @@ class _SummaAB(torch.autograd.Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         row, col = ctx.axes
-        da = _abt(g, b, row, col, ctx.overlap) if ctx.needs_input_grad[0] else None
-        db = _atb(a, g, row, col, ctx.overlap) if ctx.needs_input_grad[1] else None
+        da, db = _ab_backward(g, a, b, row, col, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.overlap)
         return da, db, None, None, None
 
 
@@ -202,9 +248,8 @@ class _SummaABParts(torch.autograd.Function):
     def backward(ctx, g):
         a, *parts = ctx.saved_tensors
         row, col = ctx.axes
-        da = _abt(g, torch.cat(parts, 1), row, col, ctx.overlap) if ctx.needs_input_grad[0] else None
-        db = _atb(a, g, row, col, ctx.overlap).split([p.shape[1] for p in parts], 1)
-        return (da, None, None, None, *db)
+        da, db = _ab_backward(g, a, torch.cat(parts, 1), row, col, ctx.needs_input_grad[0], True, ctx.overlap)
+        return (da, None, None, None, *db.split([p.shape[1] for p in parts], 1))
 
 
 def summa_ab_parts(a: torch.Tensor, parts, mesh, overlap: bool = True) -> torch.Tensor:

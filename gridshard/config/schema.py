@@ -41,6 +41,9 @@ class ParallelSection(BaseModel):
                                                                 "embedding and the head as one layer each")
     summa_overlap: bool = Field(True, description="2d only: double-buffered async SUMMA broadcasts (false: "
                                                   "blocking, the benchmark baseline)")
+    overlap_input_grad: bool = Field(True, description="1d only: each column layer's input-gradient all-reduce "
+                                                       "(reduce-scatter under SP) runs while its weight gradient "
+                                                       "is computed (false: after it); exact either way")
 
 
 class ModelSection(BaseModel):

@@ -63,6 +63,7 @@ from torch import nn
 from ..comm.dual_ops import (copy_to_group, gather_from_group, gather_sequence, reduce_from_group,
                              reduce_scatter_sequence, reduce_scatter_sequence_bias, scatter_to_group,
                              sum_over_replicas)
+from ..comm.input_grad_overlap import column_input
 from ..errors import LayoutError, ShapeError, check_divisible
 from .precomputed import take_output
 from .sharding import ShardSpec, sharded_parameter
@@ -122,6 +123,50 @@ def linear_sequence_first(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.linear(x.transpose(0, 1), weight).transpose(0, 1)
 
 
+class _ColumnProduct(torch.autograd.Function):
+    """y = x·[W₀; W₁; …]ᵀ for a column layer (or several sharing one input), saving x and the
+    parts (parameters: no copy), not the joined weight, which is rebuilt in backward. A
+    sequence-first x is multiplied as its contiguous [s, b, in] view and y comes back
+    sequence-first. Backward: dx = dy·W first; with an ``handoff``
+    (:mod:`gridshard.comm.input_grad_overlap`) its collective starts now and runs while
+    dW = dyᵀ·x is computed. Under autocast both operands are cast to the autocast dtype, as
+    ``F.linear`` would."""
+
+    @staticmethod
+    def forward(ctx, x, handoff, *parts):
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        seq_first = is_sequence_first(x)
+        xs = (x.transpose(0, 1) if seq_first else x).to(dtype)
+        ctx.save_for_backward(xs, *parts)
+        ctx.in_dtype, ctx.dtype, ctx.seq_first, ctx.handoff = x.dtype, dtype, seq_first, handoff
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(xs, parts[0].to(dtype) if len(parts) == 1 else torch.cat(parts, 0).to(dtype))
+        return y.transpose(0, 1) if seq_first else y
+
+    @staticmethod
+    def backward(ctx, g):
+        xs, *parts = ctx.saved_tensors
+        gs = (g.transpose(0, 1) if ctx.seq_first else g).to(ctx.dtype)
+        w = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (gs @ w.to(ctx.dtype)).to(ctx.in_dtype)
+            if ctx.seq_first:
+                dx = dx.transpose(0, 1)
+            if ctx.handoff is not None:
+                ctx.handoff.launch(dx)          # the input-gradient collective runs during dW
+        dw = (gs.reshape(-1, gs.shape[-1]).t() @ xs.reshape(-1, xs.shape[-1]))
+        dws = dw.split([p.shape[0] for p in parts], 0) if len(parts) > 1 else (dw,)
+        return (dx, None, *(d.to(p.dtype) for d, p in zip(dws, parts)))
+
+
+def column_product(x: torch.Tensor, parts, handoff=None) -> torch.Tensor:
+    """x·[W₀; W₁; …]ᵀ in x's layout (:class:`_ColumnProduct`); ``handoff`` from
+    :func:`gridshard.comm.input_grad_overlap.column_input` overlaps the input-gradient
+    collective with the weight-gradient GEMM."""
+    return _ColumnProduct.apply(x, handoff, *parts)
+
+
 def _unfuse_gathered(y: torch.Tensor, T: int, parts: int) -> torch.Tensor:
     """[.., T·parts·m] laid out as (rank, part, m) → global order (part, rank, m)."""
     if parts == 1 or T == 1:
@@ -167,6 +212,8 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel and T > 1
         self.fused_parts = fused_parts
+        # backward: the input gradient's collective overlaps the weight-gradient GEMM (exact either way)
+        self.overlap_input_grad = True
         w_spec = ShardSpec((out_features, in_features), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0,
                            replicate=replicate)
         if shared_weight is not None:
@@ -193,11 +240,15 @@ class ColumnParallelLinear(nn.Module):
         check_last_dim(x, self.in_features, name, f"feed [.., {self.in_features}] (the layer's in_features)")
         if self.sequence_parallel:
             check_sequence_input(x, name)
-            x = gather_sequence(x, self.axis, 1)
-        else:
-            x = copy_to_group(x, self.axis)
         weight, bias = self.local_weight_and_bias()
-        y = linear_in_layout(x, weight, None if self.skip_bias_add else bias)
+        if self.overlap_input_grad:
+            x, handoff = column_input(x, self.axis, self.sequence_parallel)
+            y = column_product(x, (weight,), handoff)
+            if bias is not None and not self.skip_bias_add:
+                y = y + bias
+        else:
+            x = gather_sequence(x, self.axis, 1) if self.sequence_parallel else copy_to_group(x, self.axis)
+            y = linear_in_layout(x, weight, None if self.skip_bias_add else bias)
         if self.gather_output:
             y = _unfuse_gathered(gather_from_group(y, self.axis, -1), self.axis.size, self.fused_parts)
             if self.skip_bias_add and bias is not None:

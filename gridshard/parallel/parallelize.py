@@ -154,7 +154,8 @@ def _rebuild_meta_buffers(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence_parallel: bool = False,
-                seed: int = 0, device=None, summa_overlap: bool = True) -> nn.Module:
+                seed: int = 0, device=None, summa_overlap: bool = True,
+                overlap_input_grad: bool = True) -> nn.Module:
     """Lay ``model`` (a plain single-device module, built on ``meta`` or with real weights) out
     on ``mesh`` (:func:`gridshard.build_mesh`) for its tensor mode; returns the same module.
 
@@ -162,7 +163,9 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     ``seed`` drives the counter-based initialisation of meta parameters (same seed → the
     same global model at every layout); ``device`` where the blocks live (default: CUDA
     if available, else CPU); ``summa_overlap`` (2D) double-buffered async SUMMA
-    broadcasts, or blocking ones when False.
+    broadcasts, or blocking ones when False; ``overlap_input_grad`` (1D) each column
+    layer's input-gradient collective overlapped with its weight-gradient GEMM
+    (:mod:`gridshard.comm.input_grad_overlap`), or issued after it when False.
     """
     from ..mesh import default_device
 
@@ -221,9 +224,11 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     layouts = {name: (get_spec(p) or ShardSpec(tuple(p.shape)))
                for name, p in model.named_parameters(remove_duplicate=False)}
     model.parallel_context = ParallelContext(mesh, mode, sp, dims.vocab, dims.hf, layouts)
-    for module in model.modules():                     # 2D vectors: gathered once per cache window
-        if hasattr(module, "vector_cache"):
+    for module in model.modules():
+        if hasattr(module, "vector_cache"):            # 2D vectors: gathered once per cache window
             module.vector_cache = model.parallel_context.vector_cache
+        if hasattr(module, "overlap_input_grad"):      # 1D column layers
+            module.overlap_input_grad = overlap_input_grad
     return model
 
 

@@ -26,11 +26,11 @@ only without the saving).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..comm.dual_ops import copy_to_group, gather_sequence
+from ..comm.input_grad_overlap import column_input
 from ..comm.summa import summa_ab_parts
-from ..nn.linear_1d import ColumnParallelLinear, is_sequence_first
+from ..nn.linear_1d import ColumnParallelLinear, column_product, is_sequence_first
 from ..nn.linear_2d import Linear2D, gather_vector_2d
 from ..nn.precomputed import leave_output
 
@@ -56,45 +56,32 @@ def _first_input(args, kwargs):
 
 
 def _prepare_1d(children, x):
-    """The input every rank's column block multiplies: the full sequence under SP."""
+    """(full input, handoff): the sequence all-gather under SP, else x itself; the handoff
+    carries the input gradient's collective from the product to this entry (overlapped
+    with the weight gradient, :mod:`gridshard.comm.input_grad_overlap`), or None for the
+    two-node order (``copy_to_group`` / ``gather_sequence``)."""
     first = children[0]
+    if first.sequence_parallel and x.dim() != 3:
+        return None
+    if all(c.overlap_input_grad for c in children):
+        return column_input(x, first.axis, first.sequence_parallel)
     if first.sequence_parallel:
-        return gather_sequence(x, first.axis, 1) if x.dim() == 3 else None
-    return copy_to_group(x, first.axis)
+        return gather_sequence(x, first.axis, 1), None
+    return copy_to_group(x, first.axis), None
 
 
-class _LinearParts(torch.autograd.Function):
-    """y = x·[W₀; W₁; …]ᵀ saving x and the parts (parameters: no copy), not the joined
-    weight, which is rebuilt in backward: dx = dy·W, dW = dyᵀ·x split by rows.
-    Under autocast both operands are cast to the autocast dtype, as ``F.linear`` would."""
-
-    @staticmethod
-    def forward(ctx, x, *parts):
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        xc = x.to(dtype)
-        ctx.save_for_backward(xc, *parts)
-        ctx.in_dtype, ctx.dtype = x.dtype, dtype
-        with torch.autocast(x.device.type, enabled=False):
-            return F.linear(xc, torch.cat(parts, 0).to(dtype))
-
-    @staticmethod
-    def backward(ctx, g):
-        xc, *parts = ctx.saved_tensors
-        g = g.to(ctx.dtype)
-        dx = (g @ torch.cat(parts, 0).to(ctx.dtype)).to(ctx.in_dtype)
-        dw = (g.reshape(-1, g.shape[-1]).t() @ xc.reshape(-1, xc.shape[-1])).split([p.shape[0] for p in parts], 0)
-        return (dx, *(d.to(p.dtype) for d, p in zip(dw, parts)))
-
-
-def _fused_1d(children, xp):
+def _fused_1d(children, prepared):
     """A sequence-first xp (the SP gather's output) is multiplied as its [s, b, in] view and the
     outputs are made contiguous in that order, returned as [b, s, n] views: every output is
     then stored sequence-first like the rest of the SP region, and no step reorders it."""
+    xp, handoff = prepared
     blocks = [c.local_weight_and_bias() for c in children]
     seq_first = is_sequence_first(xp)
-    y = _LinearParts.apply(xp.transpose(0, 1) if seq_first else xp, *(w for w, _ in blocks))
+    y = column_product(xp, [w for w, _ in blocks], handoff)
     if blocks[0][1] is not None:
         y = y + torch.cat([b for _, b in blocks], 0)
+    if seq_first:
+        y = y.transpose(0, 1)
     outs = [o.contiguous() for o in y.split([c.out_local for c in children], -1)]
     return [o.transpose(0, 1) for o in outs] if seq_first else outs
 
@@ -132,10 +119,11 @@ def install_shared_input(parent: torch.nn.Module, child_names) -> None:
         x = _first_input(args, kwargs)
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_dim:
             return None                       # let the children compute (and report) on their own
-        xp = prep(children, x)
-        if xp is None:
+        prepared = prep(children, x)
+        if prepared is None:
             return None
-        for child, y in zip(children, compute(children, xp)):
+        xp = prepared[0] if isinstance(prepared, tuple) else prepared
+        for child, y in zip(children, compute(children, prepared)):
             leave_output(child, xp, y)
         return _replace_input(args, kwargs, xp)
 
