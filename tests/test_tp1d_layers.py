@@ -110,6 +110,15 @@ def _check_input_grad_overlap(mesh, sp, b, s, h, seed):
             assert_close(a, c, TOL, f"{what} weight grad")
         T = mesh.tensor.size
         assert n1 == n0 + (1 if second and T > 1 else 0), (what, n1, n0)
+    # a backward that wants only the weight gradients never reaches the entry: nothing is launched
+    x = _input(X, mesh, sp)
+    w = [p.clone().requires_grad_() for p in parts]
+    xf, handoff = column_input(x, mesh.tensor, sp)
+    y = column_product(xf, w, handoff)
+    LEDGER.reset()
+    grads = torch.autograd.grad((y * G).sum(), w)
+    assert sum(e.count for e in LEDGER.entries.values()) == 0, dict(LEDGER.entries)
+    assert_close(torch.cat(grads, 0), torch.cat(gw1, 0), TOL, f"sp={sp}: weight-only backward")
 
 
 def _check_row(mesh, sp, b, s, h, seed):

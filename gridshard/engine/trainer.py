@@ -151,7 +151,8 @@ class Trainer:
         # values are a function of (seed, name, global index): the same global model at every layout
         self.model = parallelize(plain, self.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
                                  device=self.device, summa_overlap=p.summa_overlap,
-                                 overlap_input_grad=p.overlap_input_grad)
+                                 # zero bubble defers the weight pass: nothing to overlap dx's collective with
+                                 overlap_input_grad=p.overlap_input_grad and p.pipeline_schedule != "zero_bubble")
         self.context = context_of(self.model)
         if t.compile:                                  # before recompute, which wraps the compiled forward
             apply_compile(self.model)

@@ -127,9 +127,12 @@ class _ColumnProduct(torch.autograd.Function):
     """y = x·[W₀; W₁; …]ᵀ for a column layer (or several sharing one input), saving x and the
     parts (parameters: no copy), not the joined weight, which is rebuilt in backward. A
     sequence-first x is multiplied as its contiguous [s, b, in] view and y comes back
-    sequence-first. Backward: dx = dy·W first; with an ``handoff``
+    sequence-first. Backward: dx = dy·W first; with a ``handoff``
     (:mod:`gridshard.comm.input_grad_overlap`) its collective starts now and runs while
-    dW = dyᵀ·x is computed. Under autocast both operands are cast to the autocast dtype, as
+    dW = dyᵀ·x is computed — only if this backward will reach the entry node that waits for
+    it (``torch._C._will_engine_execute_node``, as ``torch.autograd.graph.register_multi_grad_hook``
+    uses it): a pass that wants only weight gradients (zero bubble's deferred weight pass,
+    ``autograd.grad`` w.r.t. parameters) launches nothing. Under autocast both operands are cast to the autocast dtype, as
     ``F.linear`` would."""
 
     @staticmethod
@@ -139,6 +142,8 @@ class _ColumnProduct(torch.autograd.Function):
         xs = (x.transpose(0, 1) if seq_first else x).to(dtype)
         ctx.save_for_backward(xs, *parts)
         ctx.in_dtype, ctx.dtype, ctx.seq_first, ctx.handoff = x.dtype, dtype, seq_first, handoff
+        # the entry node that will wait for the early collective (this node's input edge: no cycle)
+        ctx.entry = x.grad_fn if handoff is not None else None
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(xs, parts[0].to(dtype) if len(parts) == 1 else torch.cat(parts, 0).to(dtype))
         return y.transpose(0, 1) if seq_first else y
@@ -153,7 +158,7 @@ class _ColumnProduct(torch.autograd.Function):
             dx = (gs @ w.to(ctx.dtype)).to(ctx.in_dtype)
             if ctx.seq_first:
                 dx = dx.transpose(0, 1)
-            if ctx.handoff is not None:
+            if ctx.entry is not None and torch._C._will_engine_execute_node(ctx.entry):
                 ctx.handoff.launch(dx)          # the input-gradient collective runs during dW
         dw = (gs.reshape(-1, gs.shape[-1]).t() @ xs.reshape(-1, xs.shape[-1]))
         dws = dw.split([p.shape[0] for p in parts], 0) if len(parts) > 1 else (dw,)
