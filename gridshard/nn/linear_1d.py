@@ -250,7 +250,7 @@ class ColumnParallelLinear(nn.Module):
             x, handoff = column_input(x, self.axis, self.sequence_parallel)
             y = column_product(x, (weight,), handoff)
             if bias is not None and not self.skip_bias_add:
-                y = y + bias
+                y = y + bias.to(y.dtype)                  # as F.linear under autocast
         else:
             x = gather_sequence(x, self.axis, 1) if self.sequence_parallel else copy_to_group(x, self.axis)
             y = linear_in_layout(x, weight, None if self.skip_bias_add else bias)

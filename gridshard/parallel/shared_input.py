@@ -79,7 +79,7 @@ def _fused_1d(children, prepared):
     seq_first = is_sequence_first(xp)
     y = column_product(xp, [w for w, _ in blocks], handoff)
     if blocks[0][1] is not None:
-        y = y + torch.cat([b for _, b in blocks], 0)
+        y = y + torch.cat([b for _, b in blocks], 0).to(y.dtype)     # as F.linear under autocast
     if seq_first:
         y = y.transpose(0, 1)
     outs = [o.contiguous() for o in y.split([c.out_local for c in children], -1)]
