@@ -191,6 +191,24 @@ MUTANTS = [
            (("        ctx.zero.gather(ctx.unit, in_backward=True)\n", "        pass\n"),),
            ("tests/test_zero.py::test_zero_stages_equal_zero0_memory_and_traffic_match_theory[D4-none-odd-tied]",),
            "ZeRO-3 does not gather a layer's parameters again for its backward (freed storage used)"),
+    Mutant("vectors-kept-across-steps", "gridshard/comm/grid_ops.py",
+           (("            raise RuntimeError(\"GatheredVectors.window() is already open; windows do not nest. Fix: \"\n"
+             "                               \"open one window per optimizer step, around its forwards and backwards.\")\n"
+             "        self._kept = {}\n",
+             "            pass\n        self._kept = self._kept if self._kept is not None else {}\n"),
+            ("        finally:\n            self._kept = None\n", "        finally:\n            pass\n")),
+           ("tests/test_tp2d_layers.py::test_vector_cache_q2",
+            "tests/test_train_equivalence.py::test_layout_gives_the_same_run[D1-T4-2d]"),
+           "gathered 2D biases / norm weights survive the optimizer step (stale values in the next forward)"),
+    Mutant("input-grad-early-result-always", "gridshard/comm/input_grad_overlap.py",
+           (("        return result if same else None\n", "        return result\n"),),
+           ("tests/test_tp1d_layers.py::test_layers_match_reference[2-tp]",),
+           "the column entry takes the early-reduced gradient even when its input had another consumer"),
+    Mutant("input-grad-launch-unconditional", "gridshard/nn/linear_1d.py",
+           (("            if ctx.entry is not None and torch._C._will_engine_execute_node(ctx.entry):\n",
+             "            if ctx.entry is not None:\n"),),
+           ("tests/test_tp1d_layers.py::test_layers_match_reference[2-tp+sp]",),
+           "a backward that wants only weight gradients still launches the input-gradient collective"),
 ]
 
 

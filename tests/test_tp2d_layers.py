@@ -151,6 +151,43 @@ def test_vector_cache_q2():
     assert all(run_on_ranks(4, _vector_cache, 2, fresh_seed()))
 
 
+def _trainer_windows():
+    """In ``gridshard train`` every training forward of a 2D layer runs inside the model's
+    ``GatheredVectors`` window (one per optimizer step: its micro-batches share the gathered
+    vectors) and the validation forwards outside one; each step's window gathers every 2D
+    vector once however many micro-batches it has."""
+    from gridshard.engine import Trainer
+
+    cfg = {"model": {"preset": "tiny"},
+           "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 100_000, "val_fraction": 0.1},
+           "parallel": {"data": 1, "tensor": 4, "tensor_mode": "2d"},
+           "train": {"global_batch": 8, "micro_batch": 2, "steps": 2, "lr": 1e-3, "warmup_steps": 1,
+                     "log_interval": 1, "eval_interval": 1, "eval_batches": 1}}
+    trainer = Trainer(cfg, progress=False)
+    cache = trainer.context.vector_cache
+    norms = [m for m in trainer.model.modules() if isinstance(m, RMSNorm2D)]
+    assert norms and all(m.vector_cache is cache for m in norms)
+    seen = []
+    norms[0].register_forward_pre_hook(lambda m, args: seen.append((torch.is_grad_enabled(), cache.open)))
+    gathered = []
+    lookup = cache.lookup
+    cache.lookup = lambda shard, parts: gathered.append(lookup(shard, parts) is None) or lookup(shard, parts)
+    trainer.run()
+    training = [opened for grad, opened in seen if grad]
+    evaluation = [opened for grad, opened in seen if not grad]
+    assert len(training) == 2 * 4 and all(training), seen          # 2 steps × 4 micro-batches, in a window
+    assert evaluation and not any(evaluation), seen                 # validation: no window
+    # (lookups outside a window always miss and are not recorded: ``lookup`` is only asked in one)
+    n_vectors = len(gathered) // 8                                  # lookups per training micro-batch
+    assert n_vectors > 0 and len(gathered) == 8 * n_vectors, len(gathered)
+    assert sum(gathered) == 2 * n_vectors, (n_vectors, sum(gathered))   # gathered once per step
+    return True
+
+
+def test_trainer_gathers_vectors_once_per_step():
+    assert all(run_on_ranks(4, _trainer_windows, timeout=300))
+
+
 # ---- norms --------------------------------------------------------------------------------------------------
 def _norms(q, shapes, seed):
     mesh = mesh_2d(q)

@@ -143,7 +143,7 @@ def gather_vector(shard: torch.Tensor, axis, fused_parts: int = 1,
     gradient still runs in every backward, so gradients reach the owner shards as before."""
     if axis.size == 1:
         return shard
-    full = cache.lookup(shard, fused_parts) if cache is not None else None
+    full = cache.lookup(shard, fused_parts) if cache is not None and cache.open else None
     if full is None:
         with torch.no_grad():
             full = C.all_gather(shard.detach(), axis, 0)
