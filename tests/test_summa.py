@@ -75,13 +75,15 @@ def test_summa_products_q3():
 
 def _switch_and_errors():
     """The overlap switch is a layer parameter: Linear2D(overlap=False) issues every SUMMA
-    broadcast and reduce blocking, overlap=True asynchronously (forward and backward)."""
+    collective blocking, overlap=True asynchronously (forward: q = 2's panel all-gathers;
+    backward: the panel all-gathers and the terms' reduce-scatters)."""
     import gridshard.comm.collectives as coll
     from gridshard.nn.linear_2d import Linear2D
 
     mesh = mesh_2d(2)
     seen = []
-    real_b, real_r = coll.broadcast, coll.reduce
+    names = ("broadcast", "reduce", "all_gather", "reduce_scatter")
+    real = {n: getattr(coll, n) for n in names}
 
     def spy(real):
         def call(*args, async_op=False, **kw):
@@ -89,15 +91,17 @@ def _switch_and_errors():
             return real(*args, async_op=async_op, **kw)
         return call
 
-    coll.broadcast, coll.reduce = spy(real_b), spy(real_r)
+    for n in names:
+        setattr(coll, n, spy(real[n]))
     try:
         for overlap in (False, True):
             seen.clear()
             layer = Linear2D(8, 4, mesh, bias=False, overlap=overlap)
             layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
-            assert seen and all(a == overlap for a in seen), (overlap, seen)
+            assert len(seen) == 6 and all(a == overlap for a in seen), (overlap, seen)   # 2 forward + 4 backward
     finally:
-        coll.broadcast, coll.reduce = real_b, real_r
+        for n in names:
+            setattr(coll, n, real[n])
     LEDGER.reset()
     with pytest.raises(ShapeError, match="summa_ab"):
         summa_ab(torch.zeros(2, 3), torch.zeros(2, 3), mesh)
