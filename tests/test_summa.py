@@ -75,8 +75,8 @@ def test_summa_products_q3():
 
 def _switch_and_errors():
     """The overlap switch is a layer parameter: Linear2D(overlap=False) issues every SUMMA
-    collective blocking, overlap=True asynchronously (forward: q = 2's panel all-gathers;
-    backward: the panel all-gathers and the terms' reduce-scatters)."""
+    collective blocking, overlap=True asynchronously (forward: the q panel broadcasts per
+    operand; backward: the panel all-gathers and the terms' reduce-scatters)."""
     import gridshard.comm.collectives as coll
     from gridshard.nn.linear_2d import Linear2D
 
@@ -98,7 +98,7 @@ def _switch_and_errors():
             seen.clear()
             layer = Linear2D(8, 4, mesh, bias=False, overlap=overlap)
             layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
-            assert len(seen) == 6 and all(a == overlap for a in seen), (overlap, seen)   # 2 forward + 4 backward
+            assert len(seen) == 2 * 2 + 4 and all(a == overlap for a in seen), (overlap, seen)   # 2q forward + 4
     finally:
         for n in names:
             setattr(coll, n, real[n])

@@ -13,8 +13,7 @@ ever holds a full operand):
     q steps; step t: A(i, t) is broadcast along row i (source: column t),
     B(t, j) along column j (source: row t); every rank accumulates
     C(i, j) += A(i, t) · B(t, j). Double buffering: the broadcasts of step t+1 are
-    issued (async) before the multiply of step t. At q = 2 the panels come in one
-    all-gather per operand instead (:data:`GATHER_PANELS_MAX_Q`; same bytes, 2 calls).
+    issued (async) before the multiply of step t.
 ``summa_abt``  C[m, n] = A[m, k] · B[n, k]ᵀ
     C(i, t) = Σ_j A(i, j) B(t, j)ᵀ. Rank (i, j) all-gathers B(0, j) … B(q−1, j) along
     column j (one call), forms the q terms A(i, j) · B(t, j)ᵀ into one buffer
@@ -40,7 +39,6 @@ Payload per rank (ledger convention, e = bytes per element; all-gather: the gath
 output, reduce-scatter: the unscattered input), for one product:
 
 * ab:  q broadcasts on the row of m/q·k/q·e and q on the column of k/q·n/q·e (2q calls);
-  at q = 2 one row all-gather of q·m/q·k/q·e and one column all-gather of q·k/q·n/q·e (2 calls);
 * abt: 1 all-gather on the column of q·n/q·k/q·e and 1 reduce-scatter on the row of
   q·m/q·n/q·e (2 calls);
 * atb: 1 all-gather on the row of q·m/q·k/q·e and 1 reduce-scatter on the column of
@@ -48,7 +46,7 @@ output, reduce-scatter: the unscattered input), for one product:
 
 The payloads equal those of the q broadcasts / q reduces they replace, and so do the ring
 wire bytes ((q−1)/q of the payload either way). A linear layer forward+backward (ab
-forward, abt + atb backward) is 2q + 4 calls (was 6q), 6 at q = 2. The closed forms live in
+forward, abt + atb backward) is 2q + 4 calls (was 6q). The closed forms live in
 :mod:`gridshard.theory.tp2d`.
 
 Overlap switch: ``overlap=False`` (per call; :class:`gridshard.nn.linear_2d.Linear2D`
@@ -85,30 +83,11 @@ def _check(cond: bool, what: str, a: torch.Tensor, b: torch.Tensor) -> None:
                          f"operand is split into q×q equal blocks along the documented dims.")
 
 
-GATHER_PANELS_MAX_Q = 2
-
-
 def _ab(a: torch.Tensor, b: torch.Tensor, row, col, overlap: bool) -> torch.Tensor:
-    """C(i, j) = Σ_t A(i, t) · B(t, j).
-
-    q ≤ ``GATHER_PANELS_MAX_Q`` (= 2): the q panels of each operand arrive in one all-gather
-    (row: A(i, ·), column: B(·, j); asynchronous with ``overlap``, both issued before either is
-    waited for), then the q GEMMs. At q = 2 the double-buffered sweep hides only its second
-    step's broadcasts, and each rank receives one block per operand either way, so one call
-    per operand moves the same bytes as the sweep's two with half the calls and the same
-    transient (both panels). Larger q: the sweep below, which hides q − 1 of its q steps."""
+    """C(i, j) = Σ_t A(i, t) · B(t, j)."""
     _check(a.shape[1] == b.shape[0], "summa_ab", a, b)
     q = row.size
     a, b = a.contiguous(), b.contiguous()
-    if q <= GATHER_PANELS_MAX_Q:
-        pa = C.all_gather(a.unsqueeze(0), row, 0, async_op=overlap)        # [q, m/q, k/q]
-        pb = C.all_gather(b.unsqueeze(0), col, 0, async_op=overlap)        # [q, k/q, n/q]
-        panels_a = pa.wait() if overlap else pa
-        panels_b = pb.wait() if overlap else pb
-        out = torch.mm(panels_a[0], panels_b[0])
-        for t in range(1, q):
-            out.addmm_(panels_a[t], panels_b[t])
-        return out
     out = a.new_zeros(a.shape[0], b.shape[1])
     pending = (_panel(a, row, 0, overlap), _panel(b, col, 0, overlap))
     for t in range(q):

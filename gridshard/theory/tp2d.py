@@ -36,10 +36,7 @@ n=in) + dW = Xᵀ·dY (Aᵀ·B with m=N, k=in, n=out):
   do not: ``vector_gathers=0``; the trainer opens one window per optimizer step), one
   reduce-scatter (out/q·e) backward, col.
 
-At q = 2 the forward's 2q broadcasts are one all-gather per operand (row: q·N·in/q²·e, col:
-q·in·out/q²·e; :data:`gridshard.comm.summa.GATHER_PANELS_MAX_Q`): the same bytes in 2 calls.
-
-Rounds: 2q + 4 collective calls, 6 at q = 2 (+1 or 2 with bias); of the 2q broadcasts a rank sources
+Rounds: 2q + 4 collective calls (+1 or 2 with bias); of the 2q broadcasts a rank sources
 2 and receives 2(q − 1). Ring wire bytes are (q − 1)/q of the payload:
 3(q − 1)/q²·(N·in + in·out)·e, i.e. the seed table's bandwidth 6(q − 1)/q in units of the
 per-rank blocks (N·in + in·out)/(2q)·e.
@@ -55,7 +52,6 @@ rank (2h² + 2·K·d·h + 3hf + 2h)/q².
 """
 from __future__ import annotations
 
-from ..comm.summa import GATHER_PANELS_MAX_Q
 from . import CommVolume
 from .vocab import padded_vocab_size as padded_vocab  # noqa: F401 (2D name of the shared rule)
 
@@ -86,14 +82,8 @@ def rounds(vol: dict) -> int:
 
 
 def summa_ab_comm(m: int, k: int, n: int, q: int, bytes_per_elem: int = 4) -> dict:
-    """C[m, n] = A[m, k]·B[k, n]: q row broadcasts of A panels, q column broadcasts of B panels;
-    at 1 < q ≤ ``GATHER_PANELS_MAX_Q`` (2) one row all-gather of the q A panels and one column
-    all-gather of the q B panels (the same payload and ring wire bytes in 2 calls)."""
+    """C[m, n] = A[m, k]·B[k, n]: q row broadcasts of A panels, q column broadcasts of B panels."""
     v = _zero(q)
-    if 1 < q <= GATHER_PANELS_MAX_Q:
-        v["row"].add("all_gather", q * (m * k // (q * q)) * bytes_per_elem)
-        v["col"].add("all_gather", q * (k * n // (q * q)) * bytes_per_elem)
-        return v
     v["row"].add("broadcast", m * k // (q * q) * bytes_per_elem, q)
     v["col"].add("broadcast", k * n // (q * q) * bytes_per_elem, q)
     return v
