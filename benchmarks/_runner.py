@@ -237,6 +237,35 @@ def __getattr__(name):  # lazy: importing this module must not import torch in t
     raise AttributeError(name)
 
 
+def trainer_losses(configs) -> list:
+    """On the ranks of a :func:`run_on_fresh_ranks` job: train each config in turn with
+    ``gridshard.engine.Trainer``; each run's per-step losses."""
+    from gridshard.engine import Trainer
+
+    return [Trainer(c, progress=False).run() for c in configs]
+
+
+def alternating_trainer_rounds(configs, rounds: int) -> list:
+    """On the ranks of a job: one ``Trainer`` per config in the same processes, taking turns
+    step by step (:func:`gridshard.planner.calibrate.alternating_step_times`); per config the
+    seconds of ``rounds`` timed steps after two warm-up steps."""
+    from gridshard.engine import Trainer
+    from gridshard.planner.calibrate import alternating_step_times
+
+    return alternating_step_times([Trainer(c, progress=False) for c in configs], rounds + 2)
+
+
+def equivalence_or_time_main(equivalence: Callable[[], None], step_time: Callable[[int], None]) -> None:
+    """The command line of the two-part benchmarks: ``--part equivalence|time [--rounds N]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["equivalence", "time"], required=True)
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+    equivalence() if args.part == "equivalence" else step_time(args.rounds)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence], title: str = "") -> str:
     """A GitHub-markdown table (readable as plain text too)."""
     cells = [[str(c) for c in r] for r in rows]

@@ -15,14 +15,14 @@ compilation).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _runner import format_table, run_on_fresh_ranks  # noqa: E402
+from _runner import (alternating_trainer_rounds, equivalence_or_time_main, format_table,  # noqa: E402
+                     run_on_fresh_ranks, trainer_losses)
 
 TINY = {"preset": "tiny"}
 MID = {"preset": None, "vocab_size": 512, "hidden": 256, "layers": 4, "heads": 4, "ffn_hidden": 704,
@@ -37,16 +37,11 @@ def _config(T, mode, sp, compile_, model=TINY, steps=20, global_batch=4, micro_b
                       "warmup_steps": 3, "log_interval": 1, "seed": 3, "eval_interval": 0, "compile": compile_}}
 
 
-def _losses(configs):
-    from gridshard.engine import Trainer
-
-    return [Trainer(c, progress=False).run() for c in configs]
-
 
 def equivalence():
     rows = []
     for T, mode, sp in LAYOUTS:
-        eager, compiled = run_on_fresh_ranks(T, _losses, [_config(T, mode, sp, c) for c in (False, True)],
+        eager, compiled = run_on_fresh_ranks(T, trainer_losses, [_config(T, mode, sp, c) for c in (False, True)],
                                              timeout=3600)[0]
         rel = max(abs(a - b) / abs(a) for a, b in zip(eager, compiled))
         rows.append([f"(1,{T},{mode}{'+SP' if sp else ''})", len(eager), f"{rel:.1e}"])
@@ -54,19 +49,13 @@ def equivalence():
     print(format_table(["(D,T,mode)", "steps", "max rel. loss diff, compiled vs eager"], rows))
 
 
-def _timed_rounds(configs, rounds):
-    from gridshard.engine import Trainer
-    from gridshard.planner.calibrate import alternating_step_times
-
-    return alternating_step_times([Trainer(c, progress=False) for c in configs], rounds + 2)
-
 
 def step_time(rounds: int):
     rows = []
     for T, mode, sp in ((1, "none", False), (2, "1d", False), (4, "1d", False)):
         cfgs = [_config(T, mode, sp, c, model=MID, steps=rounds + 2, global_batch=4, micro_batch=2, seq_len=128)
                 for c in (False, True)]
-        per_rank = run_on_fresh_ranks(T, _timed_rounds, cfgs, rounds, timeout=3600)
+        per_rank = run_on_fresh_ranks(T, alternating_trainer_rounds, cfgs, rounds, timeout=3600)
         job = [[max(r[i][j] for r in per_rank) for j in range(rounds)] for i in range(2)]
         ratios = sorted(c / e for c, e in zip(job[1], job[0]))
         rows.append([f"(1,{T},{mode})", f"{statistics.median(job[0]) * 1e3:.0f}",
@@ -78,8 +67,4 @@ def step_time(rounds: int):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=["equivalence", "time"], required=True)
-    ap.add_argument("--rounds", type=int, default=12)
-    args = ap.parse_args()
-    equivalence() if args.part == "equivalence" else step_time(args.rounds)
+    equivalence_or_time_main(equivalence, step_time)

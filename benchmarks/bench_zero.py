@@ -16,14 +16,14 @@ noise hits them alike; medians over the timed rounds, two warm-up rounds.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _runner import format_table, run_on_fresh_ranks  # noqa: E402
+from _runner import (alternating_trainer_rounds, equivalence_or_time_main, format_table,  # noqa: E402
+                     run_on_fresh_ranks, trainer_losses)
 
 TINY = {"preset": "tiny"}
 MID = {"preset": None, "vocab_size": 512, "hidden": 256, "layers": 4, "heads": 4, "ffn_hidden": 704,
@@ -39,11 +39,6 @@ def _config(D, T, mode, sp, zero=0, recompute="none", precision="fp32", model=TI
                       "recompute": recompute, "precision": precision}}
 
 
-def _losses(configs):
-    from gridshard.engine import Trainer
-
-    return [Trainer(c, progress=False).run() for c in configs]
-
 
 def _rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -56,30 +51,23 @@ def equivalence():
     rows = []
     for D, T, mode, sp, mb in EQ_LAYOUTS:
         cfgs = [_config(D, T, mode, sp, zero=z, micro_batch=mb) for z in range(4)]
-        ref, *others = run_on_fresh_ranks(D * T, _losses, cfgs, timeout=1800)[0]
+        ref, *others = run_on_fresh_ranks(D * T, trainer_losses, cfgs, timeout=1800)[0]
         name = f"({D},{T},{mode}{'+SP' if sp else ''})"
         for z, got in enumerate(others, start=1):
             rows.append([name, "fp32", f"ZeRO-{z} vs ZeRO-0", f"{_rel(got, ref):.1e}"])
             print(rows[-1], flush=True)
     cfgs = [_config(2, 2, "1d", True, recompute=r) for r in ("none", "selective", "full")]
-    ref, *others = run_on_fresh_ranks(4, _losses, cfgs, timeout=1800)[0]
+    ref, *others = run_on_fresh_ranks(4, trainer_losses, cfgs, timeout=1800)[0]
     for r, got in zip(("selective", "full"), others):
         rows.append(["(2,2,1d+SP)", "fp32", f"recompute {r} vs none", f"{_rel(got, ref):.1e}"])
         print(rows[-1], flush=True)
     cfgs = [_config(4, 1, "none", False, zero=z, precision="bf16") for z in range(4)]
-    ref, *others = run_on_fresh_ranks(4, _losses, cfgs, timeout=1800)[0]
+    ref, *others = run_on_fresh_ranks(4, trainer_losses, cfgs, timeout=1800)[0]
     for z, got in enumerate(others, start=1):
         rows.append(["(4,1,none)", "bf16", f"ZeRO-{z} vs ZeRO-0", f"{_rel(got, ref):.1e}"])
         print(rows[-1], flush=True)
     print(format_table(["(D,T,mode)", "precision", "runs", "max rel. loss diff, 30 steps"], rows))
 
-
-def _timed_rounds(configs, rounds):
-    """Every config's trainer in this process; step k of each in turn; per-round seconds."""
-    from gridshard.engine import Trainer
-    from gridshard.planner.calibrate import alternating_step_times
-
-    return alternating_step_times([Trainer(c, progress=False) for c in configs], rounds + 2)
 
 
 def step_time(rounds: int):
@@ -89,7 +77,7 @@ def step_time(rounds: int):
         variants = [("ZeRO-0", {}), ("ZeRO-1", {"zero": 1}), ("ZeRO-2", {"zero": 2}), ("ZeRO-3", {"zero": 3}),
                     ("recompute selective", {"recompute": "selective"}), ("recompute full", {"recompute": "full"})]
         cfgs = [_config(D, T, mode, False, **base, **v) for _, v in variants]
-        per_rank = run_on_fresh_ranks(D * T, _timed_rounds, cfgs, rounds, timeout=3600)
+        per_rank = run_on_fresh_ranks(D * T, alternating_trainer_rounds, cfgs, rounds, timeout=3600)
         job = [[max(r[i][j] for r in per_rank) for j in range(rounds)] for i in range(len(cfgs))]
         ref = statistics.median(job[0])
         for (name, _), ts in zip(variants, job):
@@ -103,8 +91,4 @@ def step_time(rounds: int):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=["equivalence", "time"], required=True)
-    ap.add_argument("--rounds", type=int, default=12)
-    args = ap.parse_args()
-    equivalence() if args.part == "equivalence" else step_time(args.rounds)
+    equivalence_or_time_main(equivalence, step_time)
