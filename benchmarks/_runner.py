@@ -237,6 +237,12 @@ def __getattr__(name):  # lazy: importing this module must not import torch in t
     raise AttributeError(name)
 
 
+# the model sections of the trainer benchmarks (bench_zero, bench_compile)
+TINY_MODEL = {"preset": "tiny"}
+MID_MODEL = {"preset": None, "vocab_size": 512, "hidden": 256, "layers": 4, "heads": 4, "ffn_hidden": 704,
+             "max_seq_len": 128}
+
+
 def trainer_losses(configs) -> list:
     """On the ranks of a :func:`run_on_fresh_ranks` job: train each config in turn with
     ``gridshard.engine.Trainer``; each run's per-step losses."""

@@ -22,12 +22,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _runner import MID_MODEL as MID  # noqa: E402
+from _runner import TINY_MODEL as TINY  # noqa: E402
 from _runner import (alternating_trainer_rounds, equivalence_or_time_main, format_table,  # noqa: E402
                      run_on_fresh_ranks, trainer_losses)
-
-TINY = {"preset": "tiny"}
-MID = {"preset": None, "vocab_size": 512, "hidden": 256, "layers": 4, "heads": 4, "ffn_hidden": 704,
-       "max_seq_len": 128}
 
 
 def _config(D, T, mode, sp, zero=0, recompute="none", precision="fp32", model=TINY, steps=30, global_batch=8,
