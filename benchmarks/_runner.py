@@ -253,10 +253,10 @@ def trainer_losses(configs) -> list:
 
 def alternating_trainer_rounds(configs, rounds: int) -> list:
     """On the ranks of a job: one ``Trainer`` per config in the same processes, taking turns
-    step by step (:func:`gridshard.planner.calibrate.alternating_step_times`); per config the
+    step by step (:func:`gridshard.planner.calibrate_reference.alternating_step_times`); per config the
     seconds of ``rounds`` timed steps after two warm-up steps."""
     from gridshard.engine import Trainer
-    from gridshard.planner.calibrate import alternating_step_times
+    from gridshard.planner.calibrate_reference import alternating_step_times
 
     return alternating_step_times([Trainer(c, progress=False) for c in configs], rounds + 2)
 

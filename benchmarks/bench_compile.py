@@ -6,7 +6,7 @@ relative per-step loss difference (issue 12's bar: 1e-5).
 
 ``--part time``: step time of compiled over eager at (1,1,none), (1,2,1d) and (1,4,1d) for a
 mid-size model (h 256, 4 layers, s 128). Both trainers live in the same processes and take
-turns step by step (:func:`gridshard.planner.calibrate.alternating_step_times`: a barrier
+turns step by step (:func:`gridshard.planner.calibrate_reference.alternating_step_times`: a barrier
 before each step, the job's step time is the slowest rank's), so the machine's noise hits
 them alike; medians over the timed rounds after two warm-up rounds (which include the
 compilation).

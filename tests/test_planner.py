@@ -7,7 +7,11 @@
 * step time: the components add up, tensor comm is zero without tensor parallelism and grows
   when the tensor group leaves the node; ZeRO-3's exposed gathers grow with layers × micro-batches;
   the per-call sync skew is paid once per priced call; the trainer's stop agreement and log-step
-  collectives are priced from the calibrated latency;
+  collectives are priced from the calibrated latency; on an over-subscribed node (more ranks than
+  cores) the step is the larger of the critical path and the ranks' mean busy time × ranks / slots,
+  where a bubble costs nothing and a reduction hides nothing; the calibration's fitted terms
+  (element-wise bandwidth, overheads, work per tensor call and per pipeline send) make the cost
+  model give back the reference trainers they were fitted on;
 * ``--write`` output validates and trains as is (validation only here), ``--json`` has the interface fields;
 * bad input: one clear message with the nearest feasible alternative;
 * published numbers: model state of GPT-3 175B at T=8, P=8 (16 bytes per parameter, Narayanan et al. 2021),
@@ -22,7 +26,7 @@ from gridshard.config import load_config, resolve_config, validate_config
 from gridshard.errors import ConfigError
 from gridshard.planner import PlanError, evaluate, load_hardware, plan
 from gridshard.planner.cost_memory import stage_layers_of_rank
-from gridshard.planner.cost_time import step_time
+from gridshard.planner.cost_time import rank_cost, step_time, tensor_calls_per_layer
 from gridshard.planner.layouts import Layout, apply_layout, enumerate_layouts, factorisations, layout_problem
 from gridshard.planner.report import as_json, write_config
 from gridshard.theory.memory import (layer_saved_bytes, model_state_bytes, predict_rank_memory,
@@ -105,15 +109,20 @@ def test_step_time_components():
     big = load_config(None, ["model.preset=7b", "data.seq_len=4096", "train.global_batch=64", "train.precision=bf16"])
     mc = big.model.resolve()
     lay = Layout(1, 1, 16, "1d", True, 0, "full", 1)
-    inside = step_time(mc, lay, h100, seq_len=4096, global_batch=64, precision="bf16", nodes=1)
+    wide_node = load_hardware("h100")
+    wide_node.devices_per_node = wide_node.compute_slots_per_node = 16   # a 16-GPU NVLink domain: T = 16 inside it
+    inside = step_time(mc, lay, wide_node, seq_len=4096, global_batch=64, precision="bf16", nodes=1)
     across = step_time(mc, lay, h100, seq_len=4096, global_batch=64, precision="bf16", nodes=2)
+    assert inside.details["regime"] == across.details["regime"] == "latency"     # a GPU per rank
     assert inside.details["links"]["tensor"] == "intra" and across.details["links"]["tensor"] == "inter"
     assert across.tensor_comm_s > 5 * inside.tensor_comm_s       # IB vs NVLink
 
 
 def _skewed(skew: float):
+    """The packaged CPU file with a sync skew, and a core per rank: the critical-path regime."""
     hw = load_hardware("cpu")
     hw.sync_skew_s = skew
+    hw.compute_slots_per_node = 64
     return hw
 
 
@@ -166,6 +175,68 @@ def test_trainer_bookkeeping_priced():
     tenth = step_time(mc, lay, hw, seq_len=64, global_batch=16, log_interval=10).details["log_bookkeeping_s"]
     assert every > 0 and tenth < every / 5
     assert on.total_s - off.total_s == pytest.approx(on.details["stop_agreement_s"])   # log steps: outside
+
+
+def _pipeline_costs(mc, lay, hw, seq=64, batch=16):
+    per = stage_layers_of_rank(mc.layers, lay.pipeline, lay.virtual_stages)
+    return [rank_cost(mc, lay, hw, seq_len=seq, global_batch=batch, layer_ids=per[r], first=r == 0,
+                      last=r == lay.pipeline - 1) for r in range(lay.pipeline)]
+
+
+def test_oversubscribed_node_is_throughput_bound():
+    """4 ranks on the CPU file's 2 cores: a pipeline's step is 2 × its ranks' mean busy time (no
+    bubble: an idle stage's core runs the other), larger than its full-speed critical path; with
+    a core per rank the same layout is its slowest rank's critical path, bubble included."""
+    from gridshard.planner.cost_time import node_step
+
+    mc = load_config(None, ["model.preset=tiny", "model.layers=4"]).model.resolve()
+    lay = Layout(2, 2, 1, "none", False, 0, "none", 2)
+    hw = load_hardware("cpu")
+    assert hw.oversubscribed(4) and hw.contention(4) == 2.0 and not hw.oversubscribed(2)
+    costs = _pipeline_costs(mc, lay, hw)
+    step = node_step(costs, hw, 4)
+    mean_busy = sum(c.busy.total_s for c in costs) / 2
+    assert step.details["regime"] == "throughput" and step.bubble_s == 0.0
+    assert step.total_s == pytest.approx(2.0 * mean_busy, rel=1e-9)
+    assert step.total_s > max(c.latency.total_s for c in costs) > 0
+    assert all(c.latency.bubble_s > 0 for c in costs)                  # priced on the critical path only
+    # busy: every priced term at full speed, the data reduction's CPU in full (nothing hides under compute)
+    for c in costs:
+        assert c.busy.bubble_s == 0 and c.busy.data_comm_s > 0 and c.busy.compute_s < c.latency.compute_s * 1.0001
+    roomy = load_hardware("cpu")
+    roomy.compute_slots_per_node = 64
+    wide = node_step(_pipeline_costs(mc, lay, roomy), roomy, 4)
+    assert wide.details["regime"] == "latency" and wide.bubble_s > 0
+    assert wide.total_s == pytest.approx(max(c.latency.total_s for c in _pipeline_costs(mc, lay, roomy)))
+    # evaluate(): the same, over every pipeline rank
+    cfg = load_config(None, ["model.preset=tiny", "model.layers=4", "data.seq_len=64", "train.global_batch=16"])
+    ev = evaluate(cfg, lay, hw, 4).step
+    assert ev.details["regime"] == "throughput" and ev.bubble_s == 0
+    assert ev.total_s == pytest.approx(ev.details["throughput_bound_s"]) and ev.total_s > ev.details["latency_bound_s"]
+    assert ev.total_s > step.total_s                                   # + the element-wise passes of its activations
+
+
+def test_collective_cpu_seconds_and_tensor_call_overhead():
+    """A collective's busy cost is its CPU α–β (the wall α–β when the file has none); a tensor
+    layout's busy tensor time grows by A × calls × the calibrated per-call overhead."""
+    from gridshard.planner.hardware import LinkCost
+
+    wall_only = LinkCost(1e9, 1e-4, 1e-5)
+    assert wall_only.cpu_seconds(1e6, 3, 4) == wall_only.seconds(1e6, 3, 4)
+    both = LinkCost(1e9, 1e-4, 1e-5, cpu_bandwidth=2e9, cpu_latency_s=5e-5, cpu_latency_per_rank_s=2e-6)
+    assert both.cpu_seconds(1e6, 3, 4) == pytest.approx(3 * (5e-5 + 2 * 2e-6) + 1e6 / 2e9)
+    mc = load_config("configs/tiny.yaml").model.resolve()
+    lay = Layout(2, 1, 2, "1d", False, 0, "none", 4)
+    hw = load_hardware("cpu")
+    base = rank_cost(mc, lay, hw, seq_len=64, global_batch=16)
+    hw.tensor_call_overhead_s = {"1d": 1e-3, "2d": 5.0}
+    more = rank_cost(mc, lay, hw, seq_len=64, global_batch=16)
+    A = base.latency.details["micro_batches"]
+    calls = tensor_calls_per_layer(mc, lay, 64)
+    assert calls == 4 and A == 2                                       # 2 all-reduces forward, 2 backward
+    extra = more.busy.tensor_comm_s - base.busy.tensor_comm_s
+    assert extra > A * mc.layers * calls * 1e-3                        # + embedding, head, cross-entropy calls
+    assert extra < A * (mc.layers * calls + 6) * 1e-3
 
 
 def test_plan_ranks_and_json_fields():
@@ -233,7 +304,7 @@ def test_hardware_files_and_efficiency_curve():
 def test_calibration_profile_loads():
     from gridshard.planner.calibrate import profile_from_measurements
 
-    m = {"alone": {"64": 2e9, "256": 8e9}, "together": {"64": 1e9, "256": 4e9},
+    m = {"alone": {"64": 2e10, "256": 8e10}, "together": {"64": 1e10, "256": 4e10},
          "comm": {"all_reduce": [[4096, 3e-4], [4 << 20, 1e-2]], "send": [[4096, 5e-5], [4 << 20, 4e-3]]},
          "comm_pair": {"all_reduce": [[4096, 1e-4], [4 << 20, 1e-2]]},
          "memory_bandwidth": 5e9, "peak_after_reference": 310 << 20, "reference_model_bytes": 10 << 20,
@@ -241,7 +312,8 @@ def test_calibration_profile_loads():
     prof = profile_from_measurements(m, 4, False, 8 << 30)
     hw = load_hardware(prof)
     assert hw.compute_slots_per_node == pytest.approx(2.0)             # half the rate with 4 at once
-    assert hw.layer_overhead_s == pytest.approx(0.0075) and hw.step_overhead_s == pytest.approx(0.0025)   # ÷ contention 2
+    # the overheads are what makes the cost model give back the reference trainer's steps
+    assert [_priced(hw, 4, layers) for layers in (1, 3)] == pytest.approx([0.02, 0.05], rel=1e-6)
     assert hw.reserved_bytes == 300 << 20                             # the floor under the reference step
     ar = hw.link("intra", "all_reduce")
     assert ar.seconds(4096, 1, 2) == pytest.approx(1e-4, rel=1e-3)   # pair: 2-rank ring sends the payload
@@ -249,6 +321,55 @@ def test_calibration_profile_loads():
     # 2 ms per call between compute phases, less the pair's isolated latency (no broadcast measured: all_reduce's)
     assert hw.sync_skew_s == pytest.approx(2e-3 - ar.latency_s, rel=1e-6)
     assert load_hardware(profile_from_measurements(m, 4, True, 8 << 30)).sync_skew_s == 0.0   # GPUs: left 0
+    assert ar.cpu_latency_s is None and ar.cpu_seconds(4096, 1, 2) == ar.seconds(4096, 1, 2)   # no CPU clock measured
+
+
+def _priced(hw, nproc: int, layers: int, **kwargs) -> float:
+    """The planner's step seconds (public evaluate) for a calibration reference trainer."""
+    from gridshard.planner.calibrate_reference import reference_config
+
+    cfg = load_config(reference_config(nproc, layers, **kwargs))
+    p, t = cfg.parallel, cfg.train
+    lay = Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, False, 0, "none", t.micro_batch,
+                 pipeline_schedule=p.pipeline_schedule)
+    return evaluate(cfg, lay, hw, nproc).predicted_step_s
+
+
+def test_calibrated_cpu_costs_and_fits_reproduce_the_reference_trainers():
+    """The CPU clock's α–β goes into LinkCost.cpu_*; the fitted element-wise bandwidth, overheads,
+    per-call tensor work and per-send pipeline work make the cost model (through the public
+    evaluate) give back every reference trainer it was fitted on: per-layer slopes at two token
+    counts and per tensor mode, the plain steps, and the pipeline pair on average."""
+    from gridshard.planner.calibrate import profile_from_measurements
+    from gridshard.planner.calibrate_reference import REFERENCE_WIDE_MICRO
+
+    m = {"alone": {"64": 2e10, "256": 8e10}, "together": {"64": 1e10, "256": 4e10},
+         "comm": {"all_reduce": [[4096, 3e-4], [4 << 20, 1e-2]], "broadcast": [[4096, 2e-4], [4 << 20, 6e-3]],
+                  "send": [[4096, 5e-5], [4 << 20, 4e-3]]},
+         "comm_pair": {"all_reduce": [[4096, 1e-4], [4 << 20, 1e-2]], "broadcast": [[4096, 1e-4], [4 << 20, 5e-3]]},
+         "comm_cpu": {"all_reduce": [[4096, 2e-4], [4 << 20, 6e-3]], "broadcast": [[4096, 1e-4], [4 << 20, 3e-3]],
+                      "send": [[4096, 3e-5], [4 << 20, 2e-3]]},
+         "comm_pair_cpu": {"all_reduce": [[4096, 8e-5], [4 << 20, 6e-3]], "broadcast": [[4096, 6e-5], [4 << 20, 3e-3]]},
+         "memory_bandwidth": 5e9, "peak_after_reference": 310 << 20, "reference_model_bytes": 10 << 20,
+         "overheads": {"1": 0.02, "4": 0.05},
+         "overheads_tokens": {str(REFERENCE_WIDE_MICRO): {"1": 0.05, "4": 0.20}},
+         "overheads_tensor": {"1d": {"1": 0.04, "4": 0.10}, "2d": {"1": 0.08, "4": 0.30}},
+         "overheads_pipeline": {"2": 0.06, "4": 0.09},
+         "sync": {"rounds": 10, "compute_s": 0.05, "with_sync_s": 0.07}}
+    hw = load_hardware(profile_from_measurements(m, 4, False, 8 << 30))
+    ar = hw.link("intra", "all_reduce")
+    assert ar.cpu_seconds(4096, 1, 2) == pytest.approx(8e-5, rel=1e-6)        # the pair's small call
+    assert ar.cpu_seconds(1.5 * 4096, 1, 4) == pytest.approx(2e-4, rel=0.02)    # 4 ranks: latency grows
+    assert ar.cpu_seconds(4096, 1, 2) < ar.seconds(4096, 1, 2)
+    fitted = [hw.elementwise_bandwidth, hw.layer_overhead_s, hw.step_overhead_s, hw.p2p_call_overhead_s,
+              *hw.tensor_call_overhead_s.values()]
+    assert len(fitted) == 6 and min(fitted) > 0 and hw.elementwise_bandwidth < hw.memory_bandwidth   # none clamped
+    slope = lambda f: (f(4) - f(1)) / 3  # noqa: E731
+    assert [_priced(hw, 4, n) for n in (1, 4)] == pytest.approx([0.02, 0.05], rel=1e-6)
+    assert slope(lambda n: _priced(hw, 4, n, micro=REFERENCE_WIDE_MICRO)) == pytest.approx(0.05, rel=1e-6)
+    assert slope(lambda n: _priced(hw, 4, n, mode="1d")) == pytest.approx(0.02, rel=1e-6)
+    assert slope(lambda n: _priced(hw, 4, n, mode="2d")) == pytest.approx(0.22 / 3, rel=1e-6)
+    assert (_priced(hw, 4, 2, pipeline=2) + _priced(hw, 4, 4, pipeline=2)) / 2 == pytest.approx(0.075, rel=1e-6)
 
 
 # ---- published numbers ---------------------------------------------------------------

@@ -8,18 +8,24 @@ The one part of the planner that starts processes. It spawns ``nproc`` local ran
   the best rate; ``compute_slots_per_node`` = nproc × (rate at once / rate alone), the
   number of ranks that compute at full speed together (2 cores → ≈ 2; one GPU per rank → nproc).
 * **memory bandwidth**: a 64 MiB tensor copy (read + write bytes / time).
-* **per-layer and per-step overheads**: the real trainer (``gridshard.engine.Trainer``, D =
-  nproc, all ranks at once) on the ``tiny`` preset at one and at three layers; half the
-  difference is the per-layer cost, the rest of the one-layer step the per-step cost, both
-  divided by the measured contention (nproc / compute slots) so that the planner's
-  contention factor gives them back at nproc ranks. Their GEMMs are negligible at this size:
-  the figures are operator dispatch, autograd, the optimizer loop and the trainer's own
-  per-step work.
+* **the real trainer** (``gridshard.engine.Trainer``, all ranks at once, the ``tiny`` preset,
+  :func:`reference_runs`): pairs of trainers at 1 and 4 layers — plain (D = nproc) at 2 and
+  at 16 sequences of 64 tokens per micro-batch, 1D at T = 2, 2D at T = 4 — and a two-stage
+  pipeline (2 and 4 layers, 4 micro-batches), all taking turns step by step in the same
+  processes. The terms the cost model cannot derive from the GEMM, copy and collective
+  timings are fitted so that it gives these runs back (:func:`gridshard.planner.calibrate_reference.fit_to_reference_trainers`):
+  the element-wise bandwidth, the per-layer and per-step overheads (operator dispatch,
+  autograd, the optimizer loop, the trainer's own work), the work around each tensor
+  collective per mode, and the pipeline schedule's work per stage send or receive.
 * **collectives**: all_reduce, all_gather, reduce_scatter, broadcast over a pair of ranks
   and over all ranks, and a send/recv pair, payloads 4 KiB and 4 MiB (median of 9); per op
   a two-point fit of t = latency + W/bandwidth on ring wire bytes W
   (:func:`gridshard.comm.ledger.ring_wire_bytes`): latency from the small payload, bandwidth
   from the difference; the latency's growth from 2 to nproc ranks is ``latency_per_rank_s``.
+  The same fit on the process CPU clock (every thread: gloo's own included) around the same
+  calls gives ``cpu_latency_s`` / ``cpu_latency_per_rank_s`` / ``cpu_bandwidth``, what a call
+  keeps a core busy (the over-subscribed regime of the cost model). The small payload is
+  timed ``SMALL_REPEATS`` times: its median is a latency, noisy on a shared machine.
 * **sync skew** (``sync_skew_s``): every rank runs K rounds of a 256³ GEMM, once alone and
   once followed by a 4 KiB broadcast each round inside its pair of ranks ((0, 1), (2, 3), …:
   a tensor or data group of 2 while every other rank computes too; alternating, median of
@@ -43,22 +49,32 @@ import os
 import statistics
 import time
 
+from .calibrate_reference import REFERENCE_WIDE_MICRO, fit_to_reference_trainers, trainer_reference
+
 SIZES = (32, 64, 128, 256, 512)
 PAYLOADS = (4 << 10, 4 << 20)
 REPEATS = 9
+SMALL_REPEATS = 41          # the small payload's calls are latency: more of them for a stable median
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
 
 
 def _median_time(fn, repeats: int, sync=lambda: None) -> float:
+    return _median_wall_and_cpu(fn, repeats, sync)[0]
+
+
+def _median_wall_and_cpu(fn, repeats: int, sync=lambda: None) -> tuple:
+    """(median wall seconds, median process CPU seconds — every thread of this process, gloo's
+    included) of one call of ``fn``."""
     fn()
     sync()
-    ts = []
+    ts, cs = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         sync()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        cs.append(time.process_time() - c0)
+    return statistics.median(ts), statistics.median(cs)
 
 
 def _gemm_rates(torch, device, dtype, sizes, repeats=5) -> dict:
@@ -73,21 +89,24 @@ def _gemm_rates(torch, device, dtype, sizes, repeats=5) -> dict:
     return out
 
 
-def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -> dict:
-    """Median seconds per (op, payload) on ``group`` (None: all ranks); ranks outside it skip."""
+def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -> tuple:
+    """Median (wall seconds, this rank's CPU seconds) per (op, payload) on ``group`` (None: all
+    ranks), as two ``{op: [[payload, seconds], ...]}``; ranks outside it skip."""
     from ..comm.collectives import _all_gather_flat, _reduce_scatter_flat
 
     out = {op: [] for op in OPS}
+    cpu = {op: [] for op in OPS}
     rank = dist.get_rank()
     if group is not None:
         members = dist.get_process_group_ranks(group)
         if rank not in members:
-            return out
+            return out, cpu
         world = len(members)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     g = {"group": group} if group is not None else {}
     barrier = (lambda: dist.barrier(group=group)) if group is not None else dist.barrier
     for nbytes in PAYLOADS:
+        reps = max(repeats, SMALL_REPEATS) if nbytes == min(PAYLOADS) else repeats
         n = nbytes // 4
         x = torch.ones(n, device=device)
         chunks = [torch.empty(n // world, device=device) for _ in range(world)]
@@ -102,9 +121,11 @@ def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -
         for op, fn in calls.items():
             barrier()
             try:
-                out[op].append((nbytes, _median_time(fn, repeats, sync)))
+                wall, used = _median_wall_and_cpu(fn, reps, sync)
             except (RuntimeError, ValueError):
-                out[op].append((nbytes, None))
+                wall = used = None
+            out[op].append((nbytes, wall))
+            cpu[op].append((nbytes, used))
         if world > 1 and group is None:
             def pingpong():
                 if rank == 0:
@@ -114,8 +135,10 @@ def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -
                     dist.recv(x, 0)
                     dist.send(x, 0)
             dist.barrier()
-            out["send"].append((nbytes, _median_time(pingpong, repeats, sync) / 2))
-    return out
+            wall, used = _median_wall_and_cpu(pingpong, reps, sync)
+            out["send"].append((nbytes, wall / 2))
+            cpu["send"].append((nbytes, used / 2))
+    return out, cpu
 
 
 SKEW_ROUNDS = 30
@@ -165,8 +188,7 @@ def _rank_main(rank, world, port, backend, result_path):
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
-    overheads, modelled = _trainer_reference(world)        # first: its peak is the floor
-    floor = _peak_bytes(torch, device)
+    overheads, modelled, floor = trainer_reference(world)        # first: its plain pair's peak is the floor
     dist.barrier()
     dtype = torch.bfloat16 if cuda else torch.float32
     sizes = (256, 1024, 2048, 4096, 8192) if cuda else SIZES
@@ -174,8 +196,9 @@ def _rank_main(rank, world, port, backend, result_path):
     dist.barrier()
     together = _gemm_rates(torch, device, dtype, sizes)
     pair = dist.new_group([0, 1]) if world > 2 else None
-    comm = _collective_times(torch, dist, device, world)
-    comm_pair = _collective_times(torch, dist, device, world, group=pair) if pair is not None else comm
+    comm, comm_cpu = _collective_times(torch, dist, device, world)
+    comm_pair, comm_pair_cpu = _collective_times(torch, dist, device, world, group=pair) if pair is not None \
+        else (comm, comm_cpu)
     skew = _sync_skew(torch, dist, device, world)
     dist.barrier()
     result = None
@@ -184,62 +207,17 @@ def _rank_main(rank, world, port, backend, result_path):
         dst = torch.empty_like(big)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big), 5, sync)
-        result = {"alone": alone, "together": together, "comm": comm, "comm_pair": comm_pair, "memory_bandwidth": bw,
+        result = {"alone": alone, "together": together, "comm": comm, "comm_pair": comm_pair,
+                  "comm_cpu": comm_cpu, "comm_pair_cpu": comm_pair_cpu, "memory_bandwidth": bw,
                   "peak_after_reference": floor, "reference_model_bytes": modelled,
-                  "overheads": overheads, "sync": skew}
+                  "overheads": overheads.pop("none"),
+                  "overheads_tokens": {str(REFERENCE_WIDE_MICRO): overheads.pop(f"none_m{REFERENCE_WIDE_MICRO}")},
+                  "overheads_pipeline": overheads.pop("pipeline", None),
+                  "overheads_tensor": overheads, "sync": skew}
         with open(result_path, "w") as f:
             json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
-
-
-REFERENCE_STEPS = 12
-
-
-def _peak_bytes(torch, device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def alternating_step_times(trainers: list, steps: int, warmup: int = 2) -> list:
-    """Seconds of each trainer's step k, the trainers taking turns step by step in the same
-    processes (a barrier before and after each step, so every rank times the same step);
-    steps < ``warmup`` are not timed. One list per trainer."""
-    import torch.distributed as dist
-
-    times = [[] for _ in trainers]
-    for k in range(steps):
-        for i, tr in enumerate(trainers):
-            dist.barrier()
-            t0 = time.perf_counter()
-            tr.step(k)
-            dist.barrier()
-            if k >= warmup:
-                times[i].append(time.perf_counter() - t0)
-    return times
-
-
-def _trainer_reference(world: int) -> tuple:
-    """Step seconds of the real trainer (``gridshard.engine.Trainer``, D = world, the ``tiny``
-    preset at 1 and 3 layers, micro-batch 2 × 64 tokens) on all ranks at once — both trainers
-    in the same processes, taking turns step by step so that a change of machine load hits them
-    alike; medians over the rounds — and the memory model's modelled bytes of both (for the floor)."""
-    from ..engine import Trainer
-
-    trainers = {}
-    for layers in (1, 3):
-        cfg = {"model": {"preset": "tiny", "layers": layers}, "parallel": {"data": world},
-               "data": {"kind": "stdlib", "seq_len": 64, "max_bytes": 200_000},
-               "train": {"global_batch": 2 * world, "micro_batch": 2, "steps": REFERENCE_STEPS, "warmup_steps": 1}}
-        trainers[layers] = Trainer(cfg, progress=False)
-    times = dict(zip(trainers, alternating_step_times(list(trainers.values()), REFERENCE_STEPS)))
-    modelled = sum(tr.predicted_mem.modelled for tr in trainers.values() if tr.predicted_mem is not None)
-    return {layers: statistics.median(ts) for layers, ts in times.items()}, int(modelled)
 
 
 def _fit(points, world: int, op: str):
@@ -256,6 +234,21 @@ def _fit(points, world: int, op: str):
     return {"bandwidth": bw, "latency_s": latency}
 
 
+def _pair_and_all_fit(points_all, points_pair, nproc: int, op: str):
+    """α–β of ``op`` from its all-rank and pair measurements: latency on 2 ranks (the pair's),
+    its growth per extra rank, the smaller of the two bandwidths; the all-rank fit alone when
+    there is no pair measurement; None without measurements."""
+    if not points_all:
+        return None
+    fit_all = _fit(points_all, nproc if op != "send" else 2, op)
+    fit_pair = _fit(points_pair or points_all, 2, op)
+    if fit_all and fit_pair:
+        grow = (fit_all["latency_s"] - fit_pair["latency_s"]) / (nproc - 2) if nproc > 2 and op != "send" else 0.0
+        return {"bandwidth": min(fit_all["bandwidth"], fit_pair["bandwidth"]),
+                "latency_s": fit_pair["latency_s"], "latency_per_rank_s": max(0.0, grow)}
+    return fit_all
+
+
 def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int) -> dict:
     """The hardware JSON (hardware module docstring) from rank 0's measurements."""
     alone = {int(k): v for k, v in m["alone"].items()}
@@ -269,20 +262,21 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
     gemm = [[2.0 * n ** 3, alone[n] / peak] for n in sorted(alone)]
     ops = {}
     for op, points in m["comm"].items():
-        fit_all = _fit(points, nproc if op != "send" else 2, op)
-        fit_pair = _fit(m.get("comm_pair", {}).get(op) or points, 2, op)
-        if fit_all and fit_pair:
-            grow = (fit_all["latency_s"] - fit_pair["latency_s"]) / (nproc - 2) if nproc > 2 else 0.0
-            ops[op] = {"bandwidth": min(fit_all["bandwidth"], fit_pair["bandwidth"]),
-                       "latency_s": fit_pair["latency_s"], "latency_per_rank_s": max(0.0, grow)}
-        elif fit_all:
-            ops[op] = fit_all
+        fit = _pair_and_all_fit(points, m.get("comm_pair", {}).get(op), nproc, op)
+        if fit is None:
+            continue
+        ops[op] = fit
+        cpu = _pair_and_all_fit(m.get("comm_cpu", {}).get(op), m.get("comm_pair_cpu", {}).get(op), nproc, op)
+        if cpu is not None:              # LinkCost.cpu_seconds: the same α–β on the CPU clock
+            ops[op].update(cpu_bandwidth=cpu["bandwidth"], cpu_latency_s=cpu["latency_s"],
+                           cpu_latency_per_rank_s=cpu.get("latency_per_rank_s", 0.0))
     default = ops.get("all_reduce") or next(iter(ops.values()), {"bandwidth": 1e9, "latency_s": 1e-4})
     ops["default"] = default
     ov = {int(k): v for k, v in m["overheads"].items()}
     stretch = max(1.0, nproc / slots)
-    layer = max(0.0, (ov[3] - ov[1]) / 2)
-    step = max(0.0, ov[1] - layer) / stretch
+    lo, hi = min(ov), max(ov)
+    layer = max(0.0, (ov[hi] - ov[lo]) / (hi - lo))      # first guesses: fit_to_reference_trainers refits
+    step = max(0.0, ov[lo] - lo * layer) / stretch
     layer /= stretch
     sync = m.get("sync")
     skew = 0.0
@@ -290,7 +284,7 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
         lat = (ops.get("broadcast") or default)["latency_s"]          # the pair's
         skew = max(0.0, (sync["with_sync_s"] - sync["compute_s"]) / sync["rounds"] - lat)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {
+    profile = {
         "name": f"calibrated-{'gpu' if cuda else 'cpu'}-{nproc}",
         "device_memory_bytes": int(host_memory),
         "peak_flops": {"fp32": peak, "bf16": peak, "fp16": peak},
@@ -306,6 +300,8 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
                  "measured over all nproc ranks on one host (no inter-node link: inter = intra).",
         "raw": m,
     }
+    fit_to_reference_trainers(profile, m, nproc)
+    return profile
 
 
 def calibrate(nproc: int = 4, out: str = "gridshard-profile.json", timeout_s: float = 900.0) -> dict:

@@ -5,7 +5,8 @@ tests assert); this module only prices them with a :class:`~gridshard.planner.ha
 Notation: D, P, T (q = √T in 2D), A = global_batch/(m·D) micro-batches of m sequences of
 s tokens, L_r the decoder layers of the slowest pipeline rank (its stages' layers).
 
-Compute, per micro-batch on that rank (× the node's contention, ``Hardware.contention``)::
+Compute, per micro-batch on that rank (× the node's contention, ``Hardware.contention``,
+where the node is not over-subscribed — see "Two bounds")::
 
     F_layer = flops_per_token(V=0, L=1)             (6·N_mm of one layer + 12·s·h)
     F_head  = flops_per_token(V, L=0)               (6·V·h, last stage only)
@@ -14,8 +15,11 @@ Compute, per micro-batch on that rank (× the node's contention, ``Hardware.cont
                          selective m·s·L_r·(F_layer(s) − F_layer(s=0))/(3T)   (attention core forward)
     t_gemm  = F / (peak[precision] · efficiency(G))   G = FLOPs of the rank's gate|up GEMM:
               2·N·h·f (none), 2·N·h·f/T (1D), 2·N·h·f/q³ (2D: one SUMMA panel step)
-    t_elem  = 3 · activation bytes of the micro-batch / memory_bandwidth    (written forward,
-              read backward, gradient written: a stated approximation)
+    t_elem  = 3 · activation bytes of the micro-batch / elementwise_bandwidth   (written forward,
+              read backward, gradient written: a stated approximation; the hardware's
+              memory_bandwidth when it has no element-wise figure) — the bytes the layers write
+              without recompute (recompute changes what is kept, not what is computed), and a
+              fourth pass with full recompute (the forward again)
     t_ops   = L_r · layer_overhead_s · (4/3 with full recompute)
 
 Tensor communication (exposed: it sits between dependent matmuls), per micro-batch:
@@ -33,7 +37,8 @@ at different times — on an over-subscribed CPU about a scheduler slice per cal
 :mod:`~gridshard.theory.tp2d` call counts).
 
 Pipeline: each micro-batch crosses the rank's stage boundaries forward and backward,
-:func:`~gridshard.theory.pipeline.boundary_bytes` each (``send`` link), exposed. The
+:func:`~gridshard.theory.pipeline.boundary_bytes` each (``send`` link), exposed, plus
+``Hardware.p2p_call_overhead_s`` of schedule work per crossing (calibrated; 0 in the GPU files). The
 schedule's idle share b = :func:`~gridshard.theory.pipeline.bubble_fraction`; with t_mb the
 busy time of one micro-batch::
 
@@ -65,6 +70,34 @@ Optimizer: AdamW streams 28 bytes per owned element (read param, grad, m, v; wri
 m, v) at ``memory_bandwidth``; plus ``step_overhead_s``.
 
     step = t_pipeline + exposed data comm + optimizer + step_overhead (+ stop agreement)
+
+Tensor-parallel layers also cost CPU work around each collective that neither the FLOPs nor
+the α–β see (autograd nodes, dispatch, copies): ``Hardware.tensor_call_overhead_s[mode]`` per
+call of :mod:`~gridshard.theory` 's counts, measured by ``--calibrate`` (0 in the GPU files).
+
+Two bounds
+----------
+Everything above is the **critical path** of a rank (:class:`RankCost` ``.latency``). When a
+node holds more ranks than compute slots (CPU ranks on a few cores, r > slots:
+``Hardware.oversubscribed``) the cores are the bottleneck instead: a rank waiting in a
+collective or a pipeline bubble leaves its core to another. Measured here (2 cores, gloo):
+Σ over the ranks of process CPU seconds per step ÷ wall seconds is 2.0 at 8 ranks and
+1.65–1.9 at 4, for every layout tried. So each rank also gets a **busy** time (``.busy``) —
+what it keeps a core busy per step, all at full speed::
+
+    busy = A·(t_gemm + t_elem + t_ops + tensor calls' CPU + sends' CPU)
+         + gradient reduction's and gathers' CPU (nothing hidden: the CPU is what is short)
+         + optimizer + step_overhead + the small all-reduces' CPU
+
+(a collective's CPU seconds: ``LinkCost.cpu_seconds``), and on such a node the critical path
+is priced at full speed without the sync skew (stretch 1: the contention belongs to the other
+bound). :func:`node_step` takes the larger of
+
+    critical path of the slowest pipeline rank,
+    throughput bound = mean busy over the pipeline ranks × r / slots
+
+(every pipeline stage has D·T ranks; a bubble costs nothing in the throughput bound, the idle
+ranks' cores run the others). On GPU nodes (a device per rank) only the critical path exists.
 """
 from __future__ import annotations
 
@@ -151,6 +184,15 @@ def tensor_comm_2d(cfg, layout: Layout, seq: int, layers: int, first: bool, last
             tp2d.linear2d_comm(n, h, tp2d.padded_vocab(cfg.vocab_size, q), q)
         parts += [tp2d.rmsnorm2d_comm(n, h, q), head, tp2d.cross_entropy2d_comm(n, q)]
     return [tp2d.total(p) for p in parts]
+
+
+def tensor_calls_per_layer(cfg, layout: Layout, seq: int) -> int:
+    """Tensor-parallel collectives of one decoder layer in one micro-batch's forward and
+    backward (:func:`tensor_comm_1d` / :func:`tensor_comm_2d` of one middle layer)."""
+    if layout.tensor <= 1 or layout.tensor_mode == "none":
+        return 0
+    comm = tensor_comm_1d if layout.tensor_mode == "1d" else tensor_comm_2d
+    return sum(sum(v.calls.values()) for v in comm(cfg, layout, seq, 1, False, False))
 
 
 _BLOCKS: dict = {}
@@ -248,17 +290,84 @@ def gemm_flops(cfg, layout: Layout, seq: int) -> float:
     return 2.0 * N * h * f / layout.tensor
 
 
+@dataclass
+class RankCost:
+    """One rank's step, two ways (module docstring, "Two bounds"): ``latency`` — the critical
+    path, every term as priced above; ``busy`` — the seconds this rank keeps a core busy
+    (compute, the CPU of its collectives, optimizer, overheads; no bubble, no waiting)."""
+
+    latency: StepTime
+    busy: StepTime
+
+
+def _mean_steps(steps: list, scale: float) -> StepTime:
+    """Component-wise mean of ``steps`` × ``scale``."""
+    n = len(steps)
+    keys = ("compute_s", "tensor_comm_s", "pipeline_comm_s", "data_comm_s", "bubble_s", "optimizer_s", "overhead_s")
+    return StepTime(**{k: scale * sum(getattr(t, k) for t in steps) / n for k in keys})
+
+
+def node_step(ranks: list, hw: Hardware, ranks_per_node: int) -> StepTime:
+    """The step of a layout from its pipeline ranks' :class:`RankCost` (module docstring):
+    the slowest rank's critical path, or — on an over-subscribed node, when larger — the
+    ranks' mean busy time × ranks_per_node / slots (every stage has the same number of ranks)."""
+    worst = max((r.latency for r in ranks), key=lambda t: t.total_s)
+    if not hw.oversubscribed(ranks_per_node):
+        worst.details["regime"] = "latency"
+        return worst
+    stretch = hw.contention(ranks_per_node)
+    through = _mean_steps([r.busy for r in ranks], stretch)
+    bound = {"latency_bound_s": worst.total_s, "throughput_bound_s": through.total_s, "contention": stretch}
+    if worst.total_s >= through.total_s:
+        worst.details.update(bound, regime="latency")
+        return worst
+    through.details = dict(worst.details, **bound, regime="throughput")
+    return through
+
+
 def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: int, precision: str = "fp32",
               nodes: int = 1, layer_ids=None, first: bool = True, last: bool = True, activation_bytes: int = 0,
               bucket_mb: float = 25.0, stop_agreement: bool = False, log_interval: int = 1) -> StepTime:
-    """Predicted step time of the rank holding ``layer_ids`` (default all layers), module docstring."""
+    """Predicted step time of the rank holding ``layer_ids`` (default all layers), module
+    docstring; :func:`node_step` of this one rank's :func:`rank_cost`."""
+    world = layout.data * layout.pipeline * layout.tensor
+    cost = rank_cost(cfg, layout, hw, seq_len=seq_len, global_batch=global_batch, precision=precision, nodes=nodes,
+                     layer_ids=layer_ids, first=first, last=last, activation_bytes=activation_bytes,
+                     bucket_mb=bucket_mb, stop_agreement=stop_agreement, log_interval=log_interval)
+    return node_step([cost], hw, max(1, world // max(1, nodes)))
+
+
+def comm_cpu_seconds(vols, hw: Hardware, level: str) -> float:
+    """Σ over ops of the CPU seconds one rank spends in them (``LinkCost.cpu_seconds``)."""
+    total = 0.0
+    for v in vols:
+        if v is None:
+            continue
+        for op, payload in v.payload.items():
+            total += hw.link(level, op).cpu_seconds(ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size)
+    return total
+
+
+def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: int, precision: str = "fp32",
+              nodes: int = 1, layer_ids=None, first: bool = True, last: bool = True, activation_bytes: int = 0,
+              bucket_mb: float = 25.0, stop_agreement: bool = False, log_interval: int = 1) -> RankCost:
+    """Critical path and busy time of the rank holding ``layer_ids`` (module docstring). On an
+    over-subscribed node the critical path is priced at full speed and without the sync skew
+    (the contention is the throughput bound's), elsewhere with the node's contention (1 on GPUs)."""
     s, m, T = seq_len, layout.micro_batch, layout.tensor
     A = global_batch // (m * layout.data)
     layers = cfg.layers if layer_ids is None else len(layer_ids)
     kvh = cfg.kv_heads * cfg.head_dim
     world = layout.data * layout.pipeline * T
-    stretch = hw.contention(max(1, world // max(1, nodes)))
+    ranks_per_node = max(1, world // max(1, nodes))
+    throughput_node = hw.oversubscribed(ranks_per_node)
+    stretch = 1.0 if throughput_node else hw.contention(ranks_per_node)
+    skew = 0.0 if throughput_node else hw.sync_skew_s
     levels = link_levels(layout, hw, nodes)
+
+    def priced(vols, level):
+        return comm_seconds(vols, hw, level) + (skew - hw.sync_skew_s) * sum(
+            n for v in vols if v is not None for n in v.calls.values())
 
     f_layer = flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, s, kvh)
     f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, cfg.ffn_hidden, s, kvh)
@@ -269,35 +378,42 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
         core = f_layer - flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, 0, kvh)
         flops += m * s * layers * core / (3 * T)
     t_gemm = flops / hw.flops_rate(precision, gemm_flops(cfg, layout, s))
-    t_elem = ELEMENTWISE_PASSES * activation_bytes / hw.memory_bandwidth
+    passes = ELEMENTWISE_PASSES + (1 if layout.recompute == "full" else 0)      # full: the forward again
+    t_elem = passes * activation_bytes / (hw.elementwise_bandwidth or hw.memory_bandwidth)
     t_ops = layers * hw.layer_overhead_s * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
-    compute_mb = (t_gemm + t_elem + t_ops) * stretch
+    busy_compute_mb = t_gemm + t_elem + t_ops
+    compute_mb = busy_compute_mb * stretch
 
+    tensor_vols = []
     if layout.tensor_mode == "1d" and T > 1:
-        t_tensor_mb = comm_seconds(tensor_comm_1d(cfg, layout, s, layers, first, last), hw, levels["tensor"])
+        tensor_vols = tensor_comm_1d(cfg, layout, s, layers, first, last)
     elif layout.tensor_mode == "2d" and T > 1:
-        t_tensor_mb = comm_seconds(tensor_comm_2d(cfg, layout, s, layers, first, last), hw, levels["tensor"])
-    else:
-        t_tensor_mb = 0.0
+        tensor_vols = tensor_comm_2d(cfg, layout, s, layers, first, last)
+    around = sum(sum(v.calls.values()) for v in tensor_vols) * hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
+    t_tensor_mb = priced(tensor_vols, levels["tensor"]) + around * stretch
+    busy_tensor_mb = comm_cpu_seconds(tensor_vols, hw, levels["tensor"]) + around
 
     P, V = layout.pipeline, layout.virtual_stages
-    t_p2p_mb = 0.0
+    t_p2p_mb = busy_p2p_mb = 0.0
     if P > 1:
         per = boundary_bytes(layout.tensor_mode, layout.sequence_parallel, T, m, s, cfg.hidden)
-        crossings = 2 * V - (1 if first else 0) - (1 if last else 0) if V > 1 else (not last) + (not first)
-        t_p2p_mb = hw.link(levels["pipeline"], "send").seconds(per * crossings, max(crossings, 0)) \
-            + max(crossings, 0) * hw.sync_skew_s
+        crossings = max(0, 2 * V - (1 if first else 0) - (1 if last else 0) if V > 1 else (not last) + (not first))
+        send = hw.link(levels["pipeline"], "send")
+        t_p2p_mb = send.seconds(per * crossings, crossings) + crossings * (skew + hw.p2p_call_overhead_s * stretch)
+        busy_p2p_mb = send.cpu_seconds(per * crossings, crossings) + crossings * hw.p2p_call_overhead_s
 
     reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, int(bucket_mb * (1 << 20)))
-    t_gather_in_step = 0.0
-    t_gather_after = 0.0
+    t_gather_in_step = t_gather_after = 0.0
+    busy_data = 0.0
     if gather is not None:
-        t_gather = comm_seconds([gather], hw, levels["data"])
+        t_gather = priced([gather], levels["data"])
+        busy_data += comm_cpu_seconds([gather], hw, levels["data"])
         if layout.zero == 3:
             t_gather_in_step = t_gather / A          # per micro-batch (its layer gathers)
         else:
             t_gather_after = t_gather
-    t_reduce = comm_seconds([reduce], hw, levels["data"]) if reduce is not None else 0.0
+    t_reduce = priced([reduce], levels["data"]) if reduce is not None else 0.0
+    busy_data += comm_cpu_seconds([reduce], hw, levels["data"]) if reduce is not None else 0.0
     hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb if P == 1 else 0.0
     exposed_reduce = max(t_reduce - hide, t_reduce / max(1, units)) if t_reduce else 0.0
 
@@ -307,19 +423,31 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
 
     blocks = _blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
     owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
-    t_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth * stretch
-    small = sum(call_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in (("tensor", T), ("pipeline", P),
-                                                                              ("data", layout.data)))
+    busy_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth
+    small_calls = [("tensor", T), ("pipeline", P), ("data", layout.data)]
+    small = sum(call_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in small_calls) \
+        + (skew - hw.sync_skew_s) * sum(n > 1 for _, n in small_calls)
+    busy_small = sum(hw.link(levels[d], "all_reduce").cpu_seconds(ring_wire_bytes("all_reduce", 8, n), 1, n)
+                     for d, n in small_calls if n > 1)
     stop_s, log_s = trainer_bookkeeping(hw, layout, levels["data"], stop_agreement, log_interval)
-    return StepTime(compute_s=A * compute_mb, tensor_comm_s=A * t_tensor_mb, pipeline_comm_s=A * t_p2p_mb,
-                    data_comm_s=exposed_reduce + t_gather_after + A * t_gather_in_step, bubble_s=bubble_s,
-                    optimizer_s=t_opt, overhead_s=hw.step_overhead_s * stretch + small + stop_s,
-                    details={"micro_batches": A, "bubble_fraction": bubble, "links": levels, "contention": stretch,
-                             "gemm_flops": gemm_flops(cfg, layout, s), "flops_per_microbatch": flops,
-                             "data_reduce_s": t_reduce, "data_reduce_hidden_s": t_reduce - exposed_reduce,
-                             "zero3_gather_s": A * t_gather_in_step, "stop_agreement_s": stop_s,
-                             "log_bookkeeping_s": log_s})
+    busy_stop = hw.link(levels["data"], "all_reduce").cpu_seconds(ring_wire_bytes("all_reduce", 4, world), 1, world) \
+        if stop_agreement and world > 1 else 0.0
+    if stop_agreement and world > 1:
+        stop_s += skew - hw.sync_skew_s
+    latency = StepTime(compute_s=A * compute_mb, tensor_comm_s=A * t_tensor_mb, pipeline_comm_s=A * t_p2p_mb,
+                       data_comm_s=exposed_reduce + t_gather_after + A * t_gather_in_step, bubble_s=bubble_s,
+                       optimizer_s=busy_opt * stretch, overhead_s=hw.step_overhead_s * stretch + small + stop_s,
+                       details={"micro_batches": A, "bubble_fraction": bubble, "links": levels,
+                                "contention": hw.contention(ranks_per_node),
+                                "gemm_flops": gemm_flops(cfg, layout, s), "flops_per_microbatch": flops,
+                                "data_reduce_s": t_reduce, "data_reduce_hidden_s": t_reduce - exposed_reduce,
+                                "zero3_gather_s": A * t_gather_in_step, "stop_agreement_s": stop_s,
+                                "log_bookkeeping_s": log_s})
+    busy = StepTime(compute_s=A * busy_compute_mb, tensor_comm_s=A * busy_tensor_mb, pipeline_comm_s=A * busy_p2p_mb,
+                    data_comm_s=busy_data, bubble_s=0.0, optimizer_s=busy_opt,
+                    overhead_s=hw.step_overhead_s + busy_small + busy_stop)
+    return RankCost(latency, busy)
 
 
-__all__ = ["StepTime", "step_time", "tensor_comm_1d", "tensor_comm_2d", "recompute2d_comm", "data_comm",
+__all__ = ["StepTime", "RankCost", "step_time", "tensor_calls_per_layer", "rank_cost", "node_step", "comm_cpu_seconds", "tensor_comm_1d", "tensor_comm_2d", "recompute2d_comm", "data_comm",
            "comm_seconds", "call_seconds", "trainer_bookkeeping", "link_levels", "gemm_flops"]

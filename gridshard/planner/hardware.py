@@ -13,7 +13,10 @@ points ``[[F, eff], ...]`` (clamped at both ends). Work that is not a GEMM is pr
 * ``layer_overhead_s`` per decoder layer and micro-batch (operator dispatch, kernel launches,
   the small element-wise kernels of norms/RoPE/SiLU at small sizes);
 * ``step_overhead_s`` per optimizer step (loop, clipping, bookkeeping);
-* bytes streamed through memory at ``memory_bandwidth`` (element-wise traffic, AdamW).
+* bytes streamed through memory at ``memory_bandwidth`` (AdamW; the layers' element-wise
+  traffic at ``elementwise_bandwidth`` when the file has it — ``--calibrate`` fits it to the
+  real trainer at two token counts, since a norm, softmax or RoPE kernel streams far below a
+  large copy's rate — else at ``memory_bandwidth``).
 
 ``compute_slots_per_node``: how many ranks of one node compute at full rate at the same
 time (a GPU per rank: = ``devices_per_node``; a CPU: the cores, or the calibrated
@@ -30,6 +33,26 @@ sends on a ring) costs ``latency_s + latency_per_rank_s·(n − 2) + W / bandwid
 model, latency measured at n = 2 and growing with the ring's steps; ``bandwidth`` is the *achieved*
 algorithm bandwidth per rank, not the raw link rate: the data files derate the
 datasheet's link rate by ``link_efficiency``).
+
+Over-subscribed nodes
+---------------------
+When more ranks share a node than it has compute slots (CPU ranks on a few cores: r > slots), the
+node is *throughput-bound*: a rank that waits in a collective or a pipeline bubble leaves its
+core to another rank, so the step lasts about as long as all the node's busy CPU time shared
+over its slots (measured here at 4 and 8 ranks on 2 cores: Σ over ranks of process CPU
+seconds per step / wall seconds = 1.65–1.9 and 2.0). A collective then costs what it keeps a
+core busy: per rank ``cpu_latency_s + cpu_latency_per_rank_s·(n − 2) + W / cpu_bandwidth``
+CPU seconds (``LinkCost.cpu_seconds``; ``--calibrate`` measures them with the process CPU
+clock around the same calls it times, gloo's own threads included; a file without them falls
+back to the α–β wall time). How the planner combines the two bounds: cost_time.
+
+``tensor_call_overhead_s`` (``{"1d": s, "2d": s}``, default 0): CPU seconds of work around each
+tensor-parallel collective that the terms above do not price — the autograd node, Python
+dispatch and the copies of gridshard's layers — measured by ``--calibrate`` on the real trainer
+(calibrate module docstring); on GPUs the host runs ahead of the device, left 0.
+
+``p2p_call_overhead_s`` (default 0): seconds of pipeline-schedule work per stage send or receive
+(per micro-batch and boundary), fitted by ``--calibrate`` to a two-stage trainer likewise.
 
 ``sync_skew_s`` (default 0): the extra wait of one *synchronous* collective inside a training
 step over its isolated α–β cost — the ranks reach it at different times. On a GPU node (a device
@@ -60,12 +83,25 @@ class LinkCost:
     bandwidth: float          # achieved bytes/s per rank (wire bytes)
     latency_s: float          # per call, on 2 ranks
     latency_per_rank_s: float = 0.0
+    cpu_bandwidth: Optional[float] = None          # wire bytes per CPU second of one rank
+    cpu_latency_s: Optional[float] = None          # CPU seconds of one rank per call, on 2 ranks
+    cpu_latency_per_rank_s: float = 0.0
 
     def seconds(self, wire_bytes: float, calls: int = 1, group_size: int = 2) -> float:
         if not calls:
             return 0.0
         latency = self.latency_s + self.latency_per_rank_s * max(0, group_size - 2)
         return calls * latency + wire_bytes / self.bandwidth
+
+    def cpu_seconds(self, wire_bytes: float, calls: int = 1, group_size: int = 2) -> float:
+        """CPU seconds one rank spends in ``calls`` such calls moving ``wire_bytes`` in all
+        (module docstring, over-subscribed nodes); the wall time when the CPU cost is unknown."""
+        if self.cpu_latency_s is None or not self.cpu_bandwidth:
+            return self.seconds(wire_bytes, calls, group_size)
+        if not calls:
+            return 0.0
+        latency = self.cpu_latency_s + self.cpu_latency_per_rank_s * max(0, group_size - 2)
+        return calls * latency + wire_bytes / self.cpu_bandwidth
 
 
 @dataclass
@@ -86,6 +122,9 @@ class Hardware:
     step_overhead_s: float = 0.0
     dp_overlap: float = 1.0                # share of the last backward a gradient reduction can hide under
     sync_skew_s: float = 0.0               # extra wait per synchronous collective inside a training step
+    tensor_call_overhead_s: dict = field(default_factory=dict)   # tensor mode -> CPU seconds around each call
+    elementwise_bandwidth: Optional[float] = None   # bytes/s of the layers' element-wise passes (else memory_bandwidth)
+    p2p_call_overhead_s: float = 0.0       # seconds of schedule work per stage send or receive
     sources: list = field(default_factory=list)
     notes: str = ""
 
@@ -112,16 +151,26 @@ class Hardware:
         slots = self.compute_slots_per_node or self.devices_per_node
         return max(1.0, ranks_per_node / slots)
 
+    def oversubscribed(self, ranks_per_node: int) -> bool:
+        """More ranks than compute slots on a node: the throughput-bound regime (module docstring)."""
+        return self.contention(ranks_per_node) > 1.0
+
     # ---- communication -----------------------------------------------------------------
     def link(self, level: str, op: str) -> LinkCost:
         table = self.links.get(level) or self.links["intra"]
         return table.get(op) or table["default"]
 
 
+def _optional_float(v) -> Optional[float]:
+    return None if v is None else float(v)
+
+
 def _link_table(raw: dict) -> dict:
     out = {}
     for level, ops in raw.items():
-        out[level] = {op: LinkCost(float(v["bandwidth"]), float(v["latency_s"]), float(v.get("latency_per_rank_s", 0)))
+        out[level] = {op: LinkCost(float(v["bandwidth"]), float(v["latency_s"]), float(v.get("latency_per_rank_s", 0)),
+                                   _optional_float(v.get("cpu_bandwidth")), _optional_float(v.get("cpu_latency_s")),
+                                   float(v.get("cpu_latency_per_rank_s", 0)))
                       for op, v in ops.items() if isinstance(v, dict)}
         if "default" not in out[level]:
             raise ConfigError(f"hardware links.{level} has no 'default' entry. Fix: add "
@@ -143,6 +192,9 @@ def hardware_from_dict(raw: dict) -> Hardware:
             reserved_bytes=int(raw.get("reserved_bytes", 0)), margin_fraction=float(raw.get("margin_fraction", 0.10)),
             layer_overhead_s=float(raw.get("layer_overhead_s", 0.0)), step_overhead_s=float(raw.get("step_overhead_s", 0.0)),
             dp_overlap=float(raw.get("dp_overlap", 1.0)), sync_skew_s=float(raw.get("sync_skew_s", 0.0)),
+            tensor_call_overhead_s={k: float(v) for k, v in (raw.get("tensor_call_overhead_s") or {}).items()},
+            elementwise_bandwidth=_optional_float(raw.get("elementwise_bandwidth")),
+            p2p_call_overhead_s=float(raw.get("p2p_call_overhead_s", 0.0)),
             sources=list(raw.get("sources", [])),
             notes=raw.get("notes", ""))
     except KeyError as e:

@@ -58,6 +58,12 @@ def explain(result: PlanResult) -> str:
              f"  links: tensor {st.details['links']['tensor']}, pipeline {st.details['links']['pipeline']}, data "
              f"{st.details['links']['data']} node; {st.details['micro_batches']} micro-batches per step"
              + (f", bubble fraction {st.details['bubble_fraction']:.3f}" if best.layout.pipeline > 1 else "")]
+    if st.details.get("regime") == "throughput":
+        lines.append(f"  {result.world // max(1, result.nodes)} ranks share {hw.compute_slots_per_node:g} compute slots "
+                     f"per node: the step is the cores' work (the ranks' mean busy time × "
+                     f"{st.details['contention']:.3g}), {st.details['throughput_bound_s']:.4g} s, above the critical "
+                     f"path at full speed, {st.details['latency_bound_s']:.4g} s; a bubble costs nothing there "
+                     f"(cost_time: two bounds)")
     others = []
     for c in result.candidates[1:]:
         key = (c.layout.data, c.layout.pipeline, c.layout.tensor, c.layout.tensor_mode, c.layout.sequence_parallel)

@@ -7,7 +7,8 @@ For each candidate :class:`~gridshard.planner.layouts.Layout`:
 2. memory (:func:`~gridshard.planner.cost_memory.layout_memory`, the worst rank of
    :func:`gridshard.theory.memory.predict_rank_memory`): rejected when the predicted peak
    plus the safety margin exceeds the device memory;
-3. step time (:func:`~gridshard.planner.cost_time.step_time`, the slowest pipeline rank).
+3. step time (:func:`~gridshard.planner.cost_time.node_step`: the slowest pipeline rank's
+   critical path, or on an over-subscribed node the throughput bound over every pipeline rank).
 
 Feasible layouts are ranked by predicted step time (ties: less memory). When none is
 feasible, :class:`PlanError` says why and names the nearest feasible alternative (another
@@ -24,7 +25,7 @@ from ..errors import ConfigError
 from ..theory.memory import activation_bytes
 from ..theory.training import flops_per_token, mfu
 from .cost_memory import layout_memory, ranks_to_check, stage_layers_of_rank
-from .cost_time import StepTime, step_time
+from .cost_time import StepTime, node_step, rank_cost
 from .hardware import Hardware, load_hardware
 from .layouts import Layout, apply_layout, enumerate_layouts, layout_problem
 
@@ -119,18 +120,24 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
         return cand                        # not priced: it cannot run
     P, V = layout.pipeline, layout.virtual_stages
     per_rank = stage_layers_of_rank(mc.layers, P, V) if P > 1 else [None]
-    worst = None
-    for r in (ranks_to_check(per_rank) if P > 1 else [0]):
+    ranks_per_node = max(1, world // max(1, nodes))
+    # the critical path needs the slowest rank only; the throughput bound the mean of them all
+    check = range(P) if hw.oversubscribed(ranks_per_node) else (ranks_to_check(per_rank) if P > 1 else [0])
+    costs, seen = [], {}
+    for r in check:
         ids, first, last = per_rank[r], r == 0, r == P - 1
-        acts = activation_bytes(mc, layout.micro_batch, s, layout.tensor_mode, layout.tensor,
-                                layout.sequence_parallel, layout.recompute,
-                                None if ids is None else len(ids), first, last).total
-        t = step_time(mc, layout, hw, seq_len=s, global_batch=G, precision=prec, nodes=nodes, layer_ids=ids,
-                      first=first, last=last, activation_bytes=acts, bucket_mb=cfg.train.bucket_mb,
-                      stop_agreement=stop_agreement, log_interval=cfg.train.log_interval)
-        if worst is None or t.total_s > worst.total_s:
-            worst = t
-    cand.step = worst
+        key = (None if ids is None else len(ids), first, last)      # decoder layers are alike: the count matters
+        if key not in seen:
+            # the element-wise work of a forward and backward: what the layers write without
+            # recompute (recompute changes what is kept, not what is computed; rank_cost adds its pass)
+            acts = activation_bytes(mc, layout.micro_batch, s, layout.tensor_mode, layout.tensor,
+                                    layout.sequence_parallel, "none", key[0], first, last).total
+            seen[key] = rank_cost(mc, layout, hw, seq_len=s, global_batch=G, precision=prec, nodes=nodes,
+                                  layer_ids=ids, first=first, last=last, activation_bytes=acts,
+                                  bucket_mb=cfg.train.bucket_mb, stop_agreement=stop_agreement,
+                                  log_interval=cfg.train.log_interval)
+        costs.append(seen[key])
+    cand.step = node_step(costs, hw, ranks_per_node)
     cand.feasible = True
     return cand
 

@@ -1,0 +1,189 @@
+"""The reference trainers of ``gridshard plan --calibrate`` and what is fitted to them.
+
+The cost model derives a step from GEMM rates, copy bandwidth and collective timings; what it
+cannot derive — the element-wise bandwidth of real layers, per-layer and per-step overheads,
+the work around each tensor-parallel collective and per pipeline send — is fitted here so that
+the model gives back gridshard's own trainer on this machine (:func:`fit_to_reference_trainers`),
+on :func:`reference_runs` of the ``tiny`` preset measured by :func:`trainer_reference`.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+REFERENCE_STEPS = 16
+
+
+def _peak_bytes(torch, device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def alternating_step_times(trainers: list, steps: int, warmup: int = 2) -> list:
+    """Seconds of each trainer's step k, the trainers taking turns step by step in the same
+    processes (a barrier before and after each step, so every rank times the same step);
+    steps < ``warmup`` are not timed. One list per trainer."""
+    import torch.distributed as dist
+
+    times = [[] for _ in trainers]
+    for k in range(steps):
+        for i, tr in enumerate(trainers):
+            dist.barrier()
+            t0 = time.perf_counter()
+            tr.step(k)
+            dist.barrier()
+            if k >= warmup:
+                times[i].append(time.perf_counter() - t0)
+    return times
+
+
+REFERENCE_TENSOR = {"none": 1, "1d": 2, "2d": 4}       # the reference trainers' T per tensor mode
+REFERENCE_MICRO = 2                                     # sequences per micro-batch ...
+REFERENCE_WIDE_MICRO = 16                               # ... and the plain pair's second token count
+REFERENCE_PIPELINE = (2, 4)                             # the pipeline pair: P = 2, A = 4 micro-batches
+REFERENCE_LAYERS = (1, 4)                               # the layer counts of a pair (P = 1)
+
+
+def reference_config(world: int, layers: int, mode: str = "none", micro: int = REFERENCE_MICRO,
+                     pipeline: int = 1) -> dict:
+    """The config of a reference trainer (:func:`trainer_reference`): the ``tiny`` preset at
+    ``layers`` layers, T = ``REFERENCE_TENSOR[mode]``, P = ``pipeline``, D = world / (P·T), one
+    micro-batch of ``micro`` × 64 tokens per data rank (P = 1) or ``REFERENCE_PIPELINE[1]`` of them."""
+    T = REFERENCE_TENSOR[mode]
+    D = world // (T * pipeline)
+    A = REFERENCE_PIPELINE[1] if pipeline > 1 else 1
+    return {"model": {"preset": "tiny", "layers": layers},
+            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "pipeline": pipeline},
+            "data": {"kind": "stdlib", "seq_len": 64, "max_bytes": 200_000},
+            "train": {"global_batch": micro * D * A, "micro_batch": micro, "steps": REFERENCE_STEPS,
+                      "warmup_steps": 1}}
+
+
+def reference_runs(world: int) -> list:
+    """(key, keyword arguments of :func:`reference_config`, layer counts) of the reference trainer
+    pairs that fit ``world`` ranks: the plain pair at two token counts, 1D, 2D, and a pipeline."""
+    L = REFERENCE_LAYERS
+    runs = [("none", {}, L), (f"none_m{REFERENCE_WIDE_MICRO}", {"micro": REFERENCE_WIDE_MICRO}, L)]
+    runs += [(m, {"mode": m}, L) for m, T in REFERENCE_TENSOR.items() if m != "none" and world % T == 0]
+    P = REFERENCE_PIPELINE[0]
+    if world % P == 0:
+        runs.append(("pipeline", {"pipeline": P}, (P, 2 * P)))
+    return runs
+
+
+def trainer_reference(world: int) -> tuple:
+    """Step seconds of the real trainer (``gridshard.engine.Trainer``, :func:`reference_config`)
+    for each run of :func:`reference_runs` at its two layer counts, on all ranks at once: first the
+    plain pair alone (the memory model's modelled bytes of it and the peak memory after it are
+    the floor), then every trainer in the same processes, taking turns step by step so that a
+    change of machine load hits them all alike (the fits difference them); medians over the
+    rounds: ``{key: {layers: seconds}}``."""
+    import torch
+
+    from ..engine import Trainer
+
+    runs = reference_runs(world)
+    key0, kwargs0, counts0 = runs[0]
+    plain = [Trainer(reference_config(world, layers, **kwargs0), progress=False) for layers in counts0]
+    alternating_step_times(plain, 3, warmup=3)
+    modelled = sum(tr.predicted_mem.modelled for tr in plain if tr.predicted_mem is not None)
+    floor = _peak_bytes(torch, plain[0].device)
+    trainers = dict(zip([(key0, layers) for layers in counts0], plain))
+    for key, kwargs, counts in runs[1:]:
+        for layers in counts:
+            trainers[key, layers] = Trainer(reference_config(world, layers, **kwargs), progress=False)
+    times = alternating_step_times(list(trainers.values()), REFERENCE_STEPS)
+    out: dict = {}
+    for (key, layers), ts in zip(trainers, times):
+        out.setdefault(key, {})[layers] = statistics.median(ts)
+    return out, int(modelled), floor
+
+
+def _reference_layout(cfg):
+    from .layouts import Layout
+
+    p, t = cfg.parallel, cfg.train
+    return Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, False, 0, "none", t.micro_batch,
+                  pipeline_schedule=p.pipeline_schedule)
+
+
+def _priced_reference(profile: dict, nproc: int, layers: int, mode: str = "none", micro: int = REFERENCE_MICRO,
+                      pipeline: int = 1, **changes) -> float:
+    """The cost model's step seconds for a reference trainer (:func:`reference_config`), priced
+    with ``profile`` changed by ``changes``."""
+    from ..config import load_config
+    from .hardware import hardware_from_dict
+    from .search import evaluate
+
+    hw = hardware_from_dict(dict(profile, **changes))
+    cfg = load_config(reference_config(nproc, layers, mode, micro, pipeline))
+    return evaluate(cfg, _reference_layout(cfg), hw, nproc).predicted_step_s
+
+
+def fit_to_reference_trainers(profile: dict, m: dict, nproc: int) -> None:
+    """Fit the terms the cost model cannot derive from GEMM, copy and collective timings, so that
+    it gives back gridshard's own trainer on this machine (:func:`trainer_reference`): per layer =
+    the slope between the pair's two layer counts, everything ÷ the contention c = nproc / slots
+    (how the model scales them):
+
+    * ``elementwise_bandwidth`` — from the plain pair at two token counts (micro-batch 2 and 16):
+      the per-layer growth the model's GEMMs do not explain, over the growth of 3 × activation
+      bytes (the element-wise passes), when positive; else ``memory_bandwidth`` stays in use;
+    * ``layer_overhead_s`` = measured per layer − priced per layer (at micro-batch 2), ÷ c;
+    * ``step_overhead_s`` = measured − priced step of the shallower plain trainer, ÷ c;
+    * ``tensor_call_overhead_s[mode]`` = (measured − priced per layer of the T = 2 (1D) / T = 4
+      (2D) pair) ÷ (c · tensor calls per layer) — autograd nodes, dispatch and copies around each call;
+    * ``p2p_call_overhead_s``: the value at which the priced steps of the P = 2 pair (A = 4) equal
+      the measured ones on average (the step is linear in it) — the schedule's own work per
+      micro-batch and boundary (Python, the P2P operations' setup, autograd across the boundary).
+
+    Each clamped at 0. Without the measurements a term keeps the value it has."""
+    from ..config import load_config
+    from .cost_time import tensor_calls_per_layer
+    from .hardware import hardware_from_dict
+
+    c = hardware_from_dict(profile).contention(nproc)
+    measured = lambda t: {int(k): float(v) for k, v in t.items()}  # noqa: E731
+    slope = lambda t: (t[max(t)] - t[min(t)]) / (max(t) - min(t))  # noqa: E731   per layer
+    plain = measured(m["overheads"])
+    lo, hi = min(plain), max(plain)
+    zero = {"layer_overhead_s": 0.0, "step_overhead_s": 0.0, "tensor_call_overhead_s": {}}
+    per_layer = lambda run, **kw: (_priced_reference(profile, nproc, hi, **kw, **run) -  # noqa: E731
+                                   _priced_reference(profile, nproc, lo, **kw, **run)) / (hi - lo)
+    wide = (m.get("overheads_tokens") or {}).get(str(REFERENCE_WIDE_MICRO))
+    if wide:
+        grown = slope(measured(wide)) - slope(plain)
+        runs = ({"micro": REFERENCE_WIDE_MICRO}, {"micro": REFERENCE_MICRO})
+        free = [per_layer(r, **zero, elementwise_bandwidth=1e30) for r in runs]       # GEMMs only
+        unit = [per_layer(r, **zero, elementwise_bandwidth=1.0) - f for r, f in zip(runs, free)]   # 3·bytes
+        unexplained = grown - (free[0] - free[1])
+        if unexplained > 0 and unit[0] > unit[1]:
+            profile["elementwise_bandwidth"] = (unit[0] - unit[1]) / unexplained
+    profile["layer_overhead_s"] = max(0.0, (slope(plain) - per_layer({}, **zero)) / c)
+    profile["step_overhead_s"] = max(0.0, (plain[lo] - _priced_reference(
+        profile, nproc, lo, step_overhead_s=0.0, tensor_call_overhead_s={})) / c)
+    out = {}
+    for mode, times in (m.get("overheads_tensor") or {}).items():
+        cfg = load_config(reference_config(nproc, 1, mode))
+        calls = tensor_calls_per_layer(cfg.model.resolve(), _reference_layout(cfg), cfg.data.seq_len)
+        priced = per_layer({"mode": mode}, tensor_call_overhead_s={})
+        out[mode] = max(0.0, (slope(measured(times)) - priced) / (c * calls)) if calls else 0.0
+    profile["tensor_call_overhead_s"] = out
+    pipe = m.get("overheads_pipeline")
+    if pipe:                                   # the step is linear in the term: solve mean(priced) = mean(measured)
+        P = REFERENCE_PIPELINE[0]
+        pipe = measured(pipe)
+        priced = lambda ovh: statistics.mean(_priced_reference(profile, nproc, n, pipeline=P,  # noqa: E731
+                                                               p2p_call_overhead_s=ovh) for n in pipe)
+        base, per_ms = priced(0.0), priced(1e-3) - priced(0.0)
+        profile["p2p_call_overhead_s"] = max(0.0, 1e-3 * (statistics.mean(pipe.values()) - base) / per_ms) \
+            if per_ms > 0 else 0.0
+
+
+__all__ = ["trainer_reference", "fit_to_reference_trainers", "reference_config", "reference_runs",
+           "alternating_step_times", "REFERENCE_WIDE_MICRO"]
