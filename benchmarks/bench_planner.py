@@ -9,7 +9,7 @@ first by this script. Layouts: a fixed list spanning none / 1d / 1d+SP / 2d, ZeR
 and P = 1/2 on 4 ranks (``tiny``) and 8 ranks (``small``), plus the planner's own top 3 for each
 (model, N), so that "the planner's top 3 contains the measured fastest" can be checked.
 
-    .venv/bin/python benchmarks/bench_planner.py [--steps 8] [--only 4|8] [--profile-dir /tmp] [--json out.json]
+    .venv/bin/python benchmarks/bench_planner.py [--steps 10] [--only 4|8] [--profile-dir /tmp] [--json out.json]
 
 The ranks build a ``Trainer`` directly, so no stop handler is installed
 (``control.stop_installed()`` is False there): the planner is asked without the per-step stop
@@ -166,7 +166,7 @@ HEADERS = ["model", "N", "layout (* planner top 3)", "pred step s", "meas step s
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", type=int, choices=[4, 8], default=None)
     ap.add_argument("--profile-dir", default="/tmp")
     ap.add_argument("--json", default=None)

@@ -209,6 +209,16 @@ MUTANTS = [
              "            if ctx.entry is not None:\n"),),
            ("tests/test_tp1d_layers.py::test_layers_match_reference[2-tp+sp]",),
            "a backward that wants only weight gradients still launches the input-gradient collective"),
+    Mutant("planner-bubble-in-throughput", "gridshard/planner/cost_time.py",
+           (("                    data_comm_s=busy_data, bubble_s=0.0, optimizer_s=busy_opt,\n",
+             "                    data_comm_s=busy_data, bubble_s=bubble_s, optimizer_s=busy_opt,\n"),),
+           ("tests/test_planner.py::test_oversubscribed_node_is_throughput_bound",),
+           "an over-subscribed node charges the pipeline bubble although the idle stages' cores run the others"),
+    Mutant("planner-calls-cpu-as-wall", "gridshard/planner/cost_time.py",
+           (("    busy_tensor_mb = comm_cpu_seconds(tensor_vols, hw, levels[\"tensor\"]) + around\n",
+             "    busy_tensor_mb = priced(tensor_vols, levels[\"tensor\"]) + around\n"),),
+           ("tests/test_planner.py::test_collective_cpu_seconds_and_tensor_call_overhead",),
+           "a tensor collective's busy time is its wall time, not the CPU seconds it keeps a core busy"),
 ]
 
 

@@ -225,13 +225,21 @@ def test_collective_cpu_seconds_and_tensor_call_overhead():
     assert wall_only.cpu_seconds(1e6, 3, 4) == wall_only.seconds(1e6, 3, 4)
     both = LinkCost(1e9, 1e-4, 1e-5, cpu_bandwidth=2e9, cpu_latency_s=5e-5, cpu_latency_per_rank_s=2e-6)
     assert both.cpu_seconds(1e6, 3, 4) == pytest.approx(3 * (5e-5 + 2 * 2e-6) + 1e6 / 2e9)
+    from gridshard.planner.cost_time import comm_cpu_seconds, comm_seconds, tensor_comm_1d
+
     mc = load_config("configs/tiny.yaml").model.resolve()
     lay = Layout(2, 1, 2, "1d", False, 0, "none", 4)
     hw = load_hardware("cpu")
+    for table in hw.links.values():                                    # a CPU clock 3× cheaper than the wall
+        for link in table.values():
+            link.cpu_latency_s, link.cpu_bandwidth = link.latency_s / 3, link.bandwidth * 3
     base = rank_cost(mc, lay, hw, seq_len=64, global_batch=16)
+    vols = tensor_comm_1d(mc, lay, 64, mc.layers, True, True)
+    A = base.latency.details["micro_batches"]
+    assert base.busy.tensor_comm_s == pytest.approx(A * comm_cpu_seconds(vols, hw, "intra"), rel=1e-12)
+    assert base.busy.tensor_comm_s < A * comm_seconds(vols, hw, "intra") / 2
     hw.tensor_call_overhead_s = {"1d": 1e-3, "2d": 5.0}
     more = rank_cost(mc, lay, hw, seq_len=64, global_batch=16)
-    A = base.latency.details["micro_batches"]
     calls = tensor_calls_per_layer(mc, lay, 64)
     assert calls == 4 and A == 2                                       # 2 all-reduces forward, 2 backward
     extra = more.busy.tensor_comm_s - base.busy.tensor_comm_s

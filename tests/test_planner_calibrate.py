@@ -1,0 +1,47 @@
+"""``gridshard plan --calibrate`` end to end on 2 gloo ranks (about 15 s): the profile it writes
+loads, carries the collectives' CPU-clock costs and the terms fitted to the reference trainers,
+and those terms give the measured reference steps back through the public ``evaluate`` (for
+every term the fit did not clamp at 0); the planner plans with it."""
+import json
+
+import pytest
+
+from gridshard.config import load_config
+from gridshard.planner import evaluate, load_hardware, plan
+from gridshard.planner.calibrate import calibrate
+from gridshard.planner.calibrate_reference import reference_config
+from gridshard.planner.layouts import Layout
+
+
+def _priced(hw, nproc: int, layers: int, **kwargs) -> float:
+    cfg = load_config(reference_config(nproc, layers, **kwargs))
+    p, t = cfg.parallel, cfg.train
+    lay = Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, False, 0, "none", t.micro_batch,
+                 pipeline_schedule=p.pipeline_schedule)
+    return evaluate(cfg, lay, hw, nproc).predicted_step_s
+
+
+def test_calibrate_two_ranks_writes_a_profile_that_gives_its_references_back(tmp_path):
+    out = tmp_path / "cpu2.json"
+    profile = calibrate(nproc=2, out=str(out), timeout_s=300)
+    assert json.loads(out.read_text())["name"] == profile["name"] == "calibrated-cpu-2"
+    hw = load_hardware(str(out))
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send"):
+        link = hw.link("intra", op)
+        assert link.cpu_latency_s is not None and link.cpu_bandwidth > 0 and link.bandwidth > 0
+    raw = profile["raw"]
+    assert set(raw["overheads_tensor"]) == {"1d"} and raw["overheads_pipeline"]     # 2 ranks: no 2D reference
+    assert raw["reference_model_bytes"] > 0 and hw.reserved_bytes > 0
+    plain = {int(k): v for k, v in raw["overheads"].items()}
+    lo, hi = min(plain), max(plain)
+    if hw.layer_overhead_s > 0:
+        slope = (_priced(hw, 2, hi) - _priced(hw, 2, lo)) / (hi - lo)
+        assert slope == pytest.approx((plain[hi] - plain[lo]) / (hi - lo), rel=1e-6)
+        if hw.step_overhead_s > 0:
+            assert _priced(hw, 2, lo) == pytest.approx(plain[lo], rel=1e-6)
+    one_d = {int(k): v for k, v in raw["overheads_tensor"]["1d"].items()}
+    if hw.tensor_call_overhead_s.get("1d", 0) > 0:
+        slope = (_priced(hw, 2, hi, mode="1d") - _priced(hw, 2, lo, mode="1d")) / (hi - lo)
+        assert slope == pytest.approx((one_d[hi] - one_d[lo]) / (hi - lo), rel=1e-6)
+    result = plan("configs/tiny.yaml", 2, hardware=str(out))
+    assert result.candidates and result.best.predicted_step_s > 0
