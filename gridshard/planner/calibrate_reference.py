@@ -125,64 +125,79 @@ def _priced_reference(profile: dict, nproc: int, layers: int, mode: str = "none"
     return evaluate(cfg, _reference_layout(cfg), hw, nproc).predicted_step_s
 
 
+def _solve_increasing(f, target: float, start: float = 1e-3) -> float:
+    """The x ≥ 0 with f(x) = ``target`` for f non-decreasing (0 when f(0) ≥ target already):
+    bracket by doubling from ``start``, then bisect to a relative 1e-10."""
+    if f(0.0) >= target:
+        return 0.0
+    hi = start
+    while f(hi) < target:
+        hi *= 2.0
+        if hi > 1e6:
+            return hi
+    lo = 0.0
+    while hi - lo > 1e-10 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+SWEEPS = 2          # the terms interact only where a change flips a bound; two passes settle them
+
+
 def fit_to_reference_trainers(profile: dict, m: dict, nproc: int) -> None:
     """Fit the terms the cost model cannot derive from GEMM, copy and collective timings, so that
-    it gives back gridshard's own trainer on this machine (:func:`trainer_reference`): per layer =
-    the slope between the pair's two layer counts, everything ÷ the contention c = nproc / slots
-    (how the model scales them):
+    it gives back gridshard's own trainer on this machine (:func:`trainer_reference`). Each term
+    is the value at which the priced runs equal the measured ones — solved by bisection (the
+    step is non-decreasing in each term, piecewise linear where it switches bounds), clamped at
+    0, the overhead terms in ``SWEEPS`` passes; per layer = the slope between a pair's two layer
+    counts:
 
-    * ``elementwise_bandwidth`` — from the plain pair at two token counts (micro-batch 2 and 16):
-      the per-layer growth the model's GEMMs do not explain, over the growth of 3 × activation
-      bytes (the element-wise passes), when positive; else ``memory_bandwidth`` stays in use;
-    * ``layer_overhead_s`` = measured per layer − priced per layer (at micro-batch 2), ÷ c;
-    * ``step_overhead_s`` = measured − priced step of the shallower plain trainer, ÷ c;
-    * ``tensor_call_overhead_s[mode]`` = (measured − priced per layer of the T = 2 (1D) / T = 4
-      (2D) pair) ÷ (c · tensor calls per layer) — autograd nodes, dispatch and copies around each call;
-    * ``p2p_call_overhead_s``: the value at which the priced steps of the P = 2 pair (A = 4) equal
-      the measured ones on average (the step is linear in it) — the schedule's own work per
+    * ``elementwise_bandwidth`` — first, with the overheads at 0: the plain pair's per-layer growth
+      from micro-batch 2 to 16 (GEMMs and element-wise passes grow; overheads do not), when the
+      GEMMs alone do not explain it; else ``memory_bandwidth`` stays in use;
+    * ``layer_overhead_s`` — the plain pair's per-layer time at micro-batch 2;
+    * ``step_overhead_s`` — the shallower plain trainer's step;
+    * ``tensor_call_overhead_s[mode]`` — the T = 2 (1D) / T = 4 (2D) pair's per-layer time: the
+      autograd nodes, dispatch and copies around each tensor collective;
+    * ``p2p_call_overhead_s`` — the P = 2 pair's (A = 4) mean step: the schedule's own work per
       micro-batch and boundary (Python, the P2P operations' setup, autograd across the boundary).
 
-    Each clamped at 0. Without the measurements a term keeps the value it has."""
-    from ..config import load_config
-    from .cost_time import tensor_calls_per_layer
-    from .hardware import hardware_from_dict
-
-    c = hardware_from_dict(profile).contention(nproc)
+    Without the measurements a term keeps the value it has."""
     measured = lambda t: {int(k): float(v) for k, v in t.items()}  # noqa: E731
     slope = lambda t: (t[max(t)] - t[min(t)]) / (max(t) - min(t))  # noqa: E731   per layer
     plain = measured(m["overheads"])
     lo, hi = min(plain), max(plain)
-    zero = {"layer_overhead_s": 0.0, "step_overhead_s": 0.0, "tensor_call_overhead_s": {}}
-    per_layer = lambda run, **kw: (_priced_reference(profile, nproc, hi, **kw, **run) -  # noqa: E731
-                                   _priced_reference(profile, nproc, lo, **kw, **run)) / (hi - lo)
+
+    def per_layer(run: dict, **changes) -> float:
+        return (_priced_reference(profile, nproc, hi, **run, **changes)
+                - _priced_reference(profile, nproc, lo, **run, **changes)) / (hi - lo)
+
     wide = (m.get("overheads_tokens") or {}).get(str(REFERENCE_WIDE_MICRO))
     if wide:
+        zero = {"layer_overhead_s": 0.0, "step_overhead_s": 0.0, "tensor_call_overhead_s": {}}
         grown = slope(measured(wide)) - slope(plain)
-        runs = ({"micro": REFERENCE_WIDE_MICRO}, {"micro": REFERENCE_MICRO})
-        free = [per_layer(r, **zero, elementwise_bandwidth=1e30) for r in runs]       # GEMMs only
-        unit = [per_layer(r, **zero, elementwise_bandwidth=1.0) - f for r, f in zip(runs, free)]   # 3·bytes
-        unexplained = grown - (free[0] - free[1])
-        if unexplained > 0 and unit[0] > unit[1]:
-            profile["elementwise_bandwidth"] = (unit[0] - unit[1]) / unexplained
-    profile["layer_overhead_s"] = max(0.0, (slope(plain) - per_layer({}, **zero)) / c)
-    profile["step_overhead_s"] = max(0.0, (plain[lo] - _priced_reference(
-        profile, nproc, lo, step_overhead_s=0.0, tensor_call_overhead_s={})) / c)
-    out = {}
-    for mode, times in (m.get("overheads_tensor") or {}).items():
-        cfg = load_config(reference_config(nproc, 1, mode))
-        calls = tensor_calls_per_layer(cfg.model.resolve(), _reference_layout(cfg), cfg.data.seq_len)
-        priced = per_layer({"mode": mode}, tensor_call_overhead_s={})
-        out[mode] = max(0.0, (slope(measured(times)) - priced) / (c * calls)) if calls else 0.0
-    profile["tensor_call_overhead_s"] = out
-    pipe = m.get("overheads_pipeline")
-    if pipe:                                   # the step is linear in the term: solve mean(priced) = mean(measured)
-        P = REFERENCE_PIPELINE[0]
-        pipe = measured(pipe)
-        priced = lambda ovh: statistics.mean(_priced_reference(profile, nproc, n, pipeline=P,  # noqa: E731
-                                                               p2p_call_overhead_s=ovh) for n in pipe)
-        base, per_ms = priced(0.0), priced(1e-3) - priced(0.0)
-        profile["p2p_call_overhead_s"] = max(0.0, 1e-3 * (statistics.mean(pipe.values()) - base) / per_ms) \
-            if per_ms > 0 else 0.0
+        growth = lambda inv_bw: (per_layer({"micro": REFERENCE_WIDE_MICRO}, **zero, elementwise_bandwidth=1 / inv_bw)  # noqa: E731
+                                 - per_layer({"micro": REFERENCE_MICRO}, **zero, elementwise_bandwidth=1 / inv_bw))
+        inv = _solve_increasing(lambda x: growth(max(x, 1e-30)), grown, start=1e-10)
+        if 0 < inv < 1e6:
+            profile["elementwise_bandwidth"] = 1.0 / inv
+    tensor = {mode: measured(t) for mode, t in (m.get("overheads_tensor") or {}).items()}
+    pipe = measured(m["overheads_pipeline"]) if m.get("overheads_pipeline") else None
+    profile.setdefault("tensor_call_overhead_s", {})
+    for _ in range(SWEEPS):
+        profile["layer_overhead_s"] = _solve_increasing(lambda x: per_layer({}, layer_overhead_s=x), slope(plain))
+        profile["step_overhead_s"] = _solve_increasing(
+            lambda x: _priced_reference(profile, nproc, lo, step_overhead_s=x), plain[lo])
+        for mode, times in tensor.items():
+            calls = dict(profile["tensor_call_overhead_s"])
+            profile["tensor_call_overhead_s"] = dict(calls, **{mode: _solve_increasing(
+                lambda x: per_layer({"mode": mode}, tensor_call_overhead_s=dict(calls, **{mode: x})), slope(times))})
+        if pipe:
+            P = REFERENCE_PIPELINE[0]
+            profile["p2p_call_overhead_s"] = _solve_increasing(
+                lambda x: statistics.mean(_priced_reference(profile, nproc, n, pipeline=P, p2p_call_overhead_s=x)
+                                          for n in pipe), statistics.mean(pipe.values()))
 
 
 __all__ = ["trainer_reference", "fit_to_reference_trainers", "reference_config", "reference_runs",
