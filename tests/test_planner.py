@@ -26,6 +26,7 @@ from gridshard.config import load_config, resolve_config, validate_config
 from gridshard.errors import ConfigError
 from gridshard.planner import PlanError, evaluate, load_hardware, plan
 from gridshard.planner.cost_memory import stage_layers_of_rank
+from gridshard.planner.calibrate_reference import reference_step_s as _priced
 from gridshard.planner.cost_time import rank_cost, step_time, tensor_calls_per_layer
 from gridshard.planner.layouts import Layout, apply_layout, enumerate_layouts, factorisations, layout_problem
 from gridshard.planner.report import as_json, write_config
@@ -330,17 +331,6 @@ def test_calibration_profile_loads():
     assert hw.sync_skew_s == pytest.approx(2e-3 - ar.latency_s, rel=1e-6)
     assert load_hardware(profile_from_measurements(m, 4, True, 8 << 30)).sync_skew_s == 0.0   # GPUs: left 0
     assert ar.cpu_latency_s is None and ar.cpu_seconds(4096, 1, 2) == ar.seconds(4096, 1, 2)   # no CPU clock measured
-
-
-def _priced(hw, nproc: int, layers: int, **kwargs) -> float:
-    """The planner's step seconds (public evaluate) for a calibration reference trainer."""
-    from gridshard.planner.calibrate_reference import reference_config
-
-    cfg = load_config(reference_config(nproc, layers, **kwargs))
-    p, t = cfg.parallel, cfg.train
-    lay = Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, False, 0, "none", t.micro_batch,
-                 pipeline_schedule=p.pipeline_schedule)
-    return evaluate(cfg, lay, hw, nproc).predicted_step_s
 
 
 def test_calibrated_cpu_costs_and_fits_reproduce_the_reference_trainers():

@@ -1,24 +1,15 @@
 """``gridshard plan --calibrate`` end to end on 2 gloo ranks (about 15 s): the profile it writes
 loads, carries the collectives' CPU-clock costs and the terms fitted to the reference trainers,
 and those terms give the measured reference steps back through the public ``evaluate`` (for
-every term the fit did not clamp at 0); the planner plans with it."""
+every term the fit did not clamp at 0); the planner plans with it. ``reference_step_s`` is
+``evaluate`` on a reference trainer's config and layout."""
 import json
 
 import pytest
 
-from gridshard.config import load_config
-from gridshard.planner import evaluate, load_hardware, plan
+from gridshard.planner import load_hardware, plan
 from gridshard.planner.calibrate import calibrate
-from gridshard.planner.calibrate_reference import reference_config
-from gridshard.planner.layouts import Layout
-
-
-def _priced(hw, nproc: int, layers: int, **kwargs) -> float:
-    cfg = load_config(reference_config(nproc, layers, **kwargs))
-    p, t = cfg.parallel, cfg.train
-    lay = Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, False, 0, "none", t.micro_batch,
-                 pipeline_schedule=p.pipeline_schedule)
-    return evaluate(cfg, lay, hw, nproc).predicted_step_s
+from gridshard.planner.calibrate_reference import reference_step_s as _priced
 
 
 def test_calibrate_two_ranks_writes_a_profile_that_gives_its_references_back(tmp_path):

@@ -112,17 +112,23 @@ def _reference_layout(cfg):
                   pipeline_schedule=p.pipeline_schedule)
 
 
-def _priced_reference(profile: dict, nproc: int, layers: int, mode: str = "none", micro: int = REFERENCE_MICRO,
-                      pipeline: int = 1, **changes) -> float:
-    """The cost model's step seconds for a reference trainer (:func:`reference_config`), priced
-    with ``profile`` changed by ``changes``."""
+def reference_step_s(hw, nproc: int, layers: int, mode: str = "none", micro: int = REFERENCE_MICRO,
+                     pipeline: int = 1) -> float:
+    """The planner's step seconds (:func:`gridshard.planner.evaluate`) for a reference trainer
+    (:func:`reference_config`) on the Hardware ``hw``."""
     from ..config import load_config
-    from .hardware import hardware_from_dict
     from .search import evaluate
 
-    hw = hardware_from_dict(dict(profile, **changes))
     cfg = load_config(reference_config(nproc, layers, mode, micro, pipeline))
     return evaluate(cfg, _reference_layout(cfg), hw, nproc).predicted_step_s
+
+
+def _priced_reference(profile: dict, nproc: int, layers: int, mode: str = "none", micro: int = REFERENCE_MICRO,
+                      pipeline: int = 1, **changes) -> float:
+    """:func:`reference_step_s` with the profile dict ``profile`` changed by ``changes``."""
+    from .hardware import hardware_from_dict
+
+    return reference_step_s(hardware_from_dict(dict(profile, **changes)), nproc, layers, mode, micro, pipeline)
 
 
 def _solve_increasing(f, target: float, start: float = 1e-3) -> float:
@@ -200,5 +206,5 @@ def fit_to_reference_trainers(profile: dict, m: dict, nproc: int) -> None:
                                           for n in pipe), statistics.mean(pipe.values()))
 
 
-__all__ = ["trainer_reference", "fit_to_reference_trainers", "reference_config", "reference_runs",
+__all__ = ["trainer_reference", "fit_to_reference_trainers", "reference_config", "reference_runs", "reference_step_s",
            "alternating_step_times", "REFERENCE_WIDE_MICRO"]

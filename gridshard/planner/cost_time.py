@@ -102,6 +102,7 @@ ranks' cores run the others). On GPU nodes (a device per rank) only the critical
 from __future__ import annotations
 
 import math
+from typing import Optional
 from dataclasses import dataclass, field
 
 from ..comm.ledger import ring_wire_bytes
@@ -235,27 +236,45 @@ def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, b
 # ---------------------------------------------------------------------------------------
 # pricing
 # ---------------------------------------------------------------------------------------
-def comm_seconds(vols, hw: Hardware, level: str) -> float:
-    """Σ over ops of calls·(latency + sync skew) + ring wire bytes / bandwidth (hardware module
-    docstring): the collectives are synchronous, each exposed."""
-    total = 0.0
+def _ops(vols):
+    """(op, ring wire bytes, calls, group size) of every kind of call in ``vols``."""
     for v in vols:
         if v is None:
             continue
         for op, payload in v.payload.items():
-            total += hw.link(level, op).seconds(ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size)
-            total += v.calls[op] * hw.sync_skew_s
-    return total
+            yield op, ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size
 
 
-def call_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1) -> float:
+def comm_seconds(vols, hw: Hardware, level: str, skew: Optional[float] = None) -> float:
+    """Σ over ops of calls·(latency + sync skew) + ring wire bytes / bandwidth (hardware module
+    docstring): the collectives are synchronous, each exposed. ``skew``: per call, default
+    ``hw.sync_skew_s``."""
+    skew = hw.sync_skew_s if skew is None else skew
+    return sum(hw.link(level, op).seconds(wire, n, group) + n * skew for op, wire, n, group in _ops(vols))
+
+
+def comm_cpu_seconds(vols, hw: Hardware, level: str) -> float:
+    """Σ over ops of the CPU seconds one rank spends in them (``LinkCost.cpu_seconds``)."""
+    return sum(hw.link(level, op).cpu_seconds(wire, n, group) for op, wire, n, group in _ops(vols))
+
+
+def call_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1,
+                 skew: Optional[float] = None) -> float:
     """One kind of small synchronous call, priced as :func:`comm_seconds` does."""
     if group <= 1 or not calls:
         return 0.0
-    return hw.link(level, op).seconds(ring_wire_bytes(op, payload, group), calls, group) + calls * hw.sync_skew_s
+    return comm_seconds([CommVolume(group).add(op, payload, calls)], hw, level, skew)
 
 
-def trainer_bookkeeping(hw: Hardware, layout: Layout, level: str, stop_agreement: bool, log_interval: int) -> tuple:
+def call_cpu_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1) -> float:
+    """One kind of small call's CPU seconds, as :func:`comm_cpu_seconds`."""
+    if group <= 1 or not calls:
+        return 0.0
+    return comm_cpu_seconds([CommVolume(group).add(op, payload, calls)], hw, level)
+
+
+def trainer_bookkeeping(hw: Hardware, layout: Layout, level: str, stop_agreement: bool, log_interval: int,
+                        skew: Optional[float] = None) -> tuple:
     """(seconds per step inside the timed step, seconds per step of the log-step collectives)
     of ``gridshard.engine.trainer``'s own calls (module docstring): the stop agreement (an
     all-reduce of 4 bytes over the world, every step, when a stop handler is installed); at log
@@ -263,7 +282,7 @@ def trainer_bookkeeping(hw: Hardware, layout: Layout, level: str, stop_agreement
     ``_global_losses`` (all-reduce of the pending steps' float64 losses over data, then
     pipeline), ÷ ``log_interval``."""
     world = layout.data * layout.pipeline * layout.tensor
-    every = call_seconds(hw, level, "all_reduce", 4, world) if stop_agreement else 0.0
+    every = call_seconds(hw, level, "all_reduce", 4, world, skew=skew) if stop_agreement else 0.0
     n = max(1, log_interval)
     at_log = (call_seconds(hw, level, "all_gather", 32 * world, world)
               + call_seconds(hw, level, "all_reduce", 8 * n, layout.data)
@@ -337,17 +356,6 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     return node_step([cost], hw, max(1, world // max(1, nodes)))
 
 
-def comm_cpu_seconds(vols, hw: Hardware, level: str) -> float:
-    """Σ over ops of the CPU seconds one rank spends in them (``LinkCost.cpu_seconds``)."""
-    total = 0.0
-    for v in vols:
-        if v is None:
-            continue
-        for op, payload in v.payload.items():
-            total += hw.link(level, op).cpu_seconds(ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size)
-    return total
-
-
 def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: int, precision: str = "fp32",
               nodes: int = 1, layer_ids=None, first: bool = True, last: bool = True, activation_bytes: int = 0,
               bucket_mb: float = 25.0, stop_agreement: bool = False, log_interval: int = 1) -> RankCost:
@@ -364,10 +372,6 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     stretch = 1.0 if throughput_node else hw.contention(ranks_per_node)
     skew = 0.0 if throughput_node else hw.sync_skew_s
     levels = link_levels(layout, hw, nodes)
-
-    def priced(vols, level):
-        return comm_seconds(vols, hw, level) + (skew - hw.sync_skew_s) * sum(
-            n for v in vols if v is not None for n in v.calls.values())
 
     f_layer = flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, s, kvh)
     f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, cfg.ffn_hidden, s, kvh)
@@ -390,7 +394,7 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     elif layout.tensor_mode == "2d" and T > 1:
         tensor_vols = tensor_comm_2d(cfg, layout, s, layers, first, last)
     around = sum(sum(v.calls.values()) for v in tensor_vols) * hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
-    t_tensor_mb = priced(tensor_vols, levels["tensor"]) + around * stretch
+    t_tensor_mb = comm_seconds(tensor_vols, hw, levels["tensor"], skew) + around * stretch
     busy_tensor_mb = comm_cpu_seconds(tensor_vols, hw, levels["tensor"]) + around
 
     P, V = layout.pipeline, layout.virtual_stages
@@ -406,13 +410,13 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     t_gather_in_step = t_gather_after = 0.0
     busy_data = 0.0
     if gather is not None:
-        t_gather = priced([gather], levels["data"])
+        t_gather = comm_seconds([gather], hw, levels["data"], skew)
         busy_data += comm_cpu_seconds([gather], hw, levels["data"])
         if layout.zero == 3:
             t_gather_in_step = t_gather / A          # per micro-batch (its layer gathers)
         else:
             t_gather_after = t_gather
-    t_reduce = priced([reduce], levels["data"]) if reduce is not None else 0.0
+    t_reduce = comm_seconds([reduce], hw, levels["data"], skew) if reduce is not None else 0.0
     busy_data += comm_cpu_seconds([reduce], hw, levels["data"]) if reduce is not None else 0.0
     hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb if P == 1 else 0.0
     exposed_reduce = max(t_reduce - hide, t_reduce / max(1, units)) if t_reduce else 0.0
@@ -425,15 +429,10 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
     busy_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth
     small_calls = [("tensor", T), ("pipeline", P), ("data", layout.data)]
-    small = sum(call_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in small_calls) \
-        + (skew - hw.sync_skew_s) * sum(n > 1 for _, n in small_calls)
-    busy_small = sum(hw.link(levels[d], "all_reduce").cpu_seconds(ring_wire_bytes("all_reduce", 8, n), 1, n)
-                     for d, n in small_calls if n > 1)
-    stop_s, log_s = trainer_bookkeeping(hw, layout, levels["data"], stop_agreement, log_interval)
-    busy_stop = hw.link(levels["data"], "all_reduce").cpu_seconds(ring_wire_bytes("all_reduce", 4, world), 1, world) \
-        if stop_agreement and world > 1 else 0.0
-    if stop_agreement and world > 1:
-        stop_s += skew - hw.sync_skew_s
+    small = sum(call_seconds(hw, levels[d], "all_reduce", 8, n, skew=skew) for d, n in small_calls)
+    busy_small = sum(call_cpu_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in small_calls)
+    stop_s, log_s = trainer_bookkeeping(hw, layout, levels["data"], stop_agreement, log_interval, skew=skew)
+    busy_stop = call_cpu_seconds(hw, levels["data"], "all_reduce", 4, world) if stop_agreement else 0.0
     latency = StepTime(compute_s=A * compute_mb, tensor_comm_s=A * t_tensor_mb, pipeline_comm_s=A * t_p2p_mb,
                        data_comm_s=exposed_reduce + t_gather_after + A * t_gather_in_step, bubble_s=bubble_s,
                        optimizer_s=busy_opt * stretch, overhead_s=hw.step_overhead_s * stretch + small + stop_s,
