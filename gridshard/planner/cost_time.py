@@ -408,16 +408,14 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
 
     reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, int(bucket_mb * (1 << 20)))
     t_gather_in_step = t_gather_after = 0.0
-    busy_data = 0.0
+    busy_data = comm_cpu_seconds([gather, reduce], hw, levels["data"])    # (None: no such calls)
     if gather is not None:
         t_gather = comm_seconds([gather], hw, levels["data"], skew)
-        busy_data += comm_cpu_seconds([gather], hw, levels["data"])
         if layout.zero == 3:
             t_gather_in_step = t_gather / A          # per micro-batch (its layer gathers)
         else:
             t_gather_after = t_gather
-    t_reduce = comm_seconds([reduce], hw, levels["data"], skew) if reduce is not None else 0.0
-    busy_data += comm_cpu_seconds([reduce], hw, levels["data"]) if reduce is not None else 0.0
+    t_reduce = comm_seconds([reduce], hw, levels["data"], skew)
     hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb if P == 1 else 0.0
     exposed_reduce = max(t_reduce - hide, t_reduce / max(1, units)) if t_reduce else 0.0
 
