@@ -6,7 +6,8 @@ of Linear2D (bias, fused parts), RMSNorm2D, LayerNorm2D, VocabParallelEmbedding2
 Embedding2D, the vocab-parallel LM head (untied and tied) with the 2D cross-entropy
 (padded vocabulary, ignored targets), Classifier2D and PatchEmbedding2D. Linear2D's
 ledger equals gridshard.theory.tp2d exactly, its parameters are 1/q² of the layer
-and its saved activations 1/q² of one device's (measured with saved_tensors_hooks).
+and its saved activations 1/q² of one device's (measured with saved_tensors_hooks). Under bf16
+autocast Linear2D returns F.linear's dtype (bf16), its bias added in that dtype.
 """
 import pytest
 import torch
@@ -77,6 +78,28 @@ def _linear(q, cases, seed):
 def test_linear2d_q2():
     cases = [(2, 3, 8, 12, True, 1), (2, 3, 8, 24, True, 3), (4, 5, 12, 16, False, 2), (2, 1, 4, 8, False, 1)]
     assert all(run_on_ranks(4, _linear, 2, cases, fresh_seed()))
+
+
+def _linear_autocast(q, seed):
+    """Under bf16 autocast Linear2D returns what F.linear returns there: a bf16 output (its bias
+    added in the product's dtype, not promoting it to fp32), close to the one-device product."""
+    mesh = mesh_2d(q)
+    torch.manual_seed(seed)
+    ref = plain_linear(8, 12, True, 0.05)
+    torch.manual_seed(seed)
+    par = Linear2D(8, 12, mesh, bias=True, init_std=0.05)
+    _set_bias(par, ref, 12, mesh)
+    X = randn((2, 3, 8), seed + 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Y = ref(X)
+        y = par(block(X, mesh))
+    assert Y.dtype == torch.bfloat16 and y.dtype == Y.dtype, (Y.dtype, y.dtype)
+    assert_close(y.float(), block(Y.float(), mesh), 3e-2, f"Linear2D autocast q={q} seed={seed}")
+    return True
+
+
+def test_linear2d_under_bf16_autocast_keeps_the_product_dtype():
+    assert all(run_on_ranks(4, _linear_autocast, 2, fresh_seed()))
 
 
 def test_linear2d_q3():

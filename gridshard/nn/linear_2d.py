@@ -105,7 +105,8 @@ class Linear2D(nn.Module):
         y = summa_ab(x.reshape(-1, self.in_local), self.weight, self.mesh, self.overlap)
         y = y.view(*x.shape[:-1], self.out_local)
         if self.bias is not None:
-            y = y + gather_vector_2d(self.bias, self.mesh, self.fused_parts, self.vector_cache)
+            # in the product's dtype, as F.linear under autocast (an fp32 bias would promote a bf16 y)
+            y = y + gather_vector_2d(self.bias, self.mesh, self.fused_parts, self.vector_cache).to(y.dtype)
         return y
 
     def extra_repr(self) -> str:
