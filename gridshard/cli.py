@@ -1,19 +1,23 @@
 """The ``gridshard`` command line.
 
     gridshard train [CONFIG] [--nproc N] [--run-dir DIR] [--resume PATH|latest] [--max-restarts N]
-                    [key.sub=value ...]
+                    [--overwrite] [key.sub=value ...]
     gridshard export CKPT_DIR --to hf OUT_DIR
     gridshard plan [CONFIG] --gpus N [--nodes K] [--hardware NAME|PROFILE.json] [--top K] [--json] [--write OUT.yaml]
                    [--explain] [key.sub=value ...];  gridshard plan --calibrate [--nproc N] [--out PROFILE.json]
     gridshard plot RUN_DIR [--out DIR]
     gridshard prepare-data INPUT... --out DIR [--train-tokenizer --vocab-size N | --tokenizer FILE | --bytes]
+                           [--overwrite]
     gridshard generate RUN_DIR|CKPT_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S]
 
 ``train`` validates the whole config against the world size first (``--nproc``, or
 ``WORLD_SIZE`` under torchrun) — and, when resuming, the checkpoint's completeness and
 compatibility — and exits with status 2 and one message on a bad config, before any
 worker starts. A worker that dies ends the job with status 1 and a message naming the
-rank and the last complete checkpoint.
+rank and the last complete checkpoint. A run directory belongs to one live run: the launcher (rank 0
+under torchrun) locks ``RUN_DIR/.gridshard.lock`` for the life of the job and a second ``train``
+into it is refused, ``--overwrite`` included (gridshard/run_lock.py); the launcher's workers die
+with it, SIGKILL included (gridshard/parent_death.py). A refused command creates nothing.
 
 Exit status: 0 done; 2 refused before any worker started (config, data, run directory);
 1 a worker died (signal), stalled (named from its heartbeat and killed after
@@ -105,14 +109,24 @@ def rank_log_path(run_dir: str, rank: int) -> str:
 
 def write_rank_log(run_dir: str, rank: int, error: BaseException) -> None:
     """``RUN_DIR/logs/rank_N.log``: first line ``<unix time> <Type>: <message>`` (the cause,
-    one line), then the full traceback."""
+    one line), then the full traceback. Never raises: when the log cannot be written (a full
+    or read-only disk — often the very error being logged) the cause line goes to stderr
+    instead, and :func:`failure_message` says where to look."""
     import traceback
 
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     cause = " ".join(f"{type(error).__name__}: {error}".split())
-    with open(rank_log_path(run_dir, rank), "w") as f:
-        f.write(f"{time.time():.6f} {cause}\n")
-        traceback.print_exception(type(error), error, error.__traceback__, file=f)
+    try:
+        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        with open(rank_log_path(run_dir, rank), "w") as f:
+            f.write(f"{time.time():.6f} {cause}\n")
+            traceback.print_exception(type(error), error, error.__traceback__, file=f)
+    except Exception as e:  # noqa: BLE001 - the logger of last resort must not fail
+        try:
+            sys.stderr.write(f"gridshard: rank {rank}: {cause} (its log {rank_log_path(run_dir, rank)} could "
+                             f"not be written: {getattr(e, 'strerror', None) or e})\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _summary(losses, run_dir, wall_s):
@@ -149,10 +163,14 @@ def main():
               help="Restart all workers up to N times after a failure; each restart resumes from the latest "
                    "complete checkpoint (PyTorch's elastic agent). Under torchrun, pass it to torchrun instead.")
 @click.option("--overwrite", is_flag=True, help="Start over in a run directory that already holds a run (its "
-              "metrics, checkpoints, logs and TensorBoard files are removed first).")
-@click.option("--check", is_flag=True, help="Validate and print the resolved config; start nothing.")
+              "metrics, checkpoints, logs and TensorBoard files are removed first). Refused while that run is live.")
+@click.option("--allow-changed-schedule", is_flag=True, help="With --resume: accept a learning-rate schedule "
+              "(lr, min_lr, warmup_steps, schedule, decay_steps, or steps as the decay's end) that changes the "
+              "steps still to run; the change is named in the resume log. Same as train.allow_changed_schedule=true.")
+@click.option("--check", is_flag=True, help="Validate, print the resolved config and the predicted peak memory "
+              "per rank; start nothing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (metrics are still written).")
-def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progress):
+def train(args, nproc, run_dir, resume, max_restarts, overwrite, allow_changed_schedule, check, no_progress):
     """Train the model described by CONFIG (a YAML file; none = built-in default).
 
     \b
@@ -175,6 +193,8 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
 
     launched = under_launcher()
     try:
+        if not check and run_dir is not None:
+            _check_not_live(run_dir, overwrite, launched)           # first: the one reason that matters then
         source, overrides = _split_args(args)
         if max_restarts < 0:
             raise ConfigError(f"--max-restarts={max_restarts} is invalid: it counts restarts. Fix: 0 or more.")
@@ -182,6 +202,8 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
             from .checkpoint import resolve_checkpoint
 
             overrides = [*overrides, f"train.resume={resolve_checkpoint(resume, run_dir)}"]
+        if allow_changed_schedule:                      # a train key: the workers get the config dict
+            overrides = [*overrides, "train.allow_changed_schedule=true"]
         if launched:
             world = launcher_world_size()
         elif nproc is not None:
@@ -197,9 +219,12 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
         from .config.validate import check_before_launch, user_sets
 
         check_before_launch(cfg, warmup_set=user_sets(source, overrides, "train", "warmup_steps"))
+        memory_line = _check_memory(cfg, world, launched)
         if not check:
-            _check_run_dir(run_dir, cfg, overwrite, launched)
-        _check_resume(cfg, run_dir)
+            _check_run_dir(run_dir, cfg, overwrite, launched)      # looks only: a refusal creates nothing
+        _check_resume(cfg, run_dir, launched)
+        if not check:       # every check is above: from here on the run directory is created and locked
+            _claim_run_dir(run_dir, cfg, overwrite, launched)
         if not check and (not launched or os.environ.get("RANK") == "0"):
             _copy_tokenizer(cfg, run_dir)
     except ConfigError as e:
@@ -211,7 +236,10 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, check, no_progr
 
         click.echo(yaml.safe_dump(cfg.resolved(), sort_keys=False).rstrip())
         click.echo(f"# ok for {world} process(es)")
+        click.echo(f"# {memory_line}")
         return
+    if not launched or os.environ.get("RANK") == "0":
+        click.echo(f"gridshard: {memory_line}")        # stdout, like the summary: stderr is for trouble
     t0 = time.perf_counter()
     if launched:
         from .engine.control import TrainingStopped, install_stop_handler
@@ -351,33 +379,102 @@ def _check_local_processes(world: int, asked: bool) -> None:
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "logs", "tb")
 
 
-def _check_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool) -> None:
-    """The run directory can be written, and holds no earlier run unless this one continues
-    it (``--resume``/``train.resume``, an elastic restart) or ``--overwrite`` removes it."""
-    import shutil
+def _owns_run_dir(launched: bool) -> bool:
+    """Whether this process takes the run-directory lock (gridshard/run_lock.py): the local
+    launcher, or rank 0 under torchrun (one holder per job, also across nodes)."""
+    return not launched or os.environ.get("RANK") == "0"
 
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    continuing = cfg.train.resume != "never" or restarted
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def _check_not_live(run_dir: str, overwrite: bool, launched: bool) -> None:
+    """Refuse a run directory whose lock a live run holds (:mod:`gridshard.run_lock`), naming
+    its PID and host; ``--overwrite`` included. Looked at by the process that would take the lock
+    (the others of a torchrun job would see their own rank 0's), except in an elastic restart,
+    whose dead predecessor may still hold it (:func:`_claim_run_dir` waits for that one)."""
+    from .run_lock import in_use_message, live_holder
+
+    if _owns_run_dir(launched) and not _restarted():
+        holder = live_holder(run_dir)
+        if holder is not None:
+            raise ConfigError(in_use_message(run_dir, holder, overwrite))
+
+
+def _check_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool) -> None:
+    """The run directory is not in use by a live run (its lock, :mod:`gridshard.run_lock`), can
+    be created and written, and holds no earlier run unless this one continues it
+    (``--resume``/``train.resume``, an elastic restart) or ``--overwrite`` removes it. Looks
+    only: a refusal leaves the file system as it was; :func:`_claim_run_dir` acts once every
+    check has passed."""
+    from .fsutil import cannot_create
+
+    continuing = cfg.train.resume != "never" or _restarted()
     if overwrite and cfg.train.resume != "never":
         raise ConfigError("--overwrite and --resume/train.resume were both given: one starts over, the other "
                           "continues. Fix: pass one of them.")
+    _check_not_live(run_dir, overwrite, launched)
     previous = [x for x in RUN_OUTPUTS if os.path.exists(os.path.join(run_dir, x))]
-    if previous and not continuing:
-        if not overwrite:
-            raise ConfigError(f"run directory {run_dir!r} already holds a run ({', '.join(previous)}). Fix: "
-                              f"--resume latest to continue it, --overwrite to start over, or another --run-dir.")
-        if not launched or os.environ.get("RANK") == "0":
-            for name in previous:
-                path = os.path.join(run_dir, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    if previous and not continuing and not overwrite:
+        raise ConfigError(f"run directory {run_dir!r} already holds a run ({', '.join(previous)}). Fix: "
+                          f"--resume latest to continue it, --overwrite to start over, or another --run-dir.")
+    why = cannot_create(run_dir)
+    if why is not None:
+        raise ConfigError(f"run directory {run_dir!r} is not writable ({why}). Fix: choose a --run-dir you "
+                          f"can write.")
+
+
+# how long an elastic restart's rank 0 waits for the lock its dead predecessor held (the agent
+# stops the old workers before it starts new ones: normally no wait at all)
+RESTART_LOCK_WAIT_S = 30.0
+
+
+def _claim_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool):
+    """After every check passed: create the run directory, take its lock (the owner,
+    :func:`_owns_run_dir`; held until this command ends — released when its click context
+    closes, or by the kernel when the process dies) and, with ``--overwrite``, remove the earlier
+    run's outputs under the lock. The lock is taken before anything in the directory is created
+    or removed; if it is refused (a run that started since the check), the folders created for it
+    are removed again. Returns the lock (None for ranks other than the owner)."""
+    import shutil
+
+    from .fsutil import make_dirs, remove_made
+    from .run_lock import acquire
+
     try:
-        os.makedirs(run_dir, exist_ok=True)
-        probe = os.path.join(run_dir, f".write_test_{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
+        created = make_dirs(run_dir)
     except OSError as e:
         raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}). Fix: choose a --run-dir you "
                           f"can write.") from None
+    if not _owns_run_dir(launched):
+        return None
+    try:
+        lock = acquire(run_dir, wait_s=RESTART_LOCK_WAIT_S if _restarted() else 0.5, overwrite=overwrite)
+    except ConfigError:
+        remove_made(created)
+        raise
+    except OSError as e:
+        remove_made(created)
+        raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}). Fix: choose a --run-dir you "
+                          f"can write.") from None
+    continuing = cfg.train.resume != "never" or _restarted()
+    previous = [x for x in RUN_OUTPUTS if os.path.exists(os.path.join(run_dir, x))]
+    if previous and not continuing and not overwrite:      # a run that began and ended since the check
+        lock.release()
+        raise ConfigError(f"run directory {run_dir!r} already holds a run ({', '.join(previous)}). Fix: "
+                          f"--resume latest to continue it, --overwrite to start over, or another --run-dir.")
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.call_on_close(lock.release)
+    if overwrite and not continuing:
+        for name in RUN_OUTPUTS:
+            path = os.path.join(run_dir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+    return lock
 
 
 def _copy_tokenizer(cfg, run_dir: str) -> None:
@@ -394,16 +491,36 @@ def _copy_tokenizer(cfg, run_dir: str) -> None:
             shutil.copyfile(os.path.join(cfg.data.path, name), os.path.join(dest, name))
 
 
-def _check_resume(cfg, run_dir: str) -> None:
-    """Before any worker starts: the checkpoint to resume from is complete (manifest and
-    sizes; the workers also check the hashes) and compatible with the config."""
-    from .checkpoint.files import read_meta, verify_checkpoint
+def _check_memory(cfg, world: int, launched: bool) -> str:
+    """The predicted peak memory per rank against this machine's (gridshard.planner.fit): the
+    line to print, or ConfigError naming the nearest layout that fits."""
+    import torch
+
+    from .planner import fit
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world
+    return fit.check_memory(cfg, world, fit.machine_budget(local, cuda=torch.cuda.is_available()))
+
+
+def _check_resume(cfg, run_dir: str, launched: bool = False) -> None:
+    """Before any worker starts: the checkpoint to resume from (or a gridshard checkpoint
+    named by ``model.init_from``) verifies completely — manifest sizes *and* sha256, meta.json
+    against the tensors, DCP's index tensors only (:func:`gridshard.checkpoint.reader.open_checkpoint`)
+    — and is compatible with the config. A damaged one is refused here, exit 2, naming the
+    newest checkpoint that verifies, instead of failing in every worker after launch. Under
+    torchrun (``launched``: every rank runs this) only sizes are checked here, so the ranks do
+    not all hash the same files; the workers then verify the hashes together, each a share."""
+    from .checkpoint.hf_io import is_gridshard_checkpoint
+    from .checkpoint.reader import open_checkpoint
     from .checkpoint.resume import check_compatible, describe, resume_folder
 
+    share = (0, 0) if launched else (0, 1)
     folder = resume_folder(cfg.train.resume, run_dir)
     if folder is not None:
-        verify_checkpoint(folder, hash_share=(0, 0))
-        check_compatible(read_meta(folder)["config"], cfg.resolved(), describe(folder))
+        checked = open_checkpoint(folder, hash_share=share)
+        check_compatible(checked.meta["config"], cfg.resolved(), describe(folder), start_step=checked.step)
+    elif cfg.model.init_from is not None and is_gridshard_checkpoint(cfg.model.init_from):
+        open_checkpoint(cfg.model.init_from, hash_share=share)
 
 
 def _last_logged_step(run_dir: str):
@@ -423,19 +540,41 @@ def stopped_at_message(step: int, checkpoint, run_dir: str) -> str:
     return f"stopped at step {step}; {where}; metrics in {os.path.join(run_dir, 'metrics.jsonl')}"
 
 
+def last_good_checkpoint(run_dir: str, command: str = "gridshard train ...") -> str:
+    """``last complete checkpoint: X (continue with: …)`` for the newest checkpoint under
+    ``RUN_DIR/checkpoints`` that *verifies* (every file's size and sha256 against its manifest,
+    :func:`gridshard.checkpoint.files.newest_verified`) — never merely the one ``latest`` names,
+    which may be the damaged one. ``--resume latest`` is advised only when ``latest`` names that
+    very checkpoint; otherwise its folder is given. Reads the checkpoint once to hash it."""
+    from .checkpoint.files import CheckpointError, checkpoints_root, complete_steps, newest_verified, read_latest
+
+    root = checkpoints_root(run_dir)
+    good = newest_verified(root)
+    if good is None:
+        return (f"no checkpoint under {root} verifies (start afresh)" if complete_steps(root)
+                else "no complete checkpoint was written")
+    try:
+        latest = read_latest(root)
+    except CheckpointError:                            # a `latest` gridshard did not write: name the folder
+        latest = None
+    if latest is not None and os.path.realpath(latest) == os.path.realpath(good):
+        return f"last complete checkpoint: {good} (continue with: {command} --run-dir {run_dir} --resume latest)"
+    def step_of(path):                               # both are step_N names (read_latest checks it)
+        return int(os.path.basename(path).rpartition("_")[2])
+
+    newer = latest is not None and step_of(latest) > step_of(good)   # newest first: so it did not verify
+    note = f"; {os.path.basename(latest)}, which `latest` names, does not verify" if newer else ""
+    return f"last complete checkpoint: {good} (continue with: {command} --run-dir {run_dir} --resume {good}{note})"
+
+
 def stopped_message(run_dir: str, aborted: bool = False) -> str:
     """What a run ended by signals says when the workers did not stop on their own (a second
     Ctrl-C, a signal before training began, torchrun's SIGTERM): the last logged step, the
-    metrics and the last complete checkpoint."""
-    from .checkpoint import checkpoints_root, read_latest
-
+    metrics and the last complete checkpoint that verifies (:func:`last_good_checkpoint`)."""
     step = _last_logged_step(run_dir)
-    latest = read_latest(checkpoints_root(run_dir))
     return (f"stopped at step {step if step is not None else 0} (the last logged step"
             f"{'; the workers were killed at the second interrupt' if aborted else ''}; metrics in "
-            f"{os.path.join(run_dir, 'metrics.jsonl')}); " +
-            (f"last complete checkpoint: {latest} (continue with: --run-dir {run_dir} --resume latest)"
-             if latest else "no complete checkpoint was written"))
+            f"{os.path.join(run_dir, 'metrics.jsonl')}); " + last_good_checkpoint(run_dir, "gridshard train ..."))
 
 
 def _worker_cause(run_dir: str, rank: int):
@@ -452,12 +591,11 @@ def failure_message(error, run_dir: str, stalled=(), timeout_s=None) -> str:
     """The failure in one line — the ranks that stalled (``stalled``: [(rank, silent seconds)]
     from their heartbeats, :func:`gridshard.engine.control.stalled_ranks`), else the rank that
     raised first and its cause (traceback in ``RUN_DIR/logs/rank_N.log``), or the ranks that
-    died (signal or exit code) — then the last complete checkpoint."""
-    from .checkpoint import checkpoints_root, read_latest
-
+    died (signal or exit code) — then the last complete checkpoint that verifies
+    (:func:`last_good_checkpoint`)."""
     raised = {r: _worker_cause(run_dir, r) for r, f in error.failures.items() if f.exitcode == EXIT_WORKER_ERROR}
     raised = {r: c for r, c in raised.items() if c is not None}
-    died = [(r, f) for r, f in sorted(error.failures.items()) if f.exitcode != EXIT_WORKER_ERROR]
+    died = [(r, f) for r, f in sorted(error.failures.items()) if f.exitcode != EXIT_WORKER_ERROR or r not in raised]
     if stalled:
         names = ", ".join(f"rank {r} (silent for its last {s:.0f} s)" for r, s in stalled)
         them = "it" if len(stalled) == 1 else "them"
@@ -476,10 +614,13 @@ def failure_message(error, run_dir: str, stalled=(), timeout_s=None) -> str:
         lines = ["training failed:"]
         for rank, f in died:
             how = f"died ({f.signal_name()})" if f.exitcode < 0 else f"failed (exit code {f.exitcode})"
+            if f.exitcode == EXIT_WORKER_ERROR:        # raised, but its log could not be written
+                lines.append(f"  rank {rank} raised an error; its log {rank_log_path(run_dir, rank)} could not be "
+                             f"written (full or read-only disk?): the cause is the 'gridshard: rank {rank}:' line "
+                             f"above")
+                continue
             lines.append(f"  rank {rank} {how}" + (f": {f.message}" if f.exitcode >= 0 and f.message else ""))
-    latest = read_latest(checkpoints_root(run_dir))
-    lines.append(f"last complete checkpoint: {latest} (continue with: gridshard train ... --run-dir {run_dir} "
-                 f"--resume latest)" if latest else "no complete checkpoint was written")
+    lines.append(last_good_checkpoint(run_dir))
     return "\n".join(lines)
 
 
@@ -591,9 +732,12 @@ def generate(path, prompt, max_new_tokens, temperature, top_k, seed):
 @click.option("--workers", type=int, default=None, help="Encoding processes (default: all CPU cores).")
 @click.option("--tokenizer-bytes", type=int, default=256 << 20, show_default=True,
               help="Train the BPE on the first this-many bytes of the input.")
+@click.option("--overwrite", is_flag=True, help="Replace the preparation in a non-empty --out (its meta.json, "
+              "tokens.bin, doc_starts.npy and tokenizer.json; other files stay). Without it a non-empty --out is "
+              "refused.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def prepare_data(inputs, out, train_tokenizer, vocab_size, tokenizer_file, use_bytes, val_fraction, workers,
-                 tokenizer_bytes, no_progress):
+                 tokenizer_bytes, overwrite, no_progress):
     """Tokenise text files or folders INPUT... into OUT: a memory-mapped uint16/uint32 token file
     and its metadata (tokenizer, vocabulary, document starts, train/validation split), streaming
     with constant memory, parallel over CPU cores. Then train on it with
@@ -613,7 +757,7 @@ def prepare_data(inputs, out, train_tokenizer, vocab_size, tokenizer_file, use_b
                               f"or more.")
         kind = "train" if train_tokenizer else tokenizer_file or "bytes"
         meta = run(inputs, out, kind, vocab_size, val_fraction, workers, tokenizer_bytes=tokenizer_bytes,
-                   progress=not no_progress)
+                   progress=not no_progress, overwrite=overwrite)
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_CONFIG)

@@ -21,6 +21,18 @@ class CheckpointError(GridshardError, RuntimeError):
     """A checkpoint that is corrupt or does not match the model."""
 
 
+class NonFiniteError(GridshardError, RuntimeError):
+    """Training produced a NaN/inf gradient norm, loss or weights and ``train.on_nonfinite`` is
+    ``stop`` (or the weights themselves went bad). The message is one line: the step, the value
+    and the last finite checkpoint. Raised alike on every rank."""
+
+
+class SaveError(GridshardError, RuntimeError):
+    """A checkpoint or a run file could not be written (full disk, read-only file system, no
+    permission, …). The message is one line naming the run directory, the cause and the last
+    complete checkpoint."""
+
+
 def check_divisible(value: int, divisor: int, what: str, by: str, fix: str = "") -> None:
     """Raise ShapeError unless ``divisor`` divides ``value``.
 

@@ -1,6 +1,6 @@
 """``gridshard generate``: sample text from a trained model, in one process, from a checkpoint
 written at any layout (its canonical tensors are the plain model's, so no process group is
-needed: :func:`gridshard.checkpoint.hf_io.read_checkpoint_tensors`).
+needed), verified completely first like every reader (:mod:`gridshard.checkpoint.reader`).
 
 Decoding with a KV cache. For the prompt (the *prefill*, s₀ tokens) the model runs once with
 causal attention and every layer keeps its keys and values K, V [b, K_heads, s₀, d] (after
@@ -31,21 +31,26 @@ from .models.llama import ModelConfig, Transformer
 from .models.rope import apply_rope, rope_tables
 
 
-def load_model(folder: str) -> tuple:
-    """(plain :class:`Transformer` with the checkpoint's weights, the run's config dict)."""
+def load_model(folder: str, checked=None) -> tuple:
+    """(plain :class:`Transformer` with the checkpoint's weights, the run's config dict).
+    The checkpoint is verified completely before a tensor is read — manifest sizes and
+    sha256, ``meta.json`` against the tensors, tensors only
+    (:func:`gridshard.checkpoint.reader.open_checkpoint`) — so damaged or planted weights are
+    refused with one CheckpointError, never sampled from. ``checked``: the already verified
+    checkpoint, if any."""
     from dataclasses import fields
 
-    from .checkpoint.files import read_meta
-    from .checkpoint.hf_io import read_checkpoint_tensors
+    from .checkpoint.reader import open_checkpoint, read_tensors
 
-    config = read_meta(folder)["config"]
+    checked = checked or open_checkpoint(folder)
+    config = checked.meta["config"]
     if config["model"].get("hf_config"):
         raise ConfigError(f"checkpoint {folder!r} holds a Hugging Face architecture (model.hf_config): "
                           f"`gridshard generate` runs gridshard's own model. Fix: `gridshard export {folder} --to hf "
                           f"OUT` and generate with transformers.")
     names = {f.name for f in fields(ModelConfig)}
     model = Transformer(ModelConfig(**{k: v for k, v in config["model"].items() if k in names}))
-    state = read_checkpoint_tensors(folder)
+    state = read_tensors(checked)
     if model.cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     model.load_state_dict(state, strict=True)
@@ -156,7 +161,7 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 200, temperature
                   top_k: Optional[int] = 50, seed: int = 0) -> tuple:
     """(prompt, continuation, checkpoint folder, step) for a run directory or checkpoint ``path``."""
     from .checkpoint import resolve_checkpoint
-    from .checkpoint.files import read_meta
+    from .checkpoint.reader import open_checkpoint
 
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={max_new_tokens} is invalid: at least one token is generated. Fix: "
@@ -166,7 +171,8 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 200, temperature
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k={top_k} is invalid: it keeps the k most likely ids, k >= 1. Fix: use e.g. 50.")
     folder = resolve_checkpoint(path, None)
-    model, config = load_model(folder)
+    checked = open_checkpoint(folder)
+    model, config = load_model(folder, checked)
     tok = run_tokenizer(config, folder)
     ids = tok.encode(prompt)
     if not ids:
@@ -176,4 +182,4 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 200, temperature
         raise ConfigError(f"the prompt encodes to id {max(ids)} but the model's vocabulary is {model.cfg.vocab_size}. "
                           f"Fix: use the tokenizer the run trained with.")
     new = generate_ids(model, ids, max_new_tokens, temperature, top_k, seed, tok.eos_id)
-    return prompt, tok.decode(new), folder, int(read_meta(folder)["step"])
+    return prompt, tok.decode(new), folder, checked.step

@@ -8,6 +8,9 @@
   c10d rendezvous on a free local port, ``--max-restarts`` restarts, ``spawn`` start method. Each
   worker calls ``entry(*args)``; the launcher sets RANK/WORLD_SIZE/MASTER_ADDR/... and
   the worker's :func:`gridshard.mesh.init_distributed` picks nccl on GPUs, gloo otherwise.
+  The workers die with the launcher (:mod:`gridshard.parent_death`): each first arms
+  ``PR_SET_PDEATHSIG`` = SIGKILL (or a parent-PID watchdog), so a SIGKILLed ``gridshard train``
+  leaves no orphan that goes on training and checkpointing.
 
 On CPU the cores are shared out: ``OMP_NUM_THREADS = max(1, cores // nproc)`` unless
 the user set it.
@@ -66,4 +69,13 @@ def launch_local(nproc: int, entry, *args, max_restarts: int = 0,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
                           start_method="spawn", monitor_interval=0.1,
                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, signals_to_handle=agent_signals)
-    return elastic_launch(config, entry)(*args)
+    return elastic_launch(config, _worker_main)(os.getpid(), entry, *args)
+
+
+def _worker_main(launcher_pid: int, entry, *args):
+    """Every worker of :func:`launch_local`: die with the launcher (``launcher_pid``, this
+    worker's parent), then run ``entry(*args)``."""
+    from .parent_death import die_with_parent
+
+    die_with_parent(launcher_pid)
+    return entry(*args)

@@ -10,7 +10,7 @@ PY=${PY:-.venv/bin/python}
 RUN=${1:-runs/two_nodes}
 PORT=$($PY -c "from gridshard.netutil import free_port; print(free_port())")
 COMMON=(parallel.data=2 parallel.tensor=2 parallel.tensor_mode=1d data.seq_len=64 train.global_batch=8
-        train.micro_batch=4 train.log_interval=2 train.save_interval=4)
+        train.micro_batch=4 train.log_interval=2 train.save_interval=4 train.decay_steps=12)   # one schedule for both jobs
 export OMP_NUM_THREADS=1
 
 two_nodes() {   # $1: rendezvous id; rest: gridshard train arguments

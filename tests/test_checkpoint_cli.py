@@ -119,7 +119,8 @@ def test_export_to_hf_loads_in_transformers_with_the_same_logits(tmp_path):
     out = str(tmp_path / "hf")
     proc, _ = _gridshard(["export", os.path.join(run_dir, "checkpoints"), "--to", "hf", out])
     assert proc.returncode == 0, proc.stderr
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "special_tokens_map.json",
+                                       "tokenizer.json", "tokenizer_config.json"]
 
     hf = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     ours = Transformer(ModelConfig(**{k: v for k, v in MODEL.items() if k != "preset"}))

@@ -204,7 +204,7 @@ def _metrics_body(cfg, run_dir):
 
 METRIC_KEYS = {"step", "loss", "valid_tokens", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_share", "peak_mem_bytes",
                "peak_mem_bytes_per_rank", "step_time_s", "tokens", "elapsed_s", "loss_scale", "bubble_share",
-               "bubble_share_per_rank", "predicted_mem_bytes", "predicted_mem_bytes_per_rank"}
+               "bubble_share_per_rank", "predicted_mem_bytes", "predicted_mem_bytes_per_rank", "skipped_steps"}
 
 
 def test_metrics_and_run_files(tmp_path):

@@ -138,8 +138,8 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint_that_resumes(tmp_path):
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["step"] == step                       # the metrics are flushed up to the stop
 
-    # --resume latest continues from it
-    proc, _ = _run(["train", *common, "--resume", "latest", f"train.steps={step + 2}"])
+    # --resume latest continues from it (fewer steps on the same schedule: the cosine still ends at 100000)
+    proc, _ = _run(["train", *common, "--resume", "latest", f"train.steps={step + 2}", "train.decay_steps=100000"])
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {folder} at step {step}" in proc.stderr
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

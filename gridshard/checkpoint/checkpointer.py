@@ -20,14 +20,31 @@ most one save is in flight: the next one first waits for it. This is DCP's ``asy
 split in two so that publishing happens in the same background thread, right after the
 data is complete, not at the next save.
 
-Loading (:meth:`Checkpointer.load`) verifies the manifest (ranks split the hashing and agree
-on the verdict through one gather, so every rank raises the same error), checks every
-block against DCP's metadata, then reads exactly this rank's blocks: the layout that reads
-may differ from the one that wrote.
+What is never published: a checkpoint whose staged blocks (weights, AdamW moments) hold a
+NaN/inf — each rank checks its CPU copies in the save thread (one pass over bytes the save
+copies anyway) and rank 0 publishes only when every rank's are finite (``meta.json`` then
+records ``weights_finite: true``); otherwise the partial folder is removed and every rank's
+``wait()`` raises :class:`~gridshard.errors.NonFiniteError`. So ``latest`` always names a
+finite checkpoint. A save that cannot be written (full disk, read-only file system, no
+permission; DCP's multi-rank error or torch's "unexpected pos" short write) has its partial
+folder removed, the previous checkpoints untouched, and every rank's ``wait()`` raises
+:class:`~gridshard.errors.SaveError` with one line from :func:`gridshard.disk.write_failure`:
+``run dir R is full: 1.2 MB free, a checkpoint needs ~1.7 MB; checkpoint step_3 was not saved
+(its partial folder was removed); last complete checkpoint: R/checkpoints/step_2. Fix: …``.
+The training thread meets the error at its next ``wait()``: the next save, a stop, or the end
+of the run.
+
+Loading (:meth:`Checkpointer.load`; :meth:`Checkpointer.load_weights` for ``model.init_from``)
+goes through :mod:`gridshard.checkpoint.reader`: it verifies the checkpoint completely —
+manifest (ranks split the hashing and agree on the verdict through one gather, so every rank
+raises the same error), ``meta.json`` against the tensors, DCP's index (tensors only, chunks
+inside the folder's files) — checks every block against DCP's metadata, then reads exactly
+this rank's blocks: the layout that reads may differ from the one that wrote.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import Future
@@ -38,10 +55,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from ..disk import disk_errno, one_line, write_failure
+from ..errors import NonFiniteError, SaveError
 from . import files as F
-from .blocks import (BlockLoadPlanner, BlockSavePlanner, CanonicalBlock, check_against_metadata, model_blocks,
+from .blocks import (BlockSavePlanner, CanonicalBlock, model_blocks,
                      optimizer_blocks, set_optimizer_step, staged_copy)
 from .faults import FaultPlan, hit
+from .reader import open_checkpoint, read_blocks
 
 
 def rng_blocks(rank: int, device: torch.device) -> dict:
@@ -51,6 +71,24 @@ def rng_blocks(rank: int, device: torch.device) -> dict:
         states["cuda"] = torch.cuda.get_rng_state(device)
     return {f"rng.{k}.rank_{rank}": CanonicalBlock(f"rng.{k}.rank_{rank}", tuple(v.shape), (0,), v.clone())
             for k, v in states.items()}
+
+
+def first_nonfinite(staged: dict) -> Optional[str]:
+    """The first staged block holding NaN/inf (floating blocks only), else None."""
+    for key, t in staged.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return key
+    return None
+
+
+def _checkpoint_bytes(folder: Optional[str]) -> Optional[int]:
+    """Bytes of a complete checkpoint (its manifest's sizes), None when unknown."""
+    if folder is None:
+        return None
+    try:
+        return sum(int(v["bytes"]) for v in F.read_manifest(folder)["files"].values()) or None
+    except Exception:                                   # noqa: BLE001 (an estimate only)
+        return None
 
 
 def restore_rng(blocks: dict, rank: int, device: torch.device) -> None:
@@ -123,23 +161,74 @@ class Checkpointer:
             self.wait()
 
     def _write(self, fut: Future, step: int, staged: dict, boxes: dict, meta: dict) -> None:
+        """The background half of a save (module docstring). Every rank takes the same path
+        through the collectives on ``self.group`` — DCP's own (a rank's write error reaches every
+        rank through them), one gather of each rank's (hashed files, first non-finite block,
+        error) to rank 0, one broadcast of rank 0's verdict — so every rank's ``wait()`` raises
+        the same one-line error, or none."""
         final = os.path.join(self.root, F.step_dir_name(step))
         partial = final + F.PARTIAL
         try:
-            dcp.save(staged, storage_writer=_FaultAwareWriter(partial, self.faults, self.rank, step),
-                     planner=BlockSavePlanner(boxes), process_group=self.group, no_dist=self.group is None)
-            # each rank hashes the chunk files it wrote (DCP names them __<rank>_<i>.distcp), so
-            # the manifest costs rank 0 only .metadata and meta.json, not the whole checkpoint
-            mine = F.describe_files(partial, prefix=f"__{self.rank}_")
-            hashed = [mine]
+            error, mine, bad = None, {}, None
+            try:
+                dcp.save(staged, storage_writer=_FaultAwareWriter(partial, self.faults, self.rank, step),
+                         planner=BlockSavePlanner(boxes), process_group=self.group, no_dist=self.group is None)
+                # each rank hashes the chunk files it wrote (DCP names them __<rank>_<i>.distcp), so
+                # the manifest costs rank 0 only .metadata and meta.json, not the whole checkpoint
+                mine = F.describe_files(partial, prefix=f"__{self.rank}_")
+                bad = first_nonfinite(staged)          # the copies are on the CPU already: one pass
+            except BaseException as e:                 # noqa: BLE001 (DCP's CheckpointException is one)
+                error = e
+            nbytes = sum(t.numel() * t.element_size() for t in staged.values())
+            report = (mine, bad, disk_errno(error) if error is not None else None,
+                      one_line(error) if error is not None else None, nbytes)
+            reports = [report]
             if self.group is not None:
-                hashed = [None] * self.world if self.rank == 0 else None
-                dist.gather_object(mine, hashed, dst=0, group=self.group)
+                reports = [None] * self.world if self.rank == 0 else None
+                dist.gather_object(report, reports, dst=0, group=self.group)
+            verdict = None                             # rank 0's: None (published) or (kind, one line)
             if self.rank == 0:
-                self._publish(step, partial, final, meta, {k: v for d in hashed for k, v in d.items()})
-            fut.set_result(step)
+                verdict = self._decide(step, partial, final, meta, reports, error)
+            if self.group is not None:
+                box = [verdict]
+                dist.broadcast_object_list(box, src=0, group=self.group)
+                verdict = box[0]
+            if verdict is None:
+                fut.set_result(step)
+            else:
+                kind, line = verdict
+                failure = (NonFiniteError if kind == "nonfinite" else SaveError)(line)
+                failure.__cause__ = error
+                fut.set_exception(failure)
         except BaseException as e:                     # noqa: BLE001 (reported by wait())
             fut.set_exception(e)
+
+    def _decide(self, step: int, partial: str, final: str, meta: dict, reports: list, error) -> Optional[tuple]:
+        """Rank 0: publish the save when every rank wrote its data and every staged block is
+        finite; otherwise (or when publishing fails) remove what is left of it and return
+        (kind, one line): ``("save", …)`` a write failed — a full, read-only or forbidden disk
+        named as such (:mod:`gridshard.disk`) —, ``("nonfinite", …)`` NaN/inf weights or optimizer
+        state, never published (so ``latest`` always names a finite checkpoint)."""
+        failed = [(r, code, line) for r, (_, _, code, line, _) in enumerate(reports) if line]
+        bad = [(r, key) for r, (_, key, _, _, _) in enumerate(reports) if key]
+        if failed:
+            rank, code, line = next(((r, c, x) for r, c, x in failed if c is not None), failed[0])
+            cause = error if rank == 0 and error is not None else (OSError(code, os.strerror(code)) if code else None)
+            return "save", self._failure_line(step, partial, final, cause, line, sum(x[4] for x in reports))
+        if bad:
+            removed = self._remove_partial(partial)
+            rank, key = bad[0]
+            return "nonfinite", (f"checkpoint {F.step_dir_name(step)} refused: its block {key} (rank {rank}) holds "
+                                 f"NaN/inf values, so the run had diverged by step {step}; {removed}; last finite "
+                                 f"checkpoint: {self._latest() or 'none was written'}. Fix: lower "
+                                 f"train.lr (or train.grad_clip) and continue from that checkpoint, or start again; "
+                                 f"train.on_nonfinite (stop | skip) acts on the first non-finite gradient norm.")
+        try:
+            self._publish(step, partial, final, {**meta, "weights_finite": True},
+                          {k: v for d in reports for k, v in d[0].items()})
+        except BaseException as e:                     # noqa: BLE001 (the same error on every rank)
+            return "save", self._failure_line(step, partial, final, e, one_line(e), sum(x[4] for x in reports))
+        return None
 
     def _publish(self, step: int, partial: str, final: str, meta: dict, hashed: dict) -> None:
         hit(self.faults, "save_after_metadata", self.rank, step)
@@ -152,6 +241,47 @@ class Checkpointer:
         F.update_latest(self.root, F.step_dir_name(step))
         hit(self.faults, "save_after_latest", self.rank, step)
         F.prune(self.root, self.keep)
+
+    def _latest(self) -> Optional[str]:
+        """The checkpoint ``latest`` names (for messages; None when there is none or it is unusable)."""
+        try:
+            return F.read_latest(self.root)
+        except Exception:                               # noqa: BLE001 (a message must not fail)
+            return None
+
+    def _remove_partial(self, partial: str) -> str:
+        """Remove a save's partial folder (and a ``latest.tmp``); what happened, for the message."""
+        tmp = os.path.join(self.root, F.LATEST + ".tmp")
+        if os.path.exists(tmp):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+        if not os.path.exists(partial):
+            return "nothing of it is left"
+        shutil.rmtree(partial, ignore_errors=True)
+        if os.path.exists(partial):
+            return f"its partial folder {partial} could not be removed (the next run in this directory removes it)"
+        return "its partial folder was removed"
+
+    def _failure_line(self, step: int, partial: str, final: str, cause, line: str, staged_bytes: int) -> str:
+        """One line for a save that failed (module :mod:`gridshard.disk` for disk errors)."""
+        removed = self._remove_partial(partial)
+        name = F.step_dir_name(step)
+        last = self._latest()
+        if not os.path.isdir(final):
+            lost = f"checkpoint {name} was not saved ({removed})"
+        elif last is not None and os.path.normpath(last) == os.path.normpath(final):
+            lost = f"checkpoint {name} was saved, what follows its publication failed ({line})"
+        else:
+            lost = f"checkpoint {name} is complete but `latest` was not moved to it ({line})"
+        need = _checkpoint_bytes(last) or staged_bytes
+        run_dir = os.path.dirname(self.root)
+        disk = write_failure(run_dir, self.root, cause, lost, need=need, need_what="a checkpoint", last=last)
+        if disk is not None:
+            return disk
+        return (f"saving checkpoint {name} failed: {line}; {lost}; "
+                f"{'last complete checkpoint: ' + last if last else 'no complete checkpoint was written'}.")
 
     def wait(self) -> None:
         """Wait for the save in flight (if any); re-raise its error."""
@@ -167,41 +297,34 @@ class Checkpointer:
                 dist.destroy_process_group(self.group)
                 self.group = None
 
-    # ---- load ----------------------------------------------------------------------------
-    def verify(self, folder: str) -> dict:
-        """Verify ``folder`` on every rank (ranks split the hashing) and agree: returns its
-        ``meta.json``, or raises the same CheckpointError on every rank."""
-        error = None
-        try:
-            F.verify_checkpoint(folder, (self.rank, self.world))
-        except F.CheckpointError as e:
-            error = str(e)
-        errors = [error]
-        if self.group is not None:
-            errors = [None] * self.world
-            dist.all_gather_object(errors, error, group=self.group)
-        first = next((e for e in errors if e), None)
-        if first:
-            raise F.CheckpointError(first)
-        return F.read_meta(folder)
+    # ---- load (every read goes through gridshard.checkpoint.reader) ----------------------
+    def verify(self, folder: str):
+        """Verify ``folder`` completely on every rank (:func:`gridshard.checkpoint.reader.open_checkpoint`;
+        ranks split the hashing and agree): returns the verified checkpoint, or raises the same
+        CheckpointError on every rank."""
+        return open_checkpoint(folder, (self.rank, self.world), self.group)
+
+    def load_weights(self, folder: str, model) -> dict:
+        """``model.init_from`` a gridshard checkpoint: verify ``folder`` and read this rank's
+        blocks of the model's parameters only — no optimizer (it need not exist yet), no
+        generator states, no step. Any layout reads any checkpoint. Returns ``meta.json``."""
+        checked = self.verify(folder)
+        read_blocks(checked, model_blocks(model), self.group)
+        return checked.meta
 
     def load(self, folder: str, model, optimizer, load_optimizer: bool = True, zero=None) -> dict:
         """Read ``folder`` into this rank's blocks of ``model`` (and ``optimizer``); restore the
         generator states when the world size is the one that wrote it. Returns ``meta.json``."""
-        meta = self.verify(folder)
-        reader = F.SafeMetadataReader(folder)
-        metadata = reader.read_metadata()
+        checked = self.verify(folder)
+        meta = checked.meta
         boxes = dict(model_blocks(model, zero))
         if load_optimizer:
             boxes.update(optimizer_blocks(model, optimizer, zero))
         device = next(model.parameters()).device
         rng = rng_blocks(self.rank, device) if meta.get("world_size") == self.world else {}
-        rng = {k: v for k, v in rng.items() if k in metadata.state_dict_metadata}
-        check_against_metadata(boxes, metadata, F.step_dir_name(meta["step"]))
+        rng = {k: v for k, v in rng.items() if k in checked.metadata.state_dict_metadata}
         boxes.update(rng)
-        with torch.no_grad():
-            dcp.load({k: b.view for k, b in boxes.items()}, storage_reader=F.SafeMetadataReader(folder),
-                     planner=BlockLoadPlanner(boxes), process_group=self.group, no_dist=self.group is None)
+        read_blocks(checked, boxes, self.group)
         if load_optimizer and "optim.step" in boxes:
             set_optimizer_step(optimizer, boxes["optim.step"].view)
         if rng:

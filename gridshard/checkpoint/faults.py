@@ -16,7 +16,9 @@ given). It fires only in the first attempt of an elastic job
 ==========================  ===============================================================
 
 Tests inside one process use :class:`FaultPlan` with ``action="raise"``: the save stops
-where a kill would have stopped it (:class:`InjectedFault`), leaving the same files behind.
+where a kill would have stopped it (:class:`InjectedFault`), leaving the same files behind;
+with ``errno`` set (e.g. ``errno.ENOSPC``) it raises that ``OSError`` instead, as a full or
+read-only disk would.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class FaultPlan:
     rank: Optional[int]                  # None: every rank
     step: Optional[int] = None
     action: str = "kill"
+    errno: Optional[int] = None          # action="raise": raise OSError(errno) instead of InjectedFault
 
     @staticmethod
     def from_env(env=os.environ) -> Optional["FaultPlan"]:
@@ -54,6 +57,8 @@ class FaultPlan:
         if point != self.point or (self.rank is not None and rank != self.rank) or \
                 (self.step is not None and step != self.step):
             return
+        if self.action == "raise" and self.errno is not None:
+            raise OSError(self.errno, f"{os.strerror(self.errno)} (injected at {point} on rank {rank}, step {step})")
         if self.action == "raise":
             raise InjectedFault(f"injected fault at {point} on rank {rank} (step {step})")
         os.kill(os.getpid(), signal.SIGKILL)

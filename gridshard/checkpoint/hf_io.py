@@ -1,8 +1,8 @@
 """Hugging Face weights in and out: ``gridshard export`` and ``model.init_from``.
 
-Export (one process, no process group): read a checkpoint's ``model.*`` tensors whole from
-DCP (``no_dist``; DCP assembles each canonical tensor from whatever chunks the writing
-layout left), rename them to Hugging Face Llama names (``model.`` prefix except
+Export (one process, no process group): verify the checkpoint and read its ``model.*``
+tensors whole through :mod:`gridshard.checkpoint.reader` (DCP assembles each canonical
+tensor from whatever chunks the writing layout left), rename them to Hugging Face Llama names (``model.`` prefix except
 ``lm_head``; a model trained from ``model.hf_config`` already has them), and write one
 ``model.safetensors`` plus ``config.json`` — loadable by ``transformers``'
 ``LlamaForCausalLM.from_pretrained`` with no gridshard installed. A tied model writes no
@@ -11,14 +11,13 @@ layout left), rename them to Hugging Face Llama names (``model.`` prefix except
 Import (``model.init_from``, every rank, any layout): each rank reads only its blocks
 (:mod:`gridshard.checkpoint.blocks`) — from a Hugging Face folder with safetensors'
 lazy slices (``safe_open(...).get_slice(name)[box]``), from a gridshard checkpoint through
-DCP — so no rank ever holds a full tensor it does not own.
+the verifying reader (:meth:`gridshard.checkpoint.Checkpointer.load_weights`) — so no rank
+ever holds a full tensor it does not own.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import warnings
 
 import torch
 
@@ -52,43 +51,61 @@ def hf_llama_config(model_cfg: dict) -> dict:
 
 def read_checkpoint_tensors(folder: str, prefix: str = MODEL) -> dict:
     """name (``prefix`` removed) → full canonical tensor of every entry of a checkpoint whose
-    key starts with ``prefix`` (one process, no process group)."""
-    import torch.distributed.checkpoint as dcp
+    key starts with ``prefix`` (one process, no process group). The checkpoint is verified
+    completely first (:func:`gridshard.checkpoint.reader.open_checkpoint`)."""
+    from .reader import read_checkpoint
 
-    reader = F.SafeMetadataReader(folder)
-    metadata = reader.read_metadata()
-    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-    with warnings.catch_warnings():                 # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=F.SafeMetadataReader(folder), no_dist=True)
-    return {k[len(prefix):]: v for k, v in state.items()}
+    return read_checkpoint(folder, prefix)[1]
+
+
+def _hf_config_json(path: str, model_cfg: dict) -> dict:
+    """The Hugging Face ``config.json`` a ``model.hf_config`` run was trained from, parsed
+    (never copied byte for byte: ``meta.json`` names the path, and a checkpoint from elsewhere
+    could name any file) and checked to describe the checkpoint's model."""
+    from ..models.hf import model_config_of_hf_json, read_hf_json
+
+    fields = read_hf_json(path)
+    dims = vars(model_config_of_hf_json(path)) if isinstance(fields, dict) else None
+    keys = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "tie_embeddings")
+    if dims is None or any(dims.get(k) != model_cfg.get(k) for k in keys):
+        raise F.CheckpointError(f"model.hf_config={path!r} (named by the checkpoint's meta.json) does not describe the "
+                                f"checkpoint's model. Fix: restore the config.json the run was trained from.")
+    return fields
 
 
 def export_hf(folder: str, out_dir: str) -> list:
-    """Write ``out_dir/model.safetensors`` and ``config.json`` from checkpoint ``folder``;
+    """Write ``out_dir/model.safetensors``, ``config.json`` and the run's tokenizer files
+    (:mod:`gridshard.checkpoint.hf_tokenizer`) from checkpoint ``folder``, each mode 0644;
     returns the written paths. The checkpoint is verified first."""
     _need_safetensors()
     from safetensors.torch import save_file
 
     from ..models.hf import gridshard_to_hf_name
 
-    F.verify_checkpoint(folder)
-    meta = F.read_meta(folder)
-    tensors = read_checkpoint_tensors(folder)
+    from .reader import read_checkpoint
+
+    checked, tensors = read_checkpoint(folder)      # verified: manifest, meta.json against the tensors, tensors only
+    meta = checked.meta
     model_cfg = meta["config"]["model"]
     hf_json = model_cfg.get("hf_config")
+    hf_fields = _hf_config_json(hf_json, model_cfg) if hf_json else None
     os.makedirs(out_dir, exist_ok=True)
     if hf_json:                                     # trained as the Hugging Face model itself: names are HF's
         named = {k: v.contiguous() for k, v in tensors.items()}
-        shutil.copyfile(hf_json, os.path.join(out_dir, "config.json"))
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf_fields, f, indent=1)
     else:
         named = {gridshard_to_hf_name(k): v.contiguous() for k, v in tensors.items()}
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(hf_llama_config(model_cfg), f, indent=1)
     weights = os.path.join(out_dir, SAFETENSORS)
     save_file(named, weights, metadata={"format": "pt", "gridshard_step": str(meta["step"])})
-    return [weights, os.path.join(out_dir, "config.json")]
+    from .hf_tokenizer import export_tokenizer      # tokenizer.json & co. (or one line saying why not)
+
+    paths = [weights, os.path.join(out_dir, "config.json")] + export_tokenizer(meta["config"], folder, out_dir)
+    for path in paths:                              # readable by the group whatever the umask
+        os.chmod(path, 0o644)
+    return paths
 
 
 def _safetensors_files(folder: str) -> dict:

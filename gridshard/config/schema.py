@@ -123,6 +123,11 @@ class TrainSection(BaseModel):
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = Field(1.0, description="max global gradient norm; 0 disables clipping")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a step whose gradient norm (every step) or loss (at log steps) is not finite: stop "
+                            "the run before its update, naming the step and the last finite checkpoint (exit 3) | "
+                            "skip its update (a warning; counted in the metrics' skipped_steps; the learning-rate "
+                            "schedule moves on). fp16's loss-scaler overflows are skipped as always")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32 | bf16 autocast | fp16 (GPU)")
     seed: int = Field(0, description="seeds the model initialisation and the batch order")
     log_interval: int = Field(10, description="steps between metrics lines")
@@ -139,6 +144,10 @@ class TrainSection(BaseModel):
     keep_checkpoints: int = Field(3, description="complete checkpoints kept (oldest removed first); 0 = keep all")
     resume: str = Field("never", description="never | auto (the run directory's latest complete checkpoint, if "
                                              "any) | PATH (a checkpoint folder or a run directory)")
+    allow_changed_schedule: bool = Field(False, description="resume even when the learning rate of the steps "
+                                                            "still to run differs from the checkpoint's run (lr, "
+                                                            "warmup, decay, steps); the change is logged. CLI: "
+                                                            "--allow-changed-schedule")
     collective_timeout_s: float = Field(120.0, description="a collective waiting longer than this fails the job "
                                                            "(a dead rank ends the run instead of hanging it)")
     eval_interval: int = Field(50, description="steps between validation losses (and at the last step), when "

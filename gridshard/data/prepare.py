@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import sys
 import time
 from collections import deque
@@ -134,41 +135,117 @@ def token_dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
+def _entries(out: str) -> List[str]:
+    try:
+        return sorted(os.listdir(out))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def check_out(out: str, overwrite: bool, tokenizer: str = "bytes") -> None:
+    """Before any work: ``out`` is new, empty, or ``overwrite`` is given — a preparation is never
+    replaced unasked — and it can be created and written. Creates nothing. The one entry allowed
+    without ``overwrite`` is the ``--tokenizer`` file itself (``--tokenizer OUT/tokenizer.json``:
+    a tokenizer put in the folder to prepare with)."""
+    from ..fsutil import cannot_create
+
+    own = None if tokenizer in ("bytes", "train") else os.path.abspath(tokenizer)
+    held = [name for name in _entries(out) if os.path.abspath(os.path.join(out, name)) != own]
+    if held and not overwrite:
+        shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+        raise ConfigError(f"--out {out!r} is not empty (it holds {shown}): prepare-data does not replace files "
+                          f"unasked. Fix: pass --overwrite to replace the preparation in it (its {META}, {TOKENS}, "
+                          f"{DOC_STARTS} and {TOKENIZER} go; other files stay), or choose a new or empty --out.")
+    why = cannot_create(out)
+    if why is not None:
+        raise ConfigError(f"--out {out!r} is not writable ({why}). Fix: choose a folder you can write.")
+
+
+OUTPUTS = (META, TOKENS, DOC_STARTS, TOKENIZER, TOKENS + ".tmp", META + ".tmp")
+WORK_PREFIX = ".preparing-"
+
+
+def _swap_in(work: str, out: str) -> None:
+    """Replace the preparation in ``out`` by the finished one in ``work`` (a folder inside it):
+    first the old ``meta.json`` goes — from then on ``out`` reads as "not a prepared folder" and
+    training refuses it rather than mixing files — then the old preparation's other files
+    (a ``tokenizer.json`` a byte preparation has no use for included), then the new files are
+    renamed in, ``meta.json`` last. Each step is an atomic rename or removal on one file system;
+    a reader sees the old preparation, none, or the new one complete. Other files in ``out``
+    stay, and so do the work folders of other live preparations."""
+    from ..parent_death import pid_alive
+
+    for name in OUTPUTS:
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            os.remove(path)
+    for name in _entries(out):                         # work folders of killed preparations
+        pid = name[len(WORK_PREFIX):]
+        path = os.path.join(out, name)
+        if name.startswith(WORK_PREFIX) and path != work and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    for name in sorted(os.listdir(work), key=lambda n: n == META):
+        os.replace(os.path.join(work, name), os.path.join(out, name))
+    os.rmdir(work)
+
+
 def prepare_data(inputs: Sequence[str], out: str, tokenizer: str = "bytes", vocab_size: Optional[int] = None,
                  val_fraction: float = 0.01, workers: Optional[int] = None, chunk_bytes: int = 1 << 20,
-                 tokenizer_bytes: int = 256 << 20, progress: bool = True) -> dict:
+                 tokenizer_bytes: int = 256 << 20, progress: bool = True, overwrite: bool = False) -> dict:
     """Write ``out`` (module docstring); returns its metadata. ``tokenizer``: ``"bytes"``,
-    ``"train"`` (a BPE of ``vocab_size`` trained on the input) or a ``tokenizer.json`` path."""
-    from tqdm import tqdm
+    ``"train"`` (a BPE of ``vocab_size`` trained on the input) or a ``tokenizer.json`` path.
+
+    ``out`` must be new or empty unless ``overwrite`` (:func:`check_out`, before any work). The
+    files are written into a work folder ``out/.preparing-<pid>`` and swapped in when complete
+    (:func:`_swap_in`): an ``overwrite`` leaves no file of the old preparation behind, and a
+    preparation that fails or is interrupted leaves ``out`` as it was (the work folder and any
+    folders created for it are removed; a killed one leaves its work folder, which the next
+    ``--overwrite`` removes)."""
+    from ..fsutil import make_dirs, remove_made
 
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"--val-fraction={val_fraction} is invalid: it is the share of tokens held out for "
                           f"validation, in [0, 1). Fix: use e.g. 0.01, or 0 for none.")
     if chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes={chunk_bytes} is invalid: it must be >= 1. Fix: use e.g. 4194304.")
+    if tokenizer == "train" and vocab_size is None:
+        raise ConfigError("--train-tokenizer needs --vocab-size N. Fix: add e.g. --vocab-size 4096.")
     files = input_files(inputs)
-    total = sum(os.path.getsize(f) for f in files)
-    t0 = time.perf_counter()
+    check_out(out, overwrite, tokenizer)
     try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, ".write_test")
-        open(probe, "w").close()
-        os.remove(probe)
+        created = make_dirs(out)
+        work = os.path.join(out, f"{WORK_PREFIX}{os.getpid()}")
+        os.mkdir(work)
     except OSError as e:
         raise ConfigError(f"--out {out!r} is not writable ({e.strerror}). Fix: choose a folder you can write.") \
             from None
+    try:
+        meta = _prepare_into(work, files, inputs, tokenizer, vocab_size, val_fraction, workers, chunk_bytes,
+                             tokenizer_bytes, progress)
+        _swap_in(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        remove_made(created)
+        raise
+    return meta
+
+
+def _prepare_into(out: str, files, inputs, tokenizer, vocab_size, val_fraction, workers, chunk_bytes,
+                  tokenizer_bytes, progress) -> dict:
+    """The preparation itself, written into the (new, empty) folder ``out``."""
+    from tqdm import tqdm
+
+    total = sum(os.path.getsize(f) for f in files)
+    t0 = time.perf_counter()
     if tokenizer == "bytes":
         tok = ByteTokenizer()
     elif tokenizer == "train":
-        if vocab_size is None:
-            raise ConfigError("--train-tokenizer needs --vocab-size N. Fix: add e.g. --vocab-size 4096.")
         tok = train_bpe(_text_pieces(files, chunk_bytes, tokenizer_bytes), vocab_size, show_progress=progress)
         tok.file = os.path.join(out, TOKENIZER)
         tok.tok.save(tok.file)
     else:
         tok = HFTokenizer.from_file(tokenizer)
-        if os.path.abspath(tokenizer) != os.path.abspath(os.path.join(out, TOKENIZER)):
-            tok.tok.save(os.path.join(out, TOKENIZER))
+        tok.tok.save(os.path.join(out, TOKENIZER))
         tok.file = os.path.join(out, TOKENIZER)
     dtype = np.dtype(token_dtype_for(tok.vocab_size))
     spec = None if isinstance(tok, ByteTokenizer) else tok.tok.to_str()

@@ -88,8 +88,8 @@ class Heartbeat:
         while not self._done.wait(self.interval):
             try:
                 self.beat()
-            except OSError:                            # the run directory went away: nothing to report to
-                return
+            except OSError:                            # a full disk (or the run directory went away): try
+                continue                               # again; stopping would read as a stall to the watchdog
 
     def stop(self) -> None:
         self._done.set()

@@ -14,6 +14,7 @@ Per log line (every ``log_interval`` steps) — see ``docs/training.md``:
 * ``comm_share``: time inside recorded collectives / wall time of the interval,
   averaged over ranks (the job ledger's ``timing``);
 * ``step``, ``step_time_s``, ``tokens``, ``elapsed_s``, ``loss_scale`` (fp16);
+* ``skipped_steps``: steps whose update ``train.on_nonfinite=skip`` dropped so far (0 otherwise);
 * ``val_loss`` on evaluation steps only (``train.eval_interval``; the mean loss over the
   validation windows, :meth:`gridshard.engine.trainer.Trainer.evaluate`).
 
@@ -103,14 +104,38 @@ class RunFiles:
                 yaml.safe_dump(resolved, f, sort_keys=False)
 
     def append(self, record: dict) -> None:
+        """Append one line (a disk error: :class:`~gridshard.errors.SaveError`, one line)."""
         if self.run_dir and self.jsonl:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            line = json.dumps(record) + "\n"
+            try:
+                with open(self.metrics_path, "a") as f:
+                    f.write(line)
+            except OSError as e:
+                from ..errors import SaveError
+
+                why = self._disk_line(e, f"the record of step {record.get('step')} was not appended to "
+                                         f"metrics.jsonl", len(line))
+                if why is None:
+                    raise
+                raise SaveError(why) from e
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar("val/loss" if key == "val_loss" else f"train/{key}", value, record["step"])
             self.tb.flush()
+
+    def _disk_line(self, error: OSError, lost: str, need: int):
+        """One line for a failed write of a run file (:func:`gridshard.disk.write_failure`), or
+        None when it is not a disk error."""
+        from ..checkpoint.files import checkpoints_root, read_latest
+        from ..disk import write_failure
+
+        try:
+            last = read_latest(checkpoints_root(self.run_dir))
+        except Exception:                              # noqa: BLE001 (a message must not fail)
+            last = None
+        return write_failure(self.run_dir, self.metrics_path, error, lost, need=need, need_what="the record",
+                             last=last)
 
     def close(self) -> None:
         if self.tb is not None:

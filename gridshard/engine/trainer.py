@@ -64,9 +64,26 @@ SIGINT the ranks agree at a step end (one-element MAX all-reduce over the world,
 CPU, at log steps on GPUs; not in the ledger) to stop after step k; step k is logged, the state
 after it is checkpointed (blocking) when there is a run directory, and every rank raises
 :class:`~gridshard.engine.control.TrainingStopped`.
+
+Non-finite values (``train.on_nonfinite``). Every step reads the global gradient norm ‖g‖ (the
+same value on every rank after its all-reduces; one host synchronisation per step on GPUs)
+before the optimizer step. A NaN/inf ‖g‖ would poison the weights, so with ``stop`` (the
+default) every rank waits for the save in flight (an earlier, finite step's, so ``latest``
+names the last finite checkpoint) and raises :class:`~gridshard.errors.NonFiniteError`, one
+line naming the step, the value and that checkpoint (the CLI: exit 3); the step's update is
+never taken. With ``skip`` the step's gradients are dropped (no optimizer step: AdamW's
+moments and step count stay as they were, so the weights equal those before the step), a
+warning names the step, ``skipped_steps`` in the metrics counts them; the batch is not retried
+and the learning-rate schedule, a function of the step number, moves on. Under fp16 a
+non-finite ‖g‖ is the loss scaler's overflow, skipped as always; it is divergence only when the
+step's loss is not finite on some data rank (agreed by a one-element all-reduce on such steps).
+The loss, summed over data ranks at log steps only, is checked there too (a NaN/inf loss with a
+finite ‖g‖ is rare): ``stop`` stops, ``skip`` warns. Independently, the checkpointer never
+publishes a checkpoint whose weights or moments hold NaN/inf (:mod:`gridshard.checkpoint.checkpointer`).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -84,6 +101,7 @@ from ..comm import collectives as C
 from ..comm.ledger import CommLedger
 from ..config import TrainConfig, load_config, resolve_config
 from ..data import BatchPlan, load_split
+from ..errors import NonFiniteError
 from ..mesh import Axis, build_mesh, default_device, init_distributed
 from ..models import Transformer
 from ..parallel import context_of, parallelize
@@ -131,8 +149,9 @@ class Trainer:
         if self.resume_from is not None:
             from ..checkpoint.files import read_meta
 
-            self.layout_changes = check_compatible(read_meta(self.resume_from)["config"], cfg.resolved(),
-                                                   describe(self.resume_from))
+            saved = read_meta(self.resume_from)
+            self.layout_changes = check_compatible(saved["config"], cfg.resolved(), describe(self.resume_from),
+                                                   start_step=saved.get("step"))
         self.ledger = CommLedger()                     # this job's collectives only (its mesh records here)
         self.mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=self.ledger)
         # what the process holds before the model exists (Python, torch, gloo): the prediction's base
@@ -216,6 +235,8 @@ class Trainer:
             mc.vocab_size, cfg.data.ignore_token, stream=1)
         self.ignore_index = -100 if cfg.data.ignore_token is None else cfg.data.ignore_token
         self.step_valid_tokens = None                  # N of the last step (valid targets, global batch)
+        self.skipped_steps = 0                         # updates dropped by train.on_nonfinite=skip
+        self.skipped_recent: set = set()               # their step numbers since the last log step
         self.decay_steps = t.decay_steps or t.steps
         self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, cfg.data.seq_len,
                                            mc.kv_heads * mc.head_dim)
@@ -262,14 +283,17 @@ class Trainer:
         if self.precision.scaler is not None and meta.get("loss_scaler"):
             self.precision.scaler.load_state_dict(meta["loss_scaler"])
         if self.rank == 0:
-            changed = "; layout changes: " + ", ".join(self.layout_changes) if self.layout_changes else ""
+            changed = "; changes: " + ", ".join(self.layout_changes) if self.layout_changes else ""
             print(f"gridshard: resumed from {folder} at step {self.start_step}{changed}", file=sys.stderr)
 
     def _init_from(self, path: str) -> None:
+        """``model.init_from``: the weights only, into the whole blocks of this rank — it runs
+        before ZeRO shards them and before the optimizer exists, so a gridshard checkpoint is
+        read through the verifying reader's model-only path (no optimizer, generator or step)."""
         from ..checkpoint.hf_io import is_gridshard_checkpoint, load_hf_blocks
 
         if is_gridshard_checkpoint(path):
-            self.checkpointer.load(path, self.model, self.optimizer, load_optimizer=False)
+            self.checkpointer.load_weights(path, self.model)
         else:
             load_hf_blocks(self.model, path, hf_names=self.cfg.model.hf_config is not None)
 
@@ -311,16 +335,86 @@ class Trainer:
                                 pipeline_axis=self.mesh.pipeline,
                                 data_axis=self.mesh.data if self.zero is not None else None)
         self.precision.agree_on_overflow(self.optimizer, norm)
-        clip_gradients(self.clip_tensors, norm, t.grad_clip)
-        self.precision.step(self.optimizer)
-        if self.zero is not None:
-            self.zero.after_step()                     # ZeRO-1/2: all-gather the updated rows
+        if self._skip_nonfinite(k, norm, sums):        # on_nonfinite=skip: the update is dropped
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            clip_gradients(self.clip_tensors, norm, t.grad_clip)
+            self.precision.step(self.optimizer)
+            if self.zero is not None:
+                self.zero.after_step()                 # ZeRO-1/2: all-gather the updated rows
         if not sums:                                   # a pipeline rank without the last stage
             share = torch.zeros((), dtype=torch.float64, device=self.device)
         else:
             share = torch.stack(sums).double().sum() / n_valid if n_valid else \
                 torch.full((), float("nan"), dtype=torch.float64, device=self.device)
         return share, norm, lr
+
+    # ---- non-finite values (train.on_nonfinite) ------------------------------------------
+    def _skip_nonfinite(self, k: int, norm: torch.Tensor, sums: list) -> bool:
+        """Whether step ``k``'s update is dropped because its gradient norm is not finite; with
+        ``train.on_nonfinite=stop`` raise :meth:`_diverged` instead (module docstring).
+
+        The global norm is the same on every rank (after its all-reduces), so every rank takes
+        the same branch at the same step. Reading it costs one host synchronisation per step on
+        GPUs (the CPU waits for the step's kernels before queueing the next step's), the price
+        of stopping before a NaN update instead of a log interval later. Under fp16 a non-finite
+        norm is first of all the loss scaler's overflow, which it skips (and halves the scale) as
+        always; it is divergence only when the forward's loss itself is not finite on some data
+        rank (no loss scale helps there) — one more one-element all-reduce, on such steps only."""
+        value = float(norm)                            # the host sync (docstring)
+        if math.isfinite(value):
+            return False
+        what = f"the global gradient norm is {value}"
+        if self.precision.scaler is not None:
+            if not self._loss_nonfinite(sums):
+                return False                           # an fp16 overflow: the scaler skips the step
+            what = f"the loss is not finite (the gradient norm is {value}; fp16)"
+        if self.cfg.train.on_nonfinite == "stop":
+            raise self._diverged(k + 1, what, "; stopped before the step's update (train.on_nonfinite=stop)")
+        self.skipped_steps += 1
+        self.skipped_recent.add(k + 1)
+        if self.rank == 0:
+            warnings.warn(f"step {k + 1}: {what}: its update was skipped (train.on_nonfinite=skip; "
+                          f"{self.skipped_steps} skipped so far)", RuntimeWarning, stacklevel=3)
+        return self.precision.scaler is None           # fp16: the scaler's own skip drops it
+
+    def _loss_nonfinite(self, sums: list) -> bool:
+        """Whether some data rank's micro-batch loss of this step is NaN/inf (one MAX all-reduce
+        over data and pipeline ranks, not in the ledger; every rank gets the same answer)."""
+        bad = bool(sums) and not bool(torch.isfinite(torch.stack(sums)).all())
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        with self.ledger.paused():
+            flag = C.all_reduce(C.all_reduce(flag, self.mesh.data, op="max"), self.mesh.pipeline, op="max")
+        return bool(flag[0] > 0)
+
+    def _last_checkpoint(self) -> str:
+        """The last complete checkpoint, for messages (after the save in flight is done)."""
+        if self.checkpointer is None or self.checkpointer.root is None:
+            return self.resume_from or "none (no run directory)"
+        from ..checkpoint.files import read_latest
+
+        try:
+            latest = read_latest(self.checkpointer.root)
+        except Exception:                              # noqa: BLE001 (a message must not fail)
+            latest = None
+        return latest or self.resume_from or "none was written"
+
+    def _diverged(self, step: int, what: str, how: str = "") -> NonFiniteError:
+        """The error every rank raises when ``step`` diverged (train.on_nonfinite=stop): first
+        the save in flight — of an earlier, finite step — is waited for, so ``latest`` names the
+        last finite checkpoint, and the checkpointer is closed."""
+        note = ""
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.close()
+            except Exception as e:                     # noqa: BLE001 (named; the divergence is the news)
+                note = f" (and the save in flight failed: {' '.join(str(e).split())})"
+        t = self.cfg.train
+        return NonFiniteError(
+            f"step {step}: {what}: the run diverged (train.lr={t.lr:g}, train.grad_clip={t.grad_clip:g}){how}{note}; "
+            f"last finite checkpoint: {self._last_checkpoint()}. Fix: lower train.lr (or train.grad_clip) and "
+            f"continue from that checkpoint (--resume latest --allow-changed-schedule), or start again; "
+            f"train.on_nonfinite=skip skips such steps instead of stopping.")
 
     def _forward_backward(self, micro: list, weight: float) -> list:
         """Every micro-batch's forward and backward (the pipeline schedule's, or one after the
@@ -464,6 +558,12 @@ class Trainer:
                 comm_share, mems, bubble, predicted = self._gather_rank_stats(self.ledger.seconds() - comm_at_last, wall, busy)
                 losses = self._global_losses(pending)
                 all_losses += losses
+                # the loss is known globally only here (its sum over data ranks): a non-finite one
+                # with a finite gradient norm (every step's check) is rare, and is acted on now
+                nonfinite = [(steps_at_last + 1 + i, x) for i, x in enumerate(losses)
+                             if x is not None and not math.isfinite(x) and steps_at_last + 1 + i not in
+                             self.skipped_recent]
+                self.skipped_recent.clear()
                 tps = n_steps * tokens_per_step / wall
                 rec = {"step": k + 1, "loss": losses[-1], "valid_tokens": self.step_valid_tokens,
                        "lr": lr, "grad_norm": float(norm),
@@ -473,7 +573,7 @@ class Trainer:
                        "predicted_mem_bytes": max(predicted) if predicted else None,
                        "predicted_mem_bytes_per_rank": predicted, "step_time_s": wall / n_steps,
                        "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - start,
-                       "loss_scale": self.precision.loss_scale(),
+                       "loss_scale": self.precision.loss_scale(), "skipped_steps": self.skipped_steps,
                        "bubble_share": max(bubble) if bubble else None, "bubble_share_per_rank": bubble}
                 if is_eval:
                     rec["val_loss"] = self.evaluate()
@@ -483,6 +583,13 @@ class Trainer:
                 pending, last, steps_at_last = [], time.perf_counter(), k + 1
                 comm_at_last = self.ledger.seconds()
                 busy_at_last = self._meter_marks()
+                if nonfinite and t.on_nonfinite == "stop":
+                    raise self._diverged(nonfinite[0][0], f"the loss is {nonfinite[0][1]} (found at the log step "
+                                                          f"{k + 1}; its gradient norm was finite)")
+                if nonfinite and self.rank == 0:
+                    warnings.warn(f"step {nonfinite[0][0]}: the loss is {nonfinite[0][1]} with a finite gradient "
+                                  f"norm: its update was taken (train.on_nonfinite=skip acts on non-finite gradient "
+                                  f"norms)", RuntimeWarning, stacklevel=2)
                 if stop:
                     raise self._stopped(k + 1, saving, all_losses)
             if saving and t.steps > self.start_step and self.checkpointer.last_requested != t.steps:

@@ -1,0 +1,182 @@
+"""Does a config's layout fit this machine's memory? ``gridshard train`` and ``--check`` ask
+before any worker starts, print the answer and refuse (exit 2) when it does not.
+
+Predicted peak per rank: the planner's worst rank of the config's own layout
+(:func:`gridshard.planner.cost_memory.layout_memory`, i.e.
+:func:`gridshard.theory.memory.predict_rank_memory` — what the trainer later logs as
+``predicted_mem_bytes`` — over data rank 0 and the heaviest pipeline ranks, with the even
+stage split). Its ``total`` is compared, not ``total_with_margin``: the headroom is taken on
+the memory side instead (below). The baseline (what a process holds before the model exists)
+is the packaged hardware file's ``reserved_bytes``: ``cpu`` (Python + torch + gloo, ~350 MiB)
+on the host, ``h100`` (CUDA context, NCCL, allocator: 2 GiB) on a GPU. With
+``train.offload=optimizer`` on a GPU the AdamW state lives in host memory and is left out of
+the device's bytes.
+
+Memory each rank may use: ``USABLE_FRACTION`` (90 %) of
+
+* a GPU's memory (``torch.cuda.get_device_properties(i).total_memory``, the smallest of the
+  visible devices) on CUDA — one rank per device;
+* the host's RAM (``/proc/meminfo`` MemTotal, else ``SC_PAGE_SIZE × SC_PHYS_PAGES``) shared
+  by the local worker processes on CPU: ``local`` × per-rank must fit, so each rank gets
+  1/``local`` of it (under torchrun ``local`` is ``LOCAL_WORLD_SIZE``).
+
+The 10 % left is the planner's safety margin in another place (it adds 10 % of the modelled
+bytes and compares with the whole memory): the same order, and a config whose prediction is
+refused here is one the planner rejects too.
+
+When the layout does not fit, the refusal names the nearest layout that does on the same
+number of processes, as ``gridshard plan`` would choose it: :func:`gridshard.planner.search.plan`
+over every layout of the world size, with the device memory set to the per-rank budget
+(margin 0, so its test is this one), best predicted step time first; when none fits, the
+planner's own message (the smallest layout, and on GPUs the nearest device count that fits —
+more local CPU processes share the same RAM and do not help).
+
+The machine is asked through :func:`machine_budget` (tests pass their own
+:class:`MemoryBudget`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import ConfigError
+
+USABLE_FRACTION = 0.9
+GIB = 1 << 30
+
+
+def gib(n: float) -> str:
+    """Bytes in GiB, or MiB below 1 GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The bytes one rank may use (``per_rank``), the memory they come from (``total``, what
+    ``where`` names) and whether it is a GPU's (one per rank) or host RAM shared by ``local``."""
+
+    per_rank: int
+    total: int
+    where: str
+    cuda: bool = False
+    local: int = 1
+
+
+def host_memory_bytes() -> int:
+    """The machine's RAM: ``/proc/meminfo`` MemTotal, else ``SC_PAGE_SIZE × SC_PHYS_PAGES``."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def machine_budget(local: int, cuda: Optional[bool] = None) -> MemoryBudget:
+    """This machine's budget per rank for ``local`` worker processes (module docstring)."""
+    import torch
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count():
+        props = min((torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())),
+                    key=lambda p: p.total_memory)
+        total = int(props.total_memory)
+        return MemoryBudget(int(USABLE_FRACTION * total), total, f"{gib(total)} on each GPU ({props.name})",
+                            cuda=True, local=local)
+    total = host_memory_bytes()
+    return MemoryBudget(int(USABLE_FRACTION * total / max(1, local)), total,
+                        f"{gib(total)} host RAM shared by {local} local process{'es' if local > 1 else ''}",
+                        cuda=False, local=local)
+
+
+def config_layout(cfg):
+    """The planner's :class:`~gridshard.planner.layouts.Layout` of a validated config."""
+    from .layouts import Layout
+
+    p, t = cfg.parallel, cfg.train
+    return Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, p.sequence_parallel, t.zero, t.recompute,
+                  t.micro_batch, p.pipeline_schedule, p.virtual_stages)
+
+
+def _hardware(budget: MemoryBudget):
+    """The packaged hardware the baseline comes from, its memory set to the budget, margin 0."""
+    from .hardware import load_hardware
+
+    hw = load_hardware("h100" if budget.cuda else "cpu")
+    return dataclasses.replace(hw, device_memory_bytes=budget.per_rank, margin_fraction=0.0)
+
+
+def predicted_peak(cfg, budget: MemoryBudget):
+    """(worst rank's RankMemory, its pipeline rank) of the config's layout (module docstring)."""
+    from .cost_memory import layout_memory
+
+    hw = _hardware(budget)
+    mem, rank = layout_memory(cfg.model.resolve(), config_layout(cfg), cfg.data.seq_len, cfg.train.global_batch,
+                              hw.reserved_bytes, hw.margin_fraction)
+    if budget.cuda and cfg.train.offload == "optimizer":
+        mem = dataclasses.replace(mem, optimizer=0)
+    return mem, rank
+
+
+def _parts(mem) -> str:
+    return (f"params {gib(mem.params)}, grads {gib(mem.grads)}, optimizer {gib(mem.optimizer)}, activations "
+            f"{gib(mem.activations)}, buffers {gib(mem.comm_buffers + mem.transient)}, baseline {gib(mem.baseline)}")
+
+
+def _changed_keys(cfg, layout) -> list:
+    """``section.key=value`` of ``layout`` that differ from ``cfg``."""
+    out = []
+    for section, values in (("parallel", layout.parallel_section()), ("train", layout.train_section())):
+        have = getattr(cfg, section)
+        for k, v in values.items():
+            if getattr(have, k) != v:
+                out.append(f"{section}.{k}={str(v).lower() if isinstance(v, bool) else v}")
+    return out
+
+
+def nearest_fit(cfg, world: int, budget: MemoryBudget) -> str:
+    """The "what instead" of a refusal: the feasible layout on ``world`` processes that changes
+    the fewest keys of ``cfg`` (then the fastest), from the planner's candidates; or the
+    planner's message when nothing fits (module docstring)."""
+    from .search import no_layout_message, plan
+
+    result = plan(cfg, world, hardware=_hardware(budget), raise_if_none=False)
+    if result.candidates:
+        best = min(result.candidates, key=lambda c: (len(_changed_keys(cfg, c.layout)), c.predicted_step_s))
+        procs = f"{world} process{'es' if world > 1 else ''}"
+        return (f"Fix: the nearest layout that fits on {procs} is {best.layout.label()} at {gib(best.memory.total)} "
+                f"per rank: set {' '.join(_changed_keys(cfg, best.layout))} (`gridshard plan --gpus {world}` ranks "
+                f"every layout that fits), or use a smaller model.")
+    msg = no_layout_message(result)
+    if budget.cuda:
+        return f"{msg} Fix: run on that many GPUs (--nproc, or torchrun over several machines), or use a smaller model."
+    # more local processes share the same RAM: the planner's other device counts do not apply
+    return (f"{msg.split(' Nearest feasible:')[0]} Fix: a machine with more memory, more machines (torchrun; "
+            f"more local processes share the same RAM), a smaller model or a shorter data.seq_len.")
+
+
+def check_memory(cfg, world: int, budget: MemoryBudget) -> str:
+    """One line with the predicted peak per rank and the budget; ConfigError when it does not
+    fit (module docstring). A Hugging Face architecture (``model.hf_config``) is not modelled:
+    the line says so."""
+    if cfg.model.hf_config is not None:
+        return "predicted peak memory per rank: not modelled for a Hugging Face architecture (model.hf_config)"
+    mem, rank = predicted_peak(cfg, budget)
+    where = f" (pipeline rank {rank})" if cfg.parallel.pipeline > 1 else ""
+    line = (f"predicted peak memory per rank: {gib(mem.total)}{where} ({_parts(mem)}); usable "
+            f"{gib(budget.per_rank)} per rank ({USABLE_FRACTION:.0%} of {budget.where})")
+    if mem.total <= budget.per_rank:
+        return line
+    raise ConfigError(
+        f"the predicted peak memory per rank is {gib(mem.total)} ({mem.total} bytes{where}: {_parts(mem)}), more "
+        f"than the {gib(budget.per_rank)} ({budget.per_rank} bytes) each rank may use ({USABLE_FRACTION:.0%} of "
+        f"{budget.where}): the run would run out of memory. {nearest_fit(cfg, world, budget)}")
+
+
+__all__ = ["MemoryBudget", "USABLE_FRACTION", "host_memory_bytes", "machine_budget", "config_layout",
+           "predicted_peak", "nearest_fit", "check_memory"]
