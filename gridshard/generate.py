@@ -20,12 +20,12 @@ Generation stops early at the tokenizer's ``<|endoftext|>``, if it has one.
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
+from .data.tokenizer import run_tokenizer
 from .errors import ConfigError
 from .models.llama import ModelConfig, Transformer
 from .models.rope import apply_rope, rope_tables
@@ -55,28 +55,6 @@ def load_model(folder: str, checked=None) -> tuple:
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     model.load_state_dict(state, strict=True)
     return model.eval(), config
-
-
-def run_tokenizer(config: dict, folder: str):
-    """The tokenizer the run trained with: bytes for ``stdlib``/``text``; for ``prepared`` the
-    copy in the run directory (``RUN_DIR/tokenizer``) or else the data folder itself."""
-    from .data.tokenizer import ByteTokenizer
-
-    data = config["data"]
-    if data["kind"] in ("stdlib", "text"):
-        return ByteTokenizer()
-    if data["kind"] == "prepared":
-        from .data.prepare import prepared_tokenizer
-
-        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
-        for candidate in (os.path.join(run_dir, "tokenizer"), data["path"]):
-            if os.path.isfile(os.path.join(candidate, "meta.json")):
-                return prepared_tokenizer(candidate)
-        raise ConfigError(f"the run's tokenizer is gone: neither {os.path.join(run_dir, 'tokenizer')!r} nor "
-                          f"data.path={data['path']!r} holds meta.json. Fix: run from the folder the run was "
-                          f"trained in, or restore the prepared data folder.")
-    raise ConfigError(f"the run trained on data.kind={data['kind']} (raw token ids): gridshard does not know their "
-                      f"tokenizer. Fix: train on `gridshard prepare-data` output (data.kind=prepared).")
 
 
 class CachedDecoder:

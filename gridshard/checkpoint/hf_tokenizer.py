@@ -3,7 +3,7 @@ and ``special_tokens_map.json`` next to the weights, so that
 ``transformers.AutoTokenizer.from_pretrained(OUT)`` gives the run's own tokenizer.
 
 Which tokenizer the run trained with (the same rule as ``gridshard generate``,
-:func:`gridshard.generate.run_tokenizer`):
+:func:`gridshard.data.tokenizer.run_tokenizer`):
 
 * ``data.kind`` ``stdlib`` / ``text``: gridshard's byte tokenizer
   (:class:`gridshard.data.tokenizer.ByteTokenizer`: id = byte value, 256 ids, no special
@@ -120,7 +120,7 @@ def export_tokenizer(config: dict, folder: str, out_dir: str, note: Callable[[st
              "does not know. Fix: copy that tokenizer's tokenizer.json next to the weights, or train on "
              "`gridshard prepare-data` output (data.kind=prepared).")
         return []
-    from ..generate import run_tokenizer
+    from ..data.tokenizer import run_tokenizer
 
     try:
         tok = run_tokenizer(config, folder)

@@ -111,3 +111,23 @@ def load_tokenizer(folder: str, meta: dict):
     if spec["kind"] == "bytes":
         return ByteTokenizer()
     return HFTokenizer.from_file(os.path.join(folder, spec["file"]))
+
+
+def run_tokenizer(config: dict, folder: str):
+    """The tokenizer the run trained with: bytes for ``stdlib``/``text``; for ``prepared`` the
+    copy in the run directory (``RUN_DIR/tokenizer``) or else the data folder itself."""
+    data = config["data"]
+    if data["kind"] in ("stdlib", "text"):
+        return ByteTokenizer()
+    if data["kind"] == "prepared":
+        from .prepare import prepared_tokenizer
+
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
+        for candidate in (os.path.join(run_dir, "tokenizer"), data["path"]):
+            if os.path.isfile(os.path.join(candidate, "meta.json")):
+                return prepared_tokenizer(candidate)
+        raise ConfigError(f"the run's tokenizer is gone: neither {os.path.join(run_dir, 'tokenizer')!r} nor "
+                          f"data.path={data['path']!r} holds meta.json. Fix: run from the folder the run was "
+                          f"trained in, or restore the prepared data folder.")
+    raise ConfigError(f"the run trained on data.kind={data['kind']} (raw token ids): gridshard does not know their "
+                      f"tokenizer. Fix: train on `gridshard prepare-data` output (data.kind=prepared).")
