@@ -6,7 +6,7 @@ gloo, fresh processes) and each requested ZeRO stage, every rank builds a
 :class:`gridshard.engine.Trainer` (``train.zero`` passed through for stages > 0), runs one
 optimizer step and sums the distinct storages of its parameters, their gradients and the
 optimizer state (:func:`gridshard.engine.memory_meter.model_state_tensor_bytes`; a ZeRO
-implementation at ``trainer.zero`` may expose extra buffers as ``memory_tensors()``). That
+reducer ``trainer.reducer`` exposes its extra buffers as ``memory_tensors()``). That
 is compared with :func:`gridshard.theory.memory.model_state_bytes` for the same rank.
 Stages > 0 are skipped, with a message, while the trainer has no ``zero`` object (or the
 config does not know ``train.zero``).
@@ -49,8 +49,7 @@ def _config(model: dict, data: int, zero: int, recompute: str, micro_batch: int,
 
 
 def _zero_extra(trainer):
-    zero = getattr(trainer, "zero", None)
-    return list(zero.memory_tensors()) if zero is not None and hasattr(zero, "memory_tensors") else []
+    return list(trainer.reducer.memory_tensors())
 
 
 def _model_state(model: dict, data: int, zero: int, micro_batch: int, seq: int):
@@ -64,8 +63,6 @@ def _model_state(model: dict, data: int, zero: int, micro_batch: int, seq: int):
         if zero:
             return {"skip": f"ZeRO-{zero}: the trainer does not accept train.zero yet ({type(e).__name__})"}
         raise
-    if zero and getattr(trainer, "zero", None) is None:
-        return {"skip": f"ZeRO-{zero}: the trainer has no ZeRO implementation (trainer.zero) yet"}
     trainer.step(0)
     got = model_state_tensor_bytes(trainer.model, trainer.optimizer, _zero_extra(trainer))
     return {"measured": got, "rank": trainer.mesh.data.rank}

@@ -139,7 +139,7 @@ def _prenorm_mlp(norm, first, second, axis=None):
 def build(block, impl, q, args):
     """(model, mesh) of one row; every rank holds the same global weights (same seed)."""
     from gridshard import build_mesh
-    from gridshard.nn.plain import plain_linear
+    from gridshard.testing.plain import plain_linear
 
     h, std = args["hidden"], args["init_std"]
     from torch import nn

@@ -37,7 +37,7 @@ def _train(cfg):
     from gridshard.engine import Trainer
 
     trainer = Trainer(cfg, progress=False)
-    shapes = [tuple(sp.shape) for sp in trainer.zero.sharded()]
+    shapes = [tuple(sp.shape) for sp in trainer.reducer.sharded()]
     losses = trainer.run()
     last = trainer.history[-1]
     return {"shapes": shapes, "losses": losses, "peak": last["peak_mem_bytes_per_rank"],

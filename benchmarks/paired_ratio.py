@@ -102,15 +102,22 @@ def timed_row(module: str, fn: str, *args):
     return out
 
 
-def run_row(root, bench, block, spec, opts):
-    out = subprocess.run([sys.executable, "-c", _ROW, os.path.abspath(root), bench, block, json.dumps(spec),
-                          json.dumps(opts), os.path.dirname(os.path.abspath(__file__))],
+def run_in_checkout(root: str, code: str, *args: str, what: str = "measurement") -> dict:
+    """Run ``code`` (a ``python -c`` script) in checkout ``root`` — its own gridshard first on
+    ``sys.path``, no inherited ``PYTHONPATH`` — with argv ``root, *args, benchmarks folder``;
+    returns the JSON of its ``RESULT {...}`` stdout line."""
+    out = subprocess.run([sys.executable, "-c", code, os.path.abspath(root), *args,
+                          os.path.dirname(os.path.abspath(__file__))],
                          capture_output=True, text=True, cwd=os.path.abspath(root),
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"row {spec} in {root} failed:\n{out.stderr[-3000:]}")
+    raise RuntimeError(f"{what} in {root} failed:\n{out.stderr[-3000:]}")
+
+
+def run_row(root, bench, block, spec, opts):
+    return run_in_checkout(root, _ROW, bench, block, json.dumps(spec), json.dumps(opts), what=f"row {spec}")
 
 
 def main(argv=None):

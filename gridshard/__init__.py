@@ -3,6 +3,7 @@ from . import _stop
 
 _stop.install_early()        # a launched worker: Ctrl-C while importing is a stop request (gridshard/_stop.py)
 from .errors import GridshardError, LayoutError, ShapeError, ConfigError, CheckpointError, NonFiniteError, SaveError
+from .job_layout import JobLayout, TensorMode
 from .mesh import ParallelMesh, Axis, build_mesh, init_distributed, validate_layout
 from .comm.ledger import LEDGER
 from .parallel import gathered_state_dict, parallelize
@@ -10,5 +11,5 @@ from .planner import plan
 
 __version__ = "0.1.0"
 __all__ = ["GridshardError", "LayoutError", "ShapeError", "ConfigError", "CheckpointError", "NonFiniteError", "SaveError",
-           "ParallelMesh", "Axis", "build_mesh", "init_distributed", "validate_layout", "LEDGER",
-           "parallelize", "gathered_state_dict", "plan"]
+           "JobLayout", "TensorMode", "ParallelMesh", "Axis", "build_mesh", "init_distributed", "validate_layout",
+           "LEDGER", "parallelize", "gathered_state_dict", "plan"]

@@ -706,12 +706,11 @@ def plot(run_dir, out):
 def generate(path, prompt, max_new_tokens, temperature, top_k, seed):
     """Sample a continuation of --prompt from the model in RUN_DIR (its latest checkpoint) or in
     CKPT_DIR, in one process whatever layout trained it; prints the prompt and its continuation."""
-    from .errors import CheckpointError
     from .generate import generate_text
 
     try:
         prompt, text, folder, step = generate_text(path, prompt, max_new_tokens, temperature, top_k, seed)
-    except (ConfigError, CheckpointError) as e:
+    except ConfigError as e:                          # a CheckpointError is one
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_CONFIG)
     click.echo(f"# {folder} (step {step}), temperature {temperature}, top-k {top_k}, seed {seed}", err=True)

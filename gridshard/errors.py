@@ -17,8 +17,10 @@ class ConfigError(GridshardError, ValueError):
     """A bad field in a YAML/dict config."""
 
 
-class CheckpointError(GridshardError, RuntimeError):
-    """A checkpoint that is corrupt or does not match the model."""
+class CheckpointError(ConfigError, RuntimeError):
+    """A checkpoint that cannot be used: missing, incomplete, damaged or incompatible with the
+    config. A ``ConfigError`` too: it is refused before any worker starts, and the CLI exits
+    with status 2 and the one-line message, as for any bad config."""
 
 
 class NonFiniteError(GridshardError, RuntimeError):

@@ -25,6 +25,7 @@ created, so a bad layout fails with a message instead of hanging.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -35,9 +36,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import LayoutError
+from .job_layout import TensorMode
 from .netutil import free_port
-
-TENSOR_MODES = ("none", "1d", "2d")
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,6 @@ def factorizations(world_size: int, pipeline: Optional[int] = None, square_tenso
     return out
 
 
-def nearest_squares(t: int):
-    """The perfect squares just below and above ``t`` (for error messages)."""
-    r = math.isqrt(t)
-    below = r * r if r >= 1 else 1
-    above = (r + 1) ** 2
-    return below, above
-
-
 def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tensor_mode: str = "1d") -> None:
     """Check that ``data × pipeline × tensor == world_size`` and that the tensor mode fits.
 
@@ -98,27 +90,11 @@ def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tens
     for name, v in (("data", data), ("pipeline", pipeline), ("tensor", tensor)):
         if not isinstance(v, int) or v < 1:
             raise LayoutError(f"parallel.{name}={v!r} is invalid: every parallel size must be an integer >= 1.")
-    if tensor_mode not in TENSOR_MODES:
-        raise LayoutError(
-            f"tensor_mode={tensor_mode!r} is unknown: it must be one of {TENSOR_MODES}. "
-            f"Fix: use '1d' (Megatron column/row) or '2d' (SUMMA on a q×q grid)."
-        )
-    if tensor_mode == "none" and tensor != 1:
-        raise LayoutError(
-            f"tensor_mode='none' with tensor={tensor}: without tensor parallelism T must be 1. "
-            f"Fix: set tensor_mode to '1d' or '2d', or tensor=1."
-        )
-    if tensor_mode == "2d":
-        q = math.isqrt(tensor)
-        if q * q != tensor:
-            lo, hi = nearest_squares(tensor)
-            raise LayoutError(
-                f"tensor={tensor} is not a perfect square: 2D tensor parallelism lays the T ranks out "
-                f"as a q×q grid, so T must be q². Fix: use tensor={lo} or tensor={hi}, or tensor_mode='1d'."
-            )
+    mode = TensorMode.parse(tensor_mode)
+    mode.check_tensor_size(tensor)
     if data * pipeline * tensor != world_size:
         valid = factorizations(world_size, pipeline if world_size % pipeline == 0 else None,
-                               square_tensor=(tensor_mode == "2d"))
+                               square_tensor=mode.is_grid)
         shown = ", ".join(f"(D={d}, P={p}, T={t})" for d, p, t in valid[:12])
         raise LayoutError(
             f"data×pipeline×tensor = {data}×{pipeline}×{tensor} = {data * pipeline * tensor} but the world "
@@ -197,7 +173,7 @@ class ParallelMesh:
     Build with :func:`build_mesh`. Attributes:
 
     * ``data``, ``pipeline``, ``tensor``: axes; ``tensor`` is the flattened grid in 2D.
-    * ``tensor_mode``: ``"none"``, ``"1d"`` or ``"2d"``.
+    * ``tensor_mode``: the :class:`gridshard.job_layout.TensorMode` (``none``, ``1d`` or ``2d``).
     * 2D only: ``q`` (grid side), ``grid_row``/``grid_col`` (my coordinates), and
       ``row``/``col`` axes (see the module docstring for which ranks they hold).
     """
@@ -205,17 +181,17 @@ class ParallelMesh:
     def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str,
                  flat_tensor_mesh: Optional[DeviceMesh] = None, ledger=None):
         self.device_mesh = device_mesh
+        self.flat_tensor_mesh = flat_tensor_mesh
         self.sizes = (data, pipeline, tensor)
-        self.tensor_mode = tensor_mode
+        self.tensor_mode = TensorMode.parse(tensor_mode)
         self.ledger = ledger
         self.data = _axis(device_mesh, "data", ledger=ledger)
         self.pipeline = _axis(device_mesh, "pipeline", ledger=ledger)
         # 2D: the flattened grid, kept from _flatten (slicing it from the root by name is deprecated)
         self.tensor = _axis(flat_tensor_mesh, None, "tensor", ledger) if flat_tensor_mesh is not None \
             else _axis(device_mesh, "tensor", ledger=ledger)
-        self.q = None
-        if tensor_mode == "2d":
-            self.q = math.isqrt(tensor)
+        self.q = self.tensor_mode.grid_side(tensor)
+        if self.tensor_mode.is_grid:
             self.row = _axis(device_mesh, "grid_col", "row", ledger)
             self.col = _axis(device_mesh, "grid_row", "col", ledger)
             self.grid_row = self.col.rank
@@ -231,41 +207,44 @@ class ParallelMesh:
         return f"ParallelMesh(D={d}, P={p}, T={t}, mode={self.tensor_mode!r}, rank={dist.get_rank()})"
 
 
-_MESH_CACHE: dict = {}
-
-
 def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None,
                ledger=None) -> ParallelMesh:
-    """Validate the layout, then build (or reuse) the DeviceMesh for it.
+    """Validate the layout, then build (or reuse, :func:`layout_mesh`) the mesh for it.
 
     ``tensor_mode`` defaults to ``"none"`` for T=1 and ``"1d"`` otherwise.
     The process group must already be initialised (:func:`init_distributed`).
-    Device meshes are cached per layout, so calling this repeatedly creates no new groups.
-    ``ledger``: a :class:`gridshard.comm.CommLedger` that records this mesh's collectives
-    (a job's own; default: the current ledger, ``gridshard.LEDGER``).
+    Calling this repeatedly creates no new process groups: without ``ledger`` the same
+    :class:`ParallelMesh` comes back; with one, a mesh over the same device meshes whose axes
+    record into it. ``ledger``: a :class:`gridshard.comm.CommLedger` that records this mesh's
+    collectives (a job's own; default: the current ledger, ``gridshard.LEDGER``).
     """
-    if tensor_mode is None:
-        tensor_mode = "none" if tensor == 1 else "1d"
+    tensor_mode = TensorMode.parse(tensor_mode if tensor_mode is not None else "none" if tensor == 1 else "1d")
     if not dist.is_initialized():
         raise LayoutError("build_mesh() needs an initialised process group: call gridshard.init_distributed() first.")
-    world = dist.get_world_size()
-    validate_layout(world, data, pipeline, tensor, tensor_mode)
-    key = (id(dist.group.WORLD), world, data, pipeline, tensor, tensor_mode)
-    if key in _MESH_CACHE:
-        cached = _MESH_CACHE[key]
-        if ledger is None:
-            return cached
-        return ParallelMesh(cached.device_mesh, data, pipeline, tensor, tensor_mode, cached.flat_tensor_mesh, ledger)
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if tensor_mode == "2d":
-        q = math.isqrt(tensor)
+    validate_layout(dist.get_world_size(), data, pipeline, tensor, tensor_mode)
+    mesh = layout_mesh(dist.group.WORLD, data, pipeline, tensor, tensor_mode)
+    if ledger is None:
+        return mesh
+    return ParallelMesh(mesh.device_mesh, data, pipeline, tensor, tensor_mode, mesh.flat_tensor_mesh, ledger)
+
+
+@functools.lru_cache(maxsize=32)
+def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode: TensorMode) -> ParallelMesh:
+    """The :class:`ParallelMesh` (recording into the current ledger) of a validated layout of
+    ``world_group``, over a new DeviceMesh (and, in 2D, its flattened tensor mesh).
+
+    A memo keyed by the world process group and the layout, bounded to 32 layouts: creating a
+    DeviceMesh creates its process groups (a collective over every rank, with sockets that live
+    as long as the process), so a process that builds the same layout many times (the test
+    harness's workers, evaluation, export) builds it once. Every rank calls it in the same
+    order, so the memo's hits and evictions are the same on every rank."""
+    device_type = "cuda" if dist.get_backend(world_group) == "nccl" else "cpu"
+    if tensor_mode.is_grid:
+        q = tensor_mode.grid_side(tensor)
         dm = init_device_mesh(device_type, (data, pipeline, q, q),
                               mesh_dim_names=("data", "pipeline", "grid_row", "grid_col"))
         flat = dm["grid_row", "grid_col"]._flatten("tensor")
     else:
         dm = init_device_mesh(device_type, (data, pipeline, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
         flat = None
-    mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat)
-    mesh.flat_tensor_mesh = flat
-    _MESH_CACHE[key] = mesh
-    return mesh if ledger is None else ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, ledger)
+    return ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat)

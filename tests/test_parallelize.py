@@ -118,7 +118,7 @@ def test_layouts_that_cannot_work_fail_with_one_clear_error(kwargs, T, mode, wor
 
 def _dtensor_views(T, mode, tied):
     from gridshard import build_mesh, gathered_state_dict, parallelize
-    from gridshard.parallel import dtensor_state_dict
+    from gridshard.testing.dtensor_views import dtensor_state_dict
 
     model = parallelize(own_tiny(tied, 4), build_mesh(1, 1, T, mode), seed=2, device="cpu")
     full = gathered_state_dict(model)

@@ -82,7 +82,8 @@ def test_hf_weights_import_and_export_by_name(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from gridshard.models import ModelConfig, Transformer
-    from gridshard.models.hf import export_hf_state_dict, load_hf_weights
+    from gridshard.models.hf import export_hf_state_dict
+    from gridshard.testing.hf_weights import load_hf_weights
     from gridshard.testing.inputs import randint
 
     hf = hf_tiny(tied=False)

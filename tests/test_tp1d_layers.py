@@ -16,7 +16,7 @@ from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
 from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
 from gridshard.nn.norm import RMSNorm
-from gridshard.nn.plain import plain_embedding, plain_linear
+from gridshard.testing.plain import plain_embedding, plain_linear
 from gridshard.parallel import ParallelContext
 from gridshard.testing import assert_close, run_on_ranks
 from gridshard.theory import tp1d

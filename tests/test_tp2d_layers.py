@@ -22,7 +22,7 @@ from gridshard.nn.embedding_2d import Embedding2D, VocabParallelEmbedding2D
 from gridshard.nn.linear_2d import Linear2D
 from gridshard.nn.norm_2d import LayerNorm2D, RMSNorm2D
 from gridshard.nn.patch_embedding_2d import PatchEmbedding2D
-from gridshard.nn.plain import plain_embedding, plain_lm_head, plain_linear
+from gridshard.testing.plain import plain_embedding, plain_lm_head, plain_linear
 from gridshard.parallel import ParallelContext
 from gridshard.testing import assert_close, run_on_ranks
 from gridshard.theory import tp2d

@@ -42,7 +42,7 @@ def _ledger_body(cfg):
         filled += b
     led = trainer.ledger
     return (led.count("all_reduce", "data"), led.payload_bytes("all_reduce", "data"),
-            steps * buckets, len(trainer.grad_sync.buckets), sum(p.numel() for p in trainer.params))
+            steps * buckets, len(trainer.reducer.buckets), sum(p.numel() for p in trainer.params))
 
 
 @pytest.mark.parametrize("par", [{"data": 2}, {"data": 2, "tensor": 2, "tensor_mode": "1d"}],
@@ -64,7 +64,7 @@ def _overlap_body(cfg):
     for overlap in (True, False):
         torch.manual_seed(0)
         trainer = Trainer({**cfg, "train": {**cfg["train"], "overlap_grad_reduce": overlap}}, progress=False)
-        sync = trainer.grad_sync
+        sync = trainer.reducer
         (tokens, targets), = trainer.plan.micro_batches(0)
         sync.arm()
         ctx = trainer.context

@@ -57,8 +57,7 @@ def held_model_state(trainer) -> dict:
     of the parameters, their gradients, the optimizer state and ZeRO's own buffers (flat shards,
     reduced gradient segments; shards and their gradients are views into those or the
     parameters), each counted once."""
-    zero = trainer.zero
-    got = model_state_tensor_bytes(trainer.model, trainer.optimizer, zero.memory_tensors() if zero else ())
+    got = model_state_tensor_bytes(trainer.model, trainer.optimizer, trainer.reducer.memory_tensors())
     return {"optimizer": got["optimizer"], "total": got["params"] + got["grads"] + got["optimizer"] + got["extra"]}
 
 
@@ -82,7 +81,7 @@ def _stages_body(cfg):
         st = model_state_bytes([(shape, None) for shape in local_shapes], stage, D, r)
         want_state = {"optimizer": st.optimizer, "total": st.held}
         if stage:
-            units = trainer.zero.units
+            units = trainer.reducer.units
             layers = [D * u.segment for u in units if u.name != "root"]
             root = sum(D * u.segment for u in units if u.name == "root")
             micro = c["train"]["global_batch"] // (D * c["train"]["micro_batch"])
@@ -91,7 +90,7 @@ def _stages_body(cfg):
             want_comm["all_reduce"] = (1, 8) if D > 1 else (0, 0)     # the shards' squared norm
         else:
             numel = sum(p.numel() for p in trainer.params)
-            want_comm = {"all_reduce": (len(trainer.grad_sync.buckets), 4 * numel), "all_gather": (0, 0),
+            want_comm = {"all_reduce": (len(trainer.reducer.buckets), 4 * numel), "all_gather": (0, 0),
                          "reduce_scatter": (0, 0)}
         out[stage] = (losses, [h["grad_norm"] for h in trainer.history], held, want_state, per_step, want_comm)
     return out

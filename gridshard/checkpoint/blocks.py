@@ -113,30 +113,31 @@ def canonical_rows_block(fqn: str, rows: torch.Tensor, full_shape, start: int, s
     return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(offsets), view[tuple(cut)])
 
 
-def _stepped_tensors(model: torch.nn.Module, zero=None):
+def _stepped_tensors(model: torch.nn.Module, reducer=None):
     """(name, the tensor the optimizer steps, box) for every trainable parameter once (tied weights
-    under their first name): the parameter itself, or with ``zero`` this data rank's rows of it.
+    under their first name): what ``reducer`` (:class:`gridshard.zero.reducer.GradReducer`) steps —
+    the parameter itself, or under ZeRO this data rank's rows of it —, without one every parameter.
     ``box(fqn, t)`` is the :class:`CanonicalBlock` of a tensor ``t`` laid out like that one
     (the parameter or one of its AdamW moments)."""
+    from ..zero.reducer import whole_parameters
+
     ctx = model.parallel_context
-    if zero is not None:
-        for sp in zero.sharded():
-            spec = ctx.layouts.get(sp.name) or get_spec(sp.param)
-            yield sp.name, sp.shard, (lambda fqn, t, sp=sp, spec=spec:
-                                      canonical_rows_block(fqn, t, sp.shape, sp.start, spec, ctx.mesh))
-        return
-    for name, p in model.named_parameters():
-        spec = ctx.layouts.get(name) or get_spec(p)
-        yield name, p, (lambda fqn, t, spec=spec: canonical_block(fqn, t, spec, ctx.mesh))
+    for s in (reducer.stepped() if reducer is not None else whole_parameters(model)):
+        spec = ctx.layouts.get(s.name) or get_spec(s.param)
+        if s.start is None:
+            yield s.name, s.tensor, (lambda fqn, t, spec=spec: canonical_block(fqn, t, spec, ctx.mesh))
+        else:
+            yield s.name, s.tensor, (lambda fqn, t, s=s, spec=spec:
+                                     canonical_rows_block(fqn, t, tuple(s.param.shape), s.start, spec, ctx.mesh))
 
 
-def model_blocks(model: torch.nn.Module, zero=None) -> dict:
+def model_blocks(model: torch.nn.Module, reducer=None) -> dict:
     """fqn → block for every trainable parameter once (tied weights under their first name)
-    of a model laid out by :func:`gridshard.parallelize`; fqn = ``"model." + name``. With
-    ``zero`` (:class:`gridshard.zero.ZeroDataParallel`) each data rank's block is its rows only
+    of a model laid out by :func:`gridshard.parallelize`; fqn = ``"model." + name``. With a ZeRO
+    ``reducer`` (:class:`gridshard.zero.ZeroDataParallel`) each data rank's block is its rows only
     (the shard: the parameter itself is not gathered under ZeRO-3)."""
     out = {}
-    for name, t, box in _stepped_tensors(model, zero):
+    for name, t, box in _stepped_tensors(model, reducer):
         b = box(MODEL + name, t)
         if b is not None:
             out[b.fqn] = b
@@ -171,13 +172,13 @@ def adam_state(optimizer, tensor) -> dict:
     return lookup(tensor) if lookup is not None else optimizer.state.get(tensor)
 
 
-def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, zero=None) -> dict:
+def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None) -> dict:
     """fqn → block of each AdamW moment (``optim.<param>.exp_avg`` / ``.exp_avg_sq``, the
     parameter's layout) plus ``optim.step`` (the shared step count, replicated, stored as shape [1]).
-    With ``zero`` the moments are the shards' (rows of the parameter's block)."""
+    Under a ZeRO ``reducer`` the moments are the shards' (rows of the parameter's block)."""
     ensure_adam_state(optimizer)
     out, step = {}, None
-    for name, t, box in _stepped_tensors(model, zero):
+    for name, t, box in _stepped_tensors(model, reducer):
         st = adam_state(optimizer, t) if t.numel() else None
         if not st:
             continue

@@ -137,17 +137,17 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     # ---- save ----------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, meta: dict, blocking: bool = False, zero=None) -> None:
+    def save(self, step: int, model, optimizer, meta: dict, blocking: bool = False, reducer=None) -> None:
         """Checkpoint ``step``: stage this rank's blocks, then write and publish them in the
         background (``blocking``: wait for it). ``meta``: the JSON fields of ``meta.json``.
-        ``zero``: the run's :class:`gridshard.zero.ZeroDataParallel` (blocks are its shards)."""
+        ``reducer``: the run's :class:`gridshard.zero.reducer.GradReducer` (blocks are what it steps)."""
         if self.root is None:
             return
         self.wait()
         self.last_requested = step
         t0 = time.perf_counter()
         hit(self.faults, "save_start", self.rank, step)
-        boxes = {**model_blocks(model, zero), **optimizer_blocks(model, optimizer, zero),
+        boxes = {**model_blocks(model, reducer), **optimizer_blocks(model, optimizer, reducer),
                  **rng_blocks(self.rank, next(model.parameters()).device)}
         staged = staged_copy(boxes)
         meta = {**meta, "format": F.FORMAT, "step": step, "world_size": self.world}
@@ -312,14 +312,14 @@ class Checkpointer:
         read_blocks(checked, model_blocks(model), self.group)
         return checked.meta
 
-    def load(self, folder: str, model, optimizer, load_optimizer: bool = True, zero=None) -> dict:
+    def load(self, folder: str, model, optimizer, load_optimizer: bool = True, reducer=None) -> dict:
         """Read ``folder`` into this rank's blocks of ``model`` (and ``optimizer``); restore the
         generator states when the world size is the one that wrote it. Returns ``meta.json``."""
         checked = self.verify(folder)
         meta = checked.meta
-        boxes = dict(model_blocks(model, zero))
+        boxes = dict(model_blocks(model, reducer))
         if load_optimizer:
-            boxes.update(optimizer_blocks(model, optimizer, zero))
+            boxes.update(optimizer_blocks(model, optimizer, reducer))
         device = next(model.parameters()).device
         rng = rng_blocks(self.rank, device) if meta.get("world_size") == self.world else {}
         rng = {k: v for k, v in rng.items() if k in checked.metadata.state_dict_metadata}
@@ -329,6 +329,6 @@ class Checkpointer:
             set_optimizer_step(optimizer, boxes["optim.step"].view)
         if rng:
             restore_rng(rng, self.rank, device)
-        if zero is not None:
-            zero.after_step()                          # ZeRO-1/2: every rank's rows into the whole block
+        if reducer is not None:
+            reducer.after_step()                       # ZeRO-1/2: every rank's rows into the whole block
         return meta

@@ -45,8 +45,7 @@ from typing import Optional
 
 from torch.distributed.checkpoint import FileSystemReader
 
-from .. import errors
-from ..errors import ConfigError
+from ..errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -55,12 +54,6 @@ MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(errors.CheckpointError, ConfigError):
-    """A checkpoint that cannot be used: missing, incomplete, damaged or incompatible. It is
-    ``gridshard.CheckpointError`` and, refused before any worker starts, a ``ConfigError``
-    (exit status 2)."""
 
 
 def checkpoints_root(run_dir: str) -> str:

@@ -80,7 +80,7 @@ def export_hf(folder: str, out_dir: str) -> list:
     _need_safetensors()
     from safetensors.torch import save_file
 
-    from ..models.hf import gridshard_to_hf_name
+    from ..models.hf import export_hf_state_dict
 
     from .reader import read_checkpoint
 
@@ -95,7 +95,7 @@ def export_hf(folder: str, out_dir: str) -> list:
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(hf_fields, f, indent=1)
     else:
-        named = {gridshard_to_hf_name(k): v.contiguous() for k, v in tensors.items()}
+        named = export_hf_state_dict(tensors)
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(hf_llama_config(model_cfg), f, indent=1)
     weights = os.path.join(out_dir, SAFETENSORS)

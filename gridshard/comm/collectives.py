@@ -1,9 +1,33 @@
-"""Recorded collectives: the only module in gridshard that calls ``torch.distributed``
-communication functions. Each function
+"""Recorded collectives: every collective gridshard issues on the job's tensors — the
+tensor-parallel layers' dual functions, SUMMA, the data-parallel gradient reduction and
+ZeRO's gathers, the gradient norm, the tied-embedding sum across stages, the trainer's
+metric reductions — is one of these functions, recorded in the ledger (unless paused, as
+the metric reductions are).
+
+Other modules call ``torch.distributed`` themselves, for work the ledger does not count:
+
+* process groups: :mod:`gridshard.mesh` (``init_process_group``, DeviceMesh),
+  :mod:`gridshard.pipeline.tied` (the first/last stage pair's group),
+  :mod:`gridshard.checkpoint.checkpointer` (its own gloo group), the test harness;
+* small Python objects, once per run or per checkpoint: :mod:`gridshard.engine.trainer`
+  (rank 0's run directory), :mod:`gridshard.checkpoint.checkpointer` and
+  :mod:`gridshard.checkpoint.reader` (barriers, verdicts and refusals on the checkpoint
+  group), :mod:`gridshard.cli` (the barrier before a worker tears down);
+* PyTorch components that move tensors themselves: ``torch.distributed.checkpoint``
+  (:mod:`gridshard.checkpoint`, on the checkpointer's own group) and the
+  ``torch.distributed.pipelining`` schedules (:mod:`gridshard.pipeline.runner`; their sends
+  are recorded by :class:`gridshard.pipeline.meter.StageMeter` through the same
+  :func:`gridshard.comm.ledger.record`);
+* measuring the machine: :mod:`gridshard.planner.calibrate` and
+  :mod:`gridshard.planner.calibrate_reference` time raw collectives (recording would only
+  add overhead to what they time).
+
+Each function here
 
 * is a no-op (returns its input or a view of it) on an axis of size 1, recording nothing;
-* records the call in its axis's ledger (the mesh's, else :data:`gridshard.comm.ledger.LEDGER`) with the payload bytes
-  defined there (full tensor for all-gather/reduce-scatter).
+* records the call through :func:`gridshard.comm.ledger.record` (the one route: the axis's
+  mesh ledger, else the current one; nothing while paused) with the payload bytes defined
+  there (full tensor for all-gather/reduce-scatter).
 
 Shapes (group of n ranks, ``dim`` = d):
 
@@ -25,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import Axis
-from .ledger import current_ledger
+from .ledger import record
 
 
 def _eager(fn):
@@ -47,10 +71,6 @@ def _eager(fn):
 
     return run
 
-
-def _ledger(axis):
-    """The mesh's ledger for this axis, else the current one."""
-    return axis.ledger if getattr(axis, "ledger", None) is not None else current_ledger()
 
 # torch >= 2.13 names the flat-buffer collectives *_single; older releases *_tensor.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -113,7 +133,7 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = Fa
     if inplace and not x.is_contiguous():
         raise ValueError("all_reduce(inplace=True) needs a contiguous tensor")
     out = x if inplace else x.clone(memory_format=torch.contiguous_format)
-    entry = _ledger(axis).add("all_reduce", axis.name, _nbytes(out), axis.size)
+    entry = record("all_reduce", axis, _nbytes(out))
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     if async_op:
         return PendingCollective(dist.all_reduce(out, op=red, group=axis.group, async_op=True), out, entry)
@@ -144,7 +164,7 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = Fals
         raise ValueError(f"all_gather(async_op=True) needs dim {dim} outermost in memory; got strides {x.stride()}")
     src = lead if outermost else x.contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    entry = _ledger(axis).add("all_gather", axis.name, _nbytes(out), n)
+    entry = record("all_gather", axis, _nbytes(out))
     if async_op:
         return PendingCollective(_all_gather_flat(out, src, group=axis.group, async_op=True), out.movedim(0, dim),
                                  entry)
@@ -181,7 +201,7 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = 
         out = torch.empty(block_shape, dtype=x.dtype, device=x.device)
         src = torch.stack(x.chunk(n, dim=dim), dim=0).contiguous().view(n * block_shape[0], *block_shape[1:])
         result = out
-    entry = _ledger(axis).add("reduce_scatter", axis.name, _nbytes(x), n)
+    entry = record("reduce_scatter", axis, _nbytes(x))
     if async_op:
         return PendingCollective(_reduce_scatter_flat(out, src, group=axis.group, async_op=True), result, entry)
     with entry.owner.timed(entry, x.device):
@@ -200,7 +220,7 @@ def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False):
     if x.dim() != 1 or x.numel() % n:
         raise ValueError(f"reduce_scatter_flat: needs a 1-dim buffer of a multiple of {n} elements, got {tuple(x.shape)}")
     out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
-    entry = _ledger(axis).add("reduce_scatter", axis.name, _nbytes(x), n)
+    entry = record("reduce_scatter", axis, _nbytes(x))
     if async_op:
         return PendingCollective(_reduce_scatter_flat(out, x, group=axis.group, async_op=True), out, entry)
     with entry.owner.timed(entry, x.device):
@@ -232,7 +252,7 @@ def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
     if axis.size == 1:
         return PendingCollective(None, x, None) if async_op else x
     x = x.contiguous()
-    entry = _ledger(axis).add("broadcast", axis.name, _nbytes(x), axis.size)
+    entry = record("broadcast", axis, _nbytes(x))
     if async_op:
         work = dist.broadcast(x, src=axis.global_rank(src), group=axis.group, async_op=True)
         return PendingCollective(work, x, entry)
@@ -254,7 +274,7 @@ def reduce(x: torch.Tensor, axis: Axis, dst: int, async_op: bool = False):
     if axis.size == 1:
         return PendingCollective(None, x, None) if async_op else x
     out = x.clone(memory_format=torch.contiguous_format)
-    entry = _ledger(axis).add("reduce", axis.name, _nbytes(out), axis.size)
+    entry = record("reduce", axis, _nbytes(out))
     if async_op:
         work = dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
         return PendingCollective(work, out, entry)

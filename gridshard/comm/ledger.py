@@ -20,20 +20,30 @@ Each record is keyed by ``(op, axis)`` and accumulates
 
 The ledger is public API: ``gridshard.LEDGER.summary()`` shows what a step moved.
 
-Scope. Collectives are written to the *current* ledger: the one installed by the
-innermost ``with use_ledger(ledger):`` on this thread/task (a ``contextvars`` variable),
-else a default ledger. ``LEDGER`` always means "the current ledger", so a job (the
-trainer owns one ``CommLedger`` and runs its steps under ``use_ledger``) never mixes its
-counts with another job's or a test's in the same process. Entries are keyed by
-(op, mesh-axis name).
+Scope: one route. Every recorded call — the collectives of :mod:`gridshard.comm.collectives`
+and the pipeline sends of :class:`gridshard.pipeline.meter.StageMeter` — goes through
+:func:`record`, which writes to :func:`ledger_of` its axis: the axis's own ledger when its
+mesh was built with one (``build_mesh(..., ledger=job_ledger)``: the trainer's meshes, so a
+job never mixes its counts with another job's or a test's in the same process, and the
+calls autograd runs on its own threads are recorded there too), else the *current* ledger:
+the one installed by the innermost ``with use_ledger(ledger):`` on this thread/task (a
+``contextvars`` variable), else a default ledger. ``LEDGER`` always means "the current
+ledger". Entries are keyed by (op, mesh-axis name).
 
-Blind spots are said, not hidden: collectives issued by PyTorch components that do not go
-through :mod:`gridshard.comm.collectives` (FSDP, ``torch.distributed.checkpoint``,
-DTensor redistribution) cannot be counted; code that hands work to such a component calls
-``note_untracked(name)`` and ``summary()`` lists them as not recorded. The point-to-point
-sends of ``torch.distributed.pipelining`` schedules are recorded (op ``send``, axis
-``pipeline``) by :class:`gridshard.pipeline.meter.StageMeter`, which wraps the stage's
-send-op constructors.
+Pausing belongs to the route, not to one ledger: inside ``with ledger.paused():`` (any
+ledger, ``LEDGER`` included) nothing issued on this thread/task is recorded, whichever
+ledger it would go to — so ``gathered_state_dict`` on a trainer's mesh stays out of the
+trainer's ledger, as its docstring says. ``ledger.enabled = False`` switches one ledger
+off for good.
+
+Blind spots: collectives issued by PyTorch components that do not go through
+:mod:`gridshard.comm.collectives` (FSDP, ``torch.distributed.checkpoint``, DTensor
+redistribution) cannot be counted. gridshard's own use of one, ``torch.distributed.checkpoint``,
+runs on the checkpointer's own process group, outside the training step the ledger describes;
+code that hands a step's work to such a component can say so with ``note_untracked(name)``,
+and ``summary()`` then lists it as not recorded. The point-to-point sends of
+``torch.distributed.pipelining`` schedules are recorded (op ``send``, axis ``pipeline``) by
+:class:`gridshard.pipeline.meter.StageMeter`, which wraps the stage's send-op constructors.
 """
 from __future__ import annotations
 
@@ -91,7 +101,7 @@ class CommLedger:
         if entry is None:
             entry = self.entries[(op, axis)] = LedgerEntry(op, axis)
             entry.owner = self                      # async handles time their wait in the same ledger
-        if self.enabled:
+        if self.recording:
             entry.count += 1
             entry.payload_bytes += int(payload_bytes)
             entry.wire_bytes += ring_wire_bytes(op, payload_bytes, group_size)
@@ -101,7 +111,7 @@ class CommLedger:
     @contextmanager
     def timed(self, entry: LedgerEntry, device: torch.device):
         """Adds the wall time of the block to ``entry`` when timing is on."""
-        if not (self.timing and self.enabled):
+        if not (self.timing and self.recording):
             yield
             return
         if device.type == "cuda":
@@ -138,23 +148,50 @@ class CommLedger:
             lines.append(f"not recorded (collectives of): {', '.join(sorted(self.untracked))}")
         return "\n".join(lines)
 
-    @contextmanager
+    @property
+    def recording(self) -> bool:
+        """Whether a call added now counts: this ledger is enabled and recording is not paused here."""
+        return self.enabled and not _PAUSED.get()
+
     def paused(self):
-        """Do not record collectives issued inside the block (e.g. metrics reductions)."""
-        prev = self.enabled
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = prev
+        """Record nothing issued inside the block on this thread/task, in *any* ledger (e.g.
+        metrics reductions, gathering a state dict): the pause of the one route, see the module
+        docstring's "Scope"."""
+        return recording_paused()
 
 
 _DEFAULT = CommLedger()
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("gridshard_ledger", default=_DEFAULT)
+_PAUSED: contextvars.ContextVar = contextvars.ContextVar("gridshard_ledger_paused", default=False)
+
+
+@contextmanager
+def recording_paused():
+    """Inside the block no call is recorded on this thread/task, whichever ledger it would go to."""
+    token = _PAUSED.set(True)
+    try:
+        yield
+    finally:
+        _PAUSED.reset(token)
+
+
+def ledger_of(axis) -> CommLedger:
+    """Where calls on ``axis`` are recorded: its mesh's ledger, else :func:`current_ledger`."""
+    bound = getattr(axis, "ledger", None)
+    return bound if bound is not None else _CURRENT.get()
+
+
+def record(op: str, axis, payload_bytes: int, group_size: int | None = None) -> LedgerEntry:
+    """The one route of every recorded call: ``op`` on ``axis`` (an :class:`gridshard.mesh.Axis`)
+    moving ``payload_bytes`` in a group of ``group_size`` ranks (default ``axis.size``), added to
+    :func:`ledger_of` the axis unless recording is paused. Returns the entry (async handles time
+    their wait in it)."""
+    return ledger_of(axis).add(op, axis.name, payload_bytes, axis.size if group_size is None else group_size)
 
 
 def current_ledger() -> CommLedger:
-    """The ledger collectives are written to here (see "Scope" in the module docstring)."""
+    """The current ledger: where calls on an axis without a ledger of its own are written
+    (see "Scope" in the module docstring)."""
     return _CURRENT.get()
 
 

@@ -178,9 +178,6 @@ class TrainConfig(BaseModel):
         p = self.parallel
         return p.data * p.pipeline * p.tensor
 
-    def model_shape(self) -> ModelConfig:
-        return self.model.resolve()
-
     def resolved(self) -> dict:
         """Plain dict with the model fields spelled out (what ``RUN_DIR/config.yaml`` holds);
         loading it back gives the same config."""

@@ -26,6 +26,7 @@ config with every field spelled out.
 from __future__ import annotations
 
 from ..errors import ConfigError, LayoutError
+from ..job_layout import StageSplit, TensorMode, micro_batches_per_step
 from ..mesh import validate_layout
 from ..nn.shape_rules import model_shape_rules
 from .schema import TrainConfig
@@ -68,7 +69,7 @@ def _layout(cfg: TrainConfig, world_size: int):
         validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode)
     except LayoutError as e:
         raise ConfigError(f"parallel section: {e} (world size {world_size} = --nproc or WORLD_SIZE)") from None
-    if p.sequence_parallel and not (p.tensor_mode == "1d" and p.tensor > 1):
+    if p.sequence_parallel and not TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(True, p.tensor):
         _fail("parallel.sequence_parallel", True,
               f"sequence parallelism splits the 1d tensor group's activations, but tensor_mode={p.tensor_mode!r} "
               f"and tensor={p.tensor}", "set parallel.sequence_parallel=false, or tensor_mode=1d with tensor>1")
@@ -87,8 +88,6 @@ def _batch(cfg: TrainConfig):
 
 def _pipeline(cfg: TrainConfig):
     """Pipeline rules: stages hold ≥ 1 layer, the schedule gets the micro-batches it needs."""
-    from ..pipeline.split import stage_layer_counts
-
     p, t = cfg.parallel, cfg.train
     if p.virtual_stages < 1:
         _fail("parallel.virtual_stages", p.virtual_stages, "it must be >= 1", "use 1 (or 2+ with interleaved_1f1b)")
@@ -101,9 +100,8 @@ def _pipeline(cfg: TrainConfig):
     if cfg.model.hf_config is not None:
         _fail("parallel.pipeline", p.pipeline, "pipeline stages are built from gridshard's own model; a Hugging "
               "Face model (model.hf_config) runs with pipeline=1", "set parallel.pipeline=1 or drop model.hf_config")
-    stages = p.pipeline * p.virtual_stages
-    stage_layer_counts(cfg.model.resolve().layers, stages, p.stage_layers)     # raises a ConfigError
-    micro = t.global_batch // (t.micro_batch * p.data)
+    StageSplit.of(cfg.model.resolve().layers, p.pipeline, p.virtual_stages, p.stage_layers)  # raises ConfigError
+    micro = micro_batches_per_step(t.global_batch, t.micro_batch, p.data)
     if p.pipeline_schedule in ("gpipe", "1f1b") and p.virtual_stages != 1:
         _fail("parallel.virtual_stages", p.virtual_stages, f"pipeline_schedule={p.pipeline_schedule} runs one "
               f"stage per rank", "set virtual_stages=1, or pipeline_schedule=interleaved_1f1b")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..job_layout import micro_batches_per_step
 
 
 def step_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int,
@@ -70,7 +71,7 @@ class BatchPlan:
         self.stream = stream
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rows = rank_rows(global_batch, data_size, data_rank)
-        self.accumulation = global_batch // (micro_batch * data_size)
+        self.accumulation = micro_batches_per_step(global_batch, micro_batch, data_size)
         self.ignore_token = ignore_token
 
     def global_windows(self, step: int) -> torch.Tensor:

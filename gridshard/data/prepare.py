@@ -29,6 +29,7 @@ gives the input back exactly (for valid UTF-8 input).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -109,26 +110,38 @@ def _text_pieces(files: Sequence[str], chunk_bytes: int, limit: int) -> Iterator
             return
 
 
-_TOK = None                                           # the tokenizer of a pool worker
-
-
-def _init_worker(spec: Optional[str]):
-    global _TOK
+def _init_worker():
     os.environ["TOKENIZERS_PARALLELISM"] = "false"    # one core per worker
+
+
+def _tokenizer_of(spec: Optional[str]):
+    """Bytes for ``spec`` None, else the Hugging Face tokenizer whose JSON is ``spec``."""
     if spec is None:
-        _TOK = ByteTokenizer()
-    else:
-        from tokenizers import Tokenizer
+        return ByteTokenizer()
+    from tokenizers import Tokenizer
 
-        _TOK = HFTokenizer(Tokenizer.from_str(spec))
+    return HFTokenizer(Tokenizer.from_str(spec))
 
 
-def _encode(task):
+@functools.lru_cache(maxsize=1)
+def _worker_tokenizer(spec: Optional[str]):
+    """:func:`_tokenizer_of` in a pool worker: a memo keyed by the spec and bounded to one entry
+    (a preparation has one tokenizer), so each worker builds it once; a task carries the spec
+    (a few MB at most, small against a piece's encoding time)."""
+    return _tokenizer_of(spec)
+
+
+def _encode(tok, task):
+    """(file index, token ids, bytes read) of one piece encoded by ``tok``."""
     i, f, a, b = task
     data = read_piece(f, a, b)
-    if isinstance(_TOK, ByteTokenizer):
+    if isinstance(tok, ByteTokenizer):
         return i, np.frombuffer(data, dtype=np.uint8), b - a
-    return i, np.asarray(_TOK.encode_bytes(data), dtype=np.int64), b - a
+    return i, np.asarray(tok.encode_bytes(data), dtype=np.int64), b - a
+
+
+def _encode_in_worker(task, spec: Optional[str]):
+    return _encode(_worker_tokenizer(spec), task)
 
 
 def token_dtype_for(vocab_size: int) -> str:
@@ -273,17 +286,18 @@ def _prepare_into(out: str, files, inputs, tokenizer, vocab_size, val_fraction, 
     with open(tmp, "wb") as fh:
         tasks = _pieces(files, chunk_bytes)
         if workers == 1 or total <= chunk_bytes:
-            _init_worker(spec)
+            _init_worker()
+            own = _tokenizer_of(spec)                 # as a worker encodes: from the saved spec
             for task in tasks:
-                write(_encode(task), fh)
+                write(_encode(own, task), fh)
         else:
             import multiprocessing as mp
 
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+            with ctx.Pool(workers, initializer=_init_worker) as pool:
                 pending: deque = deque()
                 for task in tasks:
-                    pending.append(pool.apply_async(_encode, (task,)))
+                    pending.append(pool.apply_async(_encode_in_worker, (task, spec)))
                     if len(pending) >= 2 * workers:
                         write(pending.popleft().get(), fh)
                 while pending:

@@ -56,11 +56,6 @@ def stop_requested() -> bool:
     return _stop.state["requested"]
 
 
-def request_stop() -> None:
-    """What SIGINT does (for tests)."""
-    _stop.state["requested"] = True
-
-
 # ---- heartbeats ----------------------------------------------------------------------------
 def heartbeat_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, "logs", f"heartbeat_rank_{rank}")

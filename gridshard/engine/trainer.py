@@ -12,10 +12,10 @@ One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
                                                               targets (the tensor group's, same on
                                                               every tensor rank; 0 if none is valid)
         backward(L_da · D/N)                                  (× loss scale in fp16)
-    grads ← mean over data ranks (bucketed all-reduce, DataParallelGradSync; issued during
-            the last micro-batch's backward as each bucket completes)
-            train.zero ≥ 1: reduce-scatter per layer unit instead, each data rank keeping the
-            mean of its rows (gridshard.zero.ZeroDataParallel)
+    grads ← mean over data ranks by the reducer of train.zero (gridshard.zero.reducer; issued
+            during the last micro-batch's backward as each bucket/unit completes): ZeRO-0 an
+            in-place all-reduce per bucket of the persistent gradient buffer (.grad are views of
+            it); ZeRO ≥ 1 a reduce-scatter per layer unit, each data rank keeping its rows' mean
     ‖g‖  ← global norm, every parameter once (one all-reduce over tensor; ZeRO: over data too)
     clip to train.grad_clip; AdamW step (ZeRO: on this rank's rows, then ZeRO-1/2 all-gather them)
 
@@ -102,6 +102,7 @@ from ..comm.ledger import CommLedger
 from ..config import TrainConfig, load_config, resolve_config
 from ..data import BatchPlan, load_split
 from ..errors import NonFiniteError
+from ..job_layout import JobLayout
 from ..mesh import Axis, build_mesh, default_device, init_distributed
 from ..models import Transformer
 from ..parallel import context_of, parallelize
@@ -109,9 +110,9 @@ from ..parallel.compile import apply_compile
 from ..parallel.recompute import apply_recompute
 from ..pipeline.build import pipeline_rank_model
 from ..theory.training import flops_per_token, mfu
+from ..zero.reducer import build_reducer
 from . import control
 from .clip import clip_gradients, global_grad_norm
-from .grad_sync import DataParallelGradSync
 from .memory_meter import rss_now
 from .metrics import RunFiles, device_peak_flops, format_postfix, peak_memory_bytes
 from .optim import build_optimizer, set_lr
@@ -158,6 +159,7 @@ class Trainer:
         self.mem_baseline = rss_now() if self.device.type == "cpu" else 0
         self.model_cfg = cfg.model.resolve()
         mc = self.model_cfg
+        self.job = JobLayout.from_config(cfg, mc)      # every derived layout fact, decided once
         if cfg.model.hf_config is not None:
             from ..models.hf import build_hf_causal_lm
 
@@ -166,7 +168,7 @@ class Trainer:
             with torch.device("meta"):
                 plain = Transformer(mc)
         if p.pipeline > 1:                             # this rank's stages only, single-device names
-            plain = pipeline_rank_model(plain, self.mesh, p)
+            plain = pipeline_rank_model(plain, self.mesh, self.job.split)
         # values are a function of (seed, name, global index): the same global model at every layout
         self.model = parallelize(plain, self.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
                                  device=self.device, summa_overlap=p.summa_overlap,
@@ -184,23 +186,17 @@ class Trainer:
         self.checkpointer = Checkpointer(run_dir, t.keep_checkpoints, self.faults) if needs_checkpoints else None
         if self.resume_from is None and cfg.model.init_from is not None:
             self._init_from(cfg.model.init_from)       # into the whole blocks, before ZeRO shards them
-        overlap = t.overlap_grad_reduce and p.pipeline == 1
-        self.zero = self.grad_sync = None
-        if t.zero >= 1:
-            from ..zero import ZeroDataParallel
-
-            self.zero = ZeroDataParallel(self.model, self.mesh.data, t.zero, overlap=overlap)
+        # the data-parallel reduction of train.zero's stage (gridshard.zero.reducer): what the optimizer
+        # steps, what the norm counts and what a checkpoint holds all come from it
+        self.reducer = build_reducer(self.model, self.mesh.data, t.zero, int(t.bucket_mb * 2**20),
+                                     overlap=t.overlap_grad_reduce and p.pipeline == 1)
         offload = t.offload == "optimizer" and self.device.type == "cuda"
         if t.offload == "optimizer" and not offload:
             from ..zero import warn_offload_on_cpu
 
             warn_offload_on_cpu(self.device, self.rank)
         self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps,
-                                         tensors=self.zero.named_shards() if self.zero else None, offload=offload)
-        if self.zero is None:
-            self.grad_sync = DataParallelGradSync(self.params, self.mesh.data, int(t.bucket_mb * 2**20),
-                                                  overlap=overlap)
-        self.reducer = self.zero or self.grad_sync
+                                         tensors=self.reducer.optimizer_tensors(), offload=offload)
         self.precision = Precision(t.precision, self.device)
         self.pipeline = self.tied = None
         if p.pipeline > 1:
@@ -208,22 +204,18 @@ class Trainer:
 
             self.tied = TiedEmbeddingSync(self.model, self.mesh, mc.tie_embeddings)
             self.pipeline = PipelineRunner(
-                self.model, self.mesh, schedule=p.pipeline_schedule, virtual_stages=p.virtual_stages,
-                stage_layers=p.stage_layers, micro_batch=t.micro_batch,
-                n_microbatches=t.global_batch // (t.micro_batch * p.data), seq_len=cfg.data.seq_len,
+                self.model, self.mesh, schedule=p.pipeline_schedule, split=self.job.split, micro_batch=t.micro_batch,
+                n_microbatches=self.job.micro_batches, seq_len=cfg.data.seq_len,
                 loss=lambda logits, targets: self.context.loss(logits, targets, self.ignore_index, reduction="sum"),
                 precision=self.precision, device=self.device)
             counted = {id(q) for q in self.tied.counted(self.params)}
         else:
             counted = {id(q) for q in self.params}
-        if self.zero is not None:                      # the norm of the shards: each row once over data ranks
-            spec_of = dict(zip(self.params, self.param_specs))
-            self.norm_pairs = [(sp.shard, spec_of[sp.param]) for sp in self.zero.sharded()
-                               if id(sp.param) in counted and sp.stop > sp.start]
-            self.clip_tensors = [sp.shard for sp in self.zero.sharded() if sp.stop > sp.start]
-        else:
-            self.norm_pairs = [(q, s) for q, s in zip(self.params, self.param_specs) if id(q) in counted]
-            self.clip_tensors = self.params
+        # the norm reads each reduced tensor with its parameter's layout (ZeRO: rows, once over data ranks)
+        spec_of = {id(q): s for q, s in zip(self.params, self.param_specs)}
+        norm_tensors = self.reducer.norm_tensors()
+        self.norm_pairs = [(x, spec_of[id(q)]) for x, q in norm_tensors if id(q) in counted]
+        self.clip_tensors = [x for x, _ in norm_tensors]
         self.start_step = 0
         if self.resume_from is not None:
             self._resume(self.resume_from)
@@ -259,9 +251,9 @@ class Trainer:
         p, t = self.cfg.parallel, self.cfg.train
         resident = [x for x in (tokens, val_tokens) if x is not None and not isinstance(x, np.memmap)]
         return predict_rank_memory(
-            self.model_cfg, mode=p.tensor_mode, T=p.tensor, sequence_parallel=p.sequence_parallel, data=p.data,
+            self.model_cfg, mode=self.job.mode, T=p.tensor, sequence_parallel=self.job.sequence_parallel, data=p.data,
             data_rank=self.mesh.data.rank, zero=t.zero, recompute=t.recompute, micro_batch=t.micro_batch,
-            seq_len=self.cfg.data.seq_len, n_microbatches=t.global_batch // (t.micro_batch * p.data),
+            seq_len=self.cfg.data.seq_len, n_microbatches=self.job.micro_batches,
             pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
             layer_ids=[int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None,
             baseline_bytes=self.mem_baseline,
@@ -269,7 +261,7 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------
     def _resume(self, folder: str) -> None:
-        meta = self.checkpointer.load(folder, self.model, self.optimizer, zero=self.zero)
+        meta = self.checkpointer.load(folder, self.model, self.optimizer, reducer=self.reducer)
         if hasattr(self.optimizer, "reload_from_device"):
             self.optimizer.reload_from_device()
         self.start_step = int(meta["step"])
@@ -306,7 +298,7 @@ class Trainer:
                 "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor, "tensor_mode": p.tensor_mode,
                            "sequence_parallel": p.sequence_parallel},
                 "config": self.cfg.resolved(), "saved_unix_time": time.time()}
-        self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking, zero=self.zero)
+        self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking, reducer=self.reducer)
 
     # ---- one optimizer step -----------------------------------------------------------
     def step(self, k: int):
@@ -317,9 +309,7 @@ class Trainer:
         t = self.cfg.train
         lr = lr_at(k, t.lr, t.min_lr, t.warmup_steps, self.decay_steps, t.schedule)
         set_lr(self.optimizer, lr)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.zero is not None:
-            self.zero.zero_grad()
+        self.reducer.zero_grad()                       # persistent gradient buffers are zeroed, not dropped
         micro, n_valid = self.plan.step_batches(k)
         self.step_valid_tokens = n_valid
         if n_valid == 0 and self.rank == 0:            # every rank knows; each runs the step with weight 0
@@ -333,15 +323,14 @@ class Trainer:
         self.precision.unscale(self.optimizer)
         norm = global_grad_norm([q for q, _ in self.norm_pairs], self.mesh, [s for _, s in self.norm_pairs],
                                 pipeline_axis=self.mesh.pipeline,
-                                data_axis=self.mesh.data if self.zero is not None else None)
+                                data_axis=self.reducer.norm_axis)
         self.precision.agree_on_overflow(self.optimizer, norm)
         if self._skip_nonfinite(k, norm, sums):        # on_nonfinite=skip: the update is dropped
-            self.optimizer.zero_grad(set_to_none=True)
+            self.reducer.zero_grad()
         else:
             clip_gradients(self.clip_tensors, norm, t.grad_clip)
             self.precision.step(self.optimizer)
-            if self.zero is not None:
-                self.zero.after_step()                 # ZeRO-1/2: all-gather the updated rows
+            self.reducer.after_step()                  # ZeRO-1/2: all-gather the updated rows
         if not sums:                                   # a pipeline rank without the last stage
             share = torch.zeros((), dtype=torch.float64, device=self.device)
         else:
@@ -457,8 +446,7 @@ class Trainer:
                         loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index,
                                                            reduction="sum")
                     total += loss_sum.double()
-        if self.zero is not None:
-            self.zero.free_all()                       # ZeRO-3: the root stays gathered after a forward
+        self.reducer.free_all()                        # ZeRO-3: the root stays gathered after a forward
         with self.ledger.paused():
             total = C.all_reduce(total.reshape(1), self.mesh.data)
             total = C.all_reduce(total, self.mesh.pipeline)      # only the last stage holds sums

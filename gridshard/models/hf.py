@@ -9,7 +9,9 @@ Names: gridshard's :class:`gridshard.models.Transformer` uses Hugging Face's mod
 without the ``model.`` prefix (``embed_tokens``, ``layers.N.self_attn.q_proj``, …,
 ``norm``; ``lm_head`` at the top in both), and every parameter has the same canonical
 shape, so moving weights either way is the rename :func:`hf_to_gridshard_name` /
-:func:`gridshard_to_hf_name`, never a reshape.
+:func:`gridshard_to_hf_name`, never a reshape. Weights are read into a laid-out model by
+:func:`gridshard.checkpoint.hf_io.load_hf_blocks` (``model.init_from``) and written by
+``gridshard export`` (:func:`export_hf_state_dict`).
 """
 from __future__ import annotations
 
@@ -80,23 +82,6 @@ def hf_to_gridshard_name(name: str) -> str:
 
 def gridshard_to_hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else "model." + name
-
-
-def load_hf_weights(model: torch.nn.Module, state: dict, strict: bool = True) -> None:
-    """Copy a Hugging Face state dict (e.g. ``safetensors.torch.load_file(path)``) into a
-    plain gridshard Transformer built on CPU (before ``parallelize``) by name."""
-    own = model.state_dict()
-    renamed = {hf_to_gridshard_name(k): v for k, v in state.items() if "rotary_emb" not in k}
-    missing = sorted(set(own) - set(renamed))
-    unexpected = sorted(set(renamed) - set(own))
-    if strict and (missing or unexpected):
-        raise ConfigError(f"Hugging Face weights do not match the model: missing {missing[:5]}, unexpected "
-                          f"{unexpected[:5]}. Fix: build the model from the same config.")
-    for k, v in renamed.items():
-        if k in own and tuple(own[k].shape) != tuple(v.shape):
-            raise ConfigError(f"Hugging Face weight {k!r} has shape {tuple(v.shape)}, the model expects "
-                              f"{tuple(own[k].shape)}. Fix: build the model from the same config.")
-    model.load_state_dict({k: v for k, v in renamed.items() if k in own}, strict=False)
 
 
 def export_hf_state_dict(state: dict) -> dict:

@@ -17,6 +17,10 @@ all-gather of b·s·h·bytes). The lookup is then done on the transposed ids [s,
 partial sum is stored sequence-first and the reduce-scatter reads it in place; the block
 comes out sequence-first, the layout of the whole SP region (:mod:`gridshard.comm.dual_ops`). Without SP the backward needs no communication: every
 rank already holds the full output gradient and scatters it into its own rows.
+
+``sequence_parallel`` is a fact the layer is told (``parallelize`` passes it already in
+effect), read through the job layout's one rule
+(:meth:`gridshard.job_layout.TensorMode.sequence_parallel_in_effect`: off at T = 1).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from torch import nn
 
 from ..comm.dual_ops import reduce_from_group, reduce_scatter_sequence
 from ..errors import ShapeError
+from ..job_layout import TensorMode
 from .linear_1d import check_sequence_divisible
 from ..theory.vocab import padded_vocab_size
 from .sharding import ShardSpec, sharded_parameter
@@ -78,7 +83,7 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = self.padded_vocab // T
         self.vocab_start = self.axis.rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
-        self.sequence_parallel = sequence_parallel and T > 1
+        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
         spec = ShardSpec((self.padded_vocab, hidden), ((0, "tensor"),), canonical_shape=(vocab_size, hidden))
         self.weight = sharded_parameter(spec, mesh, padded_normal_init(vocab_size, init_std), dtype, device)
 

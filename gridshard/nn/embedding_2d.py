@@ -2,7 +2,7 @@
 
 Both take this rank's tokens [b/q, s] (batch block i, see ``ParallelContext.shard_tokens``)
 and return x[batch block i, :, hidden block j]. The global table is drawn as
-[vocab, hidden] with ``normal_(0, init_std)`` (init contract of :mod:`gridshard.nn.plain`).
+[vocab, hidden] with ``normal_(0, init_std)`` (init contract of :mod:`gridshard.testing.plain`).
 
 ``VocabParallelEmbedding2D`` (the LM's embedding): table padded to V_pad = ⌈V/q⌉·q
 rows (padding rows zero, appended after drawing, never looked up), block (i, j) =

@@ -50,6 +50,13 @@ block's share is partial, and it is made whole inside the layer (do not reduce a
 Column → row needs no communication between them (the column output block t is
 exactly the row input block t), hence one all-reduce forward and one backward per
 pair (or one all-gather + one reduce-scatter each way under SP).
+
+What a layer is told, not what it decides: the layers of :mod:`gridshard.nn` take the layout
+facts they need as constructor arguments (the mesh's tensor axis, ``sequence_parallel``,
+``replicate`` for shared kv heads) and never see the job's config or world. ``parallelize``
+passes ``sequence_parallel`` already *in effect* (:class:`gridshard.job_layout.JobLayout`); a
+layer built directly reads the request through the same rule
+(:meth:`gridshard.job_layout.TensorMode.sequence_parallel_in_effect`: off at T = 1).
 """
 from __future__ import annotations
 
@@ -65,6 +72,7 @@ from ..comm.dual_ops import (copy_to_group, gather_from_group, gather_sequence, 
                              sum_over_replicas)
 from ..comm.input_grad_overlap import column_input
 from ..errors import LayoutError, ShapeError, check_divisible
+from ..job_layout import TensorMode
 from .precomputed import take_output
 from .sharding import ShardSpec, sharded_parameter
 
@@ -215,7 +223,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_local = out_features // blocks
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.sequence_parallel = sequence_parallel and T > 1
+        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
         self.fused_parts = fused_parts
         # backward: the input gradient's collective overlaps the weight-gradient GEMM (exact either way)
         self.overlap_input_grad = True
@@ -290,14 +298,14 @@ class RowParallelLinear(nn.Module):
         self.axis = mesh.tensor
         T = self.axis.size
         check_divisible(in_features, T, "RowParallelLinear in_features", T_NAME)
-        if sequence_parallel and not input_is_parallel and T > 1:
+        if TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T) and not input_is_parallel:
             raise LayoutError("RowParallelLinear(sequence_parallel=True, input_is_parallel=False): under sequence "
                               "parallelism the row layer's input must be the column-split activation. "
                               "Fix: set input_is_parallel=True (feed it the output of a ColumnParallelLinear).")
         self.in_features, self.out_features = in_features, out_features
         self.in_local = in_features // T
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
-        self.sequence_parallel = sequence_parallel and T > 1
+        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
         w_spec = ShardSpec((out_features, in_features), ((1, "tensor"),))
         self.weight = sharded_parameter(w_spec, mesh, _normal(init_std), dtype, device)
         if bias:

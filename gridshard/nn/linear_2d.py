@@ -5,7 +5,7 @@ Layout (rank (i, j) = (``mesh.grid_row``, ``mesh.grid_col``)):
 * input  x [b, s, in]  → block [b/q, s, in/q]  = x[batch block i, :, in block j];
 * weight W [in, out]   → block [in/q, out/q]   = W[in block i, out block j]
   (stored [in, out]; the *global* weight is drawn as [out, in] with
-  ``normal_(0, init_std)`` per the init contract of :mod:`gridshard.nn.plain`, then
+  ``normal_(0, init_std)`` per the init contract of :mod:`gridshard.testing.plain`, then
   transposed, so the same seed gives the same global model as a plain nn.Linear);
 * bias   b [out]       → block [out/q²]        = sub-block i of out block j;
 * output y [b, s, out] → block [b/q, s, out/q] = y[batch block i, :, out block j].

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..comm.dual_ops import copy_to_group
 from ..errors import LayoutError
+from ..job_layout import TensorMode
 from .sharding import ShardSpec, set_spec
 
 
@@ -41,7 +42,9 @@ class RMSNorm(nn.Module):
 
     ``mesh`` is only needed with ``sequence_parallel=True`` (the weight gradient is
     then all-reduced over ``mesh.tensor``); otherwise this is a plain RMSNorm with
-    the same numerics as :class:`torch.nn.RMSNorm`.
+    the same numerics as :class:`torch.nn.RMSNorm`. Whether sequence parallelism is in
+    effect is the job layout's rule
+    (:meth:`gridshard.job_layout.TensorMode.sequence_parallel_in_effect`: off at T = 1).
     """
 
     def __init__(self, hidden: int, eps: float = 1e-5, mesh=None, sequence_parallel: bool = False,
@@ -51,7 +54,8 @@ class RMSNorm(nn.Module):
             raise LayoutError("RMSNorm(sequence_parallel=True) needs the mesh: its weight gradient is a partial "
                               "sum over the tensor group. Fix: pass mesh=<ParallelMesh>.")
         self.hidden, self.eps = hidden, eps
-        self.sequence_parallel = bool(sequence_parallel and mesh is not None and mesh.tensor.size > 1)
+        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel,
+                                                                   mesh.tensor.size if mesh is not None else 1)
         self.axis = mesh.tensor if mesh is not None else None
         spec = ShardSpec((hidden,), (), partial_grad_axes=("tensor",) if self.sequence_parallel else ())
         self.weight = set_spec(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), spec)

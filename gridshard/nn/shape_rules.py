@@ -1,18 +1,21 @@
 """Which model and batch sizes each tensor mode can lay out: pure functions, no process groups.
 
 The config validator checks these before any worker starts, so a bad layout fails before
-any process group exists; :func:`gridshard.parallel.check_layout` applies the matching
-model rules when :func:`gridshard.parallelize` lays a model out. Rules (T tensor ranks, q = √T):
+any process group exists; :func:`gridshard.parallel.check_layout` applies the same layout
+rules (:func:`layout_rules`: the ones that do not depend on batch or sequence) when
+:func:`gridshard.parallelize` lays a model out. Rules (T tensor ranks, q = √T; K kv heads):
 
 ======== ==========================================================================
 mode     rule
 ======== ==========================================================================
-all      hidden % heads == 0 (whole heads) and head_dim even (rotate-half RoPE)
-1d       heads % T == 0, ffn % T == 0 (each rank holds whole heads / neurons), hidden % T == 0
+all      hidden % heads == 0 (whole heads) and head_dim even (rotate-half RoPE);
+         heads % K == 0 (layout rule: each kv head serves a whole group of heads)
+1d       heads % T == 0, ffn % T == 0 (each rank holds whole heads / neurons), hidden % T == 0,
+         K % T == 0 or T % K == 0 (kv heads split, or shared by T/K ranks) — layout rules
 1d + SP  additionally seq % T == 0 (residual stream split along the sequence)
-2d       heads % q, ffn % q == 0 (split dims in q blocks), hidden % q² == 0 (the
-         norm weights are stored in q² blocks), micro-batch % q == 0 (grid row i
-         holds batch block i)
+2d       heads % q, ffn % q, K % q == 0 (split dims in q blocks), hidden % q² == 0 (the
+         norm weights are stored in q² blocks) — layout rules; micro-batch % q == 0 (grid
+         row i holds batch block i)
 ======== ==========================================================================
 
 The vocabulary needs no rule: the vocab-parallel layers pad it to a multiple of the
@@ -20,10 +23,10 @@ split (padding rows are zero and never targeted).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from ..errors import ShapeError
+from ..job_layout import TensorMode
 
 
 # the size each rule is about -> the keyword of model_shape_rules that sets it
@@ -68,15 +71,15 @@ class DivisibilityRule:
         return f"{self.what}={self.value} is not divisible by {by}: {self.why}. Fix: {fix}."
 
 
-def _rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int, hidden: int, heads: int,
-           ffn: int, kv_heads=None) -> list:
+def layout_rules(mode, tensor: int, hidden: int, heads: int, ffn: int, kv_heads=None) -> list:
+    """The rules a model's dimensions must meet to be laid out in ``mode`` on ``tensor`` ranks,
+    whatever its batch and sequence: grouped-query attention, then the mode's splits (module
+    docstring). The one list of them: the config validator reads it through
+    :func:`model_shape_rules`, ``parallelize`` through :func:`gridshard.parallel.check_layout`."""
     kv_heads = kv_heads or heads
-    rules = [DivisibilityRule("hidden", hidden, heads, "heads", "every head needs hidden/heads channels"),
-             DivisibilityRule("heads", heads, kv_heads, "kv_heads", "each kv head serves a whole group of heads")]
-    if heads > 0 and hidden % heads == 0:
-        rules.append(DivisibilityRule("head_dim", hidden // heads, 2, "2",
-                                      "rotary embeddings rotate channel pairs (head_dim = hidden/heads)"))
-    if mode == "1d":
+    mode = TensorMode.parse(mode)
+    rules = [DivisibilityRule("heads", heads, kv_heads, "kv_heads", "each kv head serves a whole group of heads")]
+    if mode.is_1d:
         why = "1D tensor parallelism gives every rank whole heads and whole MLP neurons"
         rules += [DivisibilityRule("heads", heads, tensor, "tensor", why),
                   DivisibilityRule("ffn_hidden", ffn, tensor, "tensor", why),
@@ -85,19 +88,32 @@ def _rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int
             rules.append(DivisibilityRule("kv_heads", kv_heads, tensor, "tensor",
                                           "kv heads are split over T (T divides them) or replicated in groups "
                                           "(they divide T)"))
-        if sequence_parallel:
-            rules.append(DivisibilityRule("seq_len", seq, tensor, "tensor",
-                                          "sequence parallelism splits the residual stream along the sequence"))
-    elif mode == "2d":
-        q = math.isqrt(tensor)
+    elif mode.is_grid:
+        q = mode.grid_side(tensor)
         why = "2D tensor parallelism splits the projection widths into q blocks (q = sqrt(tensor))"
         rules += [DivisibilityRule("hidden", hidden, q * q, "q²",
                                    "2D norm weights (like Linear2D biases) are stored in q² blocks"),
                   DivisibilityRule("heads", heads, q, "q", why),
                   DivisibilityRule("ffn_hidden", ffn, q, "q", why),
-                  DivisibilityRule("kv_heads", kv_heads, q, "q", why),
-                  DivisibilityRule("micro_batch", batch, q, "q",
-                                   "2D tensor parallelism splits each micro-batch over the q grid rows")]
+                  DivisibilityRule("kv_heads", kv_heads, q, "q", why)]
+    return rules
+
+
+def _rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int, hidden: int, heads: int,
+           ffn: int, kv_heads=None) -> list:
+    mode = TensorMode.parse(mode)
+    gqa, *splits = layout_rules(mode, tensor, hidden, heads, ffn, kv_heads)
+    rules = [DivisibilityRule("hidden", hidden, heads, "heads", "every head needs hidden/heads channels"), gqa]
+    if heads > 0 and hidden % heads == 0:
+        rules.append(DivisibilityRule("head_dim", hidden // heads, 2, "2",
+                                      "rotary embeddings rotate channel pairs (head_dim = hidden/heads)"))
+    rules += splits
+    if mode.is_1d and sequence_parallel:
+        rules.append(DivisibilityRule("seq_len", seq, tensor, "tensor",
+                                      "sequence parallelism splits the residual stream along the sequence"))
+    elif mode.is_grid:
+        rules.append(DivisibilityRule("micro_batch", batch, mode.grid_side(tensor), "q",
+                                      "2D tensor parallelism splits each micro-batch over the q grid rows"))
     return rules
 
 

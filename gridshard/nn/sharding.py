@@ -1,8 +1,11 @@
 """Shard specs: which mesh coordinates split which tensor dims of a parameter.
 
-Every sharded parameter carries a :class:`ShardSpec` (``param.shard_spec``).
-Initialisation, tests, checkpoint resharding and parameter-byte accounting read
-it; nothing else guesses a layout.
+Every sharded parameter carries a :class:`ShardSpec` (``param.shard_spec``, and
+``ParallelContext.layouts`` by name). Initialisation, gathering, checkpoint resharding,
+clipping and parameter-byte accounting of a built model read it. One place still describes
+local shapes a second time: the memory model's table for a model not yet built
+(:func:`gridshard.theory.memory.rank_parameter_blocks`), kept equal by the tests that measure
+a built model against it.
 
 A spec is a global shape plus an ordered list of splits ``(tensor_dim, coord)``.
 ``coord`` names a mesh coordinate: ``"tensor"`` (1D tensor rank t of T),

@@ -34,14 +34,18 @@ import torch.nn.functional as F
 
 from ..comm.grid_ops import GatheredVectors
 from ..errors import LayoutError, ShapeError, check_divisible
+from ..job_layout import TensorMode
 from ..nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from ..nn.cross_entropy_2d import REDUCTIONS, cross_entropy_2d
 
 
 @dataclass
 class ParallelContext:
+    """``mode``: the mesh's :class:`gridshard.job_layout.TensorMode` (a config string is
+    parsed); ``sequence_parallel``: whether it is in effect (decided by ``parallelize``)."""
+
     mesh: object
-    mode: str
+    mode: TensorMode
     sequence_parallel: bool
     vocab_size: int
     hf: bool = False
@@ -49,9 +53,12 @@ class ParallelContext:
     # 2D biases/norm weights gathered once per optimizer step: ``with ctx.vector_cache.window():``
     vector_cache: GatheredVectors = field(default_factory=GatheredVectors)
 
+    def __post_init__(self):
+        self.mode = TensorMode.parse(self.mode)
+
     def shard_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Global tokens or targets [b, s] → what this rank feeds the model / the loss."""
-        if self.mode != "2d":
+        if not self.mode.is_grid:
             return tokens
         q = self.mesh.q
         check_divisible(tokens.shape[0], q, "batch", "grid side q", f"use a batch that is a multiple of q={q}")
@@ -71,10 +78,10 @@ class ParallelContext:
         if reduction not in REDUCTIONS:
             raise ShapeError(f"ParallelContext.loss: reduction={reduction!r} is not one of {REDUCTIONS}. Fix: use "
                              f"'mean' or 'sum'.")
-        if self.mode == "none":
+        if not self.mode.splits_weights:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                                    ignore_index=ignore_index, reduction=reduction)
-        if self.mode == "1d":
+        if self.mode.is_1d:
             per_token = vocab_parallel_cross_entropy(logits, targets, self.mesh.tensor, ignore_index,
                                                      vocab_size=self.vocab_size)
             total = per_token.sum()
@@ -83,9 +90,7 @@ class ParallelContext:
             count = (targets != ignore_index).sum()
             mean = total / count.clamp(min=1).to(total.dtype)       # finite upstream weight: zero grads at N = 0
             return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
-        if self.mode == "2d":
-            return cross_entropy_2d(logits, targets, self.mesh, self.vocab_size, ignore_index, reduction)
-        raise LayoutError(f"unknown tensor mode {self.mode!r}")
+        return cross_entropy_2d(logits, targets, self.mesh, self.vocab_size, ignore_index, reduction)
 
     def model_loss(self, model, tokens, targets, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
         return self.loss(self.logits(model, tokens), targets, ignore_index, reduction)

@@ -1,5 +1,7 @@
-"""DTensor views of a laid-out model's parameters, for PyTorch components that speak DTensor
-(``torch.distributed.checkpoint``, FSDP2, ``full_tensor()`` for inspection).
+"""Where a laid-out parameter's block sits in the canonical tensor, in the terms of PyTorch
+components that speak DTensor (``torch.distributed.checkpoint``, FSDP2): its DTensor
+placements (:func:`placements_of`) and its box of offsets (:func:`block_offsets`, which the
+checkpoint writes).
 
 A parameter's :class:`ShardSpec` becomes DTensor placements on the job's tensor sub-mesh
 (1D: ``device_mesh["tensor"]``; 2D: ``device_mesh["grid_row", "grid_col"]``) whenever
@@ -22,37 +24,21 @@ Not expressible as standard placements (returned as ``None``): 2D norm / bias ve
 are still plain offset blocks of the canonical tensor (:func:`block_offsets`), which is all
 a checkpoint planner needs.
 
-Views share storage with the parameters (no copy): writing into a view's local tensor
-writes the parameter.
+The views themselves (``DTensor.from_local`` over each block, sharing its storage) are
+built by :mod:`gridshard.testing.dtensor_views`: only tests read them today.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from ..nn.sharding import ShardSpec, block_dim_indices, mesh_coords
-from .context import context_of
-
-
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
-
-
-def tensor_submesh(mesh):
-    """The DeviceMesh of the tensor dims: ``tensor`` (1D) or ``(grid_row, grid_col)`` (2D)."""
-    if mesh.tensor_mode == "2d":
-        return mesh.device_mesh["grid_row", "grid_col"]
-    return mesh.device_mesh["tensor"]
 
 
 def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
-    """DTensor placements of the canonical tensor on :func:`tensor_submesh`, or None."""
+    """DTensor placements of the canonical tensor on the tensor dims of the device mesh
+    (``tensor`` in 1D, ``(grid_row, grid_col)`` in 2D), or None."""
     if spec.replicate > 1 or spec.fused_parts > 1:
         return None
     ndim = len(spec.global_shape)
@@ -60,7 +46,7 @@ def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
     def canon_dim(d):
         return ndim - 1 - d if spec.transposed else d
 
-    if mesh.tensor_mode != "2d":
+    if not mesh.tensor_mode.is_grid:
         if not spec.splits:
             return (Replicate(),)
         if len(spec.splits) == 1 and spec.splits[0][1] == "tensor":
@@ -88,29 +74,3 @@ def block_offsets(spec: ShardSpec, mesh) -> list:
         ix = ix[ix < n]
         out.append((int(ix[0]) if len(ix) else 0, len(ix)))
     return out
-
-
-def dtensor_view(t: torch.Tensor, spec: ShardSpec, mesh) -> Optional[DTensor]:
-    """The canonical global tensor of block ``t`` as a DTensor sharing its storage, or None
-    when the layout has no standard placements (module docstring)."""
-    placements = placements_of(spec, mesh)
-    if placements is None:
-        return None
-    local = t.detach()
-    if spec.transposed:
-        local = local.t()
-    rows = [length for _, length in block_offsets(spec, mesh)]
-    local = local[tuple(slice(0, n) for n in rows)]
-    canon = spec.canonical()
-    return DTensor.from_local(local, tensor_submesh(mesh), placements, run_check=False, shape=torch.Size(canon),
-                              stride=_contiguous_stride(canon))
-
-
-def dtensor_state_dict(model: torch.nn.Module) -> dict:
-    """name → DTensor view (or None where the layout has no standard placements), for every
-    entry of ``model.state_dict()``."""
-    ctx = context_of(model)
-    if ctx.mode == "none":
-        return dict(model.state_dict())
-    return {name: dtensor_view(t, ctx.layouts[name], ctx.mesh)
-            for name, t in model.state_dict(keep_vars=True).items()}

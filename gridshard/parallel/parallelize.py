@@ -4,8 +4,12 @@ Steps, all local to the rank (no collective runs before the first forward):
 
 1. read the model's dimensions (gridshard ``ModelConfig`` or a Hugging Face config) and
    check that the mesh can lay them out — whole heads per rank, kv heads split or
-   replicated, every parameterised module covered by the plan — raising one
-   :class:`LayoutError` naming the module, the rule and a fix;
+   replicated, every parameterised module covered by the plan (the divisibility rules are
+   :func:`gridshard.nn.shape_rules.layout_rules`, the config validator's) — raising one
+   :class:`LayoutError` naming the module, the rule and a fix. The mesh's
+   :class:`gridshard.job_layout.TensorMode` decides which layers to build, whether sequence
+   parallelism is in effect and how kv heads are shared; each layer gets those facts as
+   constructor arguments;
 2. swap each planned module for the gridshard layer of the mesh's tensor mode
    (:mod:`gridshard.parallel.swap`), built on the meta device;
 3. hook the shared-input parents (:mod:`gridshard.parallel.shared_input`), the attention
@@ -27,6 +31,7 @@ from torch import nn
 
 from ..comm.dual_ops import scatter_to_group
 from ..errors import LayoutError
+from ..nn.shape_rules import layout_rules
 from ..nn.sharding import get_spec, mesh_coords
 from .context import ParallelContext
 from .materialize import init_laws, materialize
@@ -75,43 +80,43 @@ def default_plan(model: nn.Module, dims: ModelDims) -> Plan:
                       f"mapping its module names to kinds.")
 
 
-def kv_replication(dims: ModelDims, T: int) -> int:
-    """Ranks that share one kv head in 1D: 1 when T divides K, T/K when K divides T."""
-    return T // dims.kv_heads if T > dims.kv_heads else 1
+# parallelize's wording of the layout rules (gridshard.nn.shape_rules.layout_rules holds the rules themselves):
+# (mode is 2d, rule's size) → (rule, fix); {v}: the size's value, {q2}: the rule's divisor (q² for 2D hidden)
+_WORDING = {
+    (False, "heads"): ("1D gives every rank whole attention heads", "use a tensor size that divides {v}"),
+    (False, "kv_heads"): ("kv heads are split over T when T divides them, or replicated in groups of T/kv_heads "
+                          "when kv_heads divides T", "use a tensor size that divides or is a multiple of {v}"),
+    (False, "ffn_hidden"): ("1D gives every rank whole MLP neurons", "use a tensor size that divides {v}"),
+    (False, "hidden"): ("1D splits the hidden size into T blocks", "use a tensor size that divides {v}"),
+    (True, "heads"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
+    (True, "kv_heads"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
+    (True, "ffn_hidden"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
+    (True, "hidden"): ("2D norm weights are stored in q² blocks", "use hidden a multiple of {q2}"),
+}
 
 
 def check_layout(dims: ModelDims, mesh, sequence_parallel: bool) -> None:
-    """Divisibility rules of the mesh's tensor mode (see :mod:`gridshard.nn.shape_rules`)."""
+    """The layout rules of the mesh's tensor mode (:func:`gridshard.nn.shape_rules.layout_rules`,
+    the ones the config validator checks too), each broken one raised as a LayoutError."""
     mode, T = mesh.tensor_mode, mesh.tensor.size
-
-    def need(ok, what, rule, fix):
-        if not ok:
-            raise LayoutError(f"parallelize: {what}: {rule}. Fix: {fix}.")
-
-    need(dims.heads % dims.kv_heads == 0, f"heads={dims.heads}, kv_heads={dims.kv_heads}",
-         "grouped-query attention needs kv_heads to divide heads", "choose kv_heads among the divisors of heads")
-    if sequence_parallel and mode != "1d":
+    if sequence_parallel and not mode.is_1d:
         raise LayoutError(f"parallelize(sequence_parallel=True) on tensor_mode={mode!r}: sequence parallelism "
                           f"splits the 1D tensor group's activations. Fix: use a 1d mesh with tensor>1, or "
                           f"sequence_parallel=False.")
-    if mode == "1d":
-        need(dims.heads % T == 0, f"heads={dims.heads} on T={T}", "1D gives every rank whole attention heads",
-             f"use a tensor size that divides {dims.heads}")
-        need(dims.kv_heads % T == 0 or T % dims.kv_heads == 0, f"kv_heads={dims.kv_heads} on T={T}",
-             "kv heads are split over T when T divides them, or replicated in groups of T/kv_heads when "
-             "kv_heads divides T", f"use a tensor size that divides or is a multiple of {dims.kv_heads}")
-        need(dims.ffn % T == 0, f"ffn_hidden={dims.ffn} on T={T}", "1D gives every rank whole MLP neurons",
-             f"use a tensor size that divides {dims.ffn}")
-    elif mode == "2d":
-        q = mesh.q
-        for what, n in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("ffn_hidden", dims.ffn)):
-            need(n % q == 0, f"{what}={n} on a q={q} grid", "2D splits it into q column blocks",
-                 f"use a grid side q that divides {n}")
-        need(dims.hidden % (q * q) == 0, f"hidden={dims.hidden} on a q={q} grid",
-             "2D norm weights are stored in q² blocks", f"use hidden a multiple of {q * q}")
+    gqa, *splits = layout_rules(mode, T, dims.hidden, dims.heads, dims.ffn, dims.kv_heads)
+    if not gqa.holds:
+        raise LayoutError(f"parallelize: heads={dims.heads}, kv_heads={dims.kv_heads}: grouped-query attention "
+                          f"needs kv_heads to divide heads. Fix: choose kv_heads among the divisors of heads.")
+    q = mode.grid_side(T)
+    for rule in splits:
+        if not rule.holds:
+            what, fix = _WORDING[(mode.is_grid, rule.what)]
+            where = f"on a q={q} grid" if mode.is_grid else f"on T={T}"
+            raise LayoutError(f"parallelize: {rule.what}={rule.value} {where}: {what}. "
+                              f"Fix: {fix.format(v=rule.value, q2=rule.divisor)}.")
 
 
-def _check_covered(model: nn.Module, plan: Plan, mode: str, sequence_parallel: bool = False) -> dict:
+def _check_covered(model: nn.Module, plan: Plan, mode, sequence_parallel: bool = False) -> dict:
     """name → kind for every planned module; an unplanned module with parameters is an error
     (except in mode 'none', where nothing is split)."""
     planned = {}
@@ -119,7 +124,7 @@ def _check_covered(model: nn.Module, plan: Plan, mode: str, sequence_parallel: b
         kind = plan.kind_of(name) if name else None
         if kind is not None:
             planned[name] = kind
-    if mode == "none":
+    if not mode.splits_weights:
         return planned
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
@@ -130,7 +135,7 @@ def _check_covered(model: nn.Module, plan: Plan, mode: str, sequence_parallel: b
                               f"has no rule for it, so gridshard cannot know how to split it. Fix: pass "
                               f"plan=<plan>.with_rules({{{name!r}: 'column' | 'row' | 'norm' | 'replicate' ...}}).")
         kind = planned.get(name)
-        if kind == "replicate" and (mode == "2d"):
+        if kind == "replicate" and mode.is_grid:
             build_2d(name, module, kind, None)          # raises the 2D message
         if kind == "replicate" and sequence_parallel:
             raise LayoutError(f"parallelize: module {name!r} is planned as 'replicate', but under sequence "
@@ -174,8 +179,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     device = torch.device(device) if device is not None else default_device()
     dims = model_dims(model)
     plan = plan or default_plan(model, dims)
-    mode = mesh.tensor_mode
-    sp = bool(sequence_parallel and mesh.tensor.size > 1)
+    mode, T = mesh.tensor_mode, mesh.tensor.size
+    sp = mode.sequence_parallel_in_effect(sequence_parallel, T)
     check_layout(dims, mesh, sequence_parallel)
     planned = _check_covered(model, plan, mode, sp)
 
@@ -183,17 +188,16 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     sources = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
 
-    if mode != "none":
-        T = mesh.tensor.size
+    if mode.splits_weights:
         embeddings = {}
         order = sorted(planned, key=lambda n: planned[n] == "vocab_head")     # heads after embeddings
         for name in order:
             kind, module = planned[name], modules[name]
             if kind == "replicate":
                 continue
-            if mode == "1d":
+            if mode.is_1d:
                 new = build_1d(name, module, kind, mesh, sp, plan.sequence_scatter == "embedding",
-                               kv_replication(dims, T))
+                               mode.kv_replication(dims.kv_heads, T))
             else:
                 tied = None
                 if kind == "vocab_head":
@@ -201,7 +205,7 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
                 new = build_2d(name, module, kind, mesh, tied_embedding=tied, overlap=summa_overlap)
             if kind == "vocab_embedding":
                 embeddings[name] = (module.weight, new)
-            if kind == "vocab_head" and mode == "1d":
+            if kind == "vocab_head" and mode.is_1d:
                 for src, emb in embeddings.values():
                     if src is module.weight:
                         new.weight = emb.weight                        # tied: one parameter, one spec
@@ -211,8 +215,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
             if children and all(hasattr(module, c) for c in children):
                 install_shared_input(module, children)
             if plan.kv_group_attr and plan.is_attention(name) and hasattr(module, plan.kv_group_attr):
-                local_heads = dims.heads // (T if mode == "1d" else mesh.q)
-                local_kv = max(1, dims.kv_heads // (T if mode == "1d" else mesh.q))
+                local_heads = dims.heads // mode.head_split(T)
+                local_kv = mode.local_kv_heads(dims.kv_heads, T)
                 setattr(module, plan.kv_group_attr, local_heads // local_kv)
         if sp and plan.sequence_scatter != "embedding":
             _install_sequence_scatter(model, plan.sequence_scatter, mesh)

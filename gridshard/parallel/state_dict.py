@@ -21,7 +21,7 @@ from .context import context_of
 
 
 def _rank_index(mesh, r: int) -> dict:
-    if mesh.tensor_mode == "2d":
+    if mesh.tensor_mode.is_grid:
         return {"tensor": r, "grid_row": r // mesh.q, "grid_col": r % mesh.q}
     return {"tensor": r}
 
@@ -44,11 +44,12 @@ def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:
 def gathered_state_dict(model: torch.nn.Module) -> dict:
     """Canonical state dict (CPU tensors) of a model laid out by :func:`gridshard.parallelize`;
     every tensor rank must call it (it gathers) — under ZeRO-3 every rank (the data ranks first
-    gather their rows of every parameter, :meth:`gridshard.zero.ZeroDataParallel.gathered`)."""
+    gather their rows of every parameter, :meth:`gridshard.zero.ZeroDataParallel.gathered`, through
+    the model's registered ``grad_reducer``)."""
     ctx = context_of(model)
-    zero = getattr(model, "zero_data_parallel", None)
+    reducer = getattr(model, "grad_reducer", None)
     out = {}
-    with zero.gathered() if zero is not None else contextlib.nullcontext():
+    with reducer.gathered() if reducer is not None else contextlib.nullcontext():
         for name, t in model.state_dict(keep_vars=True).items():
             spec = ctx.layouts.get(name) or get_spec(t)
             out[name] = gather_canonical(t, spec, ctx.mesh)

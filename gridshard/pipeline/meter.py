@@ -18,7 +18,7 @@ count), which gives, per step:
 * ``peak_saved_bytes``: the most bytes the autograd graph held saved for backward
   (``saved_tensors_hooks``; parameters excluded), counted per micro-batch and released at
   its backward;
-* sends: recorded in the job's ledger as ``send`` on axis ``pipeline`` with their
+* sends: recorded in the job's ledger as ``send`` on the ``pipeline`` axis with their
   payload bytes (:func:`gridshard.theory.pipeline.boundary_bytes` per micro-batch).
 """
 from __future__ import annotations
@@ -27,10 +27,15 @@ import time
 
 import torch
 
+from ..comm import ledger
+
 
 class StageMeter:
-    def __init__(self, ledger, params):
-        self.ledger = ledger
+    """Measures the stages of one rank; ``axis``: the pipeline axis the sends are recorded on
+    (through :func:`gridshard.comm.ledger.record`, the route of every collective)."""
+
+    def __init__(self, axis, params):
+        self.axis = axis
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
         self.reset()
 
@@ -83,7 +88,7 @@ class StageMeter:
 
         def record(ops):
             for op in ops:
-                self.ledger.add("send", "pipeline", op.tensor.numel() * op.tensor.element_size(), 2)
+                ledger.record("send", self.axis, op.tensor.numel() * op.tensor.element_size(), group_size=2)
             return ops
 
         stage.forward_one_chunk = forward_one_chunk

@@ -38,48 +38,43 @@ import time
 import torch
 
 from ..errors import ConfigError
+from ..job_layout import StageSplit, TensorMode
 from ..nn.sharding import mesh_coords
 from .meter import StageMeter
-from .split import stage_layer_counts, stage_layer_ids, stages_of_rank
 from .stage_module import StageModule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
-def local_activation_shape(mode: str, sp: bool, T: int, q, micro: int, seq: int, hidden: int) -> tuple:
-    """Shape of one micro-batch's activation block on one rank at a stage boundary."""
-    if mode == "2d":
-        return (micro // q, seq, hidden // q)
-    if sp and T > 1:
-        return (micro, seq // T, hidden)
-    return (micro, seq, hidden)
+def local_activation_shape(mode, sp: bool, T: int, micro: int, seq: int, hidden: int) -> tuple:
+    """Shape of one micro-batch's activation block on one rank at a stage boundary
+    (:meth:`gridshard.job_layout.TensorMode.boundary_block`)."""
+    return TensorMode.parse(mode).boundary_block(T, sp, micro, seq, hidden)
 
 
 class PipelineRunner:
     """This rank's stages and schedule (module docstring)."""
 
-    def __init__(self, rank_model, mesh, *, schedule: str, virtual_stages: int, stage_layers, micro_batch: int,
+    def __init__(self, rank_model, mesh, *, schedule: str, split: StageSplit, micro_batch: int,
                  n_microbatches: int, seq_len: int, loss, precision, device):
+        """``split``: the job layout's stage → layers split (:class:`gridshard.job_layout.StageSplit`)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
         ctx = rank_model.parallel_context
-        P, V = mesh.pipeline.size, virtual_stages
-        S = P * V
         cfg = rank_model.cfg
-        self.counts = stage_layer_counts(cfg.layers, S, stage_layers)
-        ids = stage_layer_ids(self.counts)
-        self.stage_indices = stages_of_rank(mesh.pipeline.rank, P, V)
+        S, V, ids = split.stages, split.virtual_stages, split.layer_ids()
+        self.counts = list(split.counts)
+        self.stage_indices = split.stages_of_rank(mesh.pipeline.rank)
         self.ctx, self.loss, self.precision = ctx, loss, precision
-        self.has_last = (S - 1) in self.stage_indices
-        self.has_first = 0 in self.stage_indices
-        q = mesh.q
+        self.has_last = split.holds_last(mesh.pipeline.rank)
+        self.has_first = split.holds_first(mesh.pipeline.rank)
         T = mesh.tensor.size
-        micro_local = micro_batch // q if ctx.mode == "2d" else micro_batch
-        act = torch.empty(local_activation_shape(ctx.mode, ctx.sequence_parallel, T, q, micro_batch, seq_len,
+        micro_local = micro_batch // ctx.mode.batch_split(T)
+        act = torch.empty(local_activation_shape(ctx.mode, ctx.sequence_parallel, T, micro_batch, seq_len,
                                                  cfg.hidden), device="meta", requires_grad=True)
         tokens = torch.empty((micro_local, seq_len), dtype=torch.long, device="meta")
-        self.meter = StageMeter(mesh.ledger if mesh.ledger is not None else ctx.mesh.ledger, rank_model.parameters())
+        self.meter = StageMeter(mesh.pipeline if mesh.ledger is not None else ctx.mesh.pipeline, rank_model.parameters())
         self.modules, stages = [], []
         for s in self.stage_indices:
             first, last = s == 0, s == S - 1

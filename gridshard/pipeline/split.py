@@ -2,10 +2,9 @@
 
 With P pipeline ranks and V virtual stages per rank there are S = P·V stages. Stage s
 holds a contiguous run of decoder layers; stage 0 also the embedding, stage S−1 also the
-final norm and the LM head. Default split (:func:`stage_layer_counts`): the L layers as
-evenly as possible with the embedding and the head counted as one layer each of work —
-the first and last stages get one layer less when that evens the load, i.e. the counts
-are the even split of L + 2 "units" with the first and last stage's extra unit removed.
+final norm and the LM head. The split itself is a job-layout fact
+(:class:`gridshard.job_layout.StageSplit`, default counts :func:`stage_layer_counts`),
+decided there once for the builder, the runner, validation and the planner;
 ``parallel.stage_layers`` overrides it with explicit counts.
 
 Stage s lives on pipeline rank s mod P (``interleaved``: stages r, r+P, r+2P, … on rank r),
@@ -21,56 +20,11 @@ head's weight); its gradient is summed with the first stage's (:mod:`.tied`).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 from torch import nn
 
-from ..errors import ConfigError
-
-
-def stage_layer_counts(layers: int, stages: int, explicit: Optional[Sequence[int]] = None) -> list:
-    """Decoder layers per stage (module docstring). ConfigError when a stage would get none
-    or the explicit counts do not add up."""
-    if explicit is not None:
-        explicit = list(explicit)
-        if len(explicit) != stages or sum(explicit) != layers or min(explicit) < 0:
-            raise ConfigError(f"parallel.stage_layers={explicit} is invalid: it needs {stages} counts "
-                              f"(pipeline × virtual_stages), each ≥ 0, adding up to model.layers={layers}. Fix: "
-                              f"list {stages} layer counts that sum to {layers}, or remove it for an even split.")
-        return explicit
-    if layers < stages:
-        raise ConfigError(f"parallel.pipeline × virtual_stages = {stages} stages but model.layers={layers}: every "
-                          f"stage needs at least one decoder layer. Fix: use at most {layers} stages, or a deeper "
-                          f"model.")
-    units = layers + 2                                 # + embedding and head, one unit of work each
-    base, extra = divmod(units, stages)
-    counts = [base + (1 if s < extra else 0) for s in range(stages)]
-    counts[0] -= 1
-    counts[-1] -= 1
-    if stages == 1:
-        counts = [layers]
-    # never leave a stage without a layer: move one from the largest neighbour
-    for s in range(stages):
-        while counts[s] < 1:
-            donor = max(range(stages), key=lambda i: counts[i])
-            counts[donor] -= 1
-            counts[s] += 1
-    assert sum(counts) == layers
-    return counts
-
-
-def stage_layer_ids(counts: Sequence[int]) -> list:
-    """Global layer indices of every stage."""
-    out, start = [], 0
-    for n in counts:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def stages_of_rank(pipeline_rank: int, pipeline: int, virtual: int) -> list:
-    """The stage indices pipeline rank r runs: r, r+P, …, r+(V−1)P."""
-    return [pipeline_rank + v * pipeline for v in range(virtual)]
+from ..job_layout import stage_layer_counts, stage_layer_ids, stages_of_rank  # noqa: F401  (the split's home)
 
 
 class RankModel(nn.Module):

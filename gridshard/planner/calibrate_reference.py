@@ -11,6 +11,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from ..job_layout import TensorMode
+
 REFERENCE_STEPS = 16
 
 
@@ -69,7 +71,8 @@ def reference_runs(world: int) -> list:
     pairs that fit ``world`` ranks: the plain pair at two token counts, 1D, 2D, and a pipeline."""
     L = REFERENCE_LAYERS
     runs = [("none", {}, L), (f"none_m{REFERENCE_WIDE_MICRO}", {"micro": REFERENCE_WIDE_MICRO}, L)]
-    runs += [(m, {"mode": m}, L) for m, T in REFERENCE_TENSOR.items() if m != "none" and world % T == 0]
+    runs += [(m, {"mode": m}, L) for m, T in REFERENCE_TENSOR.items()
+             if TensorMode(m).splits_weights and world % T == 0]
     P = REFERENCE_PIPELINE[0]
     if world % P == 0:
         runs.append(("pipeline", {"pipeline": P}, (P, 2 * P)))

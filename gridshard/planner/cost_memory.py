@@ -7,7 +7,7 @@ arguments, the way the trainer does (:meth:`gridshard.engine.trainer.Trainer._pr
 * the pipeline ranks that can hold the most: the first (embedding, the most micro-batches
   in flight), the last (head, loss and logits) and the first rank holding the most decoder
   layers; rank r holds stages r, r+P, … of the
-  P·V stages, whose layers come from :func:`gridshard.pipeline.split.stage_layer_counts`
+  P·V stages, whose layers come from :class:`gridshard.job_layout.StageSplit`
   (the split the pipeline builder uses); the first stage's rank holds the embedding, the
   last's the final norm, head and loss.
 
@@ -34,16 +34,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..pipeline.split import stage_layer_counts
+from ..job_layout import StageSplit, micro_batches_per_step
 from ..theory.memory import predict_rank_memory
 from .layouts import Layout
 
 
 def stage_layers_of_rank(layers: int, P: int, V: int) -> list:
     """Decoder layer ids of each pipeline rank (stages r, r+P, … of the P·V stages)."""
-    counts = stage_layer_counts(layers, P * V)
-    starts = [sum(counts[:s]) for s in range(P * V)]
-    return [[i for s in range(r, P * V, P) for i in range(starts[s], starts[s] + counts[s])] for r in range(P)]
+    split = StageSplit.of(layers, P, V)
+    return [split.rank_layer_ids(r) for r in range(P)]
 
 
 def interleaved_in_flight(rank: int, P: int, V: int, A: int) -> int:
@@ -61,23 +60,11 @@ def ranks_to_check(layer_ids: list) -> list:
 
 def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,
                   margin_fraction: float = 0.10):
-    """(worst RankMemory, pipeline rank it belongs to) of ``layout`` (module docstring)."""
-    key = (tuple(sorted(vars(model_cfg).items())), layout, seq_len, global_batch, int(baseline_bytes),
-           float(margin_fraction))
-    if key not in _CACHE:
-        if len(_CACHE) > 100_000:
-            _CACHE.clear()
-        _CACHE[key] = _layout_memory(model_cfg, layout, seq_len, global_batch, int(baseline_bytes),
-                                     float(margin_fraction))
-    return _CACHE[key]
-
-
-_CACHE: dict = {}
-
-
-def _layout_memory(model_cfg, layout, seq_len, global_batch, baseline_bytes, margin_fraction):
+    """(worst RankMemory, pipeline rank it belongs to) of ``layout`` (module docstring). Not
+    memoised: a search prices each layout's memory once (measured: no repeated call in
+    ``plan`` of configs/llama_7b.yaml on 64 GPUs)."""
     P, V = layout.pipeline, layout.virtual_stages
-    A = global_batch // (layout.micro_batch * layout.data)
+    A = micro_batches_per_step(global_batch, layout.micro_batch, layout.data)
     per_rank = stage_layers_of_rank(model_cfg.layers, P, V) if P > 1 else [None]
     worst = None
     for r in ranks_to_check(per_rank) if P > 1 else [0]:
@@ -85,8 +72,8 @@ def _layout_memory(model_cfg, layout, seq_len, global_batch, baseline_bytes, mar
             model_cfg, mode=layout.tensor_mode, T=layout.tensor, sequence_parallel=layout.sequence_parallel,
             data=layout.data, data_rank=0, zero=layout.zero, recompute=layout.recompute,
             micro_batch=layout.micro_batch, seq_len=seq_len, n_microbatches=A, pipeline=P, pipeline_rank=r,
-            schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=baseline_bytes,
-            margin_fraction=margin_fraction)
+            schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=int(baseline_bytes),
+            margin_fraction=float(margin_fraction))
         if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
             extra = interleaved_in_flight(r, P, V, A) - mem.details["in_flight"]
             if extra > 0:

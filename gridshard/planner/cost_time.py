@@ -101,11 +101,13 @@ ranks' cores run the others). On GPU nodes (a device per rank) only the critical
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 from dataclasses import dataclass, field
 
 from ..comm.ledger import ring_wire_bytes
+from ..job_layout import micro_batches_per_step
 from ..theory import CommVolume, tp1d, tp2d
 from ..theory.pipeline import boundary_bytes, bubble_fraction
 from ..theory.memory import rank_parameter_blocks
@@ -113,6 +115,7 @@ from ..theory.training import bucket_partition, dp_gradient_allreduce, flops_per
 from ..theory.zero import padded_numel, zero_step_comm
 from .hardware import Hardware
 from .layouts import Layout
+from .memo import model_key, model_of
 
 FP32 = 4
 ADAMW_BYTES_PER_ELEM = 28
@@ -190,24 +193,24 @@ def tensor_comm_2d(cfg, layout: Layout, seq: int, layers: int, first: bool, last
 def tensor_calls_per_layer(cfg, layout: Layout, seq: int) -> int:
     """Tensor-parallel collectives of one decoder layer in one micro-batch's forward and
     backward (:func:`tensor_comm_1d` / :func:`tensor_comm_2d` of one middle layer)."""
-    if layout.tensor <= 1 or layout.tensor_mode == "none":
+    if layout.tensor <= 1 or not layout.mode.splits_weights:
         return 0
-    comm = tensor_comm_1d if layout.tensor_mode == "1d" else tensor_comm_2d
+    comm = tensor_comm_1d if layout.mode.is_1d else tensor_comm_2d
     return sum(sum(v.calls.values()) for v in comm(cfg, layout, seq, 1, False, False))
 
 
-_BLOCKS: dict = {}
-
-
 def _blocks(cfg, mode: str, T: int, layer_ids, first: bool, last: bool) -> list:
-    """:func:`gridshard.theory.memory.rank_parameter_blocks`, memoised (the planner asks for the
-    same rank's blocks for many layouts)."""
-    key = (tuple(sorted(vars(cfg).items())), mode, T, None if layer_ids is None else tuple(layer_ids), first, last)
-    if key not in _BLOCKS:
-        if len(_BLOCKS) > 10_000:
-            _BLOCKS.clear()
-        _BLOCKS[key] = rank_parameter_blocks(cfg, mode, T, layer_ids, first, last)
-    return _BLOCKS[key]
+    """:func:`gridshard.theory.memory.rank_parameter_blocks` through :func:`_blocks_memo` (the
+    planner asks for the same rank's blocks for many layouts)."""
+    return _blocks_memo(model_key(cfg), mode, T, None if layer_ids is None else tuple(layer_ids), first, last)
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocks_memo(model: tuple, mode: str, T: int, layer_ids, first: bool, last: bool) -> list:
+    """One rank's parameter blocks, memoised: keyed by the model's fields (:func:`.memo.model_key`),
+    the tensor mode and size and the rank's layers, bounded to 1024 entries (a search meets a few
+    dozen). Callers read the list, never change it."""
+    return rank_parameter_blocks(model_of(model), mode, T, None if layer_ids is None else list(layer_ids), first, last)
 
 
 def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
@@ -303,8 +306,8 @@ def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
 def gemm_flops(cfg, layout: Layout, seq: int) -> float:
     """FLOPs of one of the rank's gate|up GEMMs (the module docstring's G)."""
     N, h, f = layout.micro_batch * seq, cfg.hidden, cfg.ffn_hidden
-    if layout.tensor_mode == "2d":
-        q = math.isqrt(layout.tensor)
+    if layout.mode.is_grid:
+        q = layout.mode.grid_side(layout.tensor)
         return 2.0 * N * h * f / q ** 3
     return 2.0 * N * h * f / layout.tensor
 
@@ -363,7 +366,7 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     over-subscribed node the critical path is priced at full speed and without the sync skew
     (the contention is the throughput bound's), elsewhere with the node's contention (1 on GPUs)."""
     s, m, T = seq_len, layout.micro_batch, layout.tensor
-    A = global_batch // (m * layout.data)
+    A = micro_batches_per_step(global_batch, m, layout.data)
     layers = cfg.layers if layer_ids is None else len(layer_ids)
     kvh = cfg.kv_heads * cfg.head_dim
     world = layout.data * layout.pipeline * T
@@ -389,9 +392,9 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     compute_mb = busy_compute_mb * stretch
 
     tensor_vols = []
-    if layout.tensor_mode == "1d" and T > 1:
+    if layout.mode.is_1d and T > 1:
         tensor_vols = tensor_comm_1d(cfg, layout, s, layers, first, last)
-    elif layout.tensor_mode == "2d" and T > 1:
+    elif layout.mode.is_grid and T > 1:
         tensor_vols = tensor_comm_2d(cfg, layout, s, layers, first, last)
     around = sum(sum(v.calls.values()) for v in tensor_vols) * hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
     t_tensor_mb = comm_seconds(tensor_vols, hw, levels["tensor"], skew) + around * stretch

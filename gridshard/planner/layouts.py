@@ -24,13 +24,13 @@ verdicts equal a full :func:`gridshard.config.validate.validate_config` on sampl
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
 from ..config import validate as rules
 from ..config.schema import TrainConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, LayoutError
+from ..job_layout import TensorMode
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -39,6 +39,9 @@ VIRTUAL_STAGES = (2, 4)
 
 @dataclass(frozen=True)
 class Layout:
+    """One candidate: ``tensor_mode`` is the config string (as written out); decisions read
+    :attr:`mode`."""
+
     data: int
     pipeline: int
     tensor: int
@@ -49,6 +52,10 @@ class Layout:
     micro_batch: int
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
+
+    @property
+    def mode(self) -> TensorMode:
+        return TensorMode.parse(self.tensor_mode)
 
     def parallel_section(self) -> dict:
         return {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor, "tensor_mode": self.tensor_mode,
@@ -86,12 +93,16 @@ def divisors(n: int) -> list:
 
 
 def _modes(T: int) -> list:
-    if T == 1:
-        return [("none", False)]
-    out = [("1d", False), ("1d", True)]
-    q = math.isqrt(T)
-    if q * q == T:
-        out.append(("2d", False))
+    """(tensor_mode string, sequence_parallel) pairs for T ranks: the modes whose size rule T
+    meets (a mode that splits weights only when T > 1), 1d also with sequence parallelism."""
+    out = []
+    for mode in TensorMode:
+        try:
+            mode.check_tensor_size(T)
+        except LayoutError:
+            continue
+        if mode.splits_weights == (T > 1):
+            out += [(mode.value, sp) for sp in (False, True) if not sp or mode.sequence_parallel_in_effect(sp, T)]
     return out
 
 

@@ -1,4 +1,8 @@
-"""Test helpers: a pool of reusable gloo worker groups and reference comparisons."""
+"""Test helpers, and the code only tests (and benchmarks) use: a pool of reusable gloo worker
+groups (:mod:`.multiprocess`), reference comparisons (:mod:`.compare`,
+:mod:`.parallel_reference`), the single-device reference layers under the initialisation
+contract (:mod:`.plain`), DTensor views of a laid-out model (:mod:`.dtensor_views`) and the
+by-name Hugging Face weight import into a plain model (:mod:`.hf_weights`)."""
 from .multiprocess import RankFailure, WorkerGroup, run_on_ranks, shutdown_all
 from .compare import assert_close
 

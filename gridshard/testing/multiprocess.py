@@ -35,6 +35,10 @@ from multiprocessing.reduction import ForkingPickler
 
 from ..netutil import free_port
 
+# The test harness's pool of live worker groups, one per world size: the one process-wide
+# mutable state gridshard keeps, on purpose (starting ranks costs ~1 s each). Keyed by world
+# size, bounded by the sizes tests use; a failed group is removed and rebuilt on the next call,
+# and shutdown_all() (at exit) closes them all.
 _GROUPS: dict = {}
 
 

@@ -135,6 +135,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+from ..job_layout import StageSplit, TensorMode
 from .zero import padded_numel, shard_numel
 from .pipeline import peak_in_flight
 from .vocab import padded_vocab_size
@@ -182,17 +183,12 @@ def _as_blocks(blocks) -> list:
     return out
 
 
-def _local_kv_heads(kv_heads: int, T: int) -> int:
-    """1D: K/T kv heads per rank when T divides K, one (replicated over T/K ranks) when K divides T."""
-    return kv_heads // T if T <= kv_heads else 1
-
-
 def rank_parameter_blocks(cfg, mode: str = "none", T: int = 1, layer_ids: Optional[Iterable[int]] = None,
                           has_embedding: bool = True, has_head: bool = True) -> list:
     """The :class:`ParamBlock` list of one rank of ``gridshard.parallelize(Transformer(cfg), mesh)``.
 
     Local shapes by tensor mode (``cfg``: a :class:`gridshard.models.ModelConfig`;
-    K_r = :func:`_local_kv_heads`, V_p = V padded to T (1D) or q (2D)):
+    K_r = :meth:`gridshard.job_layout.TensorMode.local_kv_heads`, V_p = V padded to T (1D) or q (2D)):
 
     ============  ============  ==================  =========================
     parameter     none          1D (T ranks)        2D (q×q, stored [in, out])
@@ -216,11 +212,12 @@ def rank_parameter_blocks(cfg, mode: str = "none", T: int = 1, layer_ids: Option
     """
     h, H, K, d, f, V = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
     layers = list(range(cfg.layers)) if layer_ids is None else list(layer_ids)
-    if mode == "none":
+    mode = TensorMode.parse(mode)
+    if not mode.splits_weights:
         T = 1
-    if mode in ("none", "1d"):
-        Vp = padded_vocab_size(V, T) if mode == "1d" else V
-        Kr = _local_kv_heads(K, T) if mode == "1d" else K
+    if not mode.is_grid:
+        Vp = padded_vocab_size(V, T) if mode.is_1d else V
+        Kr = mode.local_kv_heads(K, T)
         table = (Vp // T, h)
         per_layer = [("self_attn.q_proj.weight", (H * d // T, h)), ("self_attn.k_proj.weight", (Kr * d, h)),
                      ("self_attn.v_proj.weight", (Kr * d, h)), ("self_attn.o_proj.weight", (h, H * d // T)),
@@ -228,7 +225,7 @@ def rank_parameter_blocks(cfg, mode: str = "none", T: int = 1, layer_ids: Option
                      ("mlp.down_proj.weight", (h, f // T)), ("input_layernorm.weight", (h,)),
                      ("post_attention_layernorm.weight", (h,))]
         norm, head = (h,), table
-    elif mode == "2d":
+    else:
         q = _grid_side(T)
         Vp = padded_vocab_size(V, q)
         table = (Vp // q, h // q)
@@ -238,13 +235,11 @@ def rank_parameter_blocks(cfg, mode: str = "none", T: int = 1, layer_ids: Option
                      ("mlp.down_proj.weight", (f // q, h // q)), ("input_layernorm.weight", (h // (q * q),)),
                      ("post_attention_layernorm.weight", (h // (q * q),))]
         norm, head = (h // (q * q),), (h // q, Vp // q)
-    else:
-        raise ValueError(f"unknown tensor mode {mode!r}")
     blocks = []
     if has_embedding:
         blocks.append(ParamBlock("embed_tokens.weight", table))
     extra = {}
-    if mode == "1d" and T > K:
+    if mode.kv_replication(K, T) > 1:
         # kv heads replicated over T/K ranks: ``sum_over_replicas`` all-reduces a buffer of all
         # K blocks and hands back a view of it as the gradient (K·n elements kept for n), and the
         # q|k|v weight gradient (one matmul, split into views) keeps q's view alive together
@@ -262,10 +257,9 @@ def rank_parameter_blocks(cfg, mode: str = "none", T: int = 1, layer_ids: Option
 
 
 def _grid_side(T: int) -> int:
-    q = int(round(math.sqrt(T)))
-    if q * q != T:
-        raise ValueError(f"2D needs a square tensor size, got T={T}")
-    return q
+    """q of a 2D grid of T = q² ranks (LayoutError, a ValueError, when T is not a square)."""
+    TensorMode.TWO_D.check_tensor_size(T)
+    return TensorMode.TWO_D.grid_side(T)
 
 
 # ---------------------------------------------------------------------------------------
@@ -378,24 +372,23 @@ class _RankShape:
     vocab_block: int          # logits columns of this rank
 
 
-def _rank_shape(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int) -> _RankShape:
+def _rank_shape(cfg, mode, T: int, sequence_parallel: bool, tokens: int) -> _RankShape:
     h, H, K, f, V = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, cfg.vocab_size
-    if mode == "none":
+    mode = TensorMode.parse(mode)
+    if not mode.splits_weights:
         return _RankShape(tokens, tokens * h, H, K, f, V)
-    if mode == "1d":
-        R = tokens * h // T if (sequence_parallel and T > 1) else tokens * h
-        return _RankShape(tokens, R, H // T, _local_kv_heads(K, T), f // T, padded_vocab_size(V, T) // T)
-    if mode == "2d":
-        q = _grid_side(T)
-        return _RankShape(tokens // q, tokens * h // T, H // q, K // q, f // q, padded_vocab_size(V, q) // q)
-    raise ValueError(f"unknown tensor mode {mode!r}")
+    if mode.is_1d:
+        R = tokens * h // T if mode.sequence_parallel_in_effect(sequence_parallel, T) else tokens * h
+        return _RankShape(tokens, R, H // T, mode.local_kv_heads(K, T), f // T, padded_vocab_size(V, T) // T)
+    q = _grid_side(T)
+    return _RankShape(tokens // q, tokens * h // T, H // q, K // q, f // q, padded_vocab_size(V, q) // q)
 
 
 def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, e: int = FP32) -> int:
     """One RMSNorm and the input its consumer keeps (module docstring §2, ``norm``)."""
     r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
     h = cfg.hidden
-    if mode == "2d":
+    if TensorMode.parse(mode).is_grid:
         q = _grid_side(T)
         return 2 * r.residual * e + r.token_rows * FP32 + (h // q) * FP32
     consumer_input = tokens * h * e            # y itself, or under SP the gathered full sequence
@@ -422,16 +415,18 @@ def layer_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: i
 
 def embedding_saved_bytes(mode: str, T: int, tokens: int) -> int:
     """Token ids (N·8), plus the out-of-range mask (N·1) when the table is split."""
-    return tokens * INDEX_BYTES + (tokens * MASK_BYTES if mode != "none" and T > 1 else 0)
+    split = TensorMode.parse(mode).splits_weights and T > 1
+    return tokens * INDEX_BYTES + (tokens * MASK_BYTES if split else 0)
 
 
 def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int) -> int:
     """The fp32 (log-)softmax over this rank's logits block and the loss's targets/masks."""
     r = _rank_shape(cfg, mode, T, False, tokens)
     n = r.token_rows
-    if mode == "none":
+    mode = TensorMode.parse(mode)
+    if not mode.splits_weights:
         return n * r.vocab_block * FP32 + n * INDEX_BYTES + FP32
-    if mode == "1d":
+    if mode.is_1d:
         return n * r.vocab_block * FP32 + n * INDEX_BYTES + 2 * n * MASK_BYTES
     return n * r.vocab_block * FP32 + n * INDEX_BYTES + 2 * n * MASK_BYTES + FP32
 
@@ -445,7 +440,7 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
     rows here); ``layers``: decoder layers on this rank (default all); ``has_embedding`` /
     ``has_head``: first / last pipeline stage."""
     N = micro_batch * seq_len
-    sp = bool(sequence_parallel and mode == "1d" and T > 1)
+    sp = TensorMode.parse(mode).sequence_parallel_in_effect(sequence_parallel, T)
     L = cfg.layers if layers is None else layers
     return ActivationBytes(
         per_layer=layer_saved_bytes(cfg, mode, T, sp, N, recompute),
@@ -502,24 +497,21 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                         data_rank: int = 0, zero: int = 0, recompute: str = "none", micro_batch: int = 1,
                         seq_len: int = 128, n_microbatches: int = 1, pipeline: int = 1, pipeline_rank: int = 0,
                         schedule: str = "1f1b", layer_ids: Optional[Iterable[int]] = None,
-                        baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
-                        grad_sync_copy: bool = True) -> RankMemory:
+                        baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10) -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
     (:func:`activation_bytes` × :func:`gridshard.theory.pipeline.peak_in_flight`; one without
     pipeline: accumulation runs micro-batches one after another) + the logits workspace +
-    the data-parallel gradient copy (ZeRO-0 with D > 1 and ``grad_sync_copy``: the bucketed
-    all-reduce concatenates every gradient into flat buffers, 4n) + ``extra_bytes`` (other
-    resident bytes the caller knows of and the baseline missed, e.g. token arrays loaded
-    after it was measured).
+    ``extra_bytes`` (other resident bytes the caller knows of and the baseline missed, e.g.
+    token arrays loaded after it was measured). No data-parallel gradient copy: ZeRO-0 all-reduces its persistent
+    gradient buffer in place (:mod:`gridshard.zero.grad_buffer`).
 
     Pipeline: one stage per rank (``pipeline_rank`` = stage), ``layer_ids`` its layers
-    (default: L/P consecutive layers); the first stage holds the embedding, the last the
-    final norm, head and loss."""
+    (default: the pipeline's own split, :class:`gridshard.job_layout.StageSplit`); the first
+    stage holds the embedding, the last the final norm, head and loss."""
     P = pipeline
     if layer_ids is None:
-        per = cfg.layers // P
-        layer_ids = range(pipeline_rank * per, (pipeline_rank + 1) * per if pipeline_rank < P - 1 else cfg.layers)
+        layer_ids = StageSplit.of(cfg.layers, P).rank_layer_ids(pipeline_rank) if P > 1 else range(cfg.layers)
     layer_ids = list(layer_ids)
     first, last = pipeline_rank == 0, pipeline_rank == P - 1
     blocks = rank_parameter_blocks(cfg, mode, T, layer_ids, has_embedding=first, has_head=last)
@@ -528,12 +520,9 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                             has_embedding=first, has_head=last)
     in_flight = peak_in_flight(pipeline_rank, P, n_microbatches, schedule) if P > 1 else 1
     workspace = logits_workspace_bytes(cfg, micro_batch, seq_len, mode, T) if last else 0
-    comm = state.comm_buffers
-    if zero == 0 and data > 1 and grad_sync_copy:
-        comm += state.grads
     return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
                       optimizer=state.optimizer, activations=acts.total * in_flight + workspace,
-                      comm_buffers=comm,
+                      comm_buffers=state.comm_buffers,
                       transient=state.transient + zero_gradient_transient(blocks, zero, data, n_microbatches),
                       margin_fraction=margin_fraction,
                       details={"activation_per_microbatch": acts.total, "in_flight": in_flight,

@@ -25,16 +25,14 @@ a loss: stage i holds at most min(A, P−i) (:func:`peak_in_flight`).
 """
 from __future__ import annotations
 
+from ..job_layout import TensorMode
 
-def boundary_bytes(mode: str, sequence_parallel: bool, T: int, micro_batch: int, seq_len: int, hidden: int,
+
+def boundary_bytes(mode, sequence_parallel: bool, T: int, micro_batch: int, seq_len: int, hidden: int,
                    elem_bytes: int = 4) -> int:
-    """Bytes one rank sends across one stage boundary for one micro-batch, one direction."""
-    m, s, h = micro_batch, seq_len, hidden
-    if mode == "2d":
-        q = int(round(T ** 0.5))
-        return (m // q) * s * (h // q) * elem_bytes
-    if mode == "1d" and sequence_parallel and T > 1:
-        return m * (s // T) * h * elem_bytes
+    """Bytes one rank sends across one stage boundary for one micro-batch, one direction: its
+    block of the hidden state (:meth:`gridshard.job_layout.TensorMode.boundary_block`)."""
+    m, s, h = TensorMode.parse(mode).boundary_block(T, sequence_parallel, micro_batch, seq_len, hidden)
     return m * s * h * elem_bytes
 
 

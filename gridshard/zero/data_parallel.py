@@ -1,5 +1,6 @@
 """ZeRO-1/2/3 data parallelism over ``mesh.data``: the reduction that replaces the plain
-all-reduce of :class:`gridshard.engine.grad_sync.DataParallelGradSync` when ``train.zero ≥ 1``.
+all-reduce of :class:`gridshard.zero.grad_buffer.DataParallelGradSync` when ``train.zero ≥ 1``
+(both are :class:`gridshard.zero.reducer.GradReducer`).
 
 Shards. Every trainable parameter's local block ``[n0, *rest]`` (the tensor-parallel shard
 this rank stores) is split by rows over the D data ranks (:mod:`gridshard.theory.zero`):
@@ -42,6 +43,16 @@ with no communication; only the last micro-batch's backward reduces):
    over tensor *and* data ranks);
 5. :meth:`after_step` (ZeRO-1/2): one ``all_gather`` per unit of the updated rows refreshes
    every rank's full parameters. ZeRO-3 gathers lazily instead (below).
+
+Why packed and not views of a persistent buffer (as ZeRO-0's :mod:`.grad_buffer`): the
+reduce-scatter's input is rank-major (rank j's rows of every parameter of the unit, then rank
+j+1's), so a parameter's rows are spread over D segments and its ``[n0, *rest]`` gradient is no
+strided view of it once a unit holds two parameters; sharding by element ranges instead (as
+Megatron-core's distributed optimizer) would cut rows, and a shard would no longer be a box of
+the canonical tensor. A persistent full-size buffer would also keep every unit's full gradient
+alive, which is what ZeRO-2/3 exist to avoid. So ZeRO ≥ 1 packs each unit once per step into a
+transient buffer (at most ``MAX_IN_FLIGHT`` outstanding), uninitialised where every element is
+written.
 
 ZeRO-3 parameters. Between uses a parameter's storage is freed (``resize_(0)``; the
 tensor object, its name and its autograd identity stay) and its rows live in the unit's
@@ -91,6 +102,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..parallel.decoder_layers import decoder_layers
 from ..theory.zero import owned_rows, rows_per_rank
+from .reducer import SteppedTensor
 
 MAX_IN_FLIGHT = 2          # reduce-scatters outstanding in backward; the oldest is waited for beyond it
 
@@ -177,7 +189,7 @@ class ZeroDataParallel:
             self._free(u)                              # ZeRO-3: the rows are in the flat shard now
         if stage == 3:
             self._install_gather_hooks()
-        model.zero_data_parallel = self                # gathered_state_dict finds the shards through it
+        model.grad_reducer = self                      # gathered_state_dict finds the shards through it
 
     # ---- construction ------------------------------------------------------------------
     def _build_units(self, model) -> list:
@@ -324,7 +336,10 @@ class ZeroDataParallel:
     @torch.no_grad()
     def _launch(self, u: Unit) -> None:
         D, first = self.axis.size, u.params[0].param
-        flat = torch.zeros(D * u.segment, dtype=first.dtype, device=first.device)
+        # every element is written below unless a row is padding or a parameter got no gradient
+        covered = all(sp.param.grad is not None and rows_per_rank(sp.shape[0], D) * D == sp.shape[0]
+                      for sp in u.params)
+        flat = (torch.empty if covered else torch.zeros)(D * u.segment, dtype=first.dtype, device=first.device)
         for sp in u.params:
             g = sp.param.grad
             if g is None:
@@ -378,7 +393,8 @@ class ZeroDataParallel:
         if self.stage == 3 or self.axis.size == 1:
             return
         for u in self.units:
-            send = torch.zeros(u.segment, dtype=u.params[0].param.dtype, device=u.params[0].param.device)
+            # padding rows are sent but never unpacked: no need to zero them
+            send = torch.empty(u.segment, dtype=u.params[0].param.dtype, device=u.params[0].param.device)
             for sp in u.params:
                 n = (sp.stop - sp.start) * sp.row_elems
                 send[sp.offset:sp.offset + n].copy_(sp.shard.reshape(-1))
@@ -401,6 +417,22 @@ class ZeroDataParallel:
     def named_shards(self) -> list:
         """(name, shard) of every parameter with at least one owned row."""
         return [(sp.name, sp.shard) for sp in self.sharded() if sp.stop > sp.start]
+
+    @property
+    def norm_axis(self):
+        """The norm of the shards is summed over data ranks too (each row once)."""
+        return self.axis
+
+    def stepped(self) -> list:
+        """Every shard as a :class:`SteppedTensor` (rows from ``start``), units in order."""
+        return [SteppedTensor(sp.name, sp.param, sp.shard, sp.start) for sp in self.sharded()]
+
+    def optimizer_tensors(self) -> list:
+        return self.named_shards()
+
+    def norm_tensors(self) -> list:
+        """(shard, parameter) of every parameter with at least one owned row."""
+        return [(sp.shard, sp.param) for sp in self.sharded() if sp.stop > sp.start]
 
     def shard_of(self, param) -> Optional[ShardedParam]:
         return self.by_param.get(id(param))

@@ -1,0 +1,288 @@
+"""The job layout: every fact derived from a validated config, decided in one place.
+
+A job of G = D·P·T processes (data × pipeline × tensor) is described by a config whose
+strings and flags imply further facts. They are derived here, once, and everything else
+reads them (as torchtitan's ``ParallelDims``):
+
+================================  ============================================================
+fact                              rule
+================================  ============================================================
+tensor mode                       :class:`TensorMode` (``none`` | ``1d`` | ``2d``), parsed once
+                                  from ``parallel.tensor_mode``; its string is the config's and
+                                  the metrics' value (``str(mode)``), its methods the rules below
+grid side q                       2D: T = q², q = √T (``mode.grid_side(T)``)
+sequence parallelism in effect    requested ∧ mode = 1d ∧ T > 1
+                                  (``mode.sequence_parallel_in_effect(requested, T)``)
+ranks one head dim is split over  1d: T; 2d: q; none: 1 (``mode.head_split(T)``)
+local kv heads, kv replication    1d: K/T heads per rank when T divides K; one head shared by
+                                  r = T/K ranks when K divides T; 2d: K/q (``mode.local_kv_heads``,
+                                  ``mode.kv_replication``)
+micro-batches per step            A = global_batch / (micro_batch·D) (:func:`micro_batches_per_step`)
+stage → layers                    S = P·V stages, decoder layers split by :func:`stage_layer_counts`,
+                                  stage s on pipeline rank s mod P (:class:`StageSplit`)
+schedule, virtual stages, ZeRO    the config's values, kept with the rest (:class:`JobLayout`)
+stage, recompute
+================================  ============================================================
+
+Who reads what: validation checks its rules with these functions; ``parallelize`` asks the
+mesh's :class:`TensorMode` which layers to build and passes each layer the facts it needs
+as constructor arguments (e.g. ``sequence_parallel`` already *in effect*): a layer never
+needs to know the world or re-decide a fact. The pipeline builder and runner, the theory
+(``gridshard.theory``) and the planner use :class:`StageSplit`, :func:`micro_batches_per_step`
+and the :class:`TensorMode` methods; the trainer builds one :class:`JobLayout` from its config.
+
+Default stage split (:func:`stage_layer_counts`): the L layers as evenly as possible with the
+embedding and the head counted as one layer each of work — the first and last stages get
+one layer less when that evens the load, i.e. the counts are the even split of L + 2 "units"
+with the first and last stage's extra unit removed; ``parallel.stage_layers`` overrides it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional, Sequence
+
+from .errors import ConfigError, LayoutError
+
+
+class TensorMode(str, Enum):
+    """How a tensor-parallel group of T ranks splits a layer. Compares equal to (and prints
+    as) its config string, so ``parallel.tensor_mode``, checkpoint meta and metrics keep
+    their values; code decides through the methods, not by comparing strings."""
+
+    NONE = "none"
+    ONE_D = "1d"
+    TWO_D = "2d"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value) -> "TensorMode":
+        """The mode named by a config string (or a mode); LayoutError for an unknown name."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = tuple(m.value for m in cls)
+            raise LayoutError(f"tensor_mode={value!r} is unknown: it must be one of {names}. "
+                              f"Fix: use '1d' (Megatron column/row) or '2d' (SUMMA on a q×q grid).") from None
+
+    @property
+    def splits_weights(self) -> bool:
+        """Whether the T ranks hold blocks of the weights (1d, 2d) rather than replicas."""
+        return self is not TensorMode.NONE
+
+    @property
+    def is_1d(self) -> bool:
+        """Megatron column/row split: whole heads and neurons per rank, vocabulary-parallel loss."""
+        return self is TensorMode.ONE_D
+
+    @property
+    def is_grid(self) -> bool:
+        """SUMMA on a q×q grid: weights and activations split in both dims."""
+        return self is TensorMode.TWO_D
+
+    def grid_side(self, T: int) -> Optional[int]:
+        """q = √T on a grid, else None."""
+        return math.isqrt(T) if self.is_grid else None
+
+    def check_tensor_size(self, T: int) -> None:
+        """LayoutError unless T fits the mode: T = 1 without tensor parallelism, T = q² in 2d."""
+        if self is TensorMode.NONE and T != 1:
+            raise LayoutError(f"tensor_mode='none' with tensor={T}: without tensor parallelism T must be 1. "
+                              f"Fix: set tensor_mode to '1d' or '2d', or tensor=1.")
+        if self.is_grid and math.isqrt(T) ** 2 != T:
+            r = math.isqrt(T)
+            lo, hi = max(1, r * r), (r + 1) ** 2
+            raise LayoutError(f"tensor={T} is not a perfect square: 2D tensor parallelism lays the T ranks out "
+                              f"as a q×q grid, so T must be q². Fix: use tensor={lo} or tensor={hi}, or "
+                              f"tensor_mode='1d'.")
+
+    def sequence_parallel_in_effect(self, requested: bool, T: int) -> bool:
+        """Sequence parallelism splits the 1d group's activations: on only when asked for, in
+        1d, with T > 1 (at T = 1 there is nothing to split)."""
+        return bool(requested) and self.is_1d and T > 1
+
+    def head_split(self, T: int) -> int:
+        """Ranks that one head (or neuron) dimension is split over: T in 1d, q in 2d, 1 in none."""
+        if self.is_1d:
+            return T
+        return self.grid_side(T) if self.is_grid else 1
+
+    def batch_split(self, T: int) -> int:
+        """Blocks a micro-batch is split into along the batch dim: q in 2d (grid rows), else 1."""
+        return self.grid_side(T) if self.is_grid else 1
+
+    def local_kv_heads(self, kv_heads: int, T: int) -> int:
+        """kv heads one rank holds: K/T (1d, T divides K) or one shared head (1d, K divides T);
+        K/q in 2d; K without tensor parallelism."""
+        return max(1, kv_heads // self.head_split(T))
+
+    def kv_replication(self, kv_heads: int, T: int) -> int:
+        """Ranks that share one kv head: T/K in 1d when K < T (K divides T), else 1."""
+        return T // kv_heads if self.is_1d and T > kv_heads else 1
+
+    def boundary_block(self, T: int, sequence_parallel: bool, micro: int, seq: int, hidden: int) -> tuple:
+        """One rank's block of a micro-batch's [m, s, h] hidden state (at a pipeline stage
+        boundary): [m/q, s, h/q] in 2d, [m, s/T, h] under sequence parallelism (in effect),
+        else the whole [m, s, h]."""
+        if self.is_grid:
+            q = self.grid_side(T)
+            return (micro // q, seq, hidden // q)
+        if self.sequence_parallel_in_effect(sequence_parallel, T):
+            return (micro, seq // T, hidden)
+        return (micro, seq, hidden)
+
+
+def micro_batches_per_step(global_batch: int, micro_batch: int, data: int) -> int:
+    """A = global_batch / (micro_batch·D): the micro-batches each data rank runs per step."""
+    return global_batch // (micro_batch * data)
+
+
+def stage_layer_counts(layers: int, stages: int, explicit: Optional[Sequence[int]] = None) -> list:
+    """Decoder layers per stage (module docstring). ConfigError when a stage would get none
+    or the explicit counts do not add up."""
+    if explicit is not None:
+        explicit = list(explicit)
+        if len(explicit) != stages or sum(explicit) != layers or min(explicit) < 0:
+            raise ConfigError(f"parallel.stage_layers={explicit} is invalid: it needs {stages} counts "
+                              f"(pipeline × virtual_stages), each ≥ 0, adding up to model.layers={layers}. Fix: "
+                              f"list {stages} layer counts that sum to {layers}, or remove it for an even split.")
+        return explicit
+    if layers < stages:
+        raise ConfigError(f"parallel.pipeline × virtual_stages = {stages} stages but model.layers={layers}: every "
+                          f"stage needs at least one decoder layer. Fix: use at most {layers} stages, or a deeper "
+                          f"model.")
+    units = layers + 2                                 # + embedding and head, one unit of work each
+    base, extra = divmod(units, stages)
+    counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    counts[0] -= 1
+    counts[-1] -= 1
+    if stages == 1:
+        counts = [layers]
+    # never leave a stage without a layer: move one from the largest neighbour
+    for s in range(stages):
+        while counts[s] < 1:
+            donor = max(range(stages), key=lambda i: counts[i])
+            counts[donor] -= 1
+            counts[s] += 1
+    assert sum(counts) == layers
+    return counts
+
+
+def stage_layer_ids(counts: Sequence[int]) -> list:
+    """Global layer indices of every stage."""
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def stages_of_rank(pipeline_rank: int, pipeline: int, virtual: int) -> list:
+    """The stage indices pipeline rank r runs: r, r+P, …, r+(V−1)P."""
+    return [pipeline_rank + v * pipeline for v in range(virtual)]
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Which decoder layers each of the S = P·V pipeline stages holds, and which stages each
+    pipeline rank runs (stage s on rank s mod P). Stage 0 also holds the embedding, stage
+    S−1 the final norm and the head."""
+
+    counts: tuple
+    pipeline: int
+
+    @classmethod
+    def of(cls, layers: int, pipeline: int, virtual_stages: int = 1,
+           explicit: Optional[Sequence[int]] = None) -> "StageSplit":
+        return cls(tuple(stage_layer_counts(layers, pipeline * virtual_stages, explicit)), pipeline)
+
+    @property
+    def stages(self) -> int:
+        return len(self.counts)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages // self.pipeline
+
+    def layer_ids(self) -> list:
+        """The global decoder-layer indices of every stage."""
+        return stage_layer_ids(self.counts)
+
+    def stages_of_rank(self, pipeline_rank: int) -> list:
+        return stages_of_rank(pipeline_rank, self.pipeline, self.virtual_stages)
+
+    def rank_layer_ids(self, pipeline_rank: int) -> list:
+        """The decoder layers pipeline rank r holds, over all its stages, in order."""
+        ids = self.layer_ids()
+        return [i for s in self.stages_of_rank(pipeline_rank) for i in ids[s]]
+
+    def holds_first(self, pipeline_rank: int) -> bool:
+        return 0 in self.stages_of_rank(pipeline_rank)
+
+    def holds_last(self, pipeline_rank: int) -> bool:
+        return (self.stages - 1) in self.stages_of_rank(pipeline_rank)
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Every layout fact of one job, derived once from a validated config (module docstring).
+    Build with :meth:`from_config`; frozen."""
+
+    data: int
+    pipeline: int
+    tensor: int
+    mode: TensorMode
+    sequence_parallel: bool          # in effect (requested ∧ 1d ∧ T > 1)
+    global_batch: int
+    micro_batch: int
+    schedule: str
+    split: StageSplit
+    kv_heads: int
+    zero: int
+    recompute: str
+
+    @classmethod
+    def from_config(cls, cfg, model_cfg=None) -> "JobLayout":
+        """The job layout of a :class:`gridshard.config.TrainConfig` (already validated);
+        ``model_cfg``: its resolved model, if the caller has it."""
+        p, t = cfg.parallel, cfg.train
+        m = model_cfg if model_cfg is not None else cfg.model.resolve()
+        mode = TensorMode.parse(p.tensor_mode)
+        return cls(data=p.data, pipeline=p.pipeline, tensor=p.tensor, mode=mode,
+                   sequence_parallel=mode.sequence_parallel_in_effect(p.sequence_parallel, p.tensor),
+                   global_batch=t.global_batch, micro_batch=t.micro_batch, schedule=p.pipeline_schedule,
+                   split=StageSplit.of(m.layers, p.pipeline, p.virtual_stages, p.stage_layers),
+                   kv_heads=m.kv_heads, zero=t.zero, recompute=t.recompute)
+
+    @property
+    def world(self) -> int:
+        return self.data * self.pipeline * self.tensor
+
+    @property
+    def q(self) -> Optional[int]:
+        return self.mode.grid_side(self.tensor)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.split.virtual_stages
+
+    @property
+    def micro_batches(self) -> int:
+        return micro_batches_per_step(self.global_batch, self.micro_batch, self.data)
+
+    @property
+    def kv_replication(self) -> int:
+        return self.mode.kv_replication(self.kv_heads, self.tensor)
+
+
+__all__ = ["TensorMode", "JobLayout", "StageSplit", "micro_batches_per_step", "stage_layer_counts",
+           "stage_layer_ids", "stages_of_rank"]

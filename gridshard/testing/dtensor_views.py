@@ -1,0 +1,60 @@
+"""DTensor views of a laid-out model's parameters, for tests (and inspection): each block
+as a DTensor of the *canonical* global tensor, sharing the parameter's storage, where its
+layout has standard placements (:func:`gridshard.parallel.dtensor_view.placements_of`; the
+table of which layouts do is in that module's docstring). ``full_tensor()`` of a view is
+the canonical tensor.
+
+Views share storage with the parameters (no copy): writing into a view's local tensor
+writes the parameter.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..nn.sharding import ShardSpec
+from ..parallel.context import context_of
+from ..parallel.dtensor_view import block_offsets, placements_of
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def tensor_submesh(mesh):
+    """The DeviceMesh of the tensor dims: ``tensor`` (1D) or ``(grid_row, grid_col)`` (2D)."""
+    if mesh.tensor_mode.is_grid:
+        return mesh.device_mesh["grid_row", "grid_col"]
+    return mesh.device_mesh["tensor"]
+
+
+def dtensor_view(t: torch.Tensor, spec: ShardSpec, mesh) -> Optional[DTensor]:
+    """The canonical global tensor of block ``t`` as a DTensor sharing its storage, or None
+    when the layout has no standard placements (module docstring)."""
+    placements = placements_of(spec, mesh)
+    if placements is None:
+        return None
+    local = t.detach()
+    if spec.transposed:
+        local = local.t()
+    rows = [length for _, length in block_offsets(spec, mesh)]
+    local = local[tuple(slice(0, n) for n in rows)]
+    canon = spec.canonical()
+    return DTensor.from_local(local, tensor_submesh(mesh), placements, run_check=False, shape=torch.Size(canon),
+                              stride=_contiguous_stride(canon))
+
+
+def dtensor_state_dict(model: torch.nn.Module) -> dict:
+    """name → DTensor view (or None where the layout has no standard placements), for every
+    entry of ``model.state_dict()``."""
+    ctx = context_of(model)
+    if not ctx.mode.splits_weights:
+        return dict(model.state_dict())
+    return {name: dtensor_view(t, ctx.layouts[name], ctx.mesh)
+            for name, t in model.state_dict(keep_vars=True).items()}

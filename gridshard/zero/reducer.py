@@ -1,0 +1,111 @@
+"""The gradient reducer: one protocol for every ZeRO stage, so the training step never asks
+which stage it runs.
+
+A reducer owns everything that depends on how gradients are reduced over ``mesh.data``:
+
+=====================  ==========================================  ==========================================
+                       ZeRO-0 (:class:`~.grad_buffer.                ZeRO-1/2/3 (:class:`~.data_parallel.
+                       DataParallelGradSync`)                      ZeroDataParallel`)
+=====================  ==========================================  ==========================================
+gradients              ``.grad`` = views into persistent flat       full ``.grad`` in backward, then this
+                       buckets, all-reduced in place, ÷ D           rank's rows (reduce-scatter per unit, ÷ D)
+optimizer steps        the parameters                               this rank's rows of each parameter
+norm contributions     every parameter, summed over tensor          the rows, summed over tensor *and* data
+                       (and pipeline) ranks                         (and pipeline) ranks: ``norm_axis``
+checkpoint blocks      each parameter's canonical box               the box narrowed to this rank's rows
+after the step         nothing                                      ZeRO-1/2: all-gather the updated rows
+gathered state         the parameters as they are                   ZeRO-3: gather every unit first
+=====================  ==========================================  ==========================================
+
+One step drives every stage alike::
+
+    reducer.zero_grad()
+    for each micro-batch: (reducer.arm() before the last one's backward) forward, backward
+    reducer.sync()                           # every stepped tensor's .grad is the data mean
+    ‖g‖ over reducer.norm_tensors() (and over reducer.norm_axis); clip; optimizer.step()
+    reducer.after_step()
+
+:class:`SteppedTensor` is the one record the optimizer, the norm and the checkpoint read: the
+parameter's name, the parameter, the tensor stepped and, for a ZeRO shard, the first row it owns
+(the parameter's layout narrowed to rows ``[start, start + len(tensor))``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SteppedTensor:
+    """What the optimizer steps for parameter ``name``: ``param`` itself (``start`` None) or
+    its local rows ``[start, start + tensor.shape[0])`` (a ZeRO shard)."""
+
+    name: str
+    param: nn.Parameter
+    tensor: torch.Tensor
+    start: Optional[int] = None
+
+
+class GradReducer(Protocol):
+    """The protocol both reducers implement (module docstring)."""
+
+    norm_axis: Optional[object]            # the data Axis when norm tensors are shards, else None
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce each bucket/unit as soon as it is complete."""
+
+    def sync(self) -> None:
+        """Finish the reduction: every stepped tensor's ``.grad`` is its data-parallel mean."""
+
+    def zero_grad(self) -> None:
+        """Zero the gradients for the next step (persistent buffers are zeroed, not reallocated)."""
+
+    def after_step(self) -> None:
+        """After the optimizer step (and after a checkpoint is read): refresh replicated values."""
+
+    def free_all(self) -> None:
+        """Release parameters gathered only for a forward (ZeRO-3); no-op elsewhere."""
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Every parameter whole on every data rank inside the block (a collective under ZeRO-3)."""
+
+    def stepped(self) -> list:
+        """Every :class:`SteppedTensor` (checkpoint blocks; tied weights once)."""
+
+    def optimizer_tensors(self) -> list:
+        """(name, tensor) pairs the optimizer steps."""
+
+    def norm_tensors(self) -> list:
+        """(tensor, its parameter) pairs whose gradients the global norm and clipping act on."""
+
+    def memory_tensors(self) -> list:
+        """Buffers the reducer holds beyond parameters, gradients and optimizer state."""
+
+
+def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, overlap: bool) -> GradReducer:
+    """The reducer of ``train.zero`` = ``zero`` for ``model`` (laid out by :func:`gridshard.parallelize`)
+    over ``data_axis``; registered as ``model.grad_reducer`` (:func:`gridshard.parallel.state_dict.
+    gathered_state_dict` gathers through it). ``overlap``: reduce during the last backward."""
+    if zero == 0:
+        from .grad_buffer import DataParallelGradSync
+
+        return DataParallelGradSync(model, data_axis, bucket_bytes, overlap=overlap)
+    from .data_parallel import ZeroDataParallel
+
+    return ZeroDataParallel(model, data_axis, zero, overlap=overlap)
+
+
+def gathered_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
+    """``model.grad_reducer.gathered()`` when a reducer is registered, else nothing to do."""
+    reducer = getattr(model, "grad_reducer", None)
+    return reducer.gathered() if reducer is not None else contextlib.nullcontext()
+
+
+def whole_parameters(model: nn.Module) -> Iterator[SteppedTensor]:
+    """Every parameter of ``model`` as itself (the checkpoint's blocks without a reducer)."""
+    for name, p in model.named_parameters():
+        yield SteppedTensor(name, p, p)

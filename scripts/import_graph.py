@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Which top-level part of gridshard imports which: the graph docs/architecture.md is drawn from.
+
+A *part* is a sub-package (``gridshard/comm/``) or a top-level module (``gridshard/mesh.py``).
+Every ``import`` / ``from … import`` in ``gridshard/**/*.py`` is read with :mod:`ast`
+(relative imports resolved); an import at module level is an *eager* edge, one inside a
+function or class body a *lazy* edge (taken only when that code runs; lazy imports keep
+optional dependencies and heavy modules off the import path, and some break cycles).
+
+Prints, for each part, the parts it imports eagerly and those it imports only lazily; then
+the strongly connected groups of the eager+lazy graph with more than one part (cycles), and
+the parts in dependency order (a part after everything it imports eagerly, cycles collapsed).
+
+Usage: ``python scripts/import_graph.py [--root gridshard]``.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+from collections import defaultdict
+
+
+def part_of(module: str) -> str:
+    """``gridshard.comm.ledger`` → ``comm``; ``gridshard.mesh`` → ``mesh``; ``gridshard`` → ``gridshard``."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else pieces[0]
+
+
+def module_name(root: str, path: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(root))[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def imported_modules(tree: ast.Module, module: str, is_package: bool):
+    """(module imported, eager?) for every gridshard import in ``tree``."""
+    top_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [f"{target}.{a.name}" if target == "gridshard" else target for a in node.names]
+        else:
+            continue
+        eager = id(node) in top_level or _inside_top_level_block(tree, node)
+        for name in names:
+            if name == "gridshard" or name.startswith("gridshard."):
+                yield name, eager
+
+
+def _inside_top_level_block(tree: ast.Module, target: ast.AST) -> bool:
+    """An import under a module-level ``if`` / ``try`` runs at import time too."""
+    for node in tree.body:
+        if isinstance(node, (ast.If, ast.Try)) and any(n is target for n in ast.walk(node)):
+            return True
+    return False
+
+
+def graph(root: str):
+    eager, lazy = defaultdict(set), defaultdict(set)
+    parts, known = set(), _known_parts(root)
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            module = module_name(root, path)
+            src = part_of(module)
+            parts.add(src)
+            tree = ast.parse(open(path, encoding="utf-8").read(), path)
+            for name, is_eager in imported_modules(tree, module, f == "__init__.py"):
+                dst = part_of(name)
+                if dst not in known:                  # ``from gridshard import LEDGER``: the package itself
+                    dst = "gridshard"
+                if dst != src:
+                    (eager if is_eager else lazy)[src].add(dst)
+    for src in parts:
+        lazy[src] -= eager[src]
+    return sorted(parts), eager, lazy
+
+
+def _known_parts(root: str) -> set:
+    out = set()
+    for entry in os.listdir(root):
+        if entry.endswith(".py") and entry != "__init__.py":
+            out.add(entry[:-3])
+        elif os.path.isfile(os.path.join(root, entry, "__init__.py")):
+            out.add(entry)
+    return out | {"gridshard"}
+
+
+def strongly_connected(parts, edges) -> list:
+    """Tarjan's strongly connected components of ``edges`` (dict part → set of parts)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            out.append(sorted(group))
+
+    for v in parts:
+        if v not in index:
+            visit(v)
+    return out                                    # Tarjan emits a component after all it reaches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  "gridshard"))
+    args = ap.parse_args()
+    parts, eager, lazy = graph(args.root)
+    width = max(len(p) for p in parts)
+    print(f"{'part':<{width}}  imports at module level  |  only inside functions")
+    for p in parts:
+        print(f"{p:<{width}}  {', '.join(sorted(eager[p])) or '-'}  |  {', '.join(sorted(lazy[p])) or '-'}")
+    both = {p: eager[p] | lazy[p] for p in parts}
+    cycles = [g for g in strongly_connected(parts, both) if len(g) > 1]
+    print("\ncycles (eager + lazy):", "; ".join(" <-> ".join(g) for g in cycles) or "none")
+    eager_cycles = [g for g in strongly_connected(parts, eager) if len(g) > 1]
+    print("cycles (module level only):", "; ".join(" <-> ".join(g) for g in eager_cycles) or "none")
+    print("\nlevels (module-level imports; a part imports only parts of lower levels, cycles collapsed):")
+    for level, group in enumerate(levels(strongly_connected(parts, eager), eager)):
+        print(f"  {level}: {', '.join(group)}")
+
+
+def levels(components: list, edges) -> list:
+    """Parts grouped by the length of their longest chain of imports down to a part that imports none."""
+    depth, of = {}, {p: tuple(g) for g in components for p in g}
+    for group in components:                      # Tarjan's order: a component after all it reaches
+        below = [depth[of[w]] for p in group for w in edges.get(p, ()) if of[w] != tuple(group)]
+        depth[tuple(group)] = 1 + max(below, default=-1)
+    out = [[] for _ in range(1 + max(depth.values()))]
+    for group, d in depth.items():
+        out[d].append("{" + ", ".join(group) + "}" if len(group) > 1 else group[0])
+    return [sorted(g) for g in out]
+
+
+if __name__ == "__main__":
+    main()
