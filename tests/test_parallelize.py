@@ -25,13 +25,15 @@ def own_tiny(tied=False, kv_heads=2):
         return Transformer(cfg)
 
 
-def _own(D, T, mode, sp, tied, kv_heads):
-    errors = compare_with_reference(lambda: own_tiny(tied, kv_heads), D, T, mode, sp, batch=4, seq=8, seed=3)
+def _own(D, T, mode, sp, tied, kv_heads, overlap=True):
+    errors = compare_with_reference(lambda: own_tiny(tied, kv_heads), D, T, mode, sp, batch=4, seq=8, seed=3,
+                                    overlap_input_grad=overlap)
     return {k: v for k, v in errors.items() if not k.startswith("grad:")}
 
 
-CASES = {  # name: (D, T, mode, sequence_parallel, tied, kv_heads)
+CASES = {  # name: (D, T, mode, sequence_parallel, tied, kv_heads[, overlap_input_grad])
     "T2-1d-gqa": (1, 2, "1d", False, False, 2),
+    "T2-1d-no-overlap": (1, 2, "1d", False, False, 2, False),    # the shared input's copy_to_group path
     "T2-1d-SP-tied": (1, 2, "1d", True, True, 2),
     "T4-1d-kv-replicated": (1, 4, "1d", False, False, 2),
     "T4-1d-SP-kv-replicated-tied": (1, 4, "1d", True, True, 2),
@@ -43,8 +45,8 @@ CASES = {  # name: (D, T, mode, sequence_parallel, tied, kv_heads)
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_parallelized_model_equals_plain_model(name):
-    D, T, mode, sp, tied, kv = CASES[name]
-    errors = run_on_ranks(D * T, _own, D, T, mode, sp, tied, kv)[0]
+    D, T, *rest = CASES[name]
+    errors = run_on_ranks(D * T, _own, D, T, *rest)[0]
     for what in ("loss", "logits", "grad"):
         assert errors[what] <= TOL, f"{name}: {what} differs by {errors[what]:.2e}"
 

@@ -40,12 +40,14 @@ def gather_logits(logits: torch.Tensor, ctx) -> torch.Tensor:
 
 
 def compare_with_reference(factory, data: int, tensor: int, mode: str, sequence_parallel: bool = False,
-                           batch: int = 4, seq: int = 8, seed: int = 0, hf: bool = False) -> dict:
+                           batch: int = 4, seq: int = 8, seed: int = 0, hf: bool = False,
+                           overlap_input_grad: bool = True) -> dict:
     world = dist.get_world_size()
     ref_mesh = build_mesh(world, 1, 1, "none")
     ref = parallelize(factory(), ref_mesh, seed=seed, device="cpu")
     mesh = build_mesh(data, 1, tensor, mode)
-    par = parallelize(factory(), mesh, sequence_parallel=sequence_parallel, seed=seed, device="cpu")
+    par = parallelize(factory(), mesh, sequence_parallel=sequence_parallel, seed=seed, device="cpu",
+                      overlap_input_grad=overlap_input_grad)
     ctx = context_of(par)
 
     ref_state = ref.state_dict()
