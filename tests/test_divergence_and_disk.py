@@ -134,13 +134,19 @@ def test_fp16_overflow_is_the_scalers_and_a_nonfinite_loss_is_divergence():
 
 
 # ---- the save refuses non-finite weights ---------------------------------------------------------
-def _poisoned_save_body(run_dir):
+def _trainer_saved_at_step_1(run_dir, keep):
+    """A 2-step trainer whose step 1 is checkpointed in ``run_dir`` and step 2 taken: (trainer, checkpointer)."""
     trainer = Trainer(_cfg(steps=2), run_dir=None, progress=False)
     trainer.step(0)
-    ck = Checkpointer(run_dir, keep=1)
+    ck = Checkpointer(run_dir, keep=keep)
     trainer.checkpointer = ck
     trainer.save_checkpoint(1, blocking=True)
     trainer.step(1)
+    return trainer, ck
+
+
+def _poisoned_save_body(run_dir):
+    trainer, ck = _trainer_saved_at_step_1(run_dir, keep=1)
     if dist.get_rank() == 0:                         # one rank's block only: the others must agree
         with torch.no_grad():
             next(trainer.model.parameters()).view(-1)[0] = float("nan")
@@ -179,12 +185,7 @@ def test_prune_keeps_the_newest_finite_checkpoint(tmp_path):
 
 # ---- disk errors while saving --------------------------------------------------------------------
 def _disk_error_body(run_dir, code):
-    trainer = Trainer(_cfg(steps=2), run_dir=None, progress=False)
-    trainer.step(0)
-    ck = Checkpointer(run_dir, keep=3)
-    trainer.checkpointer = ck
-    trainer.save_checkpoint(1, blocking=True)
-    trainer.step(1)
+    trainer, ck = _trainer_saved_at_step_1(run_dir, keep=3)
     ck.faults = FaultPlan("save_after_data", 1, action="raise", errno=code)   # rank 1's chunks are on disk
     error = None
     try:

@@ -298,14 +298,14 @@ class RowParallelLinear(nn.Module):
         self.axis = mesh.tensor
         T = self.axis.size
         check_divisible(in_features, T, "RowParallelLinear in_features", T_NAME)
-        if TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T) and not input_is_parallel:
+        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
+        if self.sequence_parallel and not input_is_parallel:
             raise LayoutError("RowParallelLinear(sequence_parallel=True, input_is_parallel=False): under sequence "
                               "parallelism the row layer's input must be the column-split activation. "
                               "Fix: set input_is_parallel=True (feed it the output of a ColumnParallelLinear).")
         self.in_features, self.out_features = in_features, out_features
         self.in_local = in_features // T
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
-        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
         w_spec = ShardSpec((out_features, in_features), ((1, "tensor"),))
         self.weight = sharded_parameter(w_spec, mesh, _normal(init_std), dtype, device)
         if bias:
