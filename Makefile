@@ -7,12 +7,16 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(VENV)/bin/pip install -q -r requirements.txt
 	touch $@
 
-.PHONY: install test train
+.PHONY: install test test-all train
 install: $(VENV)/.installed
 
 ## Run the whole test suite (what CI runs).
 test: install
 	$(PY) -m pytest -q
+
+## Everything, the wide matrices too (tests marked `wide`; see docs/testing.md).
+test-all: install
+	$(PY) -m pytest -q -m "wide or not wide"
 
 ## The main job: train the default tiny model on 4 local CPU workers.
 train: install
