@@ -97,6 +97,7 @@ def _mib(x: int) -> str:
 
 
 def main(argv=None) -> None:
+    from gridshard.parallel.rank_blocks import rank_parameter_blocks
     from gridshard.theory import memory as M
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
     for name in args.models:
         model = MODELS[name]
         cfg = _resolve(model)
-        blocks = M.rank_parameter_blocks(cfg)
+        blocks = rank_parameter_blocks(cfg)
         for zero in args.zero:
             results = run_on_fresh_ranks(D, _model_state, model, D, zero, args.micro_batch, args.seq)
             if "skip" in results[0]:

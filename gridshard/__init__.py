@@ -8,8 +8,10 @@ from .mesh import ParallelMesh, Axis, build_mesh, init_distributed, validate_lay
 from .comm.ledger import LEDGER
 from .parallel import gathered_state_dict, parallelize
 from .planner import plan
+from .engine.job import build_job
+from .engine.step import train_step
 
 __version__ = "0.1.0"
 __all__ = ["GridshardError", "LayoutError", "ShapeError", "ConfigError", "CheckpointError", "NonFiniteError", "SaveError",
            "JobLayout", "TensorMode", "ParallelMesh", "Axis", "build_mesh", "init_distributed", "validate_layout",
-           "LEDGER", "parallelize", "gathered_state_dict", "plan"]
+           "LEDGER", "parallelize", "gathered_state_dict", "plan", "build_job", "train_step"]

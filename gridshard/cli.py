@@ -55,20 +55,23 @@ def default_run_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def restart_config(config_dict: dict, run_dir: str) -> dict:
+def restart_config(resolved, run_dir: str):
     """A restarted elastic worker (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the run
-    directory's latest complete checkpoint (``train.resume=auto``) when there is one."""
+    directory's latest complete checkpoint (``train.resume=auto``) when there is one.
+    ``resolved``: the launcher's :class:`gridshard.engine.job.ResolvedConfig`."""
     from .checkpoint import checkpoints_root, read_latest
 
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
-        return config_dict
+        return resolved
     if read_latest(checkpoints_root(run_dir)) is None:
-        return config_dict
-    return {**config_dict, "train": {**config_dict["train"], "resume": "auto"}}
+        return resolved
+    return resolved.with_train(resume="auto")
 
 
-def _worker(config_dict: dict, run_dir: str, progress: bool):
-    """Entry point of one elastic worker: join the group, train, return the losses (rank 0)."""
+def _worker(resolved, run_dir: str, progress: bool):
+    """Entry point of one elastic worker: join the group, train, return the losses (rank 0).
+    ``resolved``: the config the launcher validated for this world size
+    (:class:`gridshard.engine.job.ResolvedConfig`), used as it is — not loaded again."""
     import torch.distributed as dist
 
     from .engine.trainer import train as run_training
@@ -88,9 +91,9 @@ def _worker(config_dict: dict, run_dir: str, progress: bool):
     signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_INTERRUPTED))
     heartbeat = Heartbeat(run_dir, rank)        # names a stalled rank if the job fails (failure_message)
     try:
-        init_distributed(timeout_s=config_dict["train"]["collective_timeout_s"])
+        init_distributed(timeout_s=resolved.config.train.collective_timeout_s)
         try:
-            losses = run_training(restart_config(config_dict, run_dir), run_dir=run_dir, progress=progress)
+            losses = run_training(restart_config(resolved, run_dir), run_dir=run_dir, progress=progress)
         except TrainingStopped as stopped:
             losses = {"stopped_at": stopped.step, "checkpoint": stopped.checkpoint}
         dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
@@ -186,47 +189,12 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, allow_changed_s
     \b
       torchrun --nproc-per-node 4 -m gridshard train CONFIG
     """
-    import torch
-
-    from .config import load_config, resolve_config
-    from .launch import launch_local, launcher_world_size, under_launcher
+    from .launch import under_launcher
 
     launched = under_launcher()
     try:
-        if not check and run_dir is not None:
-            _check_not_live(run_dir, overwrite, launched)           # first: the one reason that matters then
-        source, overrides = _split_args(args)
-        if max_restarts < 0:
-            raise ConfigError(f"--max-restarts={max_restarts} is invalid: it counts restarts. Fix: 0 or more.")
-        if resume is not None:
-            from .checkpoint import resolve_checkpoint
-
-            overrides = [*overrides, f"train.resume={resolve_checkpoint(resume, run_dir)}"]
-        if allow_changed_schedule:                      # a train key: the workers get the config dict
-            overrides = [*overrides, "train.allow_changed_schedule=true"]
-        if launched:
-            world = launcher_world_size()
-        elif nproc is not None:
-            world = nproc
-            if world < 1:
-                raise ConfigError(f"--nproc={world} is invalid: at least one worker is needed. Fix: --nproc 1 or more.")
-        else:
-            world = load_config(source, overrides).world_size
-        if not launched:
-            _check_local_processes(world, nproc is not None)
-        cfg = resolve_config(source, overrides, world_size=world, cuda_available=torch.cuda.is_available())
-        run_dir = run_dir or default_run_dir()
-        from .config.validate import check_before_launch, user_sets
-
-        check_before_launch(cfg, warmup_set=user_sets(source, overrides, "train", "warmup_steps"))
-        memory_line = _check_memory(cfg, world, launched)
-        if not check:
-            _check_run_dir(run_dir, cfg, overwrite, launched)      # looks only: a refusal creates nothing
-        _check_resume(cfg, run_dir, launched)
-        if not check:       # every check is above: from here on the run directory is created and locked
-            _claim_run_dir(run_dir, cfg, overwrite, launched)
-        if not check and (not launched or os.environ.get("RANK") == "0"):
-            _copy_tokenizer(cfg, run_dir)
+        resolved, run_dir, memory_line = _resolve_for_launch(args, nproc, run_dir, resume, max_restarts, overwrite,
+                                                             allow_changed_schedule, check, launched)
     except ConfigError as e:
         if not launched or os.environ.get("RANK") == "0":      # under torchrun: one message, from rank 0
             click.echo(f"config error: {e}", err=True)
@@ -234,47 +202,116 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, allow_changed_s
     if check:
         import yaml
 
-        click.echo(yaml.safe_dump(cfg.resolved(), sort_keys=False).rstrip())
-        click.echo(f"# ok for {world} process(es)")
+        click.echo(yaml.safe_dump(resolved.config.resolved(), sort_keys=False).rstrip())
+        click.echo(f"# ok for {resolved.world_size} process(es)")
         click.echo(f"# {memory_line}")
         return
     if not launched or os.environ.get("RANK") == "0":
         click.echo(f"gridshard: {memory_line}")        # stdout, like the summary: stderr is for trouble
-    t0 = time.perf_counter()
     if launched:
-        from .engine.control import TrainingStopped, install_stop_handler
-        from .engine.trainer import train as run_training
+        _train_as_worker(resolved, run_dir, not no_progress)
+    else:
+        _train_local_workers(resolved, run_dir, not no_progress, max_restarts)
 
-        install_stop_handler()            # torchrun forwards SIGINT: stop after the step, checkpoint
-        try:
-            losses = run_training(restart_config(cfg.model_dump(), run_dir), run_dir=run_dir,
-                                  progress=not no_progress)
-        except TrainingStopped as stopped:
-            if int(os.environ.get("RANK", "0")) == 0:
-                click.echo(stopped_at_message(stopped.step, stopped.checkpoint, run_dir), err=True)
-            sys.exit(EXIT_INTERRUPTED)
+
+def _resolve_for_launch(args, nproc, run_dir, resume, max_restarts, overwrite, allow_changed_schedule, check,
+                        launched):
+    """Every check before a worker starts (ConfigError on the first that fails); returns the
+    config resolved for the world size (:class:`gridshard.engine.job.ResolvedConfig`, what the
+    workers get), the run directory and the predicted-memory line. Unless ``check``, the run
+    directory is created and locked."""
+    import torch
+
+    from .config import resolve_config
+    from .config.validate import check_before_launch, user_sets
+    from .engine.job import ResolvedConfig
+
+    if not check and run_dir is not None:
+        _check_not_live(run_dir, overwrite, launched)           # first: the one reason that matters then
+    source, overrides = _split_args(args)
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts={max_restarts} is invalid: it counts restarts. Fix: 0 or more.")
+    if resume is not None:
+        from .checkpoint import resolve_checkpoint
+
+        overrides = [*overrides, f"train.resume={resolve_checkpoint(resume, run_dir)}"]
+    if allow_changed_schedule:                      # a train key: the workers get the resolved config
+        overrides = [*overrides, "train.allow_changed_schedule=true"]
+    world = _world_size(launched, nproc, source, overrides)
+    cuda = torch.cuda.is_available()
+    cfg = resolve_config(source, overrides, world_size=world, cuda_available=cuda)
+    run_dir = run_dir or default_run_dir()
+    check_before_launch(cfg, warmup_set=user_sets(source, overrides, "train", "warmup_steps"))
+    memory_line = _check_memory(cfg, world, launched)
+    if not check:
+        _check_run_dir(run_dir, cfg, overwrite, launched)      # looks only: a refusal creates nothing
+    _check_resume(cfg, run_dir, launched)
+    if not check:       # every check is above: from here on the run directory is created and locked
+        _claim_run_dir(run_dir, cfg, overwrite, launched)
+    if not check and (not launched or os.environ.get("RANK") == "0"):
+        _copy_tokenizer(cfg, run_dir)
+    return ResolvedConfig(cfg, world, cuda), run_dir, memory_line
+
+
+def _world_size(launched: bool, nproc, source, overrides) -> int:
+    """The launcher's world (torchrun), ``--nproc``, or the config's D·P·T."""
+    from .config import load_config
+    from .launch import launcher_world_size
+
+    if launched:
+        world = launcher_world_size()
+    elif nproc is not None:
+        world = nproc
+        if world < 1:
+            raise ConfigError(f"--nproc={world} is invalid: at least one worker is needed. Fix: --nproc 1 or more.")
+    else:
+        world = load_config(source, overrides).world_size
+    if not launched:
+        _check_local_processes(world, nproc is not None)
+    return world
+
+
+def _train_as_worker(resolved, run_dir: str, progress: bool) -> None:
+    """Under torchrun: this process is one worker; rank 0 prints the summary."""
+    from .engine.control import TrainingStopped, install_stop_handler
+    from .engine.trainer import train as run_training
+
+    t0 = time.perf_counter()
+    install_stop_handler()            # torchrun forwards SIGINT: stop after the step, checkpoint
+    try:
+        losses = run_training(restart_config(resolved, run_dir), run_dir=run_dir, progress=progress)
+    except TrainingStopped as stopped:
         if int(os.environ.get("RANK", "0")) == 0:
-            _summary(losses, run_dir, time.perf_counter() - t0)
-        return
+            click.echo(stopped_at_message(stopped.step, stopped.checkpoint, run_dir), err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _summary(losses, run_dir, time.perf_counter() - t0)
+
+
+def _train_local_workers(resolved, run_dir: str, progress: bool, max_restarts: int) -> None:
+    """Outside a launcher: start the workers (PyTorch's elastic launcher), watch them, report."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from .engine.control import StallWatchdog, clear_heartbeats
+    from .launch import launch_local
 
+    t0 = time.perf_counter()
+    world, timeout_s = resolved.world_size, resolved.config.train.collective_timeout_s
     clear_heartbeats(run_dir)
     interrupts = _LauncherInterrupts()
-    watchdog = StallWatchdog(run_dir, world, cfg.train.collective_timeout_s)
+    watchdog = StallWatchdog(run_dir, world, timeout_s)
     try:
         with interrupts, watchdog:
-            results = launch_local(world, _worker, cfg.model_dump(), run_dir, not no_progress,
+            results = launch_local(world, _worker, resolved, run_dir, progress,
                                    max_restarts=max_restarts, agent_signals=_LauncherInterrupts.AGENT_SIGNALS)
     except ChildFailedError as e:
         if interrupts.count or all(f.exitcode == EXIT_INTERRUPTED or f.signal_name() in ("SIGINT", "SIGTERM")
                                    for f in e.failures.values()):
             click.echo(stopped_message(run_dir, aborted=interrupts.count > 1), err=True)
             sys.exit(EXIT_INTERRUPTED)
-        stalled = watchdog.killed or _stalled(run_dir, world, cfg.train.collective_timeout_s)
-        click.echo(failure_message(e, run_dir, stalled=stalled, timeout_s=cfg.train.collective_timeout_s), err=True)
+        stalled = watchdog.killed or _stalled(run_dir, world, timeout_s)
+        click.echo(failure_message(e, run_dir, stalled=stalled, timeout_s=timeout_s), err=True)
         sys.exit(EXIT_FAILED if stalled or not any(f.exitcode == EXIT_WORKER_ERROR for f in e.failures.values())
                  else EXIT_WORKER_ERROR)
     except (KeyboardInterrupt, SignalException):

@@ -248,3 +248,39 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
         dm = init_device_mesh(device_type, (data, pipeline, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
         flat = None
     return ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat)
+
+
+class ShapeMesh:
+    """The sizes and one rank's coordinates of a layout, with no process group: what the layer
+    constructors and :func:`gridshard.parallelize` read of a :class:`ParallelMesh` (``tensor_mode``,
+    each :class:`Axis`'s size and rank, and in 2D ``q``, ``grid_row``/``grid_col`` and the ``row``/
+    ``col`` axes), so a model can be laid out on the meta device for a layout nobody launched
+    (:mod:`gridshard.parallel.rank_blocks`). Its axes have ``group=None``: it lays out, it never
+    runs a collective. ``tensor_rank`` t = i·q + j in 2D, as on a real mesh."""
+
+    def __init__(self, data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None,
+                 tensor_rank: int = 0):
+        self.tensor_mode = TensorMode.parse(tensor_mode if tensor_mode is not None else "none" if tensor == 1
+                                            else "1d")
+        self.tensor_mode.check_tensor_size(tensor)
+        self.sizes = (data, pipeline, tensor)
+        self.ledger = None
+        self.data, self.pipeline = _shape_axis("data", data, 0), _shape_axis("pipeline", pipeline, 0)
+        self.tensor = _shape_axis("tensor", tensor, tensor_rank)
+        self.q = self.tensor_mode.grid_side(tensor)
+        if self.tensor_mode.is_grid:
+            self.grid_row, self.grid_col = divmod(tensor_rank, self.q)
+            self.row = _shape_axis("row", self.q, self.grid_col)
+            self.col = _shape_axis("col", self.q, self.grid_row)
+
+    @property
+    def world_size(self) -> int:
+        return self.sizes[0] * self.sizes[1] * self.sizes[2]
+
+    def __repr__(self) -> str:
+        d, p, t = self.sizes
+        return f"ShapeMesh(D={d}, P={p}, T={t}, mode={self.tensor_mode!r}, tensor_rank={self.tensor.rank})"
+
+
+def _shape_axis(name: str, size: int, rank: int) -> Axis:
+    return Axis(name, size, rank, tuple(range(size)), None)

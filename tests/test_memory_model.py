@@ -1,8 +1,10 @@
 """The per-rank memory model (:mod:`gridshard.theory.memory`) against the real laid-out model.
 
-* parameter blocks: :func:`rank_parameter_blocks` lists exactly the local shapes that
-  ``gridshard.parallelize`` gives each rank (none, 1D with split and replicated kv heads,
-  2D, tied and untied);
+* parameter blocks: :func:`rank_parameter_blocks` (read from a one-layer model laid out on
+  the meta device over a shape-only mesh) lists exactly the local shapes that
+  ``gridshard.parallelize`` gives each rank of a real mesh with all its layers (none, 1D with
+  split and replicated kv heads, 2D, tied and untied), pipeline ranks included, and a layer
+  added to the model is in it;
 * model state at ZeRO-0: the bytes of parameters, gradients and AdamW state after a real
   optimizer step equal :func:`model_state_bytes` exactly;
 * ZeRO-1/2/3: the table of the module docstring on a hand-computed example, and its
@@ -15,6 +17,7 @@
 import pytest
 import torch
 
+from gridshard.parallel.rank_blocks import rank_parameter_blocks
 from gridshard.testing import run_on_ranks
 from gridshard.theory import memory as M
 
@@ -27,6 +30,7 @@ def tiny_config(tied=False, kv_heads=2):
 
 
 BATCH, SEQ = 4, 8
+PIPELINE_RANKS = (((0,), True, False), ((1,), False, True))      # (layer ids, first stage, last stage)
 
 LAYOUTS = {  # name: (T, mode, sequence_parallel, tied, kv_heads)
     "T1-none": (1, "none", False, False, 2),
@@ -46,6 +50,7 @@ def _measure(T, mode, sp, tied, kv):
     from gridshard.engine.optim import build_optimizer
     from gridshard.models import Transformer
     from gridshard.parallel.recompute import apply_recompute
+    from gridshard.pipeline.split import RankModel
 
     cfg = tiny_config(tied, kv)
     g = torch.Generator().manual_seed(0)
@@ -67,6 +72,12 @@ def _measure(T, mode, sp, tied, kv):
             opt.step()
             out["state"] = model_state_tensor_bytes(model, opt)
             out["params"] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    out["stages"] = {}
+    for ids, first, last in PIPELINE_RANKS:             # a pipeline rank's part, laid out on the same mesh
+        with torch.device("meta"):
+            plain = Transformer(cfg)
+        part = parallelize(RankModel(plain, ids, first, last), build_mesh(1, 1, T, mode), seed=0, device="cpu")
+        out["stages"][(ids, first, last)] = [(n, tuple(p.shape)) for n, p in part.named_parameters()]
     return out
 
 
@@ -83,15 +94,52 @@ def measured(name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_parameter_blocks_are_the_laid_out_shapes(name):
     T, mode, sp, tied, kv = LAYOUTS[name]
-    expected = [(b.name, b.shape) for b in M.rank_parameter_blocks(tiny_config(tied, kv), mode, T)]
+    expected = [(b.name, b.shape) for b in rank_parameter_blocks(tiny_config(tied, kv), mode, T)]
     for rank, got in enumerate(measured(name)):
         assert sorted(got["params"]) == sorted(expected), f"{name} rank {rank}"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pipeline_rank_blocks_are_the_laid_out_shapes(name):
+    """A first-only and a last-only pipeline rank (tied: the last holds the embedding's table)."""
+    T, mode, sp, tied, kv = LAYOUTS[name]
+    for ids, first, last in PIPELINE_RANKS:
+        expected = [(b.name, b.shape) for b in rank_parameter_blocks(tiny_config(tied, kv), mode, T, ids, first, last)]
+        for rank, got in enumerate(measured(name)):
+            assert sorted(got["stages"][(ids, first, last)]) == sorted(expected), f"{name} rank {rank} {ids}"
+
+
+def test_a_layer_added_to_the_model_is_in_the_blocks(monkeypatch):
+    """The blocks come from the model as built: a parameterised module added to every decoder
+    layer appears in them (mode none: every layer, its own shape); under 1D, where the plan has
+    no rule for it, the memory model refuses as ``parallelize`` does instead of leaving it out."""
+    from torch import nn
+
+    from gridshard.errors import LayoutError
+    from gridshard.models import Transformer
+    from gridshard.models import llama
+
+    init = llama.DecoderLayer.__init__
+
+    def with_adapter(self, cfg):
+        init(self, cfg)
+        self.adapter = nn.Linear(cfg.hidden, 3, bias=False)
+
+    monkeypatch.setattr(llama.DecoderLayer, "__init__", with_adapter)
+    cfg = tiny_config()
+    with torch.device("meta"):
+        plain = Transformer(cfg)
+    blocks = rank_parameter_blocks(cfg, "none", 1)
+    assert sorted((b.name, b.shape) for b in blocks) == sorted((n, tuple(p.shape)) for n, p in plain.named_parameters())
+    assert [b.layer for b in blocks if b.name.endswith("adapter.weight")] == list(range(cfg.layers))
+    with pytest.raises(LayoutError, match="adapter"):
+        rank_parameter_blocks(cfg, "1d", 2)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_zero0_model_state_equals_the_tensors_after_a_step(name):
     T, mode, sp, tied, kv = LAYOUTS[name]
-    state = M.model_state_bytes(M.rank_parameter_blocks(tiny_config(tied, kv), mode, T), zero=0)
+    state = M.model_state_bytes(rank_parameter_blocks(tiny_config(tied, kv), mode, T), zero=0)
     for rank, got in enumerate(measured(name)):
         assert got["state"]["params"] == state.params, (name, rank)
         assert got["state"]["grads"] == state.grads, (name, rank)
@@ -138,7 +186,7 @@ def test_zero_stages_by_hand(zero, params, grads, opt, buffers, transient):
 
 
 def test_zero_invariants_on_the_tiny_model():
-    blocks = M.rank_parameter_blocks(tiny_config(), "1d", 2)
+    blocks = rank_parameter_blocks(tiny_config(), "1d", 2)
     z0 = M.model_state_bytes(blocks, zero=0)
     for zero in (1, 2, 3):
         one = M.model_state_bytes(blocks, zero=zero, data=1)
@@ -158,13 +206,13 @@ def test_pipeline_stage_holds_its_in_flight_microbatches():
     assert first.details["in_flight"] == 2 and first.activations == 2 * one.total
     gpipe = M.predict_rank_memory(cfg, pipeline_rank=0, schedule="gpipe", **kw)
     assert gpipe.activations == 8 * one.total
-    assert first.params == 4 * sum(b.numel for b in M.rank_parameter_blocks(cfg, layer_ids=[0], has_head=False))
+    assert first.params == 4 * sum(b.numel for b in rank_parameter_blocks(cfg, layer_ids=[0], has_head=False))
 
 
 def test_prediction_adds_baseline_and_margin():
     cfg = tiny_config()
     pred = M.predict_rank_memory(cfg, micro_batch=2, seq_len=8, baseline_bytes=1000)
-    state = M.model_state_bytes(M.rank_parameter_blocks(cfg), 0)
+    state = M.model_state_bytes(rank_parameter_blocks(cfg), 0)
     acts = M.activation_bytes(cfg, 2, 8).total + M.logits_workspace_bytes(cfg, 2, 8)
     assert pred.total == 1000 + state.held + acts
     assert pred.total_with_margin == pred.total + int(0.1 * (state.held + acts))

@@ -30,8 +30,8 @@ from gridshard.planner.calibrate_reference import reference_step_s as _priced
 from gridshard.planner.cost_time import rank_cost, step_time, tensor_calls_per_layer
 from gridshard.planner.layouts import Layout, apply_layout, enumerate_layouts, factorisations, layout_problem
 from gridshard.planner.report import as_json, write_config
-from gridshard.theory.memory import (layer_saved_bytes, model_state_bytes, predict_rank_memory,
-                                     rank_parameter_blocks)
+from gridshard.parallel.rank_blocks import rank_parameter_blocks
+from gridshard.theory.memory import layer_saved_bytes, model_state_bytes, predict_rank_memory
 
 CPU = load_hardware("cpu")
 

@@ -51,3 +51,40 @@ def test_nested_bias_split_order():
 def test_indivisible_local_shape_names_the_rule():
     with pytest.raises(ShapeError, match="not divisible"):
         ShardSpec((10, 3), ((0, "tensor"),)).local_shape({"tensor": 4})
+
+
+GRID = {"tensor": 4, "grid_row": 2, "grid_col": 2}
+
+
+def _ranks(size):
+    if "grid_row" in size:
+        return [{"tensor": i * 2 + j, "grid_row": i, "grid_col": j} for i in range(2) for j in range(2)]
+    return [{"tensor": t} for t in range(size["tensor"])]
+
+
+@pytest.mark.parametrize("spec,size", [
+    (ShardSpec((100, 3), ((0, "tensor"),), canonical_shape=(97, 3)), {"tensor": 4}),       # vocab rows, padded
+    (ShardSpec((3, 98), ((0, "grid_row"), (1, "grid_col")), transposed=True, canonical_shape=(97, 3)), GRID),
+    (ShardSpec((4, 6), ((0, "grid_row"), (1, "grid_col")), transposed=True), GRID),        # Linear2D [in, out]
+    (ShardSpec((8,), ((0, "grid_col"), (0, "grid_row"))), GRID),                            # 2D norm piece
+    (ShardSpec((8, 5), ((0, "tensor"),), replicate=2), {"tensor": 4}),                      # kv heads shared
+    (ShardSpec((7, 2)), {"tensor": 2}),                                                     # replicated
+])
+def test_canonical_box_of_a_block_and_of_its_row_ranges(spec, size):
+    """The box (and view) of a block, and of rows [a, b) of it (a ZeRO shard), hold exactly the
+    canonical elements that :func:`take_shard` of the storage tensor puts there."""
+    canon = torch.arange(1, 1 + torch.Size(spec.canonical()).numel()).reshape(spec.canonical())
+    storage = spec.from_canonical(canon)                 # padding rows are 0
+    for index in _ranks(size):
+        local = take_shard(storage, spec, index, size)
+        n = local.shape[0]
+        for a, b in [(a, b) for a in range(n) for b in range(a + 1, n + 1)]:
+            rows = local[a:b]
+            box = spec.canonical_box(index, size, rows=(a, b))
+            if box is None:
+                assert not rows.any(), (index, a, b)    # only padding
+                continue
+            want = canon[tuple(slice(o, o + n) for o, n in box)]
+            assert torch.equal(spec.canonical_view(rows, box), want), (index, a, b, box)
+            assert int((rows != 0).sum()) == want.numel()          # nothing outside the box but padding
+        assert spec.canonical_box(index, size) == spec.canonical_box(index, size, rows=(0, local.shape[0]))

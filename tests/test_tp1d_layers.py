@@ -49,8 +49,7 @@ def _check_column(mesh, sp, b, s, h, seed):
         ref = plain_linear(h, out, bias, 0.05)
         torch.manual_seed(seed + k)
         par = ColumnParallelLinear(h, out, mesh, bias=bias, gather_output=gather, skip_bias_add=skip,
-                                   sequence_parallel=sp, init_std=0.05, fused_parts=parts)
-        par.overlap_input_grad = overlap
+                                   sequence_parallel=sp, init_std=0.05, fused_parts=parts, overlap_input_grad=overlap)
         with torch.no_grad():   # a non-zero bias, so the bias path is really exercised
             for m in (ref, par):
                 if m.bias is not None:

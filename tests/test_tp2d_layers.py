@@ -120,15 +120,14 @@ def _vector_cache(q, seed):
     what = f"vector cache q={q} seed={seed}"
     torch.manual_seed(seed)
     ref_lin = plain_linear(fin, fout, True, 0.05)
+    cache = GatheredVectors()
     torch.manual_seed(seed)
-    par_lin = Linear2D(fin, fout, mesh, bias=True, init_std=0.05)
+    par_lin = Linear2D(fin, fout, mesh, bias=True, init_std=0.05, vector_cache=cache)
     _set_bias(par_lin, ref_lin, fout, mesh)
-    ref_norm, par_norm = nn.RMSNorm(fout, eps=1e-5), RMSNorm2D(fout, mesh, eps=1e-5)
+    ref_norm, par_norm = nn.RMSNorm(fout, eps=1e-5), RMSNorm2D(fout, mesh, eps=1e-5, vector_cache=cache)
     with torch.no_grad():
         ref_norm.weight.copy_(randn((fout,), seed + 1) * 0.5 + 1)
         par_norm.weight.copy_(expected_shard(ref_norm.weight, par_norm.weight.shard_spec, mesh))
-    cache = GatheredVectors()
-    par_lin.vector_cache = par_norm.vector_cache = cache
     ref, par = nn.Sequential(ref_lin, ref_norm), nn.Sequential(par_lin, par_norm)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt_par = torch.optim.SGD(par.parameters(), lr=0.5)

@@ -4,9 +4,10 @@ read exactly those pieces.
 A checkpoint holds *canonical* tensors: the single-device model's names and shapes
 (``[out, in]`` weights, unpadded vocabulary), whatever layout wrote them. A rank holds, for
 every parameter (and every AdamW moment, which has its parameter's layout), one block of
-that canonical tensor: by :func:`gridshard.parallel.dtensor_view.block_offsets`, a box
-``offsets[d] … offsets[d] + sizes[d]`` along each canonical dim d, after transposing a
-Linear2D block back to ``[out, in]`` and cutting vocabulary padding off its end.
+that canonical tensor: by its layout (:meth:`gridshard.nn.sharding.ShardSpec.canonical_box`), a
+box ``offsets[d] … offsets[d] + sizes[d]`` along each canonical dim d, after transposing a
+Linear2D block back to ``[out, in]`` and cutting vocabulary padding off its end; under ZeRO the
+same layout narrowed to the data rank's rows of the block.
 
 :class:`CanonicalBlock` is that box: the fqn, the canonical global size, the offsets and a
 *view* of the local storage in canonical orientation (writing the view writes the
@@ -42,8 +43,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..errors import LayoutError
-from ..nn.sharding import ShardSpec, get_spec
-from ..parallel.dtensor_view import block_offsets
+from ..nn.sharding import ShardSpec, mesh_coords
 
 MODEL = "model."
 OPTIM = "optim."
@@ -67,50 +67,16 @@ class CanonicalBlock:
         return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
 
 
-def canonical_block(fqn: str, local: torch.Tensor, spec: Optional[ShardSpec], mesh) -> Optional[CanonicalBlock]:
-    """The box of ``local`` (a block stored by ``spec``) in its canonical tensor, or None when
-    the block holds only padding. ``spec`` None: ``local`` is the whole canonical tensor."""
-    local = local.detach()
-    if spec is None:
-        return CanonicalBlock(fqn, tuple(local.shape), (0,) * local.dim(), local)
-    if spec.fused_parts > 1:
-        raise LayoutError(f"checkpoint: {fqn!r} is a fused tensor ({spec.fused_parts} parts side by side), which "
-                          f"is not one box of a canonical tensor. Fix: lay the model out with "
-                          f"gridshard.parallelize, which keeps fused projections as separate parameters.")
-    boxes = block_offsets(spec, mesh)
-    if any(n == 0 for _, n in boxes):
+def canonical_block(fqn: str, local: torch.Tensor, spec: ShardSpec, mesh,
+                    rows: Optional[tuple] = None) -> Optional[CanonicalBlock]:
+    """The box of ``local`` (this rank's block stored by ``spec``, or with ``rows = (start, stop)``
+    those rows of it: a ZeRO shard) in its canonical tensor (:meth:`ShardSpec.canonical_box`),
+    or None when it holds only padding."""
+    box = spec.canonical_box(*mesh_coords(mesh), rows=rows)
+    if box is None:
         return None
-    view = local.t() if spec.transposed else local
-    view = view[tuple(slice(0, n) for _, n in boxes)]
-    return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(o for o, _ in boxes), view)
-
-
-def canonical_rows_block(fqn: str, rows: torch.Tensor, full_shape, start: int, spec: Optional[ShardSpec],
-                         mesh) -> Optional[CanonicalBlock]:
-    """The box of rows ``[start, start + len(rows))`` of a stored block of ``full_shape`` (a ZeRO
-    shard, :mod:`gridshard.theory.zero`) in its canonical tensor, or None when those rows hold
-    only padding. The stored dim 0 is canonical dim 0, or dim 1 for a transposed (Linear2D)
-    block; the box is the block's box with that dim narrowed to the rows."""
-    rows = rows.detach()
-    if spec is None:
-        if rows.shape[0] == 0:
-            return None
-        return CanonicalBlock(fqn, tuple(full_shape), (start,) + (0,) * (len(full_shape) - 1), rows)
-    if spec.fused_parts > 1:
-        return canonical_block(fqn, rows, spec, mesh)          # raises the fused-tensor error
-    boxes = block_offsets(spec, mesh)
-    if any(n == 0 for _, n in boxes):
-        return None
-    d = 1 if spec.transposed else 0
-    keep = min(start + rows.shape[0], boxes[d][1]) - start
-    if keep <= 0:
-        return None
-    view = rows.t() if spec.transposed else rows
-    cut = [slice(0, n) for _, n in boxes]
-    cut[d] = slice(0, keep)
-    offsets = [o for o, _ in boxes]
-    offsets[d] += start
-    return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(offsets), view[tuple(cut)])
+    return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(o for o, _ in box),
+                          spec.canonical_view(local.detach(), box))
 
 
 def _stepped_tensors(model: torch.nn.Module, reducer=None):
@@ -118,17 +84,14 @@ def _stepped_tensors(model: torch.nn.Module, reducer=None):
     under their first name): what ``reducer`` (:class:`gridshard.zero.reducer.GradReducer`) steps —
     the parameter itself, or under ZeRO this data rank's rows of it —, without one every parameter.
     ``box(fqn, t)`` is the :class:`CanonicalBlock` of a tensor ``t`` laid out like that one
-    (the parameter or one of its AdamW moments)."""
+    (the parameter or one of its AdamW moments): the parameter's layout, narrowed to the rows."""
     from ..zero.reducer import whole_parameters
 
     ctx = model.parallel_context
     for s in (reducer.stepped() if reducer is not None else whole_parameters(model)):
-        spec = ctx.layouts.get(s.name) or get_spec(s.param)
-        if s.start is None:
-            yield s.name, s.tensor, (lambda fqn, t, spec=spec: canonical_block(fqn, t, spec, ctx.mesh))
-        else:
-            yield s.name, s.tensor, (lambda fqn, t, s=s, spec=spec:
-                                     canonical_rows_block(fqn, t, tuple(s.param.shape), s.start, spec, ctx.mesh))
+        spec = ctx.layouts[s.name]
+        yield s.name, s.tensor, (lambda fqn, t, spec=spec, rows=s.rows:
+                                 canonical_block(fqn, t, spec, ctx.mesh, rows))
 
 
 def model_blocks(model: torch.nn.Module, reducer=None) -> dict:

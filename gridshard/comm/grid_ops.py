@@ -82,7 +82,7 @@ class GatheredVectors:
     current; inside one, each vector is all-gathered once.
 
     One instance per parallelized model (:class:`gridshard.parallel.ParallelContext`
-    ``.vector_cache``, handed to its 2D modules as ``module.vector_cache``); the trainer opens
+    ``.vector_cache``, passed to its 2D layers' constructors as ``vector_cache``); the trainer opens
     the window around a step's forwards and backwards. Every member of a gathering axis opens
     and closes the same windows, so all members decide alike whether to gather."""
 

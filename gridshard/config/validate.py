@@ -97,10 +97,12 @@ def _pipeline(cfg: TrainConfig):
                   p.virtual_stages if p.virtual_stages != 1 else p.stage_layers,
                   "it describes pipeline stages but parallel.pipeline=1", "remove it, or set parallel.pipeline > 1")
         return
-    if cfg.model.hf_config is not None:
-        _fail("parallel.pipeline", p.pipeline, "pipeline stages are built from gridshard's own model; a Hugging "
-              "Face model (model.hf_config) runs with pipeline=1", "set parallel.pipeline=1 or drop model.hf_config")
     StageSplit.of(cfg.model.resolve().layers, p.pipeline, p.virtual_stages, p.stage_layers)  # raises ConfigError
+    if cfg.model.hf_config is not None:                # the stages run Llama's causal forward (models.hf_stages)
+        from ..models.hf import read_hf_json
+        from ..models.hf_stages import check_stageable
+
+        check_stageable(read_hf_json(cfg.model.hf_config))
     micro = micro_batches_per_step(t.global_batch, t.micro_batch, p.data)
     if p.pipeline_schedule in ("gpipe", "1f1b") and p.virtual_stages != 1:
         _fail("parallel.virtual_stages", p.virtual_stages, f"pipeline_schedule={p.pipeline_schedule} runs one "

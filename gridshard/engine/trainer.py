@@ -1,42 +1,10 @@
-"""The training loop, callable inside an already-initialised process group.
+"""The training loop, callable inside an already-initialised process group: a job composed by
+:func:`gridshard.engine.job.build_job`, stepped by :func:`gridshard.engine.step.train_step`.
 
 ``train(config, run_dir=None) -> [loss per step]`` runs on every rank of the job
 (torchrun workers, the CLI's elastic workers, or the test harness's gloo groups).
-One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
-
-    lr ← schedule(k)
-    N  ← valid targets of step k's whole global batch       (BatchPlan.step_batches: every
-                                                              rank counts it, no communication)
-    for each of my A micro-batches a (tokens, targets) [m, s]:  (2D: context.shard_tokens → [m/q, s])
-        L_da = context.model_loss(..., reduction="sum")      Σ ℓ_i over the micro-batch's valid
-                                                              targets (the tensor group's, same on
-                                                              every tensor rank; 0 if none is valid)
-        backward(L_da · D/N)                                  (× loss scale in fp16)
-    grads ← mean over data ranks by the reducer of train.zero (gridshard.zero.reducer; issued
-            during the last micro-batch's backward as each bucket/unit completes): ZeRO-0 an
-            in-place all-reduce per bucket of the persistent gradient buffer (.grad are views of
-            it); ZeRO ≥ 1 a reduce-scatter per layer unit, each data rank keeping its rows' mean
-    ‖g‖  ← global norm, every parameter once (one all-reduce over tensor; ZeRO: over data too)
-    clip to train.grad_clip; AdamW step (ZeRO: on this rank's rows, then ZeRO-1/2 all-gather them)
-
-Normalisation. The step's loss is the mean over the valid targets (``data.ignore_token``
-masks the others) of the whole global batch, L = (1/N) Σ_{d,a} L_da, and its gradient
-g = (1/N) Σ_{d,a} ∇L_da. Rank d backpropagates (D/N) Σ_a L_da, so its gradient is
-g_d = (D/N) Σ_a ∇L_da, and the data-parallel mean gives (1/D) Σ_d g_d = g exactly. N is
-the same integer on every rank, so nothing else is communicated; micro-batches with more
-valid targets weigh more, as they must. The result depends on the global batch only, not
-on the micro-batch size or the layout, masked or not (up to floating-point summation
-order). Without ``ignore_token`` N = G·s and every micro-batch holds m·s valid targets,
-so this is the old "backward of the micro-batch mean / A, then mean over data ranks".
-
-A step with N = 0 (every target of the global batch ignored; every rank knows it) runs
-like any other with weight D/N replaced by 0: every loss sum is 0 with an exactly zero
-gradient, so the gradients are zero (the same path keeps the fp16 scaler and the
-overlapped reduction as usual), the optimizer still steps (AdamW's momentum and weight
-decay act, as in a plain loop whose ``F.cross_entropy`` returns zero gradients), its
-loss is reported as ``None`` (null in ``metrics.jsonl``) and rank 0 warns.
-A micro-batch or 2D block with no valid target gets exactly zero gradient from the loss
-(:mod:`gridshard.parallel.context`), never NaN.
+One optimizer step is :func:`gridshard.engine.step.train_step` (its module docstring holds
+the step's math: the micro-batches, the normalisation by the global batch's valid targets N).
 
 The step's loss: rank d's share (1/N) Σ_a L_da, summed over data ranks only at log steps
 (one small all-reduce of the interval's shares, not recorded in the ledger).
@@ -88,36 +56,22 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import Checkpointer, FaultPlan
 from ..checkpoint.faults import hit
-from ..checkpoint.resume import check_compatible, describe, resume_folder
 from ..comm import collectives as C
-from ..comm.ledger import CommLedger
-from ..config import TrainConfig, load_config, resolve_config
-from ..data import BatchPlan, load_split
 from ..errors import NonFiniteError
-from ..job_layout import JobLayout
-from ..mesh import Axis, build_mesh, default_device, init_distributed
-from ..models import Transformer
-from ..parallel import context_of, parallelize
-from ..parallel.compile import apply_compile
-from ..parallel.recompute import apply_recompute
-from ..pipeline.build import pipeline_rank_model
+from ..mesh import Axis
 from ..theory.training import flops_per_token, mfu
-from ..zero.reducer import build_reducer
 from . import control
-from .clip import clip_gradients, global_grad_norm
-from .memory_meter import rss_now
+from .job import Job, build_job
 from .metrics import RunFiles, device_peak_flops, format_postfix, peak_memory_bytes
-from .optim import build_optimizer, set_lr
-from .precision import Precision
-from .schedule import lr_at
+from .step import evaluate, global_losses, train_step
 
 
 def world_axis(ledger=None) -> Axis:
@@ -127,119 +81,36 @@ def world_axis(ledger=None) -> Axis:
 
 
 class Trainer:
-    """Builds mesh, model (plain, on the meta device, then :func:`gridshard.parallelize`),
-    optimizer and data plan from a validated config."""
+    """The training loop over :func:`gridshard.engine.step.train_step` of a job composed by
+    :func:`gridshard.build_job` (``self.job``): learning-rate steps, logging and metrics,
+    checkpoints, evaluation, non-finite values and stop requests. The job's parts are read as
+    the trainer's attributes (``trainer.model``, ``.mesh``, ``.context``, ``.reducer``,
+    ``.optimizer``, ``.pipeline``, ``.checkpointer``, ``.cfg``, ``.plan`` …: every field of
+    :class:`~gridshard.engine.job.Job`)."""
 
     def __init__(self, config, run_dir: Optional[str] = None, progress: bool = True, overrides=()):
-        if not dist.is_initialized():
-            init_distributed(timeout_s=load_config(config, overrides).train.collective_timeout_s)
-        world = dist.get_world_size()
-        self.device = default_device()
-        cfg: TrainConfig = resolve_config(config, overrides, world_size=world,
-                                          cuda_available=self.device.type == "cuda")
-        self.cfg, p, t = cfg, cfg.parallel, cfg.train
-        self.rank = dist.get_rank()
-        if world > 1:              # rank 0's run directory for all (e.g. timestamped defaults under torchrun)
-            box = [run_dir]
-            dist.broadcast_object_list(box, 0)
-            run_dir = box[0]
-        self.run_dir = run_dir
-        # resume: decided from files every rank reads alike, checked before anything is built
-        self.resume_from = resume_folder(t.resume, run_dir)
-        self.layout_changes = []
-        if self.resume_from is not None:
-            from ..checkpoint.files import read_meta
-
-            saved = read_meta(self.resume_from)
-            self.layout_changes = check_compatible(saved["config"], cfg.resolved(), describe(self.resume_from),
-                                                   start_step=saved.get("step"))
-        self.ledger = CommLedger()                     # this job's collectives only (its mesh records here)
-        self.mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=self.ledger)
-        # what the process holds before the model exists (Python, torch, gloo): the prediction's base
-        self.mem_baseline = rss_now() if self.device.type == "cpu" else 0
-        self.model_cfg = cfg.model.resolve()
-        mc = self.model_cfg
-        self.job = JobLayout.from_config(cfg, mc)      # every derived layout fact, decided once
-        if cfg.model.hf_config is not None:
-            from ..models.hf import build_hf_causal_lm
-
-            plain = build_hf_causal_lm(cfg.model.hf_config, device="meta")
-        else:
-            with torch.device("meta"):
-                plain = Transformer(mc)
-        if p.pipeline > 1:                             # this rank's stages only, single-device names
-            plain = pipeline_rank_model(plain, self.mesh, self.job.split)
-        # values are a function of (seed, name, global index): the same global model at every layout
-        self.model = parallelize(plain, self.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
-                                 device=self.device, summa_overlap=p.summa_overlap,
-                                 # zero bubble defers the weight pass: nothing to overlap dx's collective with
-                                 overlap_input_grad=p.overlap_input_grad and p.pipeline_schedule != "zero_bubble")
-        self.context = context_of(self.model)
-        if t.compile:                                  # before recompute, which wraps the compiled forward
-            apply_compile(self.model)
-        apply_recompute(self.model, t.recompute)
-        named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
-        self.params = [q for _, q in named]
-        self.param_specs = [self.context.layouts[n] for n, _ in named]     # clipping reads the layouts
-        self.faults = FaultPlan.from_env()
-        needs_checkpoints = run_dir is not None or self.resume_from is not None or cfg.model.init_from is not None
-        self.checkpointer = Checkpointer(run_dir, t.keep_checkpoints, self.faults) if needs_checkpoints else None
-        if self.resume_from is None and cfg.model.init_from is not None:
-            self._init_from(cfg.model.init_from)       # into the whole blocks, before ZeRO shards them
-        # the data-parallel reduction of train.zero's stage (gridshard.zero.reducer): what the optimizer
-        # steps, what the norm counts and what a checkpoint holds all come from it
-        self.reducer = build_reducer(self.model, self.mesh.data, t.zero, int(t.bucket_mb * 2**20),
-                                     overlap=t.overlap_grad_reduce and p.pipeline == 1)
-        offload = t.offload == "optimizer" and self.device.type == "cuda"
-        if t.offload == "optimizer" and not offload:
-            from ..zero import warn_offload_on_cpu
-
-            warn_offload_on_cpu(self.device, self.rank)
-        self.optimizer = build_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps,
-                                         tensors=self.reducer.optimizer_tensors(), offload=offload)
-        self.precision = Precision(t.precision, self.device)
-        self.pipeline = self.tied = None
-        if p.pipeline > 1:
-            from ..pipeline import PipelineRunner, TiedEmbeddingSync
-
-            self.tied = TiedEmbeddingSync(self.model, self.mesh, mc.tie_embeddings)
-            self.pipeline = PipelineRunner(
-                self.model, self.mesh, schedule=p.pipeline_schedule, split=self.job.split, micro_batch=t.micro_batch,
-                n_microbatches=self.job.micro_batches, seq_len=cfg.data.seq_len,
-                loss=lambda logits, targets: self.context.loss(logits, targets, self.ignore_index, reduction="sum"),
-                precision=self.precision, device=self.device)
-            counted = {id(q) for q in self.tied.counted(self.params)}
-        else:
-            counted = {id(q) for q in self.params}
-        # the norm reads each reduced tensor with its parameter's layout (ZeRO: rows, once over data ranks)
-        spec_of = {id(q): s for q, s in zip(self.params, self.param_specs)}
-        norm_tensors = self.reducer.norm_tensors()
-        self.norm_pairs = [(x, spec_of[id(q)]) for x, q in norm_tensors if id(q) in counted]
-        self.clip_tensors = [x for x, _ in norm_tensors]
-        self.start_step = 0
-        if self.resume_from is not None:
-            self._resume(self.resume_from)
-        tokens, val_tokens = load_split(cfg.data)
-        self.plan = BatchPlan(tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data,
-                              self.mesh.data.rank, t.seed, mc.vocab_size, cfg.data.ignore_token)
-        self.val_plan = None if val_tokens is None else BatchPlan(
-            val_tokens, cfg.data.seq_len, t.global_batch, t.micro_batch, p.data, self.mesh.data.rank, t.seed,
-            mc.vocab_size, cfg.data.ignore_token, stream=1)
-        self.ignore_index = -100 if cfg.data.ignore_token is None else cfg.data.ignore_token
+        self.job: Job = build_job(config, run_dir, overrides=overrides)
+        t, mc, seq = self.cfg.train, self.model_cfg, self.cfg.data.seq_len
         self.step_valid_tokens = None                  # N of the last step (valid targets, global batch)
         self.skipped_steps = 0                         # updates dropped by train.on_nonfinite=skip
         self.skipped_recent: set = set()               # their step numbers since the last log step
-        self.decay_steps = t.decay_steps or t.steps
-        self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, cfg.data.seq_len,
+        self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, seq,
                                            mc.kv_heads * mc.head_dim)
         self.peak_flops = device_peak_flops(self.device, t.precision)
-        self.predicted_mem = self._predict_memory(tokens, val_tokens)
-        self.files = RunFiles(run_dir, active=self.rank == 0,
+        self.predicted_mem = self._predict_memory(*self.job.data_tokens)
+        self.files = RunFiles(self.run_dir, active=self.rank == 0,
                               keep_until_step=self.start_step if self.resume_from is not None else None,
                               log_to=t.log_to)
-        self.files.write_config(cfg.resolved())
+        self.files.write_config(self.cfg.resolved())
         self.progress = progress
         self.history: list = []                        # metrics records (every rank)
+
+    def __getattr__(self, name: str):
+        """The job's parts (class docstring); only names the trainer itself does not set."""
+        job = self.__dict__.get("job")
+        if job is not None and name in Job.__dataclass_fields__:
+            return getattr(job, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _predict_memory(self, tokens, val_tokens):
         """This rank's predicted peak bytes (:func:`gridshard.theory.memory.predict_rank_memory`),
@@ -251,44 +122,15 @@ class Trainer:
         p, t = self.cfg.parallel, self.cfg.train
         resident = [x for x in (tokens, val_tokens) if x is not None and not isinstance(x, np.memmap)]
         return predict_rank_memory(
-            self.model_cfg, mode=self.job.mode, T=p.tensor, sequence_parallel=self.job.sequence_parallel, data=p.data,
+            self.model_cfg, mode=self.layout.mode, T=p.tensor, sequence_parallel=self.layout.sequence_parallel, data=p.data,
             data_rank=self.mesh.data.rank, zero=t.zero, recompute=t.recompute, micro_batch=t.micro_batch,
-            seq_len=self.cfg.data.seq_len, n_microbatches=self.job.micro_batches,
+            seq_len=self.cfg.data.seq_len, n_microbatches=self.layout.micro_batches,
             pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
             layer_ids=[int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None,
             baseline_bytes=self.mem_baseline,
             extra_bytes=sum(int(getattr(x, "nbytes", 0)) for x in resident) if self.device.type == "cpu" else 0)
 
-    # ---- checkpoints -------------------------------------------------------------------
-    def _resume(self, folder: str) -> None:
-        meta = self.checkpointer.load(folder, self.model, self.optimizer, reducer=self.reducer)
-        if hasattr(self.optimizer, "reload_from_device"):
-            self.optimizer.reload_from_device()
-        self.start_step = int(meta["step"])
-        G = self.cfg.train.global_batch
-        if int(meta["samples"]) != self.start_step * G:
-            from ..checkpoint import CheckpointError
-
-            raise CheckpointError(f"checkpoint {describe(folder)}: data position {meta['samples']} samples is not "
-                                  f"step × global_batch = {self.start_step}×{G}. Fix: resume with the global batch "
-                                  f"it was written with.")
-        if self.precision.scaler is not None and meta.get("loss_scaler"):
-            self.precision.scaler.load_state_dict(meta["loss_scaler"])
-        if self.rank == 0:
-            changed = "; changes: " + ", ".join(self.layout_changes) if self.layout_changes else ""
-            print(f"gridshard: resumed from {folder} at step {self.start_step}{changed}", file=sys.stderr)
-
-    def _init_from(self, path: str) -> None:
-        """``model.init_from``: the weights only, into the whole blocks of this rank — it runs
-        before ZeRO shards them and before the optimizer exists, so a gridshard checkpoint is
-        read through the verifying reader's model-only path (no optimizer, generator or step)."""
-        from ..checkpoint.hf_io import is_gridshard_checkpoint, load_hf_blocks
-
-        if is_gridshard_checkpoint(path):
-            self.checkpointer.load_weights(path, self.model)
-        else:
-            load_hf_blocks(self.model, path, hf_names=self.cfg.model.hf_config is not None)
-
+    # ---- checkpoints (resume and model.init_from are the composer's: gridshard.engine.job) ----
     def save_checkpoint(self, step: int, blocking: bool = False) -> None:
         """Checkpoint the state after ``step`` optimizer steps (asynchronous unless ``blocking``)."""
         t, p = self.cfg.train, self.cfg.parallel
@@ -302,41 +144,14 @@ class Trainer:
 
     # ---- one optimizer step -----------------------------------------------------------
     def step(self, k: int):
-        """Run optimizer step ``k``; returns (this data rank's share of the step's loss — the
-        sum over data ranks is the global loss; NaN when the step has no valid target —,
-        global grad norm, lr) as tensors/floats without synchronising the host. The step's
-        global valid-target count N is left in ``self.step_valid_tokens``."""
-        t = self.cfg.train
-        lr = lr_at(k, t.lr, t.min_lr, t.warmup_steps, self.decay_steps, t.schedule)
-        set_lr(self.optimizer, lr)
-        self.reducer.zero_grad()                       # persistent gradient buffers are zeroed, not dropped
-        micro, n_valid = self.plan.step_batches(k)
-        self.step_valid_tokens = n_valid
-        if n_valid == 0 and self.rank == 0:            # every rank knows; each runs the step with weight 0
-            warnings.warn(f"step {k + 1}: every target of the global batch is data.ignore_token="
-                          f"{self.cfg.data.ignore_token}; the step's gradient is zero and its loss is "
-                          f"reported as null", RuntimeWarning, stacklevel=2)
-        weight = self.mesh.data.size / n_valid if n_valid else 0.0      # D/N (module docstring)
-        with self.context.vector_cache.window():       # parameters are fixed until the optimizer step
-            sums = self._forward_backward(micro, weight)
-        self.reducer.sync()
-        self.precision.unscale(self.optimizer)
-        norm = global_grad_norm([q for q, _ in self.norm_pairs], self.mesh, [s for _, s in self.norm_pairs],
-                                pipeline_axis=self.mesh.pipeline,
-                                data_axis=self.reducer.norm_axis)
-        self.precision.agree_on_overflow(self.optimizer, norm)
-        if self._skip_nonfinite(k, norm, sums):        # on_nonfinite=skip: the update is dropped
-            self.reducer.zero_grad()
-        else:
-            clip_gradients(self.clip_tensors, norm, t.grad_clip)
-            self.precision.step(self.optimizer)
-            self.reducer.after_step()                  # ZeRO-1/2: all-gather the updated rows
-        if not sums:                                   # a pipeline rank without the last stage
-            share = torch.zeros((), dtype=torch.float64, device=self.device)
-        else:
-            share = torch.stack(sums).double().sum() / n_valid if n_valid else \
-                torch.full((), float("nan"), dtype=torch.float64, device=self.device)
-        return share, norm, lr
+        """Run optimizer step ``k`` (:func:`gridshard.engine.step.train_step` with this trainer's
+        non-finite policy); returns (this data rank's share of the step's loss — the sum over
+        data ranks is the global loss; NaN when the step has no valid target —, global grad
+        norm, lr) as tensors/floats without synchronising the host. The step's global
+        valid-target count N is left in ``self.step_valid_tokens``."""
+        result = train_step(self.job, self.job.batch(k), skip_update=self._skip_nonfinite)
+        self.step_valid_tokens = result.valid_targets
+        return result.loss_share, result.grad_norm, result.lr
 
     # ---- non-finite values (train.on_nonfinite) ------------------------------------------
     def _skip_nonfinite(self, k: int, norm: torch.Tensor, sums: list) -> bool:
@@ -405,60 +220,10 @@ class Trainer:
             f"continue from that checkpoint (--resume latest --allow-changed-schedule), or start again; "
             f"train.on_nonfinite=skip skips such steps instead of stopping.")
 
-    def _forward_backward(self, micro: list, weight: float) -> list:
-        """Every micro-batch's forward and backward (the pipeline schedule's, or one after the
-        other), gradients scaled by ``weight``; returns the detached loss sums."""
-        if self.pipeline is not None:                  # the schedule runs every micro-batch's forward/backward
-            sums = self.pipeline.run(micro, weight, self.device)
-            self.tied.sync()
-            return sums
-        sums = []
-        for a, (tokens, targets) in enumerate(micro):
-            if a == len(micro) - 1:
-                self.reducer.arm()                     # reduce buckets/units during the last backward
-            tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)
-            targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
-            with self.precision.autocast():
-                loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum")
-            self.precision.scale(loss_sum * weight).backward()
-            sums.append(loss_sum.detach())
-        return sums
-
     def evaluate(self) -> Optional[float]:
-        """The validation loss (module docstring), the same value on every rank; None without
-        validation data or when no validation target is valid."""
-        if self.val_plan is None:
-            return None
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        n = 0
-        with torch.no_grad():
-            for j in range(self.cfg.train.eval_batches):
-                micro, n_valid = self.val_plan.step_batches(j)
-                n += n_valid
-                if self.pipeline is not None:          # forward only through the stages
-                    for loss_sum in self.pipeline.evaluate(micro, self.device):
-                        total += loss_sum.double()
-                    micro = []
-                for tokens, targets in micro:
-                    tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)
-                    targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
-                    with self.precision.autocast():
-                        loss_sum = self.context.model_loss(self.model, tokens, targets, self.ignore_index,
-                                                           reduction="sum")
-                    total += loss_sum.double()
-        self.reducer.free_all()                        # ZeRO-3: the root stays gathered after a forward
-        with self.ledger.paused():
-            total = C.all_reduce(total.reshape(1), self.mesh.data)
-            total = C.all_reduce(total, self.mesh.pipeline)      # only the last stage holds sums
-        return float(total[0]) / n if n else None
-
-    def _global_losses(self, local: list) -> list:
-        """Sum over data ranks of each step's loss share, from (share, N) pairs (one all-reduce,
-        not in the ledger); None for a step without valid targets (N = 0)."""
-        with self.ledger.paused():
-            vec = C.all_reduce(torch.stack([x for x, _ in local]).double(), self.mesh.data)
-            vec = C.all_reduce(vec, self.mesh.pipeline)          # only the last stage holds losses
-        return [None if n == 0 else x for x, (_, n) in zip(vec.cpu().tolist(), local)]
+        """The validation loss (module docstring; :func:`gridshard.engine.step.evaluate`), the
+        same value on every rank; None without validation data or when no target is valid."""
+        return evaluate(self.job)
 
     def _meter_marks(self) -> tuple:
         m = self.pipeline.meter if self.pipeline is not None else None
@@ -507,23 +272,20 @@ class Trainer:
         from tqdm import tqdm
 
         t = self.cfg.train
-        tokens_per_step = t.global_batch * self.cfg.data.seq_len
         prev_timing = self.ledger.timing
-        time_comm = t.time_comm if t.time_comm is not None else self.device.type != "cuda"
-        self.ledger.timing = time_comm
+        self.ledger.timing = t.time_comm if t.time_comm is not None else self.device.type != "cuda"
         bar = tqdm(total=t.steps, disable=not (self.progress and self.rank == 0), file=sys.stderr,
                    dynamic_ncols=True, desc="train")
-        all_losses, pending = [], []
-        start = last = time.perf_counter()
+        all_losses: list = []
+        self._run_start = time.perf_counter()
+        window = self._window(self._run_start, self.start_step)
         bar.update(self.start_step)
         saving = self.checkpointer is not None and self.checkpointer.root is not None
         stoppable = control.stop_installed()           # the same on every rank (install_stop_handler)
-        comm_at_last, steps_at_last = self.ledger.seconds(), self.start_step
-        busy_at_last = self._meter_marks()
         try:
             for k in range(self.start_step, t.steps):
                 loss, norm, lr = self.step(k)
-                pending.append((loss, self.step_valid_tokens))
+                window.pending.append((loss, self.step_valid_tokens))
                 bar.update(1)
                 hit(self.faults, "step", self.rank, k + 1)
                 if saving and t.save_interval and (k + 1) % t.save_interval == 0:
@@ -535,49 +297,8 @@ class Trainer:
                 # log steps on GPUs (reading the flag synchronises the host with the device)
                 stop = stoppable and (log_step or self.device.type == "cpu") and self._stop_agreed() \
                     and k + 1 != t.steps
-                if not (log_step or stop):
-                    continue
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                now = time.perf_counter()
-                wall, n_steps = now - last, k + 1 - steps_at_last
-                busy = (self.pipeline.meter.busy_s - busy_at_last[0], self.pipeline.meter.schedule_s - busy_at_last[1]) \
-                    if self.pipeline is not None else (0.0, 0.0)
-                comm_share, mems, bubble, predicted = self._gather_rank_stats(self.ledger.seconds() - comm_at_last, wall, busy)
-                losses = self._global_losses(pending)
-                all_losses += losses
-                # the loss is known globally only here (its sum over data ranks): a non-finite one
-                # with a finite gradient norm (every step's check) is rare, and is acted on now
-                nonfinite = [(steps_at_last + 1 + i, x) for i, x in enumerate(losses)
-                             if x is not None and not math.isfinite(x) and steps_at_last + 1 + i not in
-                             self.skipped_recent]
-                self.skipped_recent.clear()
-                tps = n_steps * tokens_per_step / wall
-                rec = {"step": k + 1, "loss": losses[-1], "valid_tokens": self.step_valid_tokens,
-                       "lr": lr, "grad_norm": float(norm),
-                       "tokens_per_s": tps, "mfu": mfu(self.flops_token, tps, self.peak_flops, dist.get_world_size()),
-                       "comm_share": comm_share if time_comm else None, "peak_mem_bytes": max(mems),
-                       "peak_mem_bytes_per_rank": mems,
-                       "predicted_mem_bytes": max(predicted) if predicted else None,
-                       "predicted_mem_bytes_per_rank": predicted, "step_time_s": wall / n_steps,
-                       "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - start,
-                       "loss_scale": self.precision.loss_scale(), "skipped_steps": self.skipped_steps,
-                       "bubble_share": max(bubble) if bubble else None, "bubble_share_per_rank": bubble}
-                if is_eval:
-                    rec["val_loss"] = self.evaluate()
-                self.history.append(rec)
-                self.files.append(rec)
-                bar.set_postfix(format_postfix(rec), refresh=False)
-                pending, last, steps_at_last = [], time.perf_counter(), k + 1
-                comm_at_last = self.ledger.seconds()
-                busy_at_last = self._meter_marks()
-                if nonfinite and t.on_nonfinite == "stop":
-                    raise self._diverged(nonfinite[0][0], f"the loss is {nonfinite[0][1]} (found at the log step "
-                                                          f"{k + 1}; its gradient norm was finite)")
-                if nonfinite and self.rank == 0:
-                    warnings.warn(f"step {nonfinite[0][0]}: the loss is {nonfinite[0][1]} with a finite gradient "
-                                  f"norm: its update was taken (train.on_nonfinite=skip acts on non-finite gradient "
-                                  f"norms)", RuntimeWarning, stacklevel=2)
+                if log_step or stop:
+                    window = self._log(k, window, norm, lr, is_eval, all_losses, bar)
                 if stop:
                     raise self._stopped(k + 1, saving, all_losses)
             if saving and t.steps > self.start_step and self.checkpointer.last_requested != t.steps:
@@ -590,8 +311,76 @@ class Trainer:
             self.ledger.timing = prev_timing
         return all_losses
 
+    def _window(self, now: float, steps: int) -> "_LogWindow":
+        """A log interval starting now, after ``steps`` steps."""
+        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks())
+
+    def _log(self, k: int, window: "_LogWindow", norm, lr: float, is_eval: bool, all_losses: list, bar):
+        """Log step ``k``: the interval's global losses (appended to ``all_losses``), rank
+        statistics, validation, the metrics record; then act on a non-finite loss. Returns the
+        next interval."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        wall = now - window.time
+        marks = self._meter_marks()
+        busy = (marks[0] - window.busy[0], marks[1] - window.busy[1])
+        stats = self._gather_rank_stats(self.ledger.seconds() - window.comm_s, wall, busy)
+        losses = global_losses(self.job, window.pending)
+        all_losses += losses
+        # the loss is known globally only here (its sum over data ranks): a non-finite one
+        # with a finite gradient norm (every step's check) is rare, and is acted on now
+        nonfinite = [(window.steps + 1 + i, x) for i, x in enumerate(losses)
+                     if x is not None and not math.isfinite(x) and window.steps + 1 + i not in self.skipped_recent]
+        self.skipped_recent.clear()
+        rec = self._record(k, losses[-1], norm, lr, wall, k + 1 - window.steps, now, stats)
+        if is_eval:
+            rec["val_loss"] = self.evaluate()
+        self.history.append(rec)
+        self.files.append(rec)
+        bar.set_postfix(format_postfix(rec), refresh=False)
+        window = self._window(time.perf_counter(), k + 1)
+        if nonfinite and self.cfg.train.on_nonfinite == "stop":
+            raise self._diverged(nonfinite[0][0], f"the loss is {nonfinite[0][1]} (found at the log step "
+                                                  f"{k + 1}; its gradient norm was finite)")
+        if nonfinite and self.rank == 0:
+            warnings.warn(f"step {nonfinite[0][0]}: the loss is {nonfinite[0][1]} with a finite gradient "
+                          f"norm: its update was taken (train.on_nonfinite=skip acts on non-finite gradient "
+                          f"norms)", RuntimeWarning, stacklevel=3)
+        return window
+
+    def _record(self, k: int, loss, norm, lr: float, wall: float, n_steps: int, now: float, stats: tuple) -> dict:
+        """The metrics record of log step ``k`` (docs/metrics.md): ``stats`` from :meth:`_gather_rank_stats`
+        over the interval's ``n_steps`` steps and ``wall`` seconds."""
+        comm_share, mems, bubble, predicted = stats
+        tokens_per_step = self.cfg.train.global_batch * self.cfg.data.seq_len
+        tps = n_steps * tokens_per_step / wall
+        return {"step": k + 1, "loss": loss, "valid_tokens": self.step_valid_tokens,
+                "lr": lr, "grad_norm": float(norm),
+                "tokens_per_s": tps, "mfu": mfu(self.flops_token, tps, self.peak_flops, dist.get_world_size()),
+                "comm_share": comm_share if self.ledger.timing else None, "peak_mem_bytes": max(mems),
+                "peak_mem_bytes_per_rank": mems,
+                "predicted_mem_bytes": max(predicted) if predicted else None,
+                "predicted_mem_bytes_per_rank": predicted, "step_time_s": wall / n_steps,
+                "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - self._run_start,
+                "loss_scale": self.precision.loss_scale(), "skipped_steps": self.skipped_steps,
+                "bubble_share": max(bubble) if bubble else None, "bubble_share_per_rank": bubble}
+
+
+@dataclass
+class _LogWindow:
+    """The current log interval: where it started (time, completed steps, communication
+    seconds, pipeline meter marks) and its steps' (loss share, N) pairs."""
+
+    time: float
+    steps: int
+    comm_s: float
+    busy: tuple
+    pending: list = field(default_factory=list)
+
 
 def train(config=None, run_dir: Optional[str] = None, overrides=(), progress: bool = False) -> list:
     """Validate ``config`` against this process group, train, return the per-step global losses
-    (the same list on every rank). ``config``: YAML path, dict, TrainConfig or None (default)."""
+    (the same list on every rank). ``config``: YAML path, dict, TrainConfig, a launcher's
+    :class:`~gridshard.engine.job.ResolvedConfig` (used as it is) or None (default)."""
     return Trainer(config, run_dir=run_dir, progress=progress, overrides=overrides).run()

@@ -84,8 +84,14 @@ class Attention(nn.Module):
         self.o_proj = _linear(cfg.heads * d, cfg.hidden)
 
     #: recompute the attention core (RoPE + softmax attention) in backward instead of keeping its
-    #: activations (``train.recompute: selective``, :mod:`gridshard.parallel.recompute`)
+    #: activations (``train.recompute: selective``, :mod:`gridshard.parallel.recompute`); off
+    #: unless :meth:`recompute_core_in_backward` turns it on
     recompute_core: bool = False
+
+    def recompute_core_in_backward(self) -> None:
+        """Keep only the core's inputs (q, k, v, cos, sin) for backward and run the core again there
+        (non-reentrant ``torch.utils.checkpoint``): selective recompute. No collective is inside."""
+        self.recompute_core = True
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
@@ -162,9 +168,28 @@ class Transformer(nn.Module):
                 laws[name] = ("normal", std)
         return laws
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(tokens)
-        cos, sin = rope_tables(tokens.shape[-1], self.cfg.head_dim, self.cfg.rope_theta, device=tokens.device)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+    # The forward in pieces: what a pipeline stage runs of it (gridshard.pipeline.stage_module),
+    # so the single-device forward and every stage share one description.
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] → hidden states (this rank's block of [b, s, h] once laid out)."""
+        return self.embed_tokens(tokens)
+
+    def layer_inputs(self, x: torch.Tensor, seq_len: int) -> tuple:
+        """What every decoder layer reads besides the hidden states: the RoPE tables (cos, sin)
+        [s, d] of the whole sequence (``seq_len``; under sequence parallelism ``x`` holds a block)."""
+        return rope_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, device=x.device)
+
+    @staticmethod
+    def run_layer(layer: nn.Module, x: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        return layer(x, *inputs)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden states → logits."""
         return self.lm_head(self.norm(x))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        inputs = self.layer_inputs(x, tokens.shape[-1])
+        for layer in self.layers:
+            x = self.run_layer(layer, x, inputs)
+        return self.head(x)

@@ -73,7 +73,7 @@ class VocabParallelClassifier2D(Linear2D):
     """LM head: Linear2D h → V_pad, no bias, global weight drawn [V, h] (see module docstring)."""
 
     def __init__(self, hidden: int, vocab: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
-                 device=None, overlap: bool = True):
+                 device=None, overlap: bool = True, vector_cache=None):
         padded = padded_vocab(vocab, mesh.q)
         draw = padded_table_init(vocab, hidden, init_std, padded)
 
@@ -83,7 +83,7 @@ class VocabParallelClassifier2D(Linear2D):
             full.copy_(table.t())
 
         super().__init__(hidden, padded, mesh, bias=False, weight_init=init, dtype=dtype, device=device,
-                         overlap=overlap)
+                         overlap=overlap, vector_cache=vector_cache)
         self.vocab_size, self.padded_vocab = vocab, padded
         self.weight.shard_spec = replace(self.weight.shard_spec, canonical_shape=(vocab, hidden))
 

@@ -73,7 +73,7 @@ from ..comm.dual_ops import (copy_to_group, gather_from_group, gather_sequence, 
 from ..comm.input_grad_overlap import column_input
 from ..errors import LayoutError, ShapeError, check_divisible
 from ..job_layout import TensorMode
-from .precomputed import take_output
+from .precomputed import PrecomputedOutput
 from .sharding import ShardSpec, sharded_parameter
 
 T_NAME = "tensor-parallel size T"
@@ -198,14 +198,20 @@ class ColumnParallelLinear(nn.Module):
     gathering; ``None`` without bias) and leaves the addition to the caller.
     ``weight_init`` (global [out, in] tensor → None, in place) overrides the default
     ``normal_(0, init_std)``; ``shared_weight`` reuses an existing parameter of the same
-    spec (e.g. a tied embedding) and draws nothing.
+    spec (e.g. a tied embedding) and draws nothing. ``overlap_input_grad``: in backward the
+    input gradient's collective runs during the weight-gradient GEMM
+    (:mod:`gridshard.comm.input_grad_overlap`), or after it when False (exact either way).
+    ``canonical_out``: the real row count of a weight whose ``out_features`` is padded (a
+    vocabulary head padded so that T divides it): the spec's canonical shape is then
+    [canonical_out, in] and the rows from it on are padding.
     """
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, gather_output: bool = False,
                  skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
                  fused_parts: int = 1, dtype: torch.dtype = torch.float32, device=None,
                  weight_init: Optional[Callable[[torch.Tensor], None]] = None,
-                 shared_weight: Optional[nn.Parameter] = None, replicate: int = 1):
+                 shared_weight: Optional[nn.Parameter] = None, replicate: int = 1, overlap_input_grad: bool = True,
+                 canonical_out: Optional[int] = None):
         super().__init__()
         self.axis = mesh.tensor
         T = self.axis.size
@@ -225,13 +231,15 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
         self.fused_parts = fused_parts
-        # backward: the input gradient's collective overlaps the weight-gradient GEMM (exact either way)
-        self.overlap_input_grad = True
+        self.overlap_input_grad = overlap_input_grad
+        self.precomputed = PrecomputedOutput()    # shared-input parents leave outputs here
         w_spec = ShardSpec((out_features, in_features), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0,
-                           replicate=replicate)
+                           replicate=replicate,
+                           canonical_shape=None if canonical_out is None else (canonical_out, in_features))
         if shared_weight is not None:
             shared_spec = getattr(shared_weight, "shard_spec", None)
-            if shared_spec is None or replace(shared_spec, canonical_shape=None) != w_spec:
+            uncut = lambda spec: replace(spec, canonical_shape=None)  # noqa: E731 (padding cut aside)
+            if shared_spec is None or uncut(shared_spec) != uncut(w_spec):
                 raise LayoutError(f"ColumnParallelLinear: shared_weight has spec "
                                   f"{getattr(shared_weight, 'shard_spec', None)}, expected {w_spec}. Fix: share a "
                                   f"weight split the same way (global [{out_features}, {in_features}], rows over T).")
@@ -247,7 +255,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor):
         name = "ColumnParallelLinear"
-        left = take_output(self, x)
+        left = self.precomputed.take(x)
         if left is not None:
             return left
         check_last_dim(x, self.in_features, name, f"feed [.., {self.in_features}] (the layer's in_features)")

@@ -32,10 +32,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..comm.grid_ops import gather_vector
+from ..comm.grid_ops import GatheredVectors, gather_vector
 from ..comm.summa import summa_ab
 from ..errors import ShapeError, check_divisible
-from .precomputed import take_output
+from .precomputed import PrecomputedOutput
 from .sharding import ShardSpec, sharded_parameter
 
 
@@ -66,11 +66,17 @@ def _transposed_normal(out_features: int, in_features: int, std: float) -> Calla
 
 
 class Linear2D(nn.Module):
-    """2D tensor-parallel linear layer (see the module docstring for the layout)."""
+    """2D tensor-parallel linear layer (see the module docstring for the layout).
+
+    ``overlap``: double-buffered async SUMMA broadcasts (False: blocking); ``vector_cache``:
+    the model's :class:`gridshard.comm.grid_ops.GatheredVectors` (``parallelize`` passes the
+    one of its :class:`gridshard.parallel.context.ParallelContext`), so the bias is gathered once
+    per cache window; ``None`` gathers it on every forward."""
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,
                  fused_parts: int = 1, weight_init: Optional[Callable[[torch.Tensor], None]] = None,
-                 dtype: torch.dtype = torch.float32, device=None, overlap: bool = True):
+                 dtype: torch.dtype = torch.float32, device=None, overlap: bool = True,
+                 vector_cache: Optional[GatheredVectors] = None):
         super().__init__()
         q = mesh.q
         self.overlap = overlap              # double-buffered async SUMMA broadcasts (False: blocking)
@@ -84,7 +90,8 @@ class Linear2D(nn.Module):
         self.mesh, self.in_features, self.out_features = mesh, in_features, out_features
         self.fused_parts = fused_parts
         self.in_local, self.out_local = in_features // q, out_features // q
-        self.vector_cache = None            # GatheredVectors of the model (set by parallelize), or none
+        self.vector_cache = vector_cache    # the model's GatheredVectors (one bias gather per window), or none
+        self.precomputed = PrecomputedOutput()    # shared-input parents leave outputs here
         init = weight_init or _transposed_normal(out_features, in_features, init_std)
         self.weight = sharded_parameter(weight_spec_2d(in_features, out_features, fused_parts), mesh, init, dtype,
                                         device)
@@ -95,7 +102,7 @@ class Linear2D(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        left = take_output(self, x)
+        left = self.precomputed.take(x)
         if left is not None:
             return left
         if x.shape[-1] != self.in_local:

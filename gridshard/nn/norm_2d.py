@@ -76,14 +76,17 @@ class _LayerNorm2DFn(torch.autograd.Function):
 
 
 class _Norm2DBase(nn.Module):
-    def __init__(self, hidden: int, mesh, eps: float):
+    """``vector_cache``: the model's :class:`gridshard.comm.grid_ops.GatheredVectors` (the weight and
+    bias gathered once per cache window), or ``None`` (gathered on every forward)."""
+
+    def __init__(self, hidden: int, mesh, eps: float, vector_cache=None):
         super().__init__()
         q = mesh.q
         check_divisible(hidden, q * q, "hidden (norm weights are split into q² blocks)", "q²",
                         f"use hidden a multiple of {q * q}")
         self.mesh, self.hidden, self.eps = mesh, hidden, eps
         self.hidden_local = hidden // q
-        self.vector_cache = None            # GatheredVectors of the model (set by parallelize), or none
+        self.vector_cache = vector_cache
 
     def _check(self, x):
         if x.shape[-1] != self.hidden_local:
@@ -98,8 +101,9 @@ class _Norm2DBase(nn.Module):
 class RMSNorm2D(_Norm2DBase):
     """RMSNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, h/q² per rank)."""
 
-    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, device=None):
-        super().__init__(hidden, mesh, eps)
+    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, device=None,
+                 vector_cache=None):
+        super().__init__(hidden, mesh, eps, vector_cache)
         self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,8 +115,8 @@ class RMSNorm2D(_Norm2DBase):
 class LayerNorm2D(_Norm2DBase):
     """LayerNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, bias zeros, h/q² each)."""
 
-    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
-        super().__init__(hidden, mesh, eps)
+    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, vector_cache=None):
+        super().__init__(hidden, mesh, eps, vector_cache)
         self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype)
         self.bias = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.zeros_, dtype)
 

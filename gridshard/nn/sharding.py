@@ -2,10 +2,10 @@
 
 Every sharded parameter carries a :class:`ShardSpec` (``param.shard_spec``, and
 ``ParallelContext.layouts`` by name). Initialisation, gathering, checkpoint resharding,
-clipping and parameter-byte accounting of a built model read it. One place still describes
-local shapes a second time: the memory model's table for a model not yet built
-(:func:`gridshard.theory.memory.rank_parameter_blocks`), kept equal by the tests that measure
-a built model against it.
+clipping and parameter-byte accounting of a built model read it, and so does the memory
+model for a model not yet launched: it lays the model out on the meta device over a
+shape-only mesh and reads each spec's :meth:`ShardSpec.local_shape`
+(:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`).
 
 A spec is a global shape plus an ordered list of splits ``(tensor_dim, coord)``.
 ``coord`` names a mesh coordinate: ``"tensor"`` (1D tensor rank t of T),
@@ -31,7 +31,10 @@ query attention with more tensor ranks than kv heads: T/kv ranks share one kv he
 The *canonical* tensor (the single-device model's parameter, what checkpoints and
 ``gathered_state_dict`` hold) is the global tensor described here, transposed when
 ``transposed`` (a Linear2D stores [in, out]; canonical is [out, in]) and cut to
-``canonical_shape`` when given (vocabulary padding rows are local storage only).
+``canonical_shape`` when given (vocabulary padding rows are local storage only). Where a
+rank's block sits in it is :meth:`ShardSpec.canonical_box` (what checkpoints write), and a
+ZeRO data rank's rows of that block are the same box narrowed by ``rows=(start, stop)``:
+one description, no second record of where a shard lives.
 """
 from __future__ import annotations
 
@@ -77,6 +80,41 @@ class ShardSpec:
         if self.canonical_shape is not None:
             return tuple(self.canonical_shape)
         return tuple(reversed(self.global_shape)) if self.transposed else tuple(self.global_shape)
+
+    def canonical_box(self, index: dict, size: dict,
+                      rows: Optional[Tuple[int, int]] = None) -> Optional[Tuple[Tuple[int, int], ...]]:
+        """(offset, length) along each canonical dim of the block held at coordinates ``index``
+        (padding cut off its end), or None when that box is empty (the block is padding only).
+
+        ``rows = (start, stop)`` narrows the block further to its rows ``[start, stop)`` along
+        stored dim 0: ZeRO's data-rank shard (:func:`gridshard.theory.zero.owned_rows`) is this
+        same layout with one more narrowing, not a second description. Stored dim 0 is canonical
+        dim 0, or dim 1 of a transposed (Linear2D) block. A fused spec's block is no box
+        (its index lists are not contiguous): LayoutError."""
+        if self.fused_parts > 1:
+            from ..errors import LayoutError
+
+            raise LayoutError(f"a fused tensor ({self.fused_parts} parts side by side, global shape "
+                              f"{self.global_shape}) is not one box of a canonical tensor. Fix: lay the model out "
+                              f"with gridshard.parallelize, which keeps fused projections as separate parameters.")
+        dims = block_dim_indices(self, index, size)
+        if rows is not None:
+            dims[0] = dims[0][rows[0]:rows[1]]
+        if self.transposed:
+            dims = dims[::-1]
+        box = []
+        for ix, n in zip(dims, self.canonical()):
+            ix = ix[ix < n]
+            if len(ix) == 0:
+                return None
+            box.append((int(ix[0]), len(ix)))
+        return tuple(box)
+
+    def canonical_view(self, local: torch.Tensor, box) -> torch.Tensor:
+        """The part of ``local`` (a block, or rows of one, in storage orientation) inside ``box``
+        (:meth:`canonical_box`), in canonical orientation: a view, writing it writes ``local``."""
+        view = local.t() if self.transposed else local
+        return view[tuple(slice(0, n) for _, n in box)]
 
     def to_canonical(self, full: torch.Tensor) -> torch.Tensor:
         """Global storage tensor → canonical tensor (transpose, drop padding)."""

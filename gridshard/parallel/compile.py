@@ -3,9 +3,16 @@
 Each decoder layer (``layers.N`` / ``model.layers.N``, the units recompute and ZeRO use) has
 its ``forward`` replaced by ``torch.compile(forward)``; the module itself stays as it is, so
 parameter names, state dicts, checkpoints, forward hooks (ZeRO-3's release and regather) and
-recompute (which wraps the compiled forward) are unchanged. One compiled graph serves every
+recompute (whose hooks recompute the forward the call ran, here the compiled one, whether
+recompute is applied before or after) are unchanged. One compiled graph serves every
 layer: since torch 2.5 Dynamo treats a module's parameters as graph inputs, not constants
 (``inline_inbuilt_nn_modules``), so the layers differ only in their inputs.
+
+Why the forward and not ``nn.Module.compile``: that compiles the module's whole ``__call__``,
+its hooks included — ZeRO-3's gather and release, recompute's checkpoint region — and full
+recompute can then only re-run the eager forward, whose saved tensors differ from the compiled
+call's (torch 2.13: ``CheckpointError``, "recomputed values ... have different metadata"). The
+compiled forward keeps the hooks eager and the recomputation identical to the forward.
 
 gridshard's tensor-parallel collectives are autograd Functions that call
 ``torch.distributed`` and record into the ledger (Python side effects Dynamo does not
@@ -25,9 +32,9 @@ from .decoder_layers import decoder_layers
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
-    """Compile every decoder layer's forward of ``model`` in place; returns how many.
-    Call before :func:`gridshard.parallel.recompute.apply_recompute` (which then wraps the
-    compiled forward)."""
+    """Compile every decoder layer's forward of ``model`` in place; returns how many. Before or
+    after :func:`gridshard.parallel.recompute.apply_recompute` alike: full recompute re-runs the
+    forward a call ran, the compiled one."""
     count = 0
     for _, module in decoder_layers(model):
         module.forward = torch.compile(module.forward, backend=backend)

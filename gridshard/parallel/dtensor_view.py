@@ -33,7 +33,7 @@ from typing import Optional
 
 from torch.distributed.tensor import Replicate, Shard
 
-from ..nn.sharding import ShardSpec, block_dim_indices, mesh_coords
+from ..nn.sharding import ShardSpec, mesh_coords
 
 
 def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
@@ -63,14 +63,8 @@ def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
 
 
 def block_offsets(spec: ShardSpec, mesh) -> list:
-    """(offset, length) of this rank's block along each canonical dim (padding excluded);
-    defined for every spec whose per-dim index lists are contiguous (all but fused ones)."""
-    index, size = mesh_coords(mesh)
-    dims = block_dim_indices(spec, index, size)
-    if spec.transposed:
-        dims = dims[::-1]
-    out = []
-    for ix, n in zip(dims, spec.canonical()):
-        ix = ix[ix < n]
-        out.append((int(ix[0]) if len(ix) else 0, len(ix)))
-    return out
+    """(offset, length) of this rank's block along each canonical dim (padding excluded):
+    :meth:`ShardSpec.canonical_box` at this rank's coordinates, (0, 0) on every dim when the
+    block is padding only."""
+    box = spec.canonical_box(*mesh_coords(mesh))
+    return list(box) if box is not None else [(0, 0)] * len(spec.canonical())

@@ -89,7 +89,11 @@ def _zero_padding(local, spec, index, size):
 def materialize(model: nn.Module, sources: dict, laws: dict, coords, seed: int, device) -> None:
     """Replace every meta parameter of ``model`` by its block on ``device``; parameters that
     already hold values are moved to ``device``. ``sources``: the plain model's tensors by
-    name (meta or real), ``coords``: (index, size) of this rank (:func:`mesh_coords`)."""
+    name (meta or real), ``coords``: (index, size) of this rank (:func:`mesh_coords`).
+    ``device="meta"``: a layout only (what the memory model reads,
+    :mod:`gridshard.parallel.rank_blocks`): the layers' meta blocks and their specs are kept."""
+    if torch.device(device).type == "meta":
+        return
     index, size = coords
     done: dict = {}
     for module_name, module in model.named_modules():

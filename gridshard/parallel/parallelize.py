@@ -11,10 +11,14 @@ Steps, all local to the rank (no collective runs before the first forward):
    parallelism is in effect and how kv heads are shared; each layer gets those facts as
    constructor arguments;
 2. swap each planned module for the gridshard layer of the mesh's tensor mode
-   (:mod:`gridshard.parallel.swap`), built on the meta device;
-3. hook the shared-input parents (:mod:`gridshard.parallel.shared_input`), the attention
-   modules' local kv-group ratio, and (sequence parallelism with a model that needs the
-   full sequence at its embedding) the sequence split at ``plan.sequence_scatter``;
+   (:mod:`gridshard.parallel.swap`), built on the meta device.
+   Options reach the layers as constructor arguments: ``overlap_input_grad`` (1D column
+   layers), ``summa_overlap`` and the model's one
+   :class:`gridshard.comm.grid_ops.GatheredVectors` (2D layers), which the context shares;
+3. hook the shared-input parents (:mod:`gridshard.parallel.shared_input`), set a foreign
+   attention module's local kv-group ratio (``plan.kv_group_attr``, Hugging Face's), and
+   (sequence parallelism with a model that needs the full sequence at its embedding) the
+   sequence split at ``plan.sequence_scatter``;
 4. materialise this rank's blocks (:mod:`gridshard.parallel.materialize`) on ``device``;
 5. attach a :class:`ParallelContext` with every parameter's layout.
 
@@ -30,6 +34,7 @@ import torch
 from torch import nn
 
 from ..comm.dual_ops import scatter_to_group
+from ..comm.grid_ops import GatheredVectors
 from ..errors import LayoutError
 from ..nn.shape_rules import layout_rules
 from ..nn.sharding import get_spec, mesh_coords
@@ -70,6 +75,9 @@ def model_dims(model: nn.Module) -> ModelDims:
 
 
 def default_plan(model: nn.Module, dims: ModelDims) -> Plan:
+    own = getattr(model, "layout_plan", None)          # a model part may state its family's plan (a pipeline rank's)
+    if callable(own):
+        return own()
     if not dims.hf:
         return LLAMA_PLAN
     model_type = getattr(model.config, "model_type", None)
@@ -186,38 +194,19 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
 
     laws = init_laws(model)
     sources = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
+    vector_cache = GatheredVectors()           # the 2D layers' and the context's: one window per step
 
     if mode.splits_weights:
-        embeddings = {}
-        order = sorted(planned, key=lambda n: planned[n] == "vocab_head")     # heads after embeddings
-        for name in order:
-            kind, module = planned[name], modules[name]
-            if kind == "replicate":
-                continue
+        def build(name, module, kind, tied):
             if mode.is_1d:
-                new = build_1d(name, module, kind, mesh, sp, plan.sequence_scatter == "embedding",
-                               mode.kv_replication(dims.kv_heads, T))
-            else:
-                tied = None
-                if kind == "vocab_head":
-                    tied = next((e for src, e in embeddings.values() if src is module.weight), None)
-                new = build_2d(name, module, kind, mesh, tied_embedding=tied, overlap=summa_overlap)
-            if kind == "vocab_embedding":
-                embeddings[name] = (module.weight, new)
-            if kind == "vocab_head" and mode.is_1d:
-                for src, emb in embeddings.values():
-                    if src is module.weight:
-                        new.weight = emb.weight                        # tied: one parameter, one spec
-            _set(model, name, new)
-        for name, module in list(model.named_modules()):
-            children = plan.shared_children(name)
-            if children and all(hasattr(module, c) for c in children):
-                install_shared_input(module, children)
-            if plan.kv_group_attr and plan.is_attention(name) and hasattr(module, plan.kv_group_attr):
-                local_heads = dims.heads // mode.head_split(T)
-                local_kv = mode.local_kv_heads(dims.kv_heads, T)
-                setattr(module, plan.kv_group_attr, local_heads // local_kv)
+                return build_1d(name, module, kind, mesh, sp, plan.sequence_scatter == "embedding",
+                                mode.kv_replication(dims.kv_heads, T), overlap_input_grad=overlap_input_grad,
+                                tied_embedding=tied)
+            return build_2d(name, module, kind, mesh, tied_embedding=tied, overlap=summa_overlap,
+                            vector_cache=vector_cache)
+
+        _swap_planned(model, planned, build, mode)
+        _hook_planned_parents(model, plan, dims, mode, T)
         if sp and plan.sequence_scatter != "embedding":
             _install_sequence_scatter(model, plan.sequence_scatter, mesh)
 
@@ -227,13 +216,57 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
 
     layouts = {name: (get_spec(p) or ShardSpec(tuple(p.shape)))
                for name, p in model.named_parameters(remove_duplicate=False)}
-    model.parallel_context = ParallelContext(mesh, mode, sp, dims.vocab, dims.hf, layouts)
-    for module in model.modules():
-        if hasattr(module, "vector_cache"):            # 2D vectors: gathered once per cache window
-            module.vector_cache = model.parallel_context.vector_cache
-        if hasattr(module, "overlap_input_grad"):      # 1D column layers
-            module.overlap_input_grad = overlap_input_grad
+    model.parallel_context = ParallelContext(mesh, mode, sp, dims.vocab, dims.hf, layouts, vector_cache)
     return model
+
+
+def _swap_planned(model: nn.Module, planned: dict, build, mode) -> None:
+    """Replace every planned module (but ``replicate``) by ``build(name, module, kind, tied)``.
+    Embeddings are built first, so a vocabulary head tied to one is built on it (``tied``: 1D
+    shares its parameter, 2D reads its table in a TiedVocabHead2D)."""
+    modules = dict(model.named_modules())
+    embeddings = {}
+    for name in sorted(planned, key=lambda n: planned[n] == "vocab_head"):     # heads after embeddings
+        kind, module = planned[name], modules[name]
+        if kind == "replicate":
+            continue
+        tied = None
+        if kind == "vocab_head":
+            tied = next((e for src, e in embeddings.values() if src is module.weight), None)
+        new = build(name, module, kind, tied)
+        if kind == "vocab_embedding":
+            embeddings[name] = (module.weight, new)
+        _set(model, name, new)
+
+
+def _hook_planned_parents(model: nn.Module, plan: Plan, dims: ModelDims, mode, T: int) -> None:
+    """After the swap, what the plan says about parent modules it names by pattern:
+
+    * ``plan.shared_inputs``: each matching parent computes its column children from one prepared
+      input (:func:`gridshard.parallel.shared_input.install_shared_input`, a forward pre-hook);
+    * ``plan.attention`` with ``plan.kv_group_attr``: a foreign attention module (Hugging Face's
+      ``num_key_value_groups``) reads its query-per-kv-head ratio from that attribute, which the
+      split changes to the *local* ratio (local heads / local kv heads). gridshard's own attention
+      needs nothing: it reads the ratio from the tensors it gets.
+
+    A matching module without the children or the attribute the plan names is a plan that does not
+    fit the model: a LayoutError, not a silent skip."""
+    local_groups = (dims.heads // mode.head_split(T)) // mode.local_kv_heads(dims.kv_heads, T)
+    for name, module in list(model.named_modules()):
+        children = plan.shared_children(name)
+        if children:
+            missing = [c for c in children if not isinstance(getattr(module, c, None), nn.Module)]
+            if missing:
+                raise LayoutError(f"parallelize: the plan's shared_inputs name children {list(children)} of "
+                                  f"{name!r} ({type(module).__name__}), which has no {missing}. Fix: correct the "
+                                  f"plan's shared_inputs pattern or children for this model.")
+            install_shared_input(module, children)
+        if plan.kv_group_attr and plan.is_attention(name):
+            if getattr(module, plan.kv_group_attr, None) is None:
+                raise LayoutError(f"parallelize: attention module {name!r} ({type(module).__name__}) has no "
+                                  f"{plan.kv_group_attr!r}, which the plan's kv_group_attr names. Fix: set the "
+                                  f"plan's kv_group_attr to the attribute this attention reads, or to None.")
+            setattr(module, plan.kv_group_attr, local_groups)
 
 
 def _install_sequence_scatter(model: nn.Module, name: str, mesh) -> None:

@@ -17,11 +17,25 @@
 
 Both give exactly the same gradients as ``none`` (the recomputation repeats deterministic
 fp32 ops; no dropout), which ``tests/test_recompute.py`` checks bit for bit.
+
+How ``full`` is installed: nothing of the module is replaced (its ``forward`` stays its class's,
+parameter names and state dicts are unchanged). A forward pre-hook opens PyTorch's non-reentrant
+checkpoint region around the call (the generator behind ``torch.utils.checkpoint.checkpoint``
+and ``torch.distributed._composable.checkpoint``) and a forward hook, registered first among the
+forward hooks, closes it. Unlike the composable API, the recomputation runs the module's
+``forward`` itself, not ``module(...)``: the hooks of other owners (ZeRO-3's gather and release,
+:mod:`gridshard.zero.data_parallel`) run once per forward, as without recompute, and not again
+inside backward (where a release would free the parameters the recomputed graph reads). The
+``forward`` recomputed is the one the call ran — a compiled one under ``train.compile``
+(:mod:`gridshard.parallel.compile`) — whichever of the two is applied first.
 """
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (_DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator,
+                                    noop_context_fn)
 
 from ..errors import LayoutError
 from .decoder_layers import decoder_layers
@@ -29,10 +43,50 @@ from .decoder_layers import decoder_layers
 MODES = ("none", "full", "selective")
 
 
-def _checkpointed(forward):
-    def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return run
+def _arguments_after_fn() -> list:
+    """The positional values between ``fn`` and ``*args`` of ``_checkpoint_without_reentrant_generator``,
+    by name (torch 2.13: preserve_rng_state, context_fn, determinism_check, debug, early_stop;
+    older releases lack early_stop): ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``'s
+    defaults. A parameter this does not know is an error, not a silent shift of the arguments."""
+    values = {"preserve_rng_state": True, "context_fn": noop_context_fn,
+              "determinism_check": _DEFAULT_DETERMINISM_MODE, "debug": False, "early_stop": True}
+    leading = []
+    for p in list(inspect.signature(_checkpoint_without_reentrant_generator).parameters.values())[1:]:
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            break
+        if p.name not in values:
+            raise RuntimeError(f"recompute: this torch's checkpoint generator takes {p.name!r}, which gridshard does "
+                               f"not know. Fix: use a torch release gridshard supports (pyproject.toml).")
+        leading.append(values[p.name])
+    return leading
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Recompute ``module``'s forward in backward (non-reentrant checkpoint) through a pre-hook
+    and a forward hook; the module itself is left as it is (module docstring)."""
+    running = []                                # the open checkpoint region of the call in flight
+    after_fn = _arguments_after_fn()
+
+    def open_region(mod, args, kwargs):
+        # torch.utils.checkpoint.checkpoint(use_reentrant=False)'s defaults: RNG state kept, no context,
+        # the default determinism check, recomputation stopped early at the last tensor backward needs
+        # (the call's tensors go in as the generator's own *args, so autograd saves them as the layer's
+        # input, as torch.utils.checkpoint does; its leading parameters differ across torch versions)
+        region = _checkpoint_without_reentrant_generator(mod.forward, *after_fn, *args, **kwargs)
+        next(region)                            # saved tensors of the forward are packed from here
+        running.append(region)
+
+    def close_region(mod, args, output):
+        if not running:
+            return
+        try:
+            next(running.pop())                 # ... to here
+        except StopIteration:
+            return
+        raise RuntimeError("recompute: the checkpoint region of a forward did not close")
+
+    module.register_forward_pre_hook(open_region, with_kwargs=True)
+    module.register_forward_hook(close_region, prepend=True, always_call=True)
 
 
 def apply_recompute(model: nn.Module, mode: str) -> int:
@@ -42,14 +96,14 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
     count = 0
     if mode == "full":
         for _, module in decoder_layers(model):
-            module.forward = _checkpointed(module.forward)
+            checkpoint_module(module)
             count += 1
     elif mode == "selective":
         from ..models.llama import Attention
 
         for module in model.modules():
             if isinstance(module, Attention):
-                module.recompute_core = True
+                module.recompute_core_in_backward()
                 count += 1
         if count == 0:
             raise LayoutError(f"train.recompute=selective recomputes the attention core of gridshard's model, and "

@@ -17,7 +17,9 @@ pre-hook that, for its input x,
   block j is [q block j | k block j | v block j]) and adds each part's gathered bias;
 
 then splits the result into the children's output blocks (made contiguous: models
-``view`` them into heads; under SP contiguous in the sequence-first order of the gathered x) and leaves each child its slice (:mod:`gridshard.nn.precomputed`). Communication per forward+backward is therefore
+``view`` them into heads; under SP contiguous in the sequence-first order of the gathered x)
+and leaves each child its slice in the child's ``precomputed`` slot
+(:mod:`gridshard.nn.precomputed`). Communication per forward+backward is therefore
 that of one layer of width Σ out: the old fused-weight figures of
 :mod:`gridshard.theory.tp1d` / :mod:`gridshard.theory.tp2d`. If the parent calls a child
 with another tensor than its own input, the child just computes on its own (correct,
@@ -32,7 +34,6 @@ from ..comm.input_grad_overlap import column_input
 from ..comm.summa import summa_ab_parts
 from ..nn.linear_1d import ColumnParallelLinear, column_product, is_sequence_first
 from ..nn.linear_2d import Linear2D, gather_vector_2d
-from ..nn.precomputed import leave_output
 
 _INPUT_NAMES = ("hidden_states", "x", "input")
 
@@ -91,7 +92,8 @@ def _fused_2d(children, x):
     y = summa_ab_parts(x.reshape(-1, first.in_local), [c.weight for c in children], first.mesh, first.overlap)
     y = y.view(*x.shape[:-1], y.shape[-1])
     outs = y.split([c.out_local for c in children], -1)
-    return [o.contiguous() if c.bias is None else o + gather_vector_2d(c.bias, c.mesh, cache=c.vector_cache) for o, c in zip(outs, children)]
+    return [o.contiguous() if c.bias is None else o + gather_vector_2d(c.bias, c.mesh, cache=c.vector_cache)
+            for o, c in zip(outs, children)]
 
 
 def install_shared_input(parent: torch.nn.Module, child_names) -> None:
@@ -124,7 +126,7 @@ def install_shared_input(parent: torch.nn.Module, child_names) -> None:
             return None
         xp = prepared[0] if isinstance(prepared, tuple) else prepared
         for child, y in zip(children, compute(children, prepared)):
-            leave_output(child, xp, y)
+            child.precomputed.leave(xp, y)
         return _replace_input(args, kwargs, xp)
 
     parent.register_forward_pre_hook(prepare, with_kwargs=True)

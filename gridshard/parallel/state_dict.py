@@ -16,7 +16,8 @@ import torch
 
 from ..comm import collectives as C
 from ..comm.ledger import LEDGER
-from ..nn.sharding import assemble_global, get_spec, mesh_coords
+from ..errors import LayoutError
+from ..nn.sharding import assemble_global, mesh_coords
 from .context import context_of
 
 
@@ -51,6 +52,15 @@ def gathered_state_dict(model: torch.nn.Module) -> dict:
     out = {}
     with reducer.gathered() if reducer is not None else contextlib.nullcontext():
         for name, t in model.state_dict(keep_vars=True).items():
-            spec = ctx.layouts.get(name) or get_spec(t)
-            out[name] = gather_canonical(t, spec, ctx.mesh)
+            out[name] = gather_canonical(t, _layout_of(ctx, name, t), ctx.mesh)
     return out
+
+
+def _layout_of(ctx, name: str, t: torch.Tensor):
+    """The layout ``parallelize`` recorded for parameter ``name``; None for a buffer (held whole)."""
+    spec = ctx.layouts.get(name)
+    if spec is None and isinstance(t, torch.nn.Parameter):
+        raise LayoutError(f"gathered_state_dict: parameter {name!r} has no layout in the model's ParallelContext "
+                          f"(it was added or renamed after gridshard.parallelize). Fix: lay the model out with "
+                          f"parallelize after it is complete.")
+    return spec

@@ -7,8 +7,6 @@ laws (:mod:`gridshard.parallel.materialize`). Each built parameter carries its
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 
 from ..errors import LayoutError
@@ -37,11 +35,16 @@ def norm_eps(module: nn.Module) -> float:
     return 1e-6 if eps is None else float(eps)
 
 
-def build_1d(name, module, kind, mesh, sp: bool, sp_in_embedding: bool, kv_replicate: int):
+def build_1d(name, module, kind, mesh, sp: bool, sp_in_embedding: bool, kv_replicate: int,
+             overlap_input_grad: bool = True, tied_embedding=None):
+    """The 1D layer for ``kind``: ``sp`` is sequence parallelism *in effect* (decided by the job
+    layout's rule), ``overlap_input_grad`` goes to every column layer (the vocabulary head too); a
+    vocabulary head tied to ``tied_embedding`` (a VocabParallelEmbedding) is built on its weight."""
     if kind in ("column", "kv_column"):
         n_in, n_out, bias = _linear_dims(name, module, kind)
         return ColumnParallelLinear(n_in, n_out, mesh, bias=bias, gather_output=False, sequence_parallel=sp,
-                                    device=META, replicate=kv_replicate if kind == "kv_column" else 1)
+                                    device=META, replicate=kv_replicate if kind == "kv_column" else 1,
+                                    overlap_input_grad=overlap_input_grad)
     if kind == "row":
         n_in, n_out, bias = _linear_dims(name, module, kind)
         return RowParallelLinear(n_in, n_out, mesh, bias=bias, input_is_parallel=True, sequence_parallel=sp,
@@ -54,20 +57,21 @@ def build_1d(name, module, kind, mesh, sp: bool, sp_in_embedding: bool, kv_repli
         if bias:
             raise LayoutError(f"parallelize: the vocabulary head {name!r} has a bias, which the vocab-parallel "
                               f"head does not support. Fix: build the head with bias=False.")
-        head = ColumnParallelLinear(n_in, padded_vocab_size(vocab, mesh.tensor.size), mesh, bias=False,
-                                    gather_output=False, sequence_parallel=sp, device=META)
-        head.weight.shard_spec = replace(head.weight.shard_spec, canonical_shape=(vocab, n_in))
-        head.vocab_size = vocab
-        return head
+        shared = tied_embedding.weight if tied_embedding is not None else None   # tied: one parameter, one spec
+        return ColumnParallelLinear(n_in, padded_vocab_size(vocab, mesh.tensor.size), mesh, bias=False,
+                                    gather_output=False, sequence_parallel=sp, device=META,
+                                    overlap_input_grad=overlap_input_grad, canonical_out=vocab, shared_weight=shared)
     if kind == "norm":
         return RMSNorm(module.weight.shape[0], norm_eps(module), mesh, sequence_parallel=sp, device=META)
     raise LayoutError(f"parallelize: kind {kind!r} of {name!r} has no 1D layer")
 
 
-def build_2d(name, module, kind, mesh, tied_embedding=None, overlap: bool = True):
+def build_2d(name, module, kind, mesh, tied_embedding=None, overlap: bool = True, vector_cache=None):
+    """The 2D layer for ``kind``: ``overlap`` for the SUMMA products, ``vector_cache`` (the model's
+    :class:`gridshard.comm.grid_ops.GatheredVectors`) for the layers that gather biases or norm weights."""
     if kind in ("column", "kv_column", "row"):
         n_in, n_out, bias = _linear_dims(name, module, kind)
-        return Linear2D(n_in, n_out, mesh, bias=bias, device=META, overlap=overlap)
+        return Linear2D(n_in, n_out, mesh, bias=bias, device=META, overlap=overlap, vector_cache=vector_cache)
     if kind == "vocab_embedding":
         return VocabParallelEmbedding2D(module.num_embeddings, module.embedding_dim, mesh, device=META)
     if kind == "vocab_head":
@@ -77,9 +81,9 @@ def build_2d(name, module, kind, mesh, tied_embedding=None, overlap: bool = True
                               f"not support. Fix: build the head with bias=False.")
         if tied_embedding is not None:
             return TiedVocabHead2D(tied_embedding, overlap=overlap)
-        return VocabParallelClassifier2D(n_in, vocab, mesh, device=META, overlap=overlap)
+        return VocabParallelClassifier2D(n_in, vocab, mesh, device=META, overlap=overlap, vector_cache=vector_cache)
     if kind == "norm":
-        return RMSNorm2D(module.weight.shape[0], mesh, norm_eps(module), device=META)
+        return RMSNorm2D(module.weight.shape[0], mesh, norm_eps(module), device=META, vector_cache=vector_cache)
     raise LayoutError(f"parallelize: kind {kind!r} of {name!r} cannot be laid out in 2D (the residual stream is "
                       f"split over the grid, so a replicated module would see a block, not its whole input). "
                       f"Fix: map {name!r} to column/row/norm/vocab_* in the plan.")

@@ -3,8 +3,8 @@
 parallelism. See ``docs/pipeline.md``."""
 from .build import pipeline_rank_model
 from .runner import SCHEDULES, PipelineRunner
-from .split import RankModel, stage_layer_counts, stage_layer_ids, stages_of_rank
+from .split import HFRankModel, RankModel, stage_layer_counts, stage_layer_ids, stages_of_rank
 from .tied import TiedEmbeddingSync
 
-__all__ = ["PipelineRunner", "RankModel", "SCHEDULES", "TiedEmbeddingSync", "pipeline_rank_model",
+__all__ = ["HFRankModel", "PipelineRunner", "RankModel", "SCHEDULES", "TiedEmbeddingSync", "pipeline_rank_model",
            "stage_layer_counts", "stage_layer_ids", "stages_of_rank"]

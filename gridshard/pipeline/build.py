@@ -1,12 +1,26 @@
 """Build this rank's part of the plain model for a pipeline layout (before ``parallelize``)."""
 from __future__ import annotations
 
-from .split import RankModel
+from ..errors import ConfigError
+from ..models.llama import Transformer
+from .split import HFRankModel, RankModel
 
 
-def pipeline_rank_model(plain, mesh, split) -> RankModel:
-    """The :class:`RankModel` of this pipeline rank: the layers of its stages (and the
-    embedding / norm + head where it has the first / last stage), from ``plain`` on meta.
-    ``split``: the job layout's :class:`gridshard.job_layout.StageSplit`."""
+def pipeline_rank_model(plain, mesh, split):
+    """The rank model of this pipeline rank, by the plain model's family (gridshard's
+    :class:`Transformer` → :class:`RankModel`; a Hugging Face Llama-family causal LM →
+    :class:`HFRankModel`): the layers of its stages (and the embedding / norm + head where it
+    has the first / last stage), from ``plain`` on meta. ``split``: the job layout's
+    :class:`gridshard.job_layout.StageSplit`."""
+    from ..parallel.parallelize import HF_LLAMA_TYPES
+
     r = mesh.pipeline.rank
-    return RankModel(plain, split.rank_layer_ids(r), has_first=split.holds_first(r), has_last=split.holds_last(r))
+    parts = (split.rank_layer_ids(r), split.holds_first(r), split.holds_last(r))
+    if isinstance(plain, Transformer):
+        return RankModel(plain, *parts)
+    model_type = getattr(getattr(plain, "config", None), "model_type", None)
+    if model_type in HF_LLAMA_TYPES:
+        return HFRankModel(plain, *parts)
+    raise ConfigError(f"parallel.pipeline={mesh.pipeline.size}: pipeline stages are built from gridshard's "
+                      f"Transformer or a Hugging Face model of model_type in {HF_LLAMA_TYPES}, not a "
+                      f"{type(plain).__name__} (model_type={model_type!r}). Fix: use one of those, or pipeline=1.")

@@ -25,7 +25,7 @@ their tokens (2D: each micro-batch's grid-row block, ``shard_tokens``) are conca
 and the schedule cuts them back into A chunks. The last stage's loss function is the
 trainer's: the micro-batch's loss *sum* over valid targets times D/N (N: valid targets of
 the global batch), with ``scale_grads=False``, so the gradients are exactly those of the
-non-pipelined step (:mod:`gridshard.engine.trainer`). Stage-to-stage activation sends are
+non-pipelined step (:mod:`gridshard.engine.step`). Stage-to-stage activation sends are
 the schedule's point-to-point operations; their bytes per micro-batch and boundary are
 :func:`gridshard.theory.pipeline.boundary_bytes`, and :class:`gridshard.pipeline.meter.StageMeter`
 records them in the ledger and measures busy time (the bubble), micro-batches in flight and
@@ -40,6 +40,7 @@ import torch
 from ..errors import ConfigError
 from ..job_layout import StageSplit, TensorMode
 from ..nn.sharding import mesh_coords
+from ..parallel.parallelize import model_dims
 from .meter import StageMeter
 from .stage_module import StageModule
 
@@ -62,7 +63,7 @@ class PipelineRunner:
         from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
         ctx = rank_model.parallel_context
-        cfg = rank_model.cfg
+        hidden = model_dims(rank_model).hidden
         S, V, ids = split.stages, split.virtual_stages, split.layer_ids()
         self.counts = list(split.counts)
         self.stage_indices = split.stages_of_rank(mesh.pipeline.rank)
@@ -72,7 +73,7 @@ class PipelineRunner:
         T = mesh.tensor.size
         micro_local = micro_batch // ctx.mode.batch_split(T)
         act = torch.empty(local_activation_shape(ctx.mode, ctx.sequence_parallel, T, micro_batch, seq_len,
-                                                 cfg.hidden), device="meta", requires_grad=True)
+                                                 hidden), device="meta", requires_grad=True)
         tokens = torch.empty((micro_local, seq_len), dtype=torch.long, device="meta")
         self.meter = StageMeter(mesh.pipeline if mesh.ledger is not None else ctx.mesh.pipeline, rank_model.parameters())
         self.modules, stages = [], []

@@ -2,8 +2,9 @@
 
 With ``tie_embeddings`` the LM head's weight *is* the embedding table. When stage 0 and
 stage S−1 sit on different pipeline ranks (pipeline rank 0 and P−1), each holds a copy of
-``embed_tokens.weight`` — equal at initialisation (the value is a function of the name) —
-and each copy gets only its own use's gradient: the embedding's on the first, the head's on
+the embedding weight (the family's name: ``embed_tokens.weight``, Hugging Face's
+``model.embed_tokens.weight``) — equal at initialisation (the value is a function of the
+name) — and each copy gets only its own use's gradient: the embedding's on the first, the head's on
 the last. Summing the two (one all-reduce over the pair of ranks with the same data and
 tensor coordinates, V_p·h/T floats in 1D) gives both the gradient of the single-device
 tied weight, so the two copies take the same optimizer step and stay equal (Megatron's
@@ -35,7 +36,7 @@ class TiedEmbeddingSync:
             if me in ranks:
                 self.axis = Axis("pipeline_tied", 2, ranks.index(me), ranks, group, mesh.ledger)
         if self.axis is not None:
-            self.param = rank_model.embed_tokens.weight
+            self.param = rank_model.get_parameter(rank_model.embedding_weight_name)     # the family's name
             self.drop_from_norm = not rank_model.has_first     # the last stage's copy is not counted twice
 
     def sync(self) -> None:

@@ -37,6 +37,7 @@ import math
 from ..job_layout import StageSplit, micro_batches_per_step
 from ..theory.memory import predict_rank_memory
 from .layouts import Layout
+from .memo import rank_blocks
 
 
 def stage_layers_of_rank(layers: int, P: int, V: int) -> list:
@@ -73,7 +74,8 @@ def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
             data=layout.data, data_rank=0, zero=layout.zero, recompute=layout.recompute,
             micro_batch=layout.micro_batch, seq_len=seq_len, n_microbatches=A, pipeline=P, pipeline_rank=r,
             schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=int(baseline_bytes),
-            margin_fraction=float(margin_fraction))
+            margin_fraction=float(margin_fraction),
+            blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1))
         if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
             extra = interleaved_in_flight(r, P, V, A) - mem.details["in_flight"]
             if extra > 0:

@@ -101,7 +101,6 @@ ranks' cores run the others). On GPU nodes (a device per rank) only the critical
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 from dataclasses import dataclass, field
@@ -110,12 +109,11 @@ from ..comm.ledger import ring_wire_bytes
 from ..job_layout import micro_batches_per_step
 from ..theory import CommVolume, tp1d, tp2d
 from ..theory.pipeline import boundary_bytes, bubble_fraction
-from ..theory.memory import rank_parameter_blocks
 from ..theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token
 from ..theory.zero import padded_numel, zero_step_comm
 from .hardware import Hardware
 from .layouts import Layout
-from .memo import model_key, model_of
+from .memo import rank_blocks
 
 FP32 = 4
 ADAMW_BYTES_PER_ELEM = 28
@@ -199,24 +197,10 @@ def tensor_calls_per_layer(cfg, layout: Layout, seq: int) -> int:
     return sum(sum(v.calls.values()) for v in comm(cfg, layout, seq, 1, False, False))
 
 
-def _blocks(cfg, mode: str, T: int, layer_ids, first: bool, last: bool) -> list:
-    """:func:`gridshard.theory.memory.rank_parameter_blocks` through :func:`_blocks_memo` (the
-    planner asks for the same rank's blocks for many layouts)."""
-    return _blocks_memo(model_key(cfg), mode, T, None if layer_ids is None else tuple(layer_ids), first, last)
-
-
-@functools.lru_cache(maxsize=1024)
-def _blocks_memo(model: tuple, mode: str, T: int, layer_ids, first: bool, last: bool) -> list:
-    """One rank's parameter blocks, memoised: keyed by the model's fields (:func:`.memo.model_key`),
-    the tensor mode and size and the rank's layers, bounded to 1024 entries (a search meets a few
-    dozen). Callers read the list, never change it."""
-    return rank_parameter_blocks(model_of(model), mode, T, None if layer_ids is None else list(layer_ids), first, last)
-
-
 def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
     """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step."""
     D = layout.data
-    blocks = _blocks(cfg, layout.tensor_mode, layout.tensor, layer_ids, first, last)
+    blocks = rank_blocks(cfg, layout.tensor_mode, layout.tensor, layer_ids, first, last)
     if D == 1:
         return None, None, 1
     if layout.zero == 0:
@@ -426,7 +410,7 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     bubble = bubble_fraction(P, A, layout.pipeline_schedule, V) if P > 1 else 0.0
     bubble_s = A * t_mb * bubble / (1.0 - bubble) if P > 1 else 0.0
 
-    blocks = _blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
+    blocks = rank_blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
     owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
     busy_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth
     small_calls = [("tensor", T), ("pipeline", P), ("data", layout.data)]

@@ -1,6 +1,9 @@
 """Memory per rank: model state by ZeRO stage, activations by tensor mode and recompute.
 
-Pure arithmetic (no process groups, no tensors). The planner and the trainer's
+Arithmetic over shapes (no process groups, no tensors). The shapes of a rank's parameter
+blocks are not described here: they are read from the layouts of the model laid out on the
+meta device (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`, which
+:func:`predict_rank_memory` calls when not handed the blocks). The planner and the trainer's
 ``predicted_mem_bytes`` call these functions; ``tests/test_memory_model.py`` asserts them
 against the tensors a real laid-out model holds.
 
@@ -159,7 +162,7 @@ class ParamBlock:
     shape: tuple
     layer: Optional[int] = None
     #: elements of gradient storage this parameter's ``.grad`` keeps alive beyond its own
-    #: (a view into a larger buffer; :func:`rank_parameter_blocks`, replicated kv heads)
+    #: (a view into a larger buffer; :func:`kv_replica_grad_extra`, replicated kv heads)
     grad_extra: int = 0
 
     @property
@@ -183,77 +186,20 @@ def _as_blocks(blocks) -> list:
     return out
 
 
-def rank_parameter_blocks(cfg, mode: str = "none", T: int = 1, layer_ids: Optional[Iterable[int]] = None,
-                          has_embedding: bool = True, has_head: bool = True) -> list:
-    """The :class:`ParamBlock` list of one rank of ``gridshard.parallelize(Transformer(cfg), mesh)``.
-
-    Local shapes by tensor mode (``cfg``: a :class:`gridshard.models.ModelConfig`;
-    K_r = :meth:`gridshard.job_layout.TensorMode.local_kv_heads`, V_p = V padded to T (1D) or q (2D)):
-
-    ============  ============  ==================  =========================
-    parameter     none          1D (T ranks)        2D (q×q, stored [in, out])
-    ============  ============  ==================  =========================
-    embed_tokens  [V, h]        [V_p/T, h]          [V_p/q, h/q]
-    q_proj        [H·d, h]      [H·d/T, h]          [h/q, H·d/q]
-    k/v_proj      [K·d, h]      [K_r·d, h]          [h/q, K·d/q]
-    o_proj        [h, H·d]      [h, H·d/T]          [H·d/q, h/q]
-    gate/up       [f, h]        [f/T, h]            [h/q, f/q]
-    down          [h, f]        [h, f/T]            [f/q, h/q]
-    norms         [h]           [h]                 [h/q²]
-    lm_head       [V, h]        [V_p/T, h]          [h/q, V_p/q]
-    ============  ============  ==================  =========================
-
-    (same rows as :func:`gridshard.theory.tp1d.transformer_param_bytes` and
-    :func:`gridshard.theory.tp2d.transformer2d_param_bytes`, which count their sum).
-    A tied head is the embedding (listed once). ``layer_ids``: this pipeline rank's decoder
-    layers (default all); ``has_embedding`` / ``has_head``: whether it holds the first / last
-    stage (the final norm goes with the head). With pipeline stages and tied weights each
-    end holds its own copy, so ``has_head`` without ``has_embedding`` lists the head.
-    """
-    h, H, K, d, f, V = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
-    layers = list(range(cfg.layers)) if layer_ids is None else list(layer_ids)
+def kv_replica_grad_extra(cfg, mode, T: int) -> dict:
+    """Gradient elements each decoder-layer parameter keeps alive beyond its own block (module
+    docstring §1), by its name within the layer: non-zero only in 1D with kv heads replicated
+    over T/K ranks (K < T). ``sum_over_replicas`` all-reduces a buffer of all K blocks and hands
+    back a view of it as the gradient (K·n elements kept for n), and the q|k|v weight gradient
+    (one matmul, split into views) keeps q's view alive together with the now unused k and v
+    rows: K·(n_k + n_v) elements per layer beyond the blocks."""
     mode = TensorMode.parse(mode)
-    if not mode.splits_weights:
-        T = 1
-    if not mode.is_grid:
-        Vp = padded_vocab_size(V, T) if mode.is_1d else V
-        Kr = mode.local_kv_heads(K, T)
-        table = (Vp // T, h)
-        per_layer = [("self_attn.q_proj.weight", (H * d // T, h)), ("self_attn.k_proj.weight", (Kr * d, h)),
-                     ("self_attn.v_proj.weight", (Kr * d, h)), ("self_attn.o_proj.weight", (h, H * d // T)),
-                     ("mlp.gate_proj.weight", (f // T, h)), ("mlp.up_proj.weight", (f // T, h)),
-                     ("mlp.down_proj.weight", (h, f // T)), ("input_layernorm.weight", (h,)),
-                     ("post_attention_layernorm.weight", (h,))]
-        norm, head = (h,), table
-    else:
-        q = _grid_side(T)
-        Vp = padded_vocab_size(V, q)
-        table = (Vp // q, h // q)
-        per_layer = [("self_attn.q_proj.weight", (h // q, H * d // q)), ("self_attn.k_proj.weight", (h // q, K * d // q)),
-                     ("self_attn.v_proj.weight", (h // q, K * d // q)), ("self_attn.o_proj.weight", (H * d // q, h // q)),
-                     ("mlp.gate_proj.weight", (h // q, f // q)), ("mlp.up_proj.weight", (h // q, f // q)),
-                     ("mlp.down_proj.weight", (f // q, h // q)), ("input_layernorm.weight", (h // (q * q),)),
-                     ("post_attention_layernorm.weight", (h // (q * q),))]
-        norm, head = (h // (q * q),), (h // q, Vp // q)
-    blocks = []
-    if has_embedding:
-        blocks.append(ParamBlock("embed_tokens.weight", table))
-    extra = {}
-    if mode.kv_replication(K, T) > 1:
-        # kv heads replicated over T/K ranks: ``sum_over_replicas`` all-reduces a buffer of all
-        # K blocks and hands back a view of it as the gradient (K·n elements kept for n), and the
-        # q|k|v weight gradient (one matmul, split into views) keeps q's view alive together
-        # with the now unused k and v rows: K·(n_k + n_v) elements per layer beyond 4n.
-        n_kv = Kr * d * h
-        extra = {"self_attn.q_proj.weight": 2 * n_kv, "self_attn.k_proj.weight": (K - 1) * n_kv,
-                 "self_attn.v_proj.weight": (K - 1) * n_kv}
-    for i in layers:
-        blocks += [ParamBlock(f"layers.{i}.{n}", shape, i, extra.get(n, 0)) for n, shape in per_layer]
-    if has_head:
-        blocks.append(ParamBlock("norm.weight", norm))
-        if not (cfg.tie_embeddings and has_embedding):
-            blocks.append(ParamBlock("lm_head.weight", head))
-    return blocks
+    K = cfg.kv_heads
+    if not mode.splits_weights or mode.kv_replication(K, T) <= 1:
+        return {}
+    n_kv = mode.local_kv_heads(K, T) * cfg.head_dim * cfg.hidden
+    return {"self_attn.q_proj.weight": 2 * n_kv, "self_attn.k_proj.weight": (K - 1) * n_kv,
+            "self_attn.v_proj.weight": (K - 1) * n_kv}
 
 
 def _grid_side(T: int) -> int:
@@ -497,7 +443,8 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                         data_rank: int = 0, zero: int = 0, recompute: str = "none", micro_batch: int = 1,
                         seq_len: int = 128, n_microbatches: int = 1, pipeline: int = 1, pipeline_rank: int = 0,
                         schedule: str = "1f1b", layer_ids: Optional[Iterable[int]] = None,
-                        baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10) -> RankMemory:
+                        baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
+                        blocks: Optional[Sequence] = None) -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
     (:func:`activation_bytes` × :func:`gridshard.theory.pipeline.peak_in_flight`; one without
@@ -508,13 +455,18 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
 
     Pipeline: one stage per rank (``pipeline_rank`` = stage), ``layer_ids`` its layers
     (default: the pipeline's own split, :class:`gridshard.job_layout.StageSplit`); the first
-    stage holds the embedding, the last the final norm, head and loss."""
+    stage holds the embedding, the last the final norm, head and loss. ``blocks``: the rank's
+    :class:`ParamBlock` s when the caller has them (the planner's memo), else read from a model
+    laid out on the meta device (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`)."""
     P = pipeline
     if layer_ids is None:
         layer_ids = StageSplit.of(cfg.layers, P).rank_layer_ids(pipeline_rank) if P > 1 else range(cfg.layers)
     layer_ids = list(layer_ids)
     first, last = pipeline_rank == 0, pipeline_rank == P - 1
-    blocks = rank_parameter_blocks(cfg, mode, T, layer_ids, has_embedding=first, has_head=last)
+    if blocks is None:
+        from ..parallel.rank_blocks import rank_parameter_blocks     # lazy: parallel builds on theory
+
+        blocks = rank_parameter_blocks(cfg, mode, T, layer_ids, has_embedding=first, has_head=last)
     state = model_state_bytes(blocks, zero, data, data_rank)
     acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
                             has_embedding=first, has_head=last)
@@ -529,6 +481,6 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                                "logits_workspace": workspace, "per_layer": acts.per_layer})
 
 
-__all__ = ["ParamBlock", "rank_parameter_blocks", "ModelState", "model_state_bytes", "zero_gradient_transient", "ActivationBytes",
-           "activation_bytes", "layer_saved_bytes", "norm_saved_bytes", "embedding_saved_bytes",
+__all__ = ["ParamBlock", "kv_replica_grad_extra", "ModelState", "model_state_bytes", "zero_gradient_transient",
+           "ActivationBytes", "activation_bytes", "layer_saved_bytes", "norm_saved_bytes", "embedding_saved_bytes",
            "head_and_loss_saved_bytes", "logits_workspace_bytes", "RankMemory", "predict_rank_memory"]

@@ -109,7 +109,11 @@ MAX_IN_FLIGHT = 2          # reduce-scatters outstanding in backward; the oldest
 
 @dataclass
 class ShardedParam:
-    """One parameter under ZeRO: its local block and this data rank's rows of it."""
+    """One parameter under ZeRO: its local block and this data rank's rows of it. Where the rows
+    sit in the canonical tensor is the parameter's layout narrowed to ``(start, stop)``
+    (:meth:`gridshard.nn.sharding.ShardSpec.canonical_box`, read through
+    :attr:`gridshard.zero.reducer.SteppedTensor.rows`); ``offset`` and ``padded`` place them in
+    the unit's communication buffer, nothing else."""
 
     name: str
     param: nn.Parameter
@@ -169,7 +173,6 @@ class ZeroDataParallel:
         self.model, self.axis, self.stage = model, data_axis, stage
         self.overlap = overlap and data_axis.size > 1
         self.units = self._build_units(model)
-        self.by_param = {id(sp.param): sp for u in self.units for sp in u.params}
         self._armed = False
         self._in_flight: list = []                     # units whose reduce-scatter is outstanding, oldest first
         for u in self.units:
@@ -434,18 +437,11 @@ class ZeroDataParallel:
         """(shard, parameter) of every parameter with at least one owned row."""
         return [(sp.shard, sp.param) for sp in self.sharded() if sp.stop > sp.start]
 
-    def shard_of(self, param) -> Optional[ShardedParam]:
-        return self.by_param.get(id(param))
-
     def memory_tensors(self) -> list:
         """The buffers ZeRO itself holds (ZeRO-3 flat shards, reduced gradient segments), for
         memory accounting; shards and their gradients are views into these or the parameters."""
         out = [u.flat_shard for u in self.units if u.flat_shard is not None]
         return out + [u.reduced for u in self.units if u.reduced is not None]
-
-    def segment_elems(self) -> list:
-        """Elements of each unit's flat buffer (D segments): the theory's S_u."""
-        return [self.axis.size * u.segment for u in self.units]
 
 
 def _map_tensors(obj, fn):

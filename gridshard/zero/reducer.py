@@ -49,6 +49,13 @@ class SteppedTensor:
     tensor: torch.Tensor
     start: Optional[int] = None
 
+    @property
+    def rows(self) -> Optional[tuple]:
+        """``(start, stop)``: the rows of the parameter's block this tensor is (ZeRO's narrowing of
+        the parameter's layout, :meth:`gridshard.nn.sharding.ShardSpec.canonical_box`), or None
+        for the whole block."""
+        return None if self.start is None else (self.start, self.start + self.tensor.shape[0])
+
 
 class GradReducer(Protocol):
     """The protocol both reducers implement (module docstring)."""

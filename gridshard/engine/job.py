@@ -1,0 +1,343 @@
+"""The composer: ``build_job(config)`` lays one rank's part of a training job out, in one order.
+
+Every rank of the job (torchrun workers, the CLI's elastic workers, the test harness's gloo
+groups) calls :func:`build_job` with the same config; it joins the process group if none is
+initialised yet. The config is validated against the world once (:func:`resolve_job_config`;
+a :class:`ResolvedConfig` — what the CLI hands its workers — is taken as it is), then the job
+is composed in this fixed order, each stage reading only what the ones before it built
+(torchtitan's ``parallelize_*`` order)::
+
+    config ─ resolved once (world size) · rank 0's run directory · resume source checked
+      ├─ CommLedger (the job's) · build_mesh(D, P, T, mode) · JobLayout (every derived fact)
+      1. model on meta       Transformer, or Hugging Face LlamaForCausalLM (model.hf_config)
+      2. stage split         P > 1: this rank's stages only (pipeline_rank_model, JobLayout.split)
+      3. parallelize         swap layers, materialise this rank's blocks (values: a function of
+                             (seed, name, global index), or model.init_from into the whole blocks)
+      4. recompute           train.recompute per decoder layer
+      5. compile             train.compile: torch.compile per decoder layer
+      6. reducer             build_reducer(model, mesh.data, train.zero, bucket bytes)
+      7. optimizer           AdamW over reducer.optimizer_tensors() · Precision (train.precision)
+      8. checkpointer        Checkpointer (own gloo group) · train.resume into model, optimizer, reducer
+      ├─ micro-batch driver  P = 1: MicroBatchLoop; P > 1: PipelineSchedule (PipelineRunner, tied sync)
+      └─ norm pairs (each reduced gradient with its parameter's layout) · BatchPlans (train, validation)
+
+:data:`COMPOSITION_ORDER` names the eight stages; ``Job.composed`` records them as they ran.
+One optimizer step is :func:`gridshard.engine.step.train_step`.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import Checkpointer, FaultPlan
+from ..checkpoint.resume import check_compatible, describe, resume_folder
+from ..comm.ledger import CommLedger
+from ..config import TrainConfig, load_config, resolve_config
+from ..data import BatchPlan, load_split
+from ..errors import ConfigError
+from ..job_layout import JobLayout
+from ..mesh import build_mesh, default_device, init_distributed
+from ..models import Transformer
+from ..parallel import context_of, parallelize
+from ..parallel.compile import apply_compile
+from ..parallel.recompute import apply_recompute
+from ..pipeline.build import pipeline_rank_model
+from ..zero.reducer import build_reducer
+from .memory_meter import rss_now
+from .optim import build_optimizer
+from .precision import Precision
+from .step import MicroBatchLoop, PipelineSchedule, step_batch
+
+COMPOSITION_ORDER = ("model on meta", "stage split", "parallelize", "recompute", "compile", "reducer",
+                     "optimizer", "checkpointer")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A config already validated for ``world_size`` processes (``cuda_available`` as the
+    validation saw it): what the CLI's launcher hands its workers, so no rank loads, resolves
+    or re-reads the data files' sizes a second time."""
+
+    config: TrainConfig
+    world_size: int
+    cuda_available: bool
+
+    def with_train(self, **fields) -> "ResolvedConfig":
+        """The same resolved config with ``train`` fields replaced (e.g. ``resume="auto"`` for an
+        elastic restart: a resume source is checked when the job is built, not by validation)."""
+        train = self.config.train.model_copy(update=fields)
+        return ResolvedConfig(self.config.model_copy(update={"train": train}), self.world_size, self.cuda_available)
+
+
+@dataclass
+class Job:
+    """One rank's part of a training job (module docstring), as :func:`build_job` composed it."""
+
+    cfg: TrainConfig
+    layout: JobLayout                        # every derived layout fact (gridshard.job_layout)
+    model_cfg: Any                           # the resolved model shape (cfg.model.resolve())
+    device: torch.device
+    rank: int
+    run_dir: Optional[str]
+    resume_from: Optional[str]               # the checkpoint folder train.resume names, or None
+    layout_changes: list                     # what differs from the checkpoint's layout
+    ledger: CommLedger
+    mesh: Any
+    mem_baseline: int                        # the process's bytes before the model existed (CPU)
+    composed: list = field(default_factory=list)      # COMPOSITION_ORDER, as the stages ran
+    model: Any = None
+    context: Any = None                      # the model's ParallelContext
+    params: list = field(default_factory=list)        # trainable parameters, in name order
+    param_specs: list = field(default_factory=list)   # their layouts (ctx.layouts)
+    faults: Optional[FaultPlan] = None
+    reducer: Any = None                      # gridshard.zero.reducer.GradReducer
+    optimizer: Any = None
+    precision: Optional[Precision] = None
+    checkpointer: Optional[Checkpointer] = None
+    start_step: int = 0                      # completed steps (train.resume: the checkpoint's)
+    ignore_index: int = -100
+    pipeline: Any = None                     # P > 1: the PipelineRunner
+    tied: Any = None                         # P > 1: the TiedEmbeddingSync
+    driver: Any = None                       # MicroBatchLoop or PipelineSchedule
+    norm_pairs: list = field(default_factory=list)    # (reduced gradient tensor, layout), each counted once
+    clip_tensors: list = field(default_factory=list)  # what clipping scales
+    plan: Optional[BatchPlan] = None
+    val_plan: Optional[BatchPlan] = None
+    decay_steps: int = 0
+
+    def batch(self, step: int):
+        """Step ``step``'s :class:`~gridshard.engine.step.StepBatch` of this rank (the training data plan)."""
+        return step_batch(self, step)
+
+    @property
+    def data_tokens(self) -> tuple:
+        """(training tokens, validation tokens or None) the batch plans read."""
+        return self.plan.tokens, None if self.val_plan is None else self.val_plan.tokens
+
+
+def build_job(config=None, run_dir: Optional[str] = None, *, overrides=()) -> Job:
+    """Compose this rank's part of the job described by ``config`` (YAML path, dict,
+    :class:`~gridshard.config.TrainConfig`, :class:`ResolvedConfig` or None = the built-in
+    default; ``overrides`` as ``key.sub=value``), in the module docstring's order. Collective:
+    every rank of the job calls it. ``run_dir``: checkpoints and resume (rank 0's for all)."""
+    job = _frame(config, overrides, run_dir)
+    plain = _model_on_meta(job)
+    plain = _stage_split(job, plain)
+    _parallelize(job, plain)
+    _recompute(job)
+    _compile(job)
+    _reducer(job)
+    _optimizer(job)
+    _checkpointer(job)
+    _driver(job)
+    _data(job)
+    return job
+
+
+# ---- before the model: the resolved config, the mesh and the job layout ------------------
+def resolve_job_config(config, overrides=()) -> TrainConfig:
+    """The config validated against this process group (joined here when it is not yet):
+    a :class:`ResolvedConfig` as it is (its world size must be this group's), anything else
+    through :func:`gridshard.config.resolve_config`."""
+    if isinstance(config, ResolvedConfig):
+        if not dist.is_initialized():
+            init_distributed(timeout_s=config.config.train.collective_timeout_s)
+        here = (dist.get_world_size(), default_device().type == "cuda", list(overrides))
+        if here != (config.world_size, config.cuda_available, []):
+            raise ConfigError(f"a config resolved for {config.world_size} process(es) (CUDA available: "
+                              f"{config.cuda_available}) was handed to {here[0]} (CUDA available: {here[1]}; "
+                              f"overrides {here[2]}). Fix: pass the config itself, resolved here.")
+        return config.config
+    if not dist.is_initialized():
+        init_distributed(timeout_s=load_config(config, overrides).train.collective_timeout_s)
+    return resolve_config(config, overrides, world_size=dist.get_world_size(),
+                          cuda_available=default_device().type == "cuda")
+
+
+def _frame(config, overrides, run_dir) -> Job:
+    """The resolved config, rank 0's run directory, the resume source (checked before anything
+    is built), the job's ledger and mesh, and the job layout."""
+    cfg = resolve_job_config(config, overrides)
+    device, rank = default_device(), dist.get_rank()
+    if dist.get_world_size() > 1:      # rank 0's run directory for all (e.g. timestamped defaults under torchrun)
+        box = [run_dir]
+        dist.broadcast_object_list(box, 0)
+        run_dir = box[0]
+    resume_from, changes = resume_folder(cfg.train.resume, run_dir), []
+    if resume_from is not None:
+        from ..checkpoint.files import read_meta
+
+        saved = read_meta(resume_from)
+        changes = check_compatible(saved["config"], cfg.resolved(), describe(resume_from),
+                                   start_step=saved.get("step"))
+    p, model_cfg = cfg.parallel, cfg.model.resolve()
+    ledger = CommLedger()                      # this job's collectives only (its mesh records here)
+    mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=ledger)
+    return Job(cfg=cfg, layout=JobLayout.from_config(cfg, model_cfg), model_cfg=model_cfg, device=device,
+               rank=rank, run_dir=run_dir, resume_from=resume_from, layout_changes=changes, ledger=ledger,
+               mesh=mesh, mem_baseline=rss_now() if device.type == "cpu" else 0,
+               ignore_index=-100 if cfg.data.ignore_token is None else cfg.data.ignore_token,
+               decay_steps=cfg.train.decay_steps or cfg.train.steps)
+
+
+# ---- the composition (COMPOSITION_ORDER) ------------------------------------------------
+def _model_on_meta(job: Job):
+    """1. The plain single-device model, every parameter on the meta device."""
+    job.composed.append("model on meta")
+    if job.cfg.model.hf_config is not None:
+        from ..models.hf import build_hf_causal_lm
+
+        return build_hf_causal_lm(job.cfg.model.hf_config, device="meta")
+    with torch.device("meta"):
+        return Transformer(job.model_cfg)
+
+
+def _stage_split(job: Job, plain):
+    """2. P > 1: this rank's stages only, under single-device names."""
+    job.composed.append("stage split")
+    if job.cfg.parallel.pipeline > 1:
+        return pipeline_rank_model(plain, job.mesh, job.layout.split)
+    return plain
+
+
+def _parallelize(job: Job, plain) -> None:
+    """3. :func:`gridshard.parallelize`: this rank's blocks, then ``model.init_from``'s values."""
+    job.composed.append("parallelize")
+    p, t = job.cfg.parallel, job.cfg.train
+    # values are a function of (seed, name, global index): the same global model at every layout
+    job.model = parallelize(plain, job.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
+                            device=job.device, summa_overlap=p.summa_overlap,
+                            # zero bubble defers the weight pass: nothing to overlap dx's collective with
+                            overlap_input_grad=p.overlap_input_grad and p.pipeline_schedule != "zero_bubble")
+    job.context = context_of(job.model)
+    named = [(n, q) for n, q in job.model.named_parameters() if q.requires_grad]
+    job.params = [q for _, q in named]
+    job.param_specs = [job.context.layouts[n] for n, _ in named]     # clipping reads the layouts
+    job.faults = FaultPlan.from_env()
+    if job.resume_from is None and job.cfg.model.init_from is not None:
+        _init_from(job, job.cfg.model.init_from)     # into the whole blocks, before ZeRO shards them
+
+
+def _init_from(job: Job, path: str) -> None:
+    """``model.init_from``: the weights only, into the whole blocks of this rank — before ZeRO
+    shards them and before the optimizer exists, so a gridshard checkpoint is read through the
+    verifying reader's model-only path (no optimizer, generator or step) of a checkpointer of
+    its own (its gloo group is closed after)."""
+    from ..checkpoint.hf_io import is_gridshard_checkpoint, load_hf_blocks
+
+    if not is_gridshard_checkpoint(path):
+        load_hf_blocks(job.model, path, hf_names=job.cfg.model.hf_config is not None)
+        return
+    reader = Checkpointer(None, faults=job.faults)
+    try:
+        reader.load_weights(path, job.model)
+    finally:
+        reader.close()
+
+
+def _recompute(job: Job) -> None:
+    """4. ``train.recompute`` on every decoder layer."""
+    job.composed.append("recompute")
+    apply_recompute(job.model, job.cfg.train.recompute)
+
+
+def _compile(job: Job) -> None:
+    """5. ``train.compile``: ``torch.compile`` of every decoder layer's forward."""
+    job.composed.append("compile")
+    if job.cfg.train.compile:
+        apply_compile(job.model)
+
+
+def _reducer(job: Job) -> None:
+    """6. The data-parallel reduction of ``train.zero``'s stage (:mod:`gridshard.zero.reducer`):
+    what the optimizer steps, what the norm counts and what a checkpoint holds all come from it."""
+    job.composed.append("reducer")
+    p, t = job.cfg.parallel, job.cfg.train
+    job.reducer = build_reducer(job.model, job.mesh.data, t.zero, int(t.bucket_mb * 2**20),
+                                overlap=t.overlap_grad_reduce and p.pipeline == 1)
+
+
+def _optimizer(job: Job) -> None:
+    """7. AdamW over the reducer's stepped tensors (host memory with ``train.offload=optimizer``
+    on CUDA) and the precision policy (autocast, fp16 loss scaling)."""
+    job.composed.append("optimizer")
+    t = job.cfg.train
+    offload = t.offload == "optimizer" and job.device.type == "cuda"
+    if t.offload == "optimizer" and not offload:
+        from ..zero import warn_offload_on_cpu
+
+        warn_offload_on_cpu(job.device, job.rank)
+    job.optimizer = build_optimizer(job.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.adam_eps,
+                                    tensors=job.reducer.optimizer_tensors(), offload=offload)
+    job.precision = Precision(t.precision, job.device)
+
+
+def _checkpointer(job: Job) -> None:
+    """8. The checkpointer (when there is a run directory or a resume source) and
+    ``train.resume``: model, optimizer, reducer rows, loss scale, step."""
+    job.composed.append("checkpointer")
+    t = job.cfg.train
+    if job.run_dir is not None or job.resume_from is not None:
+        job.checkpointer = Checkpointer(job.run_dir, t.keep_checkpoints, job.faults)
+    if job.resume_from is not None:
+        _resume(job, job.resume_from)
+
+
+def _resume(job: Job, folder: str) -> None:
+    meta = job.checkpointer.load(folder, job.model, job.optimizer, reducer=job.reducer)
+    if hasattr(job.optimizer, "reload_from_device"):
+        job.optimizer.reload_from_device()
+    job.start_step = int(meta["step"])
+    G = job.cfg.train.global_batch
+    if int(meta["samples"]) != job.start_step * G:
+        from ..checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint {describe(folder)}: data position {meta['samples']} samples is not "
+                              f"step × global_batch = {job.start_step}×{G}. Fix: resume with the global batch "
+                              f"it was written with.")
+    if job.precision.scaler is not None and meta.get("loss_scaler"):
+        job.precision.scaler.load_state_dict(meta["loss_scaler"])
+    if job.rank == 0:
+        changed = "; changes: " + ", ".join(job.layout_changes) if job.layout_changes else ""
+        print(f"gridshard: resumed from {folder} at step {job.start_step}{changed}", file=sys.stderr)
+
+
+# ---- after the composition: the micro-batch driver, the norm's tensors, the data ---------
+def _driver(job: Job) -> None:
+    """The micro-batch driver (P = 1: one after the other; P > 1: the pipeline schedule over
+    this rank's stages, with the tied embedding's gradient sync) and the gradient norm's
+    (tensor, layout) pairs: each reduced tensor with its parameter's layout (ZeRO: rows, once
+    over data ranks), a tied weight's copy on the last stage left out."""
+    p, t = job.cfg.parallel, job.cfg.train
+    if p.pipeline > 1:
+        from ..pipeline import PipelineRunner, TiedEmbeddingSync
+
+        job.tied = TiedEmbeddingSync(job.model, job.mesh, job.model_cfg.tie_embeddings)
+        job.pipeline = PipelineRunner(
+            job.model, job.mesh, schedule=p.pipeline_schedule, split=job.layout.split, micro_batch=t.micro_batch,
+            n_microbatches=job.layout.micro_batches, seq_len=job.cfg.data.seq_len,
+            loss=lambda logits, targets: job.context.loss(logits, targets, job.ignore_index, reduction="sum"),
+            precision=job.precision, device=job.device)
+        job.driver = PipelineSchedule(job.pipeline, job.tied, job.device)
+        counted = {id(q) for q in job.tied.counted(job.params)}
+    else:
+        job.driver = MicroBatchLoop(job.model, job.context, job.precision, job.reducer, job.ignore_index, job.device)
+        counted = {id(q) for q in job.params}
+    spec_of = {id(q): s for q, s in zip(job.params, job.param_specs)}
+    norm_tensors = job.reducer.norm_tensors()
+    job.norm_pairs = [(x, spec_of[id(q)]) for x, q in norm_tensors if id(q) in counted]
+    job.clip_tensors = [x for x, _ in norm_tensors]
+
+
+def _data(job: Job) -> None:
+    """The batch plans: the training data's (and the validation data's, ``stream=1``)."""
+    cfg, t, d = job.cfg, job.cfg.train, job.cfg.data
+    tokens, val_tokens = load_split(d)
+    rank, D, V = job.mesh.data.rank, cfg.parallel.data, job.model_cfg.vocab_size
+    job.plan = BatchPlan(tokens, d.seq_len, t.global_batch, t.micro_batch, D, rank, t.seed, V, d.ignore_token)
+    job.val_plan = None if val_tokens is None else BatchPlan(
+        val_tokens, d.seq_len, t.global_batch, t.micro_batch, D, rank, t.seed, V, d.ignore_token, stream=1)
