@@ -64,11 +64,13 @@ MODELS = {"tiny": {"preset": "tiny"},                                   # 0.1 M 
                   "max_seq_len": 128}}                                  # 3.4 M parameters (benchmarks' MID_MODEL)
 
 
-def config(D: int, T: int, mode: str, zero: int, micro_batch: int, steps: int, model: str) -> dict:
+def config(D: int, T: int, mode: str, zero: int, micro_batch: int, steps: int, model: str, sp: bool = False,
+           recompute: str = "none") -> dict:
     return {"model": MODELS[model], "data": {"kind": "stdlib", "seq_len": 64, "max_bytes": 300_000},
-            "parallel": {"data": D, "tensor": T, "tensor_mode": mode},
+            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
             "train": {"global_batch": 2 * D, "micro_batch": micro_batch, "steps": steps, "lr": 3e-3,
-                      "warmup_steps": 2, "grad_clip": 0.5, "log_interval": steps, "zero": zero}}
+                      "warmup_steps": 2, "grad_clip": 0.5, "log_interval": steps, "zero": zero,
+                      "recompute": recompute}}
 
 
 def measure(root: str, spec: dict) -> dict:
@@ -85,13 +87,15 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=1)
     p.add_argument("--mode", default="none")
     p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--sp", action="store_true", help="parallel.sequence_parallel (1d)")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     p.add_argument("--micro-batch", type=int, default=2, help="2: one micro-batch per data rank; 1: two")
     p.add_argument("--model", default="tiny", choices=sorted(MODELS))
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     a = p.parse_args(argv)
-    cfg = config(a.D, a.T, a.mode, a.zero, a.micro_batch, a.warmup + a.steps, a.model)
+    cfg = config(a.D, a.T, a.mode, a.zero, a.micro_batch, a.warmup + a.steps, a.model, a.sp, a.recompute)
     spec = {"world": a.D * a.T, "config": cfg, "warmup": a.warmup, "steps": a.steps}
     trees = {"old": a.old, "new": a.new}
     got = {k: [] for k in trees}
@@ -100,7 +104,8 @@ def main(argv=None):
             got[k].append(measure(trees[k], spec))
             print(f"  pair {i + 1}/{a.pairs} {k}: {got[k][-1]['wall'] * 1e3:.1f} ms, "
                   f"{got[k][-1]['cpu'] * 1e3:.1f} CPU-ms", file=sys.stderr, flush=True)
-    label = f"D={a.D} T={a.T} {a.mode} ZeRO-{a.zero} micro_batch={a.micro_batch} {a.model}"
+    label = (f"D={a.D} T={a.T} {a.mode}{'+SP' if a.sp else ''} ZeRO-{a.zero} recompute={a.recompute} "
+             f"micro_batch={a.micro_batch} {a.model}")
     wall = [n["wall"] / o["wall"] for o, n in zip(got["old"], got["new"])]
     cpu = [n["cpu"] / o["cpu"] for o, n in zip(got["old"], got["new"])]
     med = {k: (statistics.median(r["wall"] for r in got[k]) * 1e3, statistics.median(r["cpu"] for r in got[k]) * 1e3)
