@@ -91,7 +91,7 @@ def _worker(resolved, run_dir: str, progress: bool):
     signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_INTERRUPTED))
     heartbeat = Heartbeat(run_dir, rank)        # names a stalled rank if the job fails (failure_message)
     try:
-        init_distributed(timeout_s=resolved.config.train.collective_timeout_s)
+        init_distributed(resolved.config.parallel.backend, timeout_s=resolved.config.train.collective_timeout_s)
         try:
             losses = run_training(restart_config(resolved, run_dir), run_dir=run_dir, progress=progress)
         except TrainingStopped as stopped:
@@ -220,10 +220,9 @@ def _resolve_for_launch(args, nproc, run_dir, resume, max_restarts, overwrite, a
     config resolved for the world size (:class:`gridshard.engine.job.ResolvedConfig`, what the
     workers get), the run directory and the predicted-memory line. Unless ``check``, the run
     directory is created and locked."""
-    import torch
-
-    from .config import resolve_config
+    from .config import load_config, resolve_config
     from .config.validate import check_before_launch, user_sets
+    from .device import resolve_backend
     from .engine.job import ResolvedConfig
 
     if not check and run_dir is not None:
@@ -238,7 +237,7 @@ def _resolve_for_launch(args, nproc, run_dir, resume, max_restarts, overwrite, a
     if allow_changed_schedule:                      # a train key: the workers get the resolved config
         overrides = [*overrides, "train.allow_changed_schedule=true"]
     world = _world_size(launched, nproc, source, overrides)
-    cuda = torch.cuda.is_available()
+    cuda = resolve_backend(load_config(source, overrides).parallel.backend) == "nccl"    # gridshard/device.py
     cfg = resolve_config(source, overrides, world_size=world, cuda_available=cuda)
     run_dir = run_dir or default_run_dir()
     check_before_launch(cfg, warmup_set=user_sets(source, overrides, "train", "warmup_steps"))
@@ -256,6 +255,7 @@ def _resolve_for_launch(args, nproc, run_dir, resume, max_restarts, overwrite, a
 def _world_size(launched: bool, nproc, source, overrides) -> int:
     """The launcher's world (torchrun), ``--nproc``, or the config's D·P·T."""
     from .config import load_config
+    from .device import check_ranks_per_node
     from .launch import launcher_world_size
 
     if launched:
@@ -266,8 +266,11 @@ def _world_size(launched: bool, nproc, source, overrides) -> int:
             raise ConfigError(f"--nproc={world} is invalid: at least one worker is needed. Fix: --nproc 1 or more.")
     else:
         world = load_config(source, overrides).world_size
-    if not launched:
-        _check_local_processes(world, nproc is not None)
+    backend = load_config(source, overrides).parallel.backend
+    if launched:
+        check_ranks_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", world)), backend, "--nproc-per-node")
+    else:
+        _check_local_processes(world, nproc is not None, backend)
     return world
 
 
@@ -394,23 +397,27 @@ def _stalled(run_dir: str, world: int, timeout_s: float) -> list:
     return stalled_ranks(run_dir, world, timeout_s)
 
 
-def _check_local_processes(world: int, asked: bool) -> None:
-    """Local workers beyond the machine's cores (GPUs on a CUDA machine): a warning when the
-    user asked for them with --nproc; refused when only the config asks for more than 4 per
-    core (a cluster config such as configs/llama_7b.yaml run by mistake on a laptop)."""
-    import torch
+def _check_local_processes(world: int, asked: bool, backend: str = "auto") -> None:
+    """Local workers of ``parallel.backend`` = ``backend``. nccl: refused beyond one per visible
+    GPU (:func:`gridshard.device.check_ranks_per_node`). gloo (CPU): beyond the machine's cores,
+    a warning when the user asked for them with --nproc; refused when only the config asks for
+    more than 4 per core (a cluster config such as configs/llama_7b.yaml run by mistake on a
+    laptop)."""
+    from .device import check_ranks_per_node, resolve_backend
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    slots, what = (gpus, "GPUs") if gpus else (os.cpu_count() or 1, "CPU cores")
+    if resolve_backend(backend) == "nccl":
+        check_ranks_per_node(world, backend, "--nproc")
+        return
+    slots, what = os.cpu_count() or 1, "CPU cores"
     if world <= slots:
         return
-    if not asked and not gpus and world > 4 * slots:
+    if not asked and world > 4 * slots:
         raise ConfigError(f"the config's layout needs {world} processes and this machine has {slots} {what}: "
                           f"gridshard does not start {world} local workers unasked. Fix: launch it with torchrun on "
                           f"the machines it is meant for, choose a smaller layout, or pass --nproc {world} to start "
                           f"them here anyway.")
-    click.echo(f"warning: {world} worker processes on {slots} {what}: they share the {what} (fine for checks and "
-               f"tests, slow for training)", err=True)
+    click.echo(f"warning: {world} worker processes on {slots} {what}: they share the {what} (gloo: fine for "
+               f"checks and tests, slow for training)", err=True)
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "logs", "tb")
@@ -531,12 +538,12 @@ def _copy_tokenizer(cfg, run_dir: str) -> None:
 def _check_memory(cfg, world: int, launched: bool) -> str:
     """The predicted peak memory per rank against this machine's (gridshard.planner.fit): the
     line to print, or ConfigError naming the nearest layout that fits."""
-    import torch
-
+    from .device import resolve_backend
     from .planner import fit
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world
-    return fit.check_memory(cfg, world, fit.machine_budget(local, cuda=torch.cuda.is_available()))
+    cuda = resolve_backend(cfg.parallel.backend) == "nccl"
+    return fit.check_memory(cfg, world, fit.machine_budget(local, cuda=cuda))
 
 
 def _check_resume(cfg, run_dir: str, launched: bool = False) -> None:
@@ -664,7 +671,8 @@ def failure_message(error, run_dir: str, stalled=(), timeout_s=None) -> str:
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1, metavar="[CONFIG] [key.sub=value ...]")
 @click.option("--gpus", type=int, default=None, help="Devices N to plan for (default: the config's D×P×T).")
-@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes the N devices are spread over.")
+@click.option("--nodes", type=int, default=None, help="Nodes the N devices are spread over (default: ⌈N / devices "
+              "per node of --hardware⌉).")
 @click.option("--hardware", default="cpu", show_default=True,
               help="h100 | h200 | a100 | cpu | calibrated | PROFILE.json (from --calibrate).")
 @click.option("--top", type=int, default=10, show_default=True, help="Layouts to show.")

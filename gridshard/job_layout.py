@@ -31,10 +31,12 @@ needs to know the world or re-decide a fact. The pipeline builder and runner, th
 (``gridshard.theory``) and the planner use :class:`StageSplit`, :func:`micro_batches_per_step`
 and the :class:`TensorMode` methods; the trainer builds one :class:`JobLayout` from its config.
 
-Default stage split (:func:`stage_layer_counts`): the L layers as evenly as possible with the
-embedding and the head counted as one layer each of work — the first and last stages get
-one layer less when that evens the load, i.e. the counts are the even split of L + 2 "units"
-with the first and last stage's extra unit removed; ``parallel.stage_layers`` overrides it.
+Default stage split (:func:`stage_layer_counts`): L/S decoder layers on every one of the S
+stages, as Megatron splits them, the embedding on the first stage and the final norm and head
+on the last. When S does not divide L the L mod S extra layers go to the middle stages first
+(the end stages already carry the embedding and the head), then one to the first stage:
+e.g. 126 layers on 16 stages are 7, 8 × 14, 7 (Llama 3 405B's split). ``parallel.stage_layers``
+overrides it with explicit counts (the planner proposes some: docs/planner.md).
 """
 from __future__ import annotations
 
@@ -160,20 +162,10 @@ def stage_layer_counts(layers: int, stages: int, explicit: Optional[Sequence[int
         raise ConfigError(f"parallel.pipeline × virtual_stages = {stages} stages but model.layers={layers}: every "
                           f"stage needs at least one decoder layer. Fix: use at most {layers} stages, or a deeper "
                           f"model.")
-    units = layers + 2                                 # + embedding and head, one unit of work each
-    base, extra = divmod(units, stages)
-    counts = [base + (1 if s < extra else 0) for s in range(stages)]
-    counts[0] -= 1
-    counts[-1] -= 1
-    if stages == 1:
-        counts = [layers]
-    # never leave a stage without a layer: move one from the largest neighbour
-    for s in range(stages):
-        while counts[s] < 1:
-            donor = max(range(stages), key=lambda i: counts[i])
-            counts[donor] -= 1
-            counts[s] += 1
-    assert sum(counts) == layers
+    base, extra = divmod(layers, stages)
+    counts = [base] * stages
+    for s in (list(range(1, stages - 1)) + [0])[:extra]:    # extra < stages: the last stage never gets one
+        counts[s] += 1
     return counts
 
 

@@ -7,7 +7,8 @@
   (``torch.distributed.launcher.api.elastic_launch``, the engine behind ``torchrun``):
   c10d rendezvous on a free local port, ``--max-restarts`` restarts, ``spawn`` start method. Each
   worker calls ``entry(*args)``; the launcher sets RANK/WORLD_SIZE/MASTER_ADDR/... and
-  the worker's :func:`gridshard.mesh.init_distributed` picks nccl on GPUs, gloo otherwise.
+  the worker's :func:`gridshard.mesh.init_distributed` picks the backend from ``parallel.backend``
+  (:mod:`gridshard.device`: auto = nccl on GPUs, gloo otherwise).
   The workers die with the launcher (:mod:`gridshard.parent_death`): each first arms
   ``PR_SET_PDEATHSIG`` = SIGKILL (or a parent-PID watchdog), so a SIGKILLed ``gridshard train``
   leaves no orphan that goes on training and checkpointing.

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .device import check_ranks_per_node, device_for_backend, rank_device, resolve_backend
 from .errors import LayoutError
 from .job_layout import TensorMode
 from .netutil import free_port
@@ -103,31 +104,33 @@ def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tens
         )
 
 
-def default_backend() -> str:
-    """``nccl`` when CUDA is available, ``gloo`` otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(requested: str = "auto") -> str:
+    """The backend for ``parallel.backend`` = ``requested`` (:func:`gridshard.device.resolve_backend`)."""
+    return resolve_backend(requested)
 
 
-def default_device() -> torch.device:
-    """The device this rank computes on: its local CUDA device, or the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    return torch.device("cpu")
+def default_device(requested: str = "auto") -> torch.device:
+    """The device this rank computes on (:func:`gridshard.device.rank_device`): the process
+    group's backend decides once one exists (nccl → ``cuda:LOCAL_RANK``, gloo → CPU)."""
+    return rank_device(requested)
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
     """Initialise the default process group from torchrun's environment.
 
-    Uses ``nccl`` on GPUs and ``gloo`` on CPUs. A single process with no launcher
-    environment becomes a world of one. Idempotent.
+    ``backend``: ``parallel.backend`` (``auto | nccl | gloo``; None = auto: nccl on GPUs,
+    gloo otherwise, :mod:`gridshard.device`). Under nccl, more ranks on the node
+    (``LOCAL_WORLD_SIZE``) than visible GPUs is refused before the group is joined. A single
+    process with no launcher environment becomes a world of one. Idempotent.
     """
     if dist.is_initialized():
         return
     import datetime
 
-    backend = backend or default_backend()
+    backend = resolve_backend(backend or "auto")
     if backend == "nccl":
-        torch.cuda.set_device(default_device())
+        check_ranks_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), backend, "--nproc-per-node")
+        torch.cuda.set_device(device_for_backend(backend))
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

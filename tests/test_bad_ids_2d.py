@@ -17,7 +17,6 @@ times differ by scheduling only (measured ≤ 0.012 s with 9 ranks on the shared
 import time
 
 import pytest
-import torch
 
 from gridshard.errors import ShapeError
 from gridshard.nn.cross_entropy_2d import cross_entropy_2d

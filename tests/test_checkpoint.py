@@ -18,9 +18,9 @@ import torch.distributed as dist
 from gridshard.checkpoint import Checkpointer, CheckpointError, FaultPlan, InjectedFault, read_latest, \
     verify_checkpoint
 from gridshard.checkpoint.files import SafeMetadataReader, checkpoints_root
+from gridshard.checkpoint.reader import read_checkpoint
 from gridshard.checkpoint.resume import check_compatible
 from gridshard.engine import Trainer
-from gridshard.checkpoint.hf_io import read_checkpoint_tensors
 from gridshard.parallel import gathered_state_dict
 from gridshard.parallel.state_dict import gather_canonical
 from gridshard.testing import run_on_ranks
@@ -100,7 +100,7 @@ def test_reshard_matrix_tied_gqa(tmp_path, tied_gqa_references, source):
     resharded, not reset: right after loading they equal the saved ones exactly."""
     src_dir, (full_losses, full_state, full_moments, _) = tied_gqa_references[source]
     step3 = os.path.join(checkpoints_root(str(src_dir)), "step_3")
-    saved_sq = {k[: -len(".exp_avg_sq")]: v for k, v in read_checkpoint_tensors(step3, "optim.").items()
+    saved_sq = {k[: -len(".exp_avg_sq")]: v for k, v in read_checkpoint(step3, "optim.")[1].items()
                 if k.endswith(".exp_avg_sq")}
     assert "lm_head.weight" not in saved_sq and all(float(v.norm()) > 0 for v in saved_sq.values())  # tied: once
     for target, lay in MATRIX.items():

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gridshard.checkpoint.hf_io import read_checkpoint_tensors
+from gridshard.checkpoint.reader import read_checkpoint
 from gridshard.engine import Trainer
 from gridshard.parallel import gathered_state_dict
 from gridshard.testing import run_on_ranks
@@ -74,8 +74,8 @@ def test_kill_during_a_save_then_elastic_restart_resumes(tmp_path, uninterrupted
 
 
 def _assert_same_final_weights(run_dir, reference):
-    a = read_checkpoint_tensors(os.path.join(run_dir, "checkpoints", "step_8"))
-    b = read_checkpoint_tensors(os.path.join(reference, "checkpoints", "step_8"))
+    a = read_checkpoint(os.path.join(run_dir, "checkpoints", "step_8"))[1]
+    b = read_checkpoint(os.path.join(reference, "checkpoints", "step_8"))[1]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -57,6 +57,36 @@ def test_bad_config_exits_before_any_worker(name, text, args, words, tmp_path, n
         assert w in out, f"{name}: {w!r} not in {out!r}"
 
 
+# gridshard plan: requests that cannot be planned (args, words in the one-line message)
+BAD_PLAN = [
+    ("no devices", ["--gpus", "0"], ["--gpus 0 is invalid", "at least 1 device", "Fix: --gpus N"]),
+    ("negative devices", ["--gpus", "-8"], ["--gpus -8 is invalid"]),
+    ("no nodes", ["--gpus", "8", "--nodes", "0"], ["--nodes 0 is invalid", "Fix: --nodes 1"]),
+    ("more nodes than devices", ["--gpus", "8", "--nodes", "16"], ["--nodes 16 is more than --gpus 8"]),
+    ("nodes not dividing", ["--gpus", "8", "--nodes", "3"], ["--nodes 3 does not divide --gpus 8", "1, 2, 4, 8"]),
+    ("over-full node", ["--gpus", "64", "--nodes", "1", "--hardware", "h100"],
+     ["puts 64 devices on a node", "h100 node has 8", "Fix: --nodes 8"]),
+    ("no rows", ["--gpus", "4", "--top", "0"], ["--top 0 is invalid", "at least 1"]),
+    ("no sequences", ["--gpus", "4", "train.global_batch=0"], ["train.global_batch=0 is invalid", ">= 1"]),
+    ("negative micro-batch", ["--gpus", "4", "train.micro_batch=-2"], ["train.micro_batch=-2 is invalid"]),
+]
+
+
+@pytest.mark.parametrize("name,args,words", BAD_PLAN, ids=[b[0] for b in BAD_PLAN])
+def test_bad_plan_request_is_refused_before_pricing(name, args, words, monkeypatch):
+    import gridshard.planner.search as search
+
+    def boom(*a, **k):
+        raise AssertionError("a layout was priced for a request that cannot be planned")
+    monkeypatch.setattr(search, "evaluate", boom)
+    result = CliRunner().invoke(main, ["plan", "configs/tiny.yaml"] + args)
+    assert result.exit_code == EXIT_CONFIG, (result.exit_code, result.output, result.exception)
+    lines = [x for x in result.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gridshard plan: ") and "Fix:" in lines[0], result.output
+    for w in words:
+        assert w in lines[0], f"{name}: {w!r} not in {lines[0]!r}"
+
+
 def test_check_prints_the_resolved_config(no_launch):
     result = CliRunner().invoke(main, ["train", "--check", "--nproc", "4", "parallel.tensor_mode=1d",
                                        "train.steps=7"])

@@ -143,8 +143,9 @@ def _sp_model_layout(T):
     finally:
         C.all_gather, C.reduce_scatter = ag, rs
     assert_close(loss, ref_loss, 1e-5, "SP loss")
-    # embedding RS, per layer 2 AG + 2 RS, head AG; the same again in backward
-    assert len(seen) == 2 * (2 + 4 * cfg.layers), seen
+    # embedding RS, per layer 2 AG + 2 RS, head AG; the same again in backward, plus backward's
+    # re-gather of each column layer's saved sequence block (2 per layer and the head)
+    assert len(seen) == 2 * (2 + 4 * cfg.layers) + 2 * cfg.layers + 1, seen
     assert all(ok for _, ok in seen), f"a sequence collective reordered its input: {seen}"
     return True
 

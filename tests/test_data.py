@@ -21,7 +21,6 @@ def test_global_batch_is_identical_at_every_layout(D, micro):
     for step in (0, 7):
         offsets = step_offsets(len(tokens), s, G, seed=3, step=step)
         expected = torch.tensor(np.stack([tokens[o:o + s + 1] for o in offsets]).astype(np.int64))
-        assert torch.equal(_plan(tokens, 1, 0, 8).global_windows(step), expected)
         rows = []
         for d in range(D):
             mbs = _plan(tokens, D, d, micro).micro_batches(step)

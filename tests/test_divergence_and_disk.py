@@ -17,10 +17,8 @@ says so in one line (issue 21, items 5 and 7).
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import warnings
 from types import SimpleNamespace
 
@@ -30,7 +28,7 @@ import torch.distributed as dist
 
 from gridshard.checkpoint import Checkpointer, FaultPlan, read_latest, verify_checkpoint
 from gridshard.checkpoint.files import checkpoints_root, prune
-from gridshard.checkpoint.hf_io import read_checkpoint_tensors
+from gridshard.checkpoint.reader import read_checkpoint
 from gridshard.engine import Trainer
 from gridshard.errors import NonFiniteError, SaveError
 from gridshard.testing import run_on_ranks
@@ -46,7 +44,7 @@ def _cfg(**train):
 
 
 def _all_finite(folder):
-    tensors = {**read_checkpoint_tensors(folder, "model."), **read_checkpoint_tensors(folder, "optim.")}
+    tensors = {**read_checkpoint(folder, "model.")[1], **read_checkpoint(folder, "optim.")[1]}
     return bool(tensors) and all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
 
 

@@ -9,7 +9,6 @@ order (measured ≤ 7e-8 relative on the loss over 8 steps).
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from gridshard.config import resolve_config
@@ -178,11 +177,17 @@ def test_bad_pipeline_layout_is_refused_before_launch(name, parallel, train, wor
     assert all(w in msg for w in words) and "Fix" in msg, msg
 
 
-def test_uneven_split_counts_embedding_and_head():
-    from gridshard.pipeline import stage_layer_counts
+def test_default_split_is_even_and_gives_leftovers_to_the_middle():
+    """Megatron's split: L/S decoder layers per stage (the embedding and the head ride on the end
+    stages); when S does not divide L the leftover layers go to the middle stages, then one to
+    the first. Explicit ``stage_layers`` stay as given."""
+    from gridshard.job_layout import stage_layer_counts
 
     assert stage_layer_counts(4, 2) == [2, 2]
-    assert stage_layer_counts(6, 4) == [1, 2, 2, 1]          # 8 units: the ends carry embedding and head
+    assert stage_layer_counts(8, 4) == [2, 2, 2, 2]          # even (counting the ends as units gave 2, 3, 2, 1)
+    assert stage_layer_counts(6, 4) == [1, 2, 2, 1]          # leftovers to the middle stages
+    assert stage_layer_counts(7, 4) == [2, 2, 2, 1]          # ... then one to the first
+    assert stage_layer_counts(126, 16) == [7] + [8] * 14 + [7]      # Llama 3 405B's published split
     assert stage_layer_counts(4, 4) == [1, 1, 1, 1]
     assert stage_layer_counts(5, 2, [1, 4]) == [1, 4]
 

@@ -12,6 +12,10 @@
   where a bubble costs nothing and a reduction hides nothing; the calibration's fitted terms
   (element-wise bandwidth, overheads, work per tensor call and per pipeline send) make the cost
   model give back the reference trainers they were fitted on;
+* nodes: without ``nodes`` ⌈N / devices_per_node⌉ of the hardware, the same plan as with them given, said
+  by --explain; stage sends priced in the run's precision (the tensor layout's boundary block); a head
+  heavier than a layer makes the planner price (and ``--write``) the split with a layer moved off the
+  last stage;
 * ``--write`` output validates and trains as is (validation only here), ``--json`` has the interface fields;
 * bad input: one clear message with the nearest feasible alternative;
 * published numbers: model state of GPT-3 175B at T=8, P=8 (16 bytes per parameter, Narayanan et al. 2021),
@@ -286,6 +290,81 @@ def test_cli_json_and_bad_input():
     r = CliRunner().invoke(main, ["plan", "configs/tiny.yaml", "--gpus", "3"])
     assert r.exit_code == 2
     assert "no layout of 3 devices" in r.output and "Nearest feasible: --gpus" in r.output
+
+
+def test_nodes_default_to_the_hardware_node_size():
+    """Without ``nodes`` the devices go on ⌈N / devices_per_node⌉ nodes (the next divisor of N
+    when that one does not divide it), the plan equals the one with those nodes given, and
+    --explain says how the count was chosen; more devices on a node than the hardware has is
+    refused (it would price every link as inside a node)."""
+    from gridshard.planner.report import explain
+    from gridshard.planner.search import default_nodes
+
+    h100 = load_hardware("h100")
+    assert default_nodes(64, h100)[0] == 8 and default_nodes(8, h100)[0] == 1 and default_nodes(20, h100)[0] == 4
+    assert default_nodes(8, CPU)[0] == 1                               # 64 ranks per CPU host
+    small = ["model.layers=4", "train.global_batch=16"]
+    auto = plan("configs/tiny.yaml", 16, hardware="h100", overrides=small, zero_stages=(0,), max_micro_batch=1)
+    given = plan("configs/tiny.yaml", 16, nodes=2, hardware="h100", overrides=small, zero_stages=(0,),
+                 max_micro_batch=1)
+    assert auto.nodes == 2 and given.nodes == 2
+    assert [c.layout for c in auto.candidates[:5]] == [c.layout for c in given.candidates[:5]]
+    assert auto.best.predicted_step_s == given.best.predicted_step_s
+    assert "nodes: 2 = ⌈16 / 8 devices per node of h100⌉ (--nodes not given)" in explain(auto)
+    assert "nodes: 2 (--nodes)" in explain(given)
+    with pytest.raises(ConfigError, match="puts 16 devices on a node, but a h100 node has 8"):
+        plan("configs/tiny.yaml", 16, nodes=1, hardware="h100")
+
+
+@pytest.mark.wide
+def test_7b_on_64_h100_plans_8_nodes_without_being_told():
+    """Issue 23's check: `gridshard plan --gpus 64 --hardware h100 model.preset=7b` plans 8 nodes
+    and the same MFU as with --nodes 8 (it planned one 64-GPU node at 7.3 % MFU before)."""
+    auto = plan(None, 64, hardware="h100", overrides=["model.preset=7b"])
+    given = plan(None, 64, nodes=8, hardware="h100", overrides=["model.preset=7b"])
+    assert auto.nodes == 8 and abs(auto.best.mfu / given.best.mfu - 1) < 0.10
+
+
+def test_pipeline_sends_priced_in_the_compute_dtype():
+    """A stage send moves theory.pipeline.boundary_bytes in the run's precision — the tensor
+    layout's boundary block (1/T of the hidden state under SP) at 2 bytes in bf16."""
+    from gridshard.planner.cost_time import stage_crossings
+    from gridshard.theory.pipeline import boundary_bytes
+
+    h100 = load_hardware("h100")
+    mc = load_config(None, ["model.preset=7b"]).model.resolve()
+    for lay in (Layout(1, 4, 1, "none", False, 0, "none", 1), Layout(1, 4, 2, "1d", True, 0, "none", 1)):
+        for prec in ("fp32", "bf16"):
+            st = rank_cost(mc, lay, h100, seq_len=4096, global_batch=8, precision=prec, nodes=4,
+                           layer_ids=[8, 9], first=False, last=False).latency
+            per = boundary_bytes(lay.tensor_mode, lay.sequence_parallel, lay.tensor, 1, 4096, mc.hidden, dtype=prec)
+            n = stage_crossings(lay, False, False)
+            assert n == 2 and math.isclose(st.pipeline_comm_s, 8 * h100.link("inter", "send").seconds(per * n, n))
+    assert boundary_bytes("1d", True, 2, 1, 4096, 4096, dtype="bf16") * 4 == boundary_bytes("none", False, 1, 1, 4096,
+                                                                                            4096, dtype="fp32")
+
+
+def test_planner_moves_a_layer_off_a_slow_end_stage(tmp_path):
+    """A head much heavier than a layer (V = 32000 at h = 256) makes the last stage the slowest
+    of the even split: the planner also prices the split with one layer moved off it, which is
+    faster, and --write writes that split as parallel.stage_layers."""
+    from gridshard.planner.search import PlanResult, split_variants
+
+    h100 = load_hardware("h100")
+    heavy_head = ["model.preset=null", "model.vocab_size=32000", "model.hidden=256", "model.layers=8", "model.heads=4",
+                  "model.ffn_hidden=704", "train.global_batch=16"]
+    cfg = load_config("configs/tiny.yaml", heavy_head)
+    even = evaluate(cfg, Layout(1, 4, 1, "none", False, 0, "none", 1, "1f1b"), h100, 4)
+    assert even.feasible and max(even.rank_step_s, key=even.rank_step_s.get) == 3
+    variants = split_variants(even, cfg.model.resolve(), cfg.data.seq_len)
+    assert [v.stage_layers for v in variants] == [(2, 3, 2, 1)]
+    lighter = evaluate(cfg, variants[0], h100, 4)
+    assert lighter.feasible and lighter.predicted_step_s < even.predicted_step_s
+    assert "layers=2,3,2,1" in lighter.layout.label()
+    result = PlanResult([lighter], [], cfg, h100, 4, 1, "configs/tiny.yaml", tuple(heavy_head))
+    out = tmp_path / "planned.yaml"
+    write_config(result, str(out))
+    assert resolve_config(str(out), world_size=4, cuda_available=True).parallel.stage_layers == [2, 3, 2, 1]
 
 
 def test_model_too_large_names_the_nearest_feasible():

@@ -7,7 +7,9 @@ parameter carries vocabulary padding.
 """
 import torch.nn.functional as F
 
+from gridshard.errors import ShapeError
 from gridshard.mesh import build_mesh
+from gridshard.nn.shape_rules import model_shape_rules
 from gridshard.nn.sharding import ShardSpec, get_spec, shard_from_global
 from gridshard.testing import assert_close
 from gridshard.testing.inputs import randint, randn  # noqa: F401  (re-exported to the test modules)
@@ -17,6 +19,13 @@ from gridshard.testing.inputs import randint, randn  # noqa: F401  (re-exported 
 # per element for these sizes; 1e-5 leaves 100× headroom and still catches any wrong
 # block, missing term or double count (errors of order 1e-1 … 1)
 TOL = 1e-5
+
+
+def check_model_shapes(mode, tensor, sequence_parallel, batch, seq, hidden, heads, ffn, kv_heads=None):
+    """Raise ShapeError with the message of the first rule of ``model_shape_rules`` that fails."""
+    for rule in model_shape_rules(mode, tensor, sequence_parallel, batch, seq, hidden, heads, ffn, kv_heads):
+        if not rule.holds:
+            raise ShapeError(rule.message())
 
 
 def mesh_1d(T):
@@ -38,9 +47,9 @@ def expected_shard(ref, spec, mesh):
     return shard_from_global(pad_to(ref.detach(), spec.global_shape), spec, mesh)
 
 
-def last_dim_shard(t, mesh, fused_parts=1):
-    """My block of ``t`` split along its last dim (fused parts split separately)."""
-    spec = ShardSpec(tuple(t.shape), ((t.dim() - 1, "tensor"),), fused_parts=fused_parts, fused_dim=t.dim() - 1)
+def last_dim_shard(t, mesh):
+    """My block of ``t`` split along its last dim."""
+    spec = ShardSpec(tuple(t.shape), ((t.dim() - 1, "tensor"),))
     return shard_from_global(t.detach(), spec, mesh)
 
 

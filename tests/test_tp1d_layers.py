@@ -38,18 +38,17 @@ def _residual(Y, mesh, sp):
 
 def _check_column(mesh, sp, b, s, h, seed):
     T = mesh.tensor.size
-    combos = [  # (bias, fused_parts, gather_output, skip_bias_add, overlap_input_grad)
-        (True, 1, False, False, True), (False, 2, False, False, True), (True, 3, True, True, True),
-        (True, 2, True, False, True), (True, 1, False, True, True), (True, 1, False, False, False),
-        (True, 3, True, True, False)]
-    for k, (bias, parts, gather, skip, overlap) in enumerate(combos):
-        out = 12 * parts
-        what = f"column(bias={bias}, parts={parts}, gather={gather}, skip={skip}, overlap={overlap}, b,s,h={b},{s},{h})"
+    combos = [  # (bias, out_features, gather_output, skip_bias_add, overlap_input_grad)
+        (True, 12, False, False, True), (False, 24, False, False, True), (True, 36, True, True, True),
+        (True, 24, True, False, True), (True, 12, False, True, True), (True, 12, False, False, False),
+        (True, 36, True, True, False)]
+    for k, (bias, out, gather, skip, overlap) in enumerate(combos):
+        what = f"column(bias={bias}, out={out}, gather={gather}, skip={skip}, overlap={overlap}, b,s,h={b},{s},{h})"
         torch.manual_seed(seed + k)
         ref = plain_linear(h, out, bias, 0.05)
         torch.manual_seed(seed + k)
         par = ColumnParallelLinear(h, out, mesh, bias=bias, gather_output=gather, skip_bias_add=skip,
-                                   sequence_parallel=sp, init_std=0.05, fused_parts=parts, overlap_input_grad=overlap)
+                                   sequence_parallel=sp, init_std=0.05, overlap_input_grad=overlap)
         with torch.no_grad():   # a non-zero bias, so the bias path is really exercised
             for m in (ref, par):
                 if m.bias is not None:
@@ -65,9 +64,9 @@ def _check_column(mesh, sp, b, s, h, seed):
             y, bb = y
             assert (bb is None) == (not bias)
             y = y if bb is None else y + bb
-        expect = Y.detach() if gather else last_dim_shard(Y, mesh, parts)
+        expect = Y.detach() if gather else last_dim_shard(Y, mesh)
         assert_close(y, expect, TOL, f"{what} forward")
-        y.backward(G if gather else last_dim_shard(G, mesh, parts))
+        y.backward(G if gather else last_dim_shard(G, mesh))
         assert_close(x.grad, _residual(X.grad, mesh, sp), TOL, f"{what} input grad")
         compare_parameters(par, ref, mesh, what)
         assert par.weight.shape == (out // T, h)
@@ -76,9 +75,10 @@ def _check_column(mesh, sp, b, s, h, seed):
 def _check_input_grad_overlap(mesh, sp, b, s, h, seed):
     """A column product whose backward starts the input-gradient collective before its weight
     gradient (``column_input`` + ``column_product``) equals the two-node order
-    (``copy_to_group`` / ``gather_sequence`` then ``F.linear``) with the same ledger; and when
-    the full input has a second consumer, the entry sees a gradient that is not the launched
-    one and reduces the received sum instead (one extra collective, the same values)."""
+    (``copy_to_group`` / ``gather_sequence`` then ``F.linear``) with the same ledger — under SP
+    plus the all-gather that re-gathers the saved sequence block in backward; and when the full
+    input has a second consumer, the entry sees a gradient that is not the launched one and
+    reduces the received sum instead (one extra collective, the same values)."""
     from gridshard.comm.dual_ops import copy_to_group, gather_sequence
     from gridshard.comm.input_grad_overlap import column_input
     from gridshard.nn.linear_1d import column_product
@@ -108,16 +108,52 @@ def _check_input_grad_overlap(mesh, sp, b, s, h, seed):
         for a, c in zip(gw1, gw0):
             assert_close(a, c, TOL, f"{what} weight grad")
         T = mesh.tensor.size
-        assert n1 == n0 + (1 if second and T > 1 else 0), (what, n1, n0)
+        assert n1 == n0 + (1 if second and T > 1 else 0) + (1 if sp and T > 1 else 0), (what, n1, n0)
     # a backward that wants only the weight gradients never reaches the entry: nothing is launched
+    # but, under SP, the re-gather of the saved block that the weight gradient reads
     x = _input(X, mesh, sp)
     w = [p.clone().requires_grad_() for p in parts]
     xf, handoff = column_input(x, mesh.tensor, sp)
     y = column_product(xf, w, handoff)
     LEDGER.reset()
     grads = torch.autograd.grad((y * G).sum(), w)
-    assert sum(e.count for e in LEDGER.entries.values()) == 0, dict(LEDGER.entries)
+    regathers = 1 if sp and mesh.tensor.size > 1 else 0
+    assert sum(e.count for e in LEDGER.entries.values()) == LEDGER.count("all_gather") == regathers, \
+        dict(LEDGER.entries)
     assert_close(torch.cat(grads, 0), torch.cat(gw1, 0), TOL, f"sp={sp}: weight-only backward")
+
+
+def _check_column_saves_its_block(mesh, b, s, h, seed):
+    """Under SP a column layer keeps only its sequence block for backward (the saved-tensor
+    meter sees b·s/T·h·4 bytes besides the weight, not the gathered b·s·h·4) and re-gathers it
+    in backward: one more all-gather than the forward's, and the same gradients as one process
+    on the same weight — with and without the input-gradient overlap, for a sequence-first
+    block (as SP activations are stored) and a batch-first one."""
+    from gridshard.engine.memory_meter import SavedTensorMeter
+
+    T, out = mesh.tensor.size, 8 * mesh.tensor.size
+    X, G = randn((b, s, h), seed + 1).requires_grad_(), randn((b, s, out), seed + 2)
+    for k, (overlap, seq_first) in enumerate([(True, True), (False, True), (True, False)]):
+        what = f"column SP saves its block (overlap={overlap}, sequence-first={seq_first}, b,s,h={b},{s},{h})"
+        torch.manual_seed(seed + k)
+        ref = plain_linear(h, out, False, 0.05)
+        torch.manual_seed(seed + k)
+        par = ColumnParallelLinear(h, out, mesh, bias=False, sequence_parallel=True, init_std=0.05,
+                                   overlap_input_grad=overlap)
+        X.grad = None
+        ref(X).backward(G)
+        block = seq_block(X, mesh)
+        x = (block.transpose(0, 1).contiguous().transpose(0, 1) if seq_first else block).requires_grad_()
+        LEDGER.reset()
+        with SavedTensorMeter(exclude=par.parameters()) as meter:
+            y = par(x)
+        assert meter.bytes == b * (s // T) * h * 4, f"{what}: saved {meter.entries}"
+        gathers = LEDGER.count("all_gather")
+        y.backward(last_dim_shard(G, mesh))
+        assert LEDGER.count("all_gather") == 2 * gathers == 2 * (T > 1), f"{what}: {dict(LEDGER.entries)}"
+        assert_close(y, last_dim_shard(ref(X).detach(), mesh), TOL, f"{what} forward")
+        assert_close(x.grad, seq_block(X.grad, mesh), TOL, f"{what} input grad")
+        compare_parameters(par, ref, mesh, what)
 
 
 def _check_row(mesh, sp, b, s, h, seed):
@@ -153,14 +189,22 @@ def _check_row(mesh, sp, b, s, h, seed):
         assert par.weight.shape == (h, n // T)
 
 
+def _gate_up(y, blocks):
+    """(gate, up) of a [.., 2f] output made of ``blocks`` column blocks, each [gate part; up part]."""
+    y = y.unflatten(-1, (blocks, 2, -1))
+    return y[..., 0, :].flatten(-2), y[..., 1, :].flatten(-2)
+
+
 def _check_mlp_and_ledger(mesh, sp, b, s, h, seed):
-    """Column(h→2f, gate|up, bias) → SwiGLU → Row(f→h, bias): the Megatron pair; ledger == theory."""
+    """Column(h→2f, bias) → SwiGLU → Row(f→h, bias): the Megatron pair; ledger == theory. Rank t's
+    column block is [gate block t; up block t], so the reference takes gate and up from the T
+    column blocks of its output in the same way (:func:`_gate_up`)."""
     T, f = mesh.tensor.size, 4 * h
     what = f"mlp(b,s,h={b},{s},{h})"
     torch.manual_seed(seed)
     ref_up, ref_down = plain_linear(h, 2 * f, True, 0.05), plain_linear(f, h, True, 0.05)
     torch.manual_seed(seed)
-    up = ColumnParallelLinear(h, 2 * f, mesh, bias=True, sequence_parallel=sp, init_std=0.05, fused_parts=2)
+    up = ColumnParallelLinear(h, 2 * f, mesh, bias=True, sequence_parallel=sp, init_std=0.05)
     down = RowParallelLinear(f, h, mesh, bias=True, sequence_parallel=sp, init_std=0.05)
     with torch.no_grad():
         ref_up.bias.normal_(generator=torch.Generator().manual_seed(seed + 1))
@@ -168,17 +212,17 @@ def _check_mlp_and_ledger(mesh, sp, b, s, h, seed):
         up.bias.copy_(expected_shard(ref_up.bias, up.bias.shard_spec, mesh))
         down.bias.copy_(ref_down.bias)
 
-    def mlp(x, a, c):
-        gate, u = a(x).chunk(2, -1)
+    def mlp(x, a, c, blocks):
+        gate, u = _gate_up(a(x), blocks)
         return c(F.silu(gate) * u)
 
     X = randn((b, s, h), seed + 3).requires_grad_()
     G = randn((b, s, h), seed + 4)
-    Y = mlp(X, ref_up, ref_down)
+    Y = mlp(X, ref_up, ref_down, T)
     Y.backward(G)
     x = _input(X, mesh, sp)
     LEDGER.reset()
-    y = mlp(x, up, down)
+    y = mlp(x, up, down, 1)
     y.backward(_residual(G, mesh, sp))
     assert_close(y, _residual(Y, mesh, sp), TOL, f"{what} forward")
     assert_close(x.grad, _residual(X.grad, mesh, sp), TOL, f"{what} input grad")
@@ -189,11 +233,12 @@ def _check_mlp_and_ledger(mesh, sp, b, s, h, seed):
         assert LEDGER.count(op) == theory.count(op), f"{what} {op} count {LEDGER.count(op)} != {theory.count(op)}"
         assert LEDGER.payload_bytes(op) == theory.payload_bytes(op), f"{what} {op} bytes"
     # ring wire bytes, written out (the ledger and the theory share ring_wire_bytes, so comparing
-    # them would not test it): no SP 2 all-reduces of A, 2(T−1)/T·A each; SP 2 all-gathers + 2
-    # reduce-scatters of A, (T−1)/T·A each (the row bias gradient is summed from the gathered
-    # output gradient: no all-reduce of its own)
+    # them would not test it): no SP 2 all-reduces of A, 2(T−1)/T·A each; SP 3 all-gathers (the
+    # column input forward, re-gathered in backward; the row output gradient) + 2 reduce-scatters
+    # of A, (T−1)/T·A each (the row bias gradient is summed from the gathered output gradient: no
+    # all-reduce of its own)
     A = b * s * h * 4
-    want = 4 * (T - 1) / T * A
+    want = (5 if sp else 4) * (T - 1) / T * A
     assert LEDGER.total("wire_bytes") == pytest.approx(want, rel=1e-12), f"{what} wire bytes"
     assert theory.wire_bytes() == pytest.approx(want, rel=1e-12), f"{what} theory wire bytes"
     if sp and T > 1 and b > 1:
@@ -203,7 +248,7 @@ def _check_mlp_and_ledger(mesh, sp, b, s, h, seed):
         for p in (*up.parameters(), *down.parameters()):
             p.grad = None
         xs = _residual(X, mesh, sp).transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
-        y = mlp(xs, up, down)
+        y = mlp(xs, up, down, 1)
         assert y.transpose(0, 1).is_contiguous(), f"{what}: output strides {y.stride()} not sequence-first"
         y.backward(_residual(G, mesh, sp).transpose(0, 1).contiguous().transpose(0, 1))
         assert_close(y, _residual(Y, mesh, sp), TOL, f"{what} sequence-first forward")
@@ -303,6 +348,8 @@ def _layers(T, sp):
         seed = 1000 * (i + 1) + 10 * T + int(sp)
         _check_column(mesh, sp, b, s, h, seed)
         _check_input_grad_overlap(mesh, sp, b, s, h, seed + 900)
+        if sp:
+            _check_column_saves_its_block(mesh, b, s, h, seed + 950)
         _check_row(mesh, sp, b, s, h, seed + 300)
         _check_mlp_and_ledger(mesh, sp, b, s, h, seed + 500)
         _check_embedding(mesh, sp, b, s, h, seed + 600)
@@ -318,14 +365,17 @@ def test_layers_match_reference(T, sp):
     assert all(run_on_ranks(T, _layers, T, sp, timeout=120))
 
 
-def test_theory_sequence_parallel_moves_the_same_wire_volume():
+def test_theory_sequence_parallel_moves_the_same_wire_volume_but_the_regather():
     for T in (2, 4, 8):
         plain, sp = tp1d.block_comm(2, 16, 64, T, False), tp1d.block_comm(2, 16, 64, T, True)
         norm = tp1d.norm_comm(64, T, True).wire_bytes() * 2
-        assert sp.wire_bytes() - norm == pytest.approx(plain.wire_bytes())
+        regather = 2 * (T - 1) / T * (2 * 16 * 64 * 4)
+        assert sp.wire_bytes() - norm - regather == pytest.approx(plain.wire_bytes())
         A = 2 * 16 * 64 * 4     # 4 all-reduces of A per block, 2(T−1)/T·A each, written out
         assert plain.wire_bytes() == pytest.approx(4 * 2 * (T - 1) / T * A, rel=1e-12)
         assert plain.payload_bytes("all_reduce") == 4 * 2 * 16 * 64 * 4
-        assert sp.payload_bytes("all_gather") == sp.payload_bytes("reduce_scatter") == 4 * 2 * 16 * 64 * 4
+        assert sp.payload_bytes("reduce_scatter") == 4 * 2 * 16 * 64 * 4
+        # the two column inputs are all-gathered again in backward (their sequence block is what is saved)
+        assert sp.payload_bytes("all_gather") == 6 * 2 * 16 * 64 * 4
     assert tp1d.block_comm(2, 16, 64, 1, True).payload_bytes() == 0
     assert tp1d.residual_activation_bytes(2, 16, 64, 4, True) * 4 == tp1d.residual_activation_bytes(2, 16, 64, 4, False)

@@ -20,9 +20,10 @@ from gridshard.nn.linear_2d import Linear2D
 from gridshard.nn.norm_2d import LayerNorm2D, RMSNorm2D
 from gridshard.nn.patch_embedding_2d import PatchEmbedding2D
 from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
-from gridshard.nn.shape_rules import check_model_shapes
 from gridshard.parallel import ParallelContext, check_layout, model_dims, parallelize
 from gridshard.testing import run_on_ranks
+
+from .test_tp1d_helpers import check_model_shapes
 
 
 def _meta_model(**cfg):
@@ -49,7 +50,6 @@ def _errors():
     _raises(ShapeError, "out_features=7 is not divisible by grid side q=2", lambda: Linear2D(8, 7, mesh, bias=False))
     _raises(ShapeError, r"out_features \(bias is split into q² blocks\)=6 is not divisible by q²=4",
             lambda: Linear2D(8, 6, mesh, bias=True))
-    _raises(ShapeError, "q × fused_parts=6", lambda: Linear2D(8, 9, mesh, bias=False, fused_parts=3))
     _raises(ShapeError, "divisible by q²=4", lambda: RMSNorm2D(6, mesh))
     _raises(ShapeError, "divisible by q²=4", lambda: LayerNorm2D(10, mesh))
     _raises(ShapeError, "divisible by q²=4", lambda: Embedding2D(11, 6, mesh))

@@ -52,12 +52,6 @@ def block(t, mesh, batch_dim=0, last=True):
     return t.clone(memory_format=torch.contiguous_format)  # own storage (saved-bytes accounting)
 
 
-def fused_block(t, mesh, parts):
-    """My block of a [b, s, k·n] tensor whose last dim is k fused parts each split over q columns."""
-    t = t.detach().chunk(mesh.q, 0)[mesh.grid_row]
-    return torch.cat([p.chunk(mesh.q, -1)[mesh.grid_col] for p in t.chunk(parts, -1)], -1)
-
-
 def pad_to(t, shape):
     if tuple(t.shape) == tuple(shape):
         return t

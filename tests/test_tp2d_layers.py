@@ -2,7 +2,7 @@
 
 q = 2 (several shapes) and q = 3 (one tiny shape), fresh random inputs, fp32,
 relative error ≤ 1e-5: forward output, input gradient and every parameter gradient
-of Linear2D (bias, fused parts), RMSNorm2D, LayerNorm2D, VocabParallelEmbedding2D,
+of Linear2D (with and without bias), RMSNorm2D, LayerNorm2D, VocabParallelEmbedding2D,
 Embedding2D, the vocab-parallel LM head (untied and tied) with the 2D cross-entropy
 (padded vocabulary, ignored targets), Classifier2D and PatchEmbedding2D. Linear2D's
 ledger equals gridshard.theory.tp2d exactly, its parameters are 1/q² of the layer
@@ -28,7 +28,7 @@ from gridshard.testing import assert_close, run_on_ranks
 from gridshard.theory import tp2d
 
 from .test_tp2d_helpers import (TOL, SavedActivations, block, compare_parameters, expected_shard, fresh_seed,
-                                fused_block, ledger_matches, mesh_2d, pad_to, randint, randn)
+                                ledger_matches, mesh_2d, pad_to, randint, randn)
 
 
 def _set_bias(par, ref, n, mesh):
@@ -42,12 +42,12 @@ def _set_bias(par, ref, n, mesh):
 # ---- Linear2D -----------------------------------------------------------------------------------------------
 def _linear(q, cases, seed):
     mesh = mesh_2d(q)
-    for k, (b, s, fin, fout, bias, parts) in enumerate(cases):
-        what = f"Linear2D q={q} b,s,in,out={b},{s},{fin},{fout} bias={bias} parts={parts} seed={seed}"
+    for k, (b, s, fin, fout, bias) in enumerate(cases):
+        what = f"Linear2D q={q} b,s,in,out={b},{s},{fin},{fout} bias={bias} seed={seed}"
         torch.manual_seed(seed + k)
         ref = plain_linear(fin, fout, bias, 0.05)
         torch.manual_seed(seed + k)
-        par = Linear2D(fin, fout, mesh, bias=bias, init_std=0.05, fused_parts=parts)
+        par = Linear2D(fin, fout, mesh, bias=bias, init_std=0.05)
         if bias:
             _set_bias(par, ref, fout, mesh)
         X = randn((b, s, fin), seed + 100 + k).requires_grad_()
@@ -59,8 +59,8 @@ def _linear(q, cases, seed):
         LEDGER.reset()
         with SavedActivations(par) as saved_par:
             y = par(x)
-        assert_close(y, fused_block(Y, mesh, parts), TOL, f"{what} forward")
-        y.backward(fused_block(G, mesh, parts))
+        assert_close(y, block(Y, mesh), TOL, f"{what} forward")
+        y.backward(block(G, mesh))
         assert_close(x.grad, block(X.grad, mesh), TOL, f"{what} input grad")
         compare_parameters(par, ref, mesh, what)
         ledger_matches(tp2d.linear2d_comm(b * s, fin, fout, q, 4, bias=bias), what)
@@ -76,7 +76,7 @@ def _linear(q, cases, seed):
 
 
 def test_linear2d_q2():
-    cases = [(2, 3, 8, 12, True, 1), (2, 3, 8, 24, True, 3), (4, 5, 12, 16, False, 2), (2, 1, 4, 8, False, 1)]
+    cases = [(2, 3, 8, 12, True), (2, 3, 8, 24, True), (4, 5, 12, 16, False), (2, 1, 4, 8, False)]
     assert all(run_on_ranks(4, _linear, 2, cases, fresh_seed()))
 
 
@@ -103,7 +103,7 @@ def test_linear2d_under_bf16_autocast_keeps_the_product_dtype():
 
 
 def test_linear2d_q3():
-    assert all(run_on_ranks(9, _linear, 3, [(3, 2, 9, 18, True, 2)], fresh_seed()))
+    assert all(run_on_ranks(9, _linear, 3, [(3, 2, 9, 18, True)], fresh_seed()))
 
 
 # ---- gathered vectors: once per cache window (one optimizer step) ------------------------------------------
@@ -143,7 +143,7 @@ def _vector_cache(q, seed):
             for repeat in range(2):                 # two forwards in one step: micro-batches
                 LEDGER.reset()
                 y = par(block(X, mesh))
-                assert_close(y, fused_block(ref(X), mesh, 1), TOL, f"{what} step {step} forward {repeat}")
+                assert_close(y, block(ref(X), mesh), TOL, f"{what} step {step} forward {repeat}")
                 # q > 1: one gather per vector (bias, norm weight) in the first forward of a window
                 assert gathers() == (2 if repeat == 0 and q > 1 else 0), f"{what} step {step}: {gathers()} gathers"
                 if repeat == 0:
@@ -157,7 +157,7 @@ def _vector_cache(q, seed):
     X = randn((b, s, fin), seed + 30)
     for repeat in range(2):                        # outside a window: gathered on every forward
         LEDGER.reset()
-        assert_close(par(block(X, mesh)), fused_block(ref(X), mesh, 1), TOL, f"{what} after a .data write")
+        assert_close(par(block(X, mesh)), block(ref(X), mesh), TOL, f"{what} after a .data write")
         assert gathers() == (2 if q > 1 else 0), f"{what}: {gathers()} gathers outside a window"
     try:
         with cache.window(), cache.window():
@@ -193,7 +193,7 @@ def _trainer_windows():
     norms[0].register_forward_pre_hook(lambda m, args: seen.append((torch.is_grad_enabled(), cache.open)))
     gathered = []
     lookup = cache.lookup
-    cache.lookup = lambda shard, parts: gathered.append(lookup(shard, parts) is None) or lookup(shard, parts)
+    cache.lookup = lambda shard: gathered.append(lookup(shard) is None) or lookup(shard)
     trainer.run()
     training = [opened for grad, opened in seen if grad]
     evaluation = [opened for grad, opened in seen if not grad]

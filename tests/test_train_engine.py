@@ -204,7 +204,8 @@ def _metrics_body(cfg, run_dir):
 
 METRIC_KEYS = {"step", "loss", "valid_tokens", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_share", "peak_mem_bytes",
                "peak_mem_bytes_per_rank", "step_time_s", "tokens", "elapsed_s", "loss_scale", "bubble_share",
-               "bubble_share_per_rank", "predicted_mem_bytes", "predicted_mem_bytes_per_rank", "skipped_steps"}
+               "bubble_share_per_rank", "predicted_mem_bytes", "predicted_mem_bytes_per_rank", "skipped_steps",
+               "peak_mem_reserved_bytes"}
 
 
 def test_metrics_and_run_files(tmp_path):
@@ -217,6 +218,7 @@ def test_metrics_and_run_files(tmp_path):
     for rec, step in zip(lines, (2, 4, 5)):
         assert rec["loss"] == pytest.approx(losses[step - 1])
         assert 0.0 < rec["comm_share"] < 1.0 and rec["mfu"] is None        # CPU: no peak known
+        assert rec["peak_mem_reserved_bytes"] is None                     # CPU: no allocator reserve
         # the memory model's prediction (baseline RSS + model state + activations) next to the peak RSS
         for peak, predicted in zip(rec["peak_mem_bytes_per_rank"], rec["predicted_mem_bytes_per_rank"]):
             assert 0.8 < predicted / peak < 1.25, (peak, predicted)

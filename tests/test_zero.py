@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gridshard.checkpoint.files import checkpoints_root
-from gridshard.checkpoint.hf_io import read_checkpoint_tensors
+from gridshard.checkpoint.reader import read_checkpoint
 from gridshard.engine import Trainer
 from gridshard.engine.memory_meter import model_state_tensor_bytes
 from gridshard.errors import ConfigError
@@ -146,7 +146,7 @@ def _ck_run(cfg, run_dir):
 
 
 def _final(run_dir):
-    return read_checkpoint_tensors(os.path.join(checkpoints_root(str(run_dir)), "step_6"))
+    return read_checkpoint(os.path.join(checkpoints_root(str(run_dir)), "step_6"))[1]
 
 
 def _max_rel(a, b):

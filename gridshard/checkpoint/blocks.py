@@ -31,7 +31,6 @@ fp32 model plus twice that of AdamW moments), and reads exactly its own blocks.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -229,8 +228,3 @@ def staged_copy(boxes: dict) -> dict:
     """fqn → a contiguous CPU copy of each block: what an asynchronous save writes while
     training goes on changing the parameters."""
     return {fqn: b.view.detach().to("cpu", copy=True).contiguous() for fqn, b in boxes.items()}
-
-
-def replace_views(boxes: dict, tensors: dict) -> dict:
-    """The same boxes over other storage (e.g. full tensors for a one-process reader)."""
-    return {k: dataclasses.replace(b, view=tensors[k]) for k, b in boxes.items()}

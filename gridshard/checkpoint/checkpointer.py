@@ -124,7 +124,6 @@ class Checkpointer:
         # a gloo group of its own: DCP's collectives run on the save thread (module docstring)
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
         self._in_flight: Optional[Future] = None
-        self.last_saved: Optional[int] = None         # newest step whose save completed
         self.last_requested: Optional[int] = None     # newest step a save was started for
         self.save_seconds: list = []                  # time the training thread spent per save
         if self.root and self.rank == 0:
@@ -287,7 +286,7 @@ class Checkpointer:
         """Wait for the save in flight (if any); re-raise its error."""
         fut, self._in_flight = self._in_flight, None
         if fut is not None:
-            self.last_saved = fut.result()
+            fut.result()
 
     def close(self) -> None:
         try:

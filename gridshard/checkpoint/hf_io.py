@@ -39,23 +39,13 @@ def _need_safetensors():
 def hf_llama_config(model_cfg: dict) -> dict:
     """``config.json`` of a Hugging Face ``LlamaForCausalLM`` with gridshard's model fields
     (the resolved ``model`` section of a run's config)."""
-    m = model_cfg
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m["vocab_size"],
-            "hidden_size": m["hidden"], "intermediate_size": m["ffn_hidden"], "num_hidden_layers": m["layers"],
-            "num_attention_heads": m["heads"], "num_key_value_heads": m.get("kv_heads") or m["heads"],
-            "head_dim": m["hidden"] // m["heads"], "max_position_embeddings": m["max_seq_len"],
-            "rms_norm_eps": m["norm_eps"], "rope_theta": m["rope_theta"], "hidden_act": "silu",
-            "tie_word_embeddings": bool(m["tie_embeddings"]), "initializer_range": m["init_std"],
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+    from ..models.hf import HF_CONFIG_KEYS
 
-
-def read_checkpoint_tensors(folder: str, prefix: str = MODEL) -> dict:
-    """name (``prefix`` removed) → full canonical tensor of every entry of a checkpoint whose
-    key starts with ``prefix`` (one process, no process group). The checkpoint is verified
-    completely first (:func:`gridshard.checkpoint.reader.open_checkpoint`)."""
-    from .reader import read_checkpoint
-
-    return read_checkpoint(folder, prefix)[1]
+    m = {**model_cfg, "kv_heads": model_cfg.get("kv_heads") or model_cfg["heads"],
+         "tie_embeddings": bool(model_cfg["tie_embeddings"])}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **{key: m[field] for field, (key, _) in HF_CONFIG_KEYS.items()}, "head_dim": m["hidden"] // m["heads"],
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
 
 
 def _hf_config_json(path: str, model_cfg: dict) -> dict:

@@ -14,7 +14,7 @@ function                    forward                         backward
 ``reduce_by_batch(x, m)``   all-reduce along ``m.col``      identity
 ``split_batch(x, m, d)``    keep batch block i of dim d     all-gather on ``col``, then
                                                             all-reduce on ``row``
-``gather_vector(v, ax, k)`` all-gather along ``ax`` (once  reduce-scatter along ``ax``
+``gather_vector(v, ax)``    all-gather along ``ax`` (once  reduce-scatter along ``ax``
                             per window of ``GatheredVectors``)
 ==========================  ==============================  ==============================
 
@@ -87,7 +87,7 @@ class GatheredVectors:
     and closes the same windows, so all members decide alike whether to gather."""
 
     def __init__(self):
-        self._kept = None                  # {(id(shard), parts): (shard, gathered)} while open
+        self._kept = None                  # {id(shard): (shard, gathered)} while open
 
     @contextlib.contextmanager
     def window(self):
@@ -105,13 +105,13 @@ class GatheredVectors:
     def open(self) -> bool:
         return self._kept is not None
 
-    def lookup(self, shard: torch.Tensor, parts: int):
-        hit = None if self._kept is None else self._kept.get((id(shard), parts))
+    def lookup(self, shard: torch.Tensor):
+        hit = None if self._kept is None else self._kept.get(id(shard))
         return hit[1] if hit is not None and hit[0] is shard else None
 
-    def keep(self, shard: torch.Tensor, parts: int, gathered: torch.Tensor) -> None:
+    def keep(self, shard: torch.Tensor, gathered: torch.Tensor) -> None:
         if self._kept is not None:
-            self._kept[(id(shard), parts)] = (shard, gathered)
+            self._kept[id(shard)] = (shard, gathered)
 
 
 class _GatheredVector(torch.autograd.Function):
@@ -119,23 +119,18 @@ class _GatheredVector(torch.autograd.Function):
     its gradient to the shard, as :func:`gather_along` (member k gets Σ_members g[block k])."""
 
     @staticmethod
-    def forward(ctx, shard, gathered, axis, parts):
-        ctx.axis, ctx.parts = axis, parts
+    def forward(ctx, shard, gathered, axis):
+        ctx.axis = axis
         return gathered.view_as(gathered)
 
     @staticmethod
     def backward(ctx, g):
-        q, parts = ctx.axis.size, ctx.parts
-        if parts > 1:                       # [part][member][m] → [member][part][m], the shards' order
-            g = g.reshape(parts, q, -1).transpose(0, 1).reshape(-1)
-        return C.reduce_scatter(g, ctx.axis, 0), None, None, None
+        return C.reduce_scatter(g, ctx.axis, 0), None, None
 
 
-def gather_vector(shard: torch.Tensor, axis, fused_parts: int = 1,
-                  cache: Optional[GatheredVectors] = None) -> torch.Tensor:
-    """All-gather a parameter vector [n/q] along ``axis`` → [n] (member order; with
-    ``fused_parts`` = k the member pieces [member][part][m] are reordered to [part][member][m]);
-    backward reduce-scatter of the gradient, exactly as :func:`gather_along`.
+def gather_vector(shard: torch.Tensor, axis, cache: Optional[GatheredVectors] = None) -> torch.Tensor:
+    """All-gather a parameter vector [n/q] along ``axis`` → [n] (member order); backward
+    reduce-scatter of the gradient, exactly as :func:`gather_along`.
 
     With an open :class:`GatheredVectors` window the gathered copy is reused by every later
     forward in the window: one all-gather of n·e bytes per optimizer step instead of one per
@@ -143,15 +138,13 @@ def gather_vector(shard: torch.Tensor, axis, fused_parts: int = 1,
     gradient still runs in every backward, so gradients reach the owner shards as before."""
     if axis.size == 1:
         return shard
-    full = cache.lookup(shard, fused_parts) if cache is not None and cache.open else None
+    full = cache.lookup(shard) if cache is not None and cache.open else None
     if full is None:
         with torch.no_grad():
             full = C.all_gather(shard.detach(), axis, 0)
-            if fused_parts > 1:
-                full = full.view(axis.size, fused_parts, -1).transpose(0, 1).reshape(-1)
         if cache is not None:
-            cache.keep(shard, fused_parts, full)
-    return _GatheredVector.apply(shard, full, axis, fused_parts)
+            cache.keep(shard, full)
+    return _GatheredVector.apply(shard, full, axis)
 
 
 def gather_along(x: torch.Tensor, axis, dim: int = -1) -> torch.Tensor:

@@ -186,51 +186,35 @@ def _ab_backward(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row, col, ne
     return (reduce_a.wait()[0] if need_a else None, reduce_b.wait()[0] if need_b else None)
 
 
-class _SummaAB(torch.autograd.Function):
+def _abt_backward(g, a, b, row, col, need_a: bool, need_b: bool, overlap: bool):
+    """(dA, dB) of C = A·Bᵀ: dA = g·B (ab), dB = gᵀ·A (atb with (g, A))."""
+    return (_ab(g, b, row, col, overlap) if need_a else None, _atb(g, a, row, col, overlap) if need_b else None)
+
+
+def _atb_backward(g, a, b, row, col, need_a: bool, need_b: bool, overlap: bool):
+    """(dA, dB) of C = Aᵀ·B: dA = B·gᵀ (abt with (B, g)), dB = A·g (ab)."""
+    return (_abt(b, g, row, col, overlap) if need_a else None, _ab(a, g, row, col, overlap) if need_b else None)
+
+
+# product name → (forward, backward); every backward is made of the three products (module docstring)
+_PRODUCTS = {"ab": (_ab, _ab_backward), "abt": (_abt, _abt_backward), "atb": (_atb, _atb_backward)}
+
+
+class _Summa(torch.autograd.Function):
+    """The SUMMA product ``kind`` (a key of ``_PRODUCTS``) of blocks ``a`` and ``b``."""
+
     @staticmethod
-    def forward(ctx, a, b, row, col, overlap):
+    def forward(ctx, a, b, row, col, overlap, kind):
         ctx.save_for_backward(a, b)
-        ctx.axes, ctx.overlap = (row, col), overlap
-        return _ab(a, b, row, col, overlap)
+        ctx.axes, ctx.overlap, ctx.kind = (row, col), overlap, kind
+        return _PRODUCTS[kind][0](a, b, row, col, overlap)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        row, col = ctx.axes
-        da, db = _ab_backward(g, a, b, row, col, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.overlap)
-        return da, db, None, None, None
-
-
-class _SummaABT(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, row, col, overlap):
-        ctx.save_for_backward(a, b)
-        ctx.axes, ctx.overlap = (row, col), overlap
-        return _abt(a, b, row, col, overlap)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        row, col = ctx.axes
-        da = _ab(g, b, row, col, ctx.overlap) if ctx.needs_input_grad[0] else None
-        db = _atb(g, a, row, col, ctx.overlap) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None
-
-
-class _SummaATB(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, row, col, overlap):
-        ctx.save_for_backward(a, b)
-        ctx.axes, ctx.overlap = (row, col), overlap
-        return _atb(a, b, row, col, overlap)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        row, col = ctx.axes
-        da = _abt(b, g, row, col, ctx.overlap) if ctx.needs_input_grad[0] else None
-        db = _ab(a, g, row, col, ctx.overlap) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None
+        need_a, need_b = ctx.needs_input_grad[:2]
+        da, db = _PRODUCTS[ctx.kind][1](g, a, b, *ctx.axes, need_a, need_b, ctx.overlap)
+        return da, db, None, None, None, None
 
 
 class _SummaABParts(torch.autograd.Function):
@@ -284,22 +268,22 @@ def _grid(mesh):
     return mesh.row, mesh.col
 
 
-def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh, overlap: bool = True) -> torch.Tensor:
-    """Block (i, j) of A·B from blocks A(i, j) [m/q, k/q] and B(i, j) [k/q, n/q]; → [m/q, n/q]."""
+def _product(kind: str, a: torch.Tensor, b: torch.Tensor, mesh, overlap: bool) -> torch.Tensor:
     row, col = _grid(mesh)
     a, b = _autocast_operands(a, b)
-    return _SummaAB.apply(a, b, row, col, overlap)
+    return _Summa.apply(a, b, row, col, overlap, kind)
+
+
+def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh, overlap: bool = True) -> torch.Tensor:
+    """Block (i, j) of A·B from blocks A(i, j) [m/q, k/q] and B(i, j) [k/q, n/q]; → [m/q, n/q]."""
+    return _product("ab", a, b, mesh, overlap)
 
 
 def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh, overlap: bool = True) -> torch.Tensor:
     """Block (i, j) of A·Bᵀ from A(i, j) [m/q, k/q] and B(i, j) [n/q, k/q]; → [m/q, n/q]."""
-    row, col = _grid(mesh)
-    a, b = _autocast_operands(a, b)
-    return _SummaABT.apply(a, b, row, col, overlap)
+    return _product("abt", a, b, mesh, overlap)
 
 
 def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh, overlap: bool = True) -> torch.Tensor:
     """Block (i, j) of Aᵀ·B from A(i, j) [m/q, k/q] and B(i, j) [m/q, n/q]; → [k/q, n/q]."""
-    row, col = _grid(mesh)
-    a, b = _autocast_operands(a, b)
-    return _SummaATB.apply(a, b, row, col, overlap)
+    return _product("atb", a, b, mesh, overlap)

@@ -37,13 +37,17 @@ class ParallelSection(BaseModel):
         "1f1b", description="gpipe | 1f1b | interleaved_1f1b | zero_bubble (the last two: virtual_stages ≥ 2)")
     virtual_stages: int = Field(1, description="stages per pipeline rank (interleaved_1f1b)")
     stage_layers: Optional[List[int]] = Field(None, description="decoder layers per stage (P·virtual_stages "
-                                                                "counts); default: an even split counting the "
-                                                                "embedding and the head as one layer each")
+                                                                "counts); default: L/S per stage, leftovers to "
+                                                                "the middle stages, then one to the first")
     summa_overlap: bool = Field(True, description="2d only: double-buffered async SUMMA broadcasts (false: "
                                                   "blocking, the benchmark baseline)")
     overlap_input_grad: bool = Field(True, description="1d only: each column layer's input-gradient all-reduce "
                                                        "(reduce-scatter under SP) runs while its weight gradient "
                                                        "is computed (false: after it); exact either way")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="collective backend and device: auto (nccl on cuda:LOCAL_RANK when CUDA is available, "
+                            "else gloo on the CPU) | nccl (one GPU per rank) | gloo (the CPU, also on a GPU host); "
+                            "gridshard/device.py")
 
 
 class ModelSection(BaseModel):
@@ -159,6 +163,16 @@ class TrainSection(BaseModel):
     bucket_mb: float = Field(25.0, description="size of the data-parallel gradient all-reduce buckets")
     overlap_grad_reduce: bool = Field(True, description="issue each bucket's all-reduce during the last backward, "
                                                         "as soon as the bucket's gradients are complete")
+    peak_flops: Optional[float] = Field(None, description="dense peak FLOP/s of one device for MFU; default: the "
+                                                          "datasheet figure of the GPU's exact name "
+                                                          "(gridshard/peak_flops.py), none on CPU or an unknown GPU "
+                                                          "(MFU then not reported)")
+    tf32: bool = Field(True, description="fp32 runs on CUDA: matmuls and convolutions on TF32 tensor cores "
+                                         "(torch.set_float32_matmul_precision('high'), cudnn.allow_tf32); no "
+                                         "effect on CPU or with bf16/fp16")
+    deterministic: bool = Field(False, description="torch.use_deterministic_algorithms(True): bitwise repeatable "
+                                                   "GPU runs at some speed cost; on CUDA also set "
+                                                   "CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment")
     time_comm: Optional[bool] = Field(None, description="time collectives for comm_share; default: on for CPU, "
                                                          "off on CUDA (timing synchronises the GPU around each "
                                                          "collective and defeats SUMMA's overlap)")

@@ -207,6 +207,9 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
     if t.keep_checkpoints < 0:
         _fail("train.keep_checkpoints", t.keep_checkpoints, "it must be >= 0 (0 keeps every checkpoint)",
               "use e.g. 3")
+    if t.peak_flops is not None and not t.peak_flops > 0:
+        _fail("train.peak_flops", t.peak_flops, "a device's peak FLOP/s must be > 0",
+              "use the datasheet's dense figure, e.g. 989.4e12 for an H100 SXM in bf16, or null")
     if t.collective_timeout_s <= 0:
         _fail("train.collective_timeout_s", t.collective_timeout_s, "it must be > 0", "use e.g. 120")
     if t.resume not in ("never", "auto"):

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..job_layout import micro_batches_per_step
 
 
 def step_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int,
@@ -71,16 +70,11 @@ class BatchPlan:
         self.stream = stream
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rows = rank_rows(global_batch, data_size, data_rank)
-        self.accumulation = micro_batches_per_step(global_batch, micro_batch, data_size)
         self.ignore_token = ignore_token
 
-    def global_windows(self, step: int) -> torch.Tensor:
-        """The whole global batch of ``step`` [G, s+1] (for tests and references)."""
-        offs = step_offsets(len(self.tokens), self.seq_len, self.global_batch, self.seed, step, self.stream)
-        return windows(self.tokens, offs, self.seq_len, self.vocab_size)
-
     def micro_batches(self, step: int) -> list:
-        """``accumulation`` pairs (tokens [m, s], targets [m, s]) of this rank for ``step``."""
+        """The A = G/(m·D) pairs (tokens [m, s], targets [m, s]) of this rank for ``step``
+        (:func:`gridshard.job_layout.micro_batches_per_step`)."""
         return self.step_batches(step)[0]
 
     def step_batches(self, step: int) -> tuple:

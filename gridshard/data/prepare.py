@@ -243,6 +243,71 @@ def prepare_data(inputs: Sequence[str], out: str, tokenizer: str = "bytes", voca
     return meta
 
 
+def _make_tokenizer(out: str, tokenizer: str, files, vocab_size, chunk_bytes: int, tokenizer_bytes: int, progress):
+    """The tokenizer to encode with: bytes, a BPE trained on the first ``tokenizer_bytes`` of the
+    input, or the one read from the ``tokenizer`` file; a BPE one is saved as ``out/tokenizer.json``."""
+    if tokenizer == "bytes":
+        return ByteTokenizer()
+    if tokenizer == "train":
+        tok = train_bpe(_text_pieces(files, chunk_bytes, tokenizer_bytes), vocab_size, show_progress=progress)
+    else:
+        tok = HFTokenizer.from_file(tokenizer)
+    tok.file = os.path.join(out, TOKENIZER)
+    tok.tok.save(tok.file)
+    return tok
+
+
+def _encoded_pieces(files, chunk_bytes: int, spec: Optional[str], workers: int, total: int) -> Iterator[tuple]:
+    """(file index, token ids, bytes read) of every piece, in input order: encoded in this process
+    (one worker, or an input of one piece), else by a pool of ``workers`` processes with at most
+    2·workers pieces in flight (module docstring). Either way the tokenizer is the one built from
+    ``spec`` (:func:`_tokenizer_of`), as a worker builds it."""
+    tasks = _pieces(files, chunk_bytes)
+    if workers == 1 or total <= chunk_bytes:
+        _init_worker()
+        own = _tokenizer_of(spec)
+        for task in tasks:
+            yield _encode(own, task)
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_encode_in_worker, (task, spec)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _write_tokens(fh, pieces, dtype: np.dtype, eos_id: Optional[int], bar) -> tuple:
+    """Write the ``pieces``' ids to ``fh`` in input order, with the end-of-text id (when the
+    tokenizer has one) after each document; → (tokens written, doc_starts, largest id written)."""
+    doc_starts, n, max_id, last = [], 0, -1, None
+    eos = np.asarray([] if eos_id is None else [eos_id], dtype=np.int64)
+
+    def put(ids):
+        nonlocal n, max_id
+        if ids.size:
+            max_id = max(max_id, int(ids.max()))
+            ids.astype(dtype, copy=False).tofile(fh)
+            n += ids.size
+
+    for i, ids, nbytes in pieces:
+        if i != last:
+            if last is not None:
+                put(eos)
+            doc_starts.append(n)
+            last = i
+        put(ids)
+        bar.update(nbytes)
+    if last is not None:
+        put(eos)
+    return n, doc_starts, max_id
+
+
 def _prepare_into(out: str, files, inputs, tokenizer, vocab_size, val_fraction, workers, chunk_bytes,
                   tokenizer_bytes, progress) -> dict:
     """The preparation itself, written into the (new, empty) folder ``out``."""
@@ -250,72 +315,25 @@ def _prepare_into(out: str, files, inputs, tokenizer, vocab_size, val_fraction, 
 
     total = sum(os.path.getsize(f) for f in files)
     t0 = time.perf_counter()
-    if tokenizer == "bytes":
-        tok = ByteTokenizer()
-    elif tokenizer == "train":
-        tok = train_bpe(_text_pieces(files, chunk_bytes, tokenizer_bytes), vocab_size, show_progress=progress)
-        tok.file = os.path.join(out, TOKENIZER)
-        tok.tok.save(tok.file)
-    else:
-        tok = HFTokenizer.from_file(tokenizer)
-        tok.tok.save(os.path.join(out, TOKENIZER))
-        tok.file = os.path.join(out, TOKENIZER)
+    tok = _make_tokenizer(out, tokenizer, files, vocab_size, chunk_bytes, tokenizer_bytes, progress)
     dtype = np.dtype(token_dtype_for(tok.vocab_size))
     spec = None if isinstance(tok, ByteTokenizer) else tok.tok.to_str()
     workers = max(1, workers or os.cpu_count() or 1)
     t_encode = time.perf_counter()
-    doc_starts, n, max_id, last_file = [], 0, -1, None
     tmp = os.path.join(out, TOKENS + ".tmp")
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress, file=sys.stderr)
-
-    def write(result, fh):
-        nonlocal n, max_id, last_file
-        i, ids, nbytes = result
-        if i != last_file:
-            if last_file is not None and tok.eos_id is not None:
-                np.asarray([tok.eos_id], dtype=dtype).tofile(fh)
-                n += 1
-            doc_starts.append(n)
-            last_file = i
-        if ids.size:
-            max_id = max(max_id, int(ids.max()))
-            ids.astype(dtype, copy=False).tofile(fh)
-            n += ids.size
-        bar.update(nbytes)
-
     with open(tmp, "wb") as fh:
-        tasks = _pieces(files, chunk_bytes)
-        if workers == 1 or total <= chunk_bytes:
-            _init_worker()
-            own = _tokenizer_of(spec)                 # as a worker encodes: from the saved spec
-            for task in tasks:
-                write(_encode(own, task), fh)
-        else:
-            import multiprocessing as mp
-
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(workers, initializer=_init_worker) as pool:
-                pending: deque = deque()
-                for task in tasks:
-                    pending.append(pool.apply_async(_encode_in_worker, (task, spec)))
-                    if len(pending) >= 2 * workers:
-                        write(pending.popleft().get(), fh)
-                while pending:
-                    write(pending.popleft().get(), fh)
-        if last_file is not None and tok.eos_id is not None:
-            np.asarray([tok.eos_id], dtype=dtype).tofile(fh)
-            n += 1
-            max_id = max(max_id, tok.eos_id)
+        n, doc_starts, max_id = _write_tokens(fh, _encoded_pieces(files, chunk_bytes, spec, workers, total), dtype,
+                                              tok.eos_id, bar)
     bar.close()
     os.replace(tmp, os.path.join(out, TOKENS))
     np.save(os.path.join(out, DOC_STARTS), np.asarray(doc_starts, dtype=np.uint64))
     n_val = int(round(val_fraction * n))
-    seconds = time.perf_counter() - t0
     meta = {"format": FORMAT, "tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "token_dtype": dtype.name,
             "n_tokens": n, "documents": len(doc_starts), "max_id": max_id,
             "split": {"train": [0, n - n_val], "val": [n - n_val, n]}, "val_fraction": val_fraction,
             "inputs": [os.path.abspath(p) for p in inputs], "input_bytes": total, "workers": workers,
-            "seconds": seconds, "encode_seconds": time.perf_counter() - t_encode,
+            "seconds": time.perf_counter() - t0, "encode_seconds": time.perf_counter() - t_encode,
             "peak_rss_bytes": _peak_rss()}
     with open(os.path.join(out, META + ".tmp"), "w") as f:
         json.dump(meta, f, indent=1)

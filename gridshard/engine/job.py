@@ -8,6 +8,7 @@ is composed in this fixed order, each stage reading only what the ones before it
 (torchtitan's ``parallelize_*`` order)::
 
     config ─ resolved once (world size) · rank 0's run directory · resume source checked
+      ├─ math modes (train.tf32, train.deterministic: engine/precision.apply_math_modes)
       ├─ CommLedger (the job's) · build_mesh(D, P, T, mode) · JobLayout (every derived fact)
       1. model on meta       Transformer, or Hugging Face LlamaForCausalLM (model.hf_config)
       2. stage split         P > 1: this rank's stages only (pipeline_rank_model, JobLayout.split)
@@ -49,7 +50,7 @@ from ..pipeline.build import pipeline_rank_model
 from ..zero.reducer import build_reducer
 from .memory_meter import rss_now
 from .optim import build_optimizer
-from .precision import Precision
+from .precision import Precision, apply_math_modes
 from .step import MicroBatchLoop, PipelineSchedule, step_batch
 
 COMPOSITION_ORDER = ("model on meta", "stage split", "parallelize", "recompute", "compile", "reducer",
@@ -88,6 +89,7 @@ class Job:
     ledger: CommLedger
     mesh: Any
     mem_baseline: int                        # the process's bytes before the model existed (CPU)
+    math_modes: dict = field(default_factory=dict)    # train.tf32 / train.deterministic in effect
     composed: list = field(default_factory=list)      # COMPOSITION_ORDER, as the stages ran
     model: Any = None
     context: Any = None                      # the model's ParallelContext
@@ -145,7 +147,7 @@ def resolve_job_config(config, overrides=()) -> TrainConfig:
     through :func:`gridshard.config.resolve_config`."""
     if isinstance(config, ResolvedConfig):
         if not dist.is_initialized():
-            init_distributed(timeout_s=config.config.train.collective_timeout_s)
+            init_distributed(config.config.parallel.backend, timeout_s=config.config.train.collective_timeout_s)
         here = (dist.get_world_size(), default_device().type == "cuda", list(overrides))
         if here != (config.world_size, config.cuda_available, []):
             raise ConfigError(f"a config resolved for {config.world_size} process(es) (CUDA available: "
@@ -153,9 +155,15 @@ def resolve_job_config(config, overrides=()) -> TrainConfig:
                               f"overrides {here[2]}). Fix: pass the config itself, resolved here.")
         return config.config
     if not dist.is_initialized():
-        init_distributed(timeout_s=load_config(config, overrides).train.collective_timeout_s)
-    return resolve_config(config, overrides, world_size=dist.get_world_size(),
-                          cuda_available=default_device().type == "cuda")
+        loaded = load_config(config, overrides)
+        init_distributed(loaded.parallel.backend, timeout_s=loaded.train.collective_timeout_s)
+    cfg = resolve_config(config, overrides, world_size=dist.get_world_size(),
+                         cuda_available=default_device().type == "cuda")
+    if cfg.parallel.backend not in ("auto", dist.get_backend()):
+        raise ConfigError(f"parallel.backend={cfg.parallel.backend} but this process group runs "
+                          f"{dist.get_backend()}. Fix: parallel.backend: auto (the group's backend decides) or "
+                          f"{dist.get_backend()}.")
+    return cfg
 
 
 def _frame(config, overrides, run_dir) -> Job:
@@ -175,11 +183,12 @@ def _frame(config, overrides, run_dir) -> Job:
         changes = check_compatible(saved["config"], cfg.resolved(), describe(resume_from),
                                    start_step=saved.get("step"))
     p, model_cfg = cfg.parallel, cfg.model.resolve()
+    math_modes = apply_math_modes(cfg.train.precision, cfg.train.tf32, cfg.train.deterministic, device)
     ledger = CommLedger()                      # this job's collectives only (its mesh records here)
     mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=ledger)
     return Job(cfg=cfg, layout=JobLayout.from_config(cfg, model_cfg), model_cfg=model_cfg, device=device,
                rank=rank, run_dir=run_dir, resume_from=resume_from, layout_changes=changes, ledger=ledger,
-               mesh=mesh, mem_baseline=rss_now() if device.type == "cpu" else 0,
+               mesh=mesh, mem_baseline=rss_now() if device.type == "cpu" else 0, math_modes=math_modes,
                ignore_index=-100 if cfg.data.ignore_token is None else cfg.data.ignore_token,
                decay_steps=cfg.train.decay_steps or cfg.train.steps)
 

@@ -8,9 +8,13 @@ Per log line (every ``log_interval`` steps) — see ``docs/training.md``:
 * ``lr``, ``grad_norm`` (global, before clipping);
 * ``tokens_per_s``: global tokens of the interval / its wall time;
 * ``mfu``: :func:`gridshard.theory.training.mfu` over the device's dense peak
-  (:data:`PEAK_FLOPS`, null when unknown, e.g. on CPU);
-* ``peak_mem_bytes``: the largest over ranks of CUDA max allocated, or of the
-  process's max RSS on CPU; ``peak_mem_bytes_per_rank`` lists all;
+  (``train.peak_flops``, else :mod:`gridshard.peak_flops` by exact device name; null when
+  unknown, e.g. on CPU);
+* ``peak_mem_bytes``: the largest over ranks of CUDA max allocated during the log interval
+  (peak stats reset after each log line), or of the process's max RSS on CPU (whole run);
+  ``peak_mem_bytes_per_rank`` lists all;
+* ``peak_mem_reserved_bytes``: the largest over ranks of CUDA max reserved during the interval
+  (the caching allocator's hold: what ``nvidia-smi`` sees, less the context); null on CPU;
 * ``comm_share``: time inside recorded collectives / wall time of the interval,
   averaged over ranks (the job ledger's ``timing``);
 * ``step``, ``step_time_s``, ``tokens``, ``elapsed_s``, ``loss_scale`` (fp16);
@@ -32,27 +36,18 @@ from typing import Optional
 
 import torch
 
-# Dense peak FLOP/s per device (vendor datasheets, no sparsity). fp32 means plain fp32
-# matmuls (PyTorch's default, TF32 off); the SXM figure is used for H100.
-PEAK_FLOPS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-}
+from ..peak_flops import peak_flops_of
 
-
-def device_peak_flops(device: torch.device, precision: str) -> Optional[float]:
-    """Peak of this device for ``precision``, or None (CPU, unknown GPU)."""
+def device_peak_flops(device: torch.device, precision: str, tf32: bool = False,
+                      override: Optional[float] = None) -> Optional[float]:
+    """Peak FLOP/s per device for MFU: ``override`` (``train.peak_flops``) when given, else the
+    datasheet figure of this CUDA device's exact name (:mod:`gridshard.peak_flops`; fp32 with
+    ``tf32`` on → the TF32 rate), else None (CPU, unknown GPU: MFU not reported)."""
+    if override is not None:
+        return float(override)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_FLOPS.items():
-        if key in name:
-            return peaks.get(precision)
-    return None
+    return peak_flops_of(torch.cuda.get_device_name(device), "tf32" if precision == "fp32" and tf32 else precision)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -60,6 +55,21 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def interval_memory_peaks(device: torch.device) -> tuple:
+    """(peak allocated bytes, peak reserved bytes or None) of this rank over the log interval.
+
+    CUDA: ``max_memory_allocated`` (tensors) and ``max_memory_reserved`` (what the caching
+    allocator holds from the driver: allocated + cached free blocks + fragmentation) since the
+    previous call, then ``reset_peak_memory_stats`` so the next interval starts from the memory
+    in use then. CPU: the process's max RSS (:func:`peak_memory_bytes`, a whole-run peak; there
+    is no reset) and None (no allocator reserve to report)."""
+    if device.type == "cuda":
+        peaks = int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.max_memory_reserved(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        return peaks
+    return peak_memory_bytes(device), None
 
 
 class RunFiles:

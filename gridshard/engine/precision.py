@@ -25,6 +25,34 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def apply_math_modes(precision: str, tf32: bool, deterministic: bool, device: torch.device) -> dict:
+    """Set PyTorch's process-wide math switches from the config, once, when the job is built
+    (:func:`gridshard.engine.job.build_job`); returns what is in effect.
+
+    * ``train.tf32`` (on CUDA, fp32 runs only): fp32 matmuls on TF32 tensor cores —
+      ``torch.set_float32_matmul_precision("high")`` (``"highest"`` otherwise) and
+      ``torch.backends.cudnn.allow_tf32``. TF32 keeps fp32's range with a 10-bit mantissa
+      (relative rounding ≈ 2⁻¹¹ per product, accumulation in fp32). bf16/fp16 runs compute their
+      matmuls in those types under autocast and leave both switches ``"highest"``/off; on the
+      CPU nothing is touched.
+    * ``train.deterministic``: ``torch.use_deterministic_algorithms(deterministic)`` on every
+      device (so a worker reused for a later job does not keep an earlier job's setting). On CUDA
+      cuBLAS also needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` before its first call: set here when
+      unset; set it in the launch environment to be sure.
+    """
+    on_cuda = device.type == "cuda"
+    modes = {"tf32": on_cuda and tf32 and precision == "fp32", "deterministic": bool(deterministic)}
+    if on_cuda:
+        torch.set_float32_matmul_precision("high" if modes["tf32"] else "highest")
+        torch.backends.cudnn.allow_tf32 = modes["tf32"]
+        if deterministic:
+            import os
+
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(modes["deterministic"])
+    return modes
+
+
 class Precision:
     def __init__(self, precision: str, device: torch.device):
         self.name, self.device = precision, device

@@ -70,7 +70,7 @@ from ..mesh import Axis
 from ..theory.training import flops_per_token, mfu
 from . import control
 from .job import Job, build_job
-from .metrics import RunFiles, device_peak_flops, format_postfix, peak_memory_bytes
+from .metrics import RunFiles, device_peak_flops, format_postfix, interval_memory_peaks
 from .step import evaluate, global_losses, train_step
 
 
@@ -96,7 +96,7 @@ class Trainer:
         self.skipped_recent: set = set()               # their step numbers since the last log step
         self.flops_token = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, seq,
                                            mc.kv_heads * mc.head_dim)
-        self.peak_flops = device_peak_flops(self.device, t.precision)
+        self.peak_flops = device_peak_flops(self.device, t.precision, t.tf32, t.peak_flops)
         self.predicted_mem = self._predict_memory(*self.job.data_tokens)
         self.files = RunFiles(self.run_dir, active=self.rank == 0,
                               keep_until_step=self.start_step if self.resume_from is not None else None,
@@ -231,17 +231,20 @@ class Trainer:
 
     def _gather_rank_stats(self, comm_s: float, wall_s: float, busy: tuple = (0.0, 0.0)) -> tuple:
         """(mean communication share, peak memory per rank, pipeline bubble share per rank,
-        predicted peak memory per rank);
+        predicted peak memory per rank, peak reserved memory per rank or None on CPU);
         ``busy``: (time in stage forward/backward, wall time in the schedule) of the interval."""
         idle = 1.0 - busy[0] / max(busy[1], 1e-12) if self.pipeline is not None else 0.0
         predicted = float(self.predicted_mem.total) if self.predicted_mem is not None else -1.0
-        stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(peak_memory_bytes(self.device)), idle, predicted]],
+        allocated, reserved = interval_memory_peaks(self.device)
+        stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(allocated), idle, predicted,
+                               -1.0 if reserved is None else float(reserved)]],
                              dtype=torch.float64, device=self.device)
         with self.ledger.paused():
             allr = C.all_gather(stats, world_axis(self.ledger), dim=0).cpu()
         bubble = [float(x) for x in allr[:, 2]] if self.pipeline is not None else None
         predicted = [int(x) for x in allr[:, 3]] if self.predicted_mem is not None else None
-        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble, predicted
+        reserved = [int(x) for x in allr[:, 4]] if reserved is not None else None
+        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble, predicted, reserved
 
     # ---- stopping on request (gridshard.engine.control) ---------------------------------
     def _stop_agreed(self) -> bool:
@@ -352,14 +355,14 @@ class Trainer:
     def _record(self, k: int, loss, norm, lr: float, wall: float, n_steps: int, now: float, stats: tuple) -> dict:
         """The metrics record of log step ``k`` (docs/metrics.md): ``stats`` from :meth:`_gather_rank_stats`
         over the interval's ``n_steps`` steps and ``wall`` seconds."""
-        comm_share, mems, bubble, predicted = stats
+        comm_share, mems, bubble, predicted, reserved = stats
         tokens_per_step = self.cfg.train.global_batch * self.cfg.data.seq_len
         tps = n_steps * tokens_per_step / wall
         return {"step": k + 1, "loss": loss, "valid_tokens": self.step_valid_tokens,
                 "lr": lr, "grad_norm": float(norm),
                 "tokens_per_s": tps, "mfu": mfu(self.flops_token, tps, self.peak_flops, dist.get_world_size()),
                 "comm_share": comm_share if self.ledger.timing else None, "peak_mem_bytes": max(mems),
-                "peak_mem_bytes_per_rank": mems,
+                "peak_mem_bytes_per_rank": mems, "peak_mem_reserved_bytes": max(reserved) if reserved else None,
                 "predicted_mem_bytes": max(predicted) if predicted else None,
                 "predicted_mem_bytes_per_rank": predicted, "step_time_s": wall / n_steps,
                 "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - self._run_start,

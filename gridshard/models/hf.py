@@ -42,18 +42,26 @@ def read_hf_json(path: str) -> dict:
         raise ConfigError(f"model.hf_config={path!r} is not valid JSON ({e}). Fix: use a config.json.") from None
 
 
+# :class:`ModelConfig` field → Hugging Face ``config.json`` key, and the value a config that
+# lacks the key means (None: the key is required): the one mapping, read here and written by
+# :func:`gridshard.checkpoint.hf_io.hf_llama_config`
+HF_CONFIG_KEYS = {"vocab_size": ("vocab_size", None), "hidden": ("hidden_size", None),
+                  "layers": ("num_hidden_layers", None), "heads": ("num_attention_heads", None),
+                  "kv_heads": ("num_key_value_heads", 0), "ffn_hidden": ("intermediate_size", None),
+                  "max_seq_len": ("max_position_embeddings", 2048), "norm_eps": ("rms_norm_eps", 1e-6),
+                  "rope_theta": ("rope_theta", 10000.0), "tie_embeddings": ("tie_word_embeddings", False),
+                  "init_std": ("initializer_range", 0.02)}
+
+
 def model_config_of_hf_json(path: str) -> ModelConfig:
     """The dimensions of a Hugging Face Llama-family config as a :class:`ModelConfig` (used for
     validation, FLOPs and parameter counts; the model itself is Hugging Face's)."""
     c = read_hf_json(path)
     try:
-        heads = c["num_attention_heads"]
-        return ModelConfig(vocab_size=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
-                           heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
-                           ffn_hidden=c["intermediate_size"], max_seq_len=c.get("max_position_embeddings", 2048),
-                           norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
-                           tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                           init_std=c.get("initializer_range", 0.02))
+        dims = {field: c[key] if default is None else c.get(key, default)
+                for field, (key, default) in HF_CONFIG_KEYS.items()}
+        return ModelConfig(**{**dims, "kv_heads": dims["kv_heads"] or None,
+                              "tie_embeddings": bool(dims["tie_embeddings"])})
     except KeyError as e:
         raise ConfigError(f"model.hf_config={path!r} lacks {e.args[0]!r}: gridshard reads Llama-family configs "
                           f"(hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size). "

@@ -12,19 +12,20 @@ Given the full input x [b, s, in] it computes its block of output columns
 
 with no communication. The input is used by all T ranks, so its gradient is the
 sum of T partials: ``copy_to_group`` (forward identity, backward all-reduce of
-b·s·in). With ``fused_parts = k`` (gate|up k=2, q|k|v k=3) W is k equal parts
-stacked along ``out`` and each part is split separately, so rank t holds
-[part₀ block t; part₁ block t; …] and its output chunks back into the k parts.
+b·s·in).
 
 Under sequence parallelism the input arrives as the sequence block x_t
-[b, s/T, in]; ``gather_sequence`` all-gathers the full x along dim 1 (forward,
-b·s·in) and reduce-scatters its gradient (backward, b·s·in) instead of the copy.
+[b, s/T, in]; the entry (:func:`gridshard.comm.input_grad_overlap.column_input`) all-gathers
+the full x along dim 1 (forward, b·s·in) and reduce-scatters its gradient (backward, b·s·in)
+instead of the copy. The product keeps only x_t for backward (b·s/T·in, not the gathered
+b·s·in) and all-gathers it once more in backward for the weight gradient (b·s·in: the
+price of the smaller activation, Megatron's choice; :class:`_ColumnProduct`).
 The block is stored sequence-first and so is the gathered x; the product is taken on
-its [s, b, in] view (``linear_in_layout``), so neither the collectives nor the GEMM
+its [s, b, in] view, so neither the collectives nor the GEMM
 reorder it, and y comes out sequence-first too.
 
-``gather_output=True`` all-gathers y along the last dim (and reorders fused parts
-back to the global order) so every rank gets the full [b, s, out].
+``gather_output=True`` all-gathers y along the last dim so every rank gets the full
+[b, s, out].
 
 Row-parallel (W split along ``in``)
 -----------------------------------
@@ -67,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.dual_ops import (copy_to_group, gather_from_group, gather_sequence, reduce_from_group,
+from ..comm.dual_ops import (copy_to_group, gather_from_group, reduce_from_group,
                              reduce_scatter_sequence, reduce_scatter_sequence_bias, scatter_to_group,
                              sum_over_replicas)
 from ..comm.input_grad_overlap import column_input
@@ -140,25 +141,33 @@ class _ColumnProduct(torch.autograd.Function):
     dW = dyᵀ·x is computed — only if this backward will reach the entry node that waits for
     it (``torch._C._will_engine_execute_node``, as ``torch.autograd.graph.register_multi_grad_hook``
     uses it): a pass that wants only weight gradients (zero bubble's deferred weight pass,
-    ``autograd.grad`` w.r.t. parameters) launches nothing. Under autocast both operands are cast to the autocast dtype, as
-    ``F.linear`` would."""
+    ``autograd.grad`` w.r.t. parameters) launches nothing. Under sequence parallelism x is the
+    all-gather of the rank's sequence block x_t: only x_t is saved (s/T·b·in elements instead
+    of s·b·in), and backward all-gathers it again — started before dx is computed, waited for
+    before dW (Megatron's choice; :mod:`gridshard.comm.input_grad_overlap`). Under autocast
+    both operands are cast to the autocast dtype, as ``F.linear`` would (the saved x or x_t in
+    that dtype)."""
 
     @staticmethod
     def forward(ctx, x, handoff, *parts):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         seq_first = is_sequence_first(x)
         xs = (x.transpose(0, 1) if seq_first else x).to(dtype)
-        ctx.save_for_backward(xs, *parts)
+        block = _saved_block(x, handoff)
+        ctx.save_for_backward(xs if block is None else block.detach().to(dtype), *parts)
         ctx.in_dtype, ctx.dtype, ctx.seq_first, ctx.handoff = x.dtype, dtype, seq_first, handoff
+        ctx.regather = block is not None
         # the entry node that will wait for the early collective (this node's input edge: no cycle)
-        ctx.entry = x.grad_fn if handoff is not None else None
+        ctx.entry = x.grad_fn if handoff is not None and handoff.overlap else None
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(xs, parts[0].to(dtype) if len(parts) == 1 else torch.cat(parts, 0).to(dtype))
         return y.transpose(0, 1) if seq_first else y
 
     @staticmethod
     def backward(ctx, g):
-        xs, *parts = ctx.saved_tensors
+        saved, *parts = ctx.saved_tensors
+        wants_dw = any(ctx.needs_input_grad[2:])
+        gathering = ctx.handoff.regather(saved) if ctx.regather and wants_dw else None
         gs = (g.transpose(0, 1) if ctx.seq_first else g).to(ctx.dtype)
         w = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
         dx = None
@@ -168,9 +177,26 @@ class _ColumnProduct(torch.autograd.Function):
                 dx = dx.transpose(0, 1)
             if ctx.entry is not None and torch._C._will_engine_execute_node(ctx.entry):
                 ctx.handoff.launch(dx)          # the input-gradient collective runs during dW
+        if not wants_dw:
+            return (dx, None, *(None for _ in parts))
+        xs = saved if gathering is None else gathering.wait()
+        if gathering is not None and ctx.seq_first:
+            xs = xs.transpose(0, 1)
         dw = (gs.reshape(-1, gs.shape[-1]).t() @ xs.reshape(-1, xs.shape[-1]))
         dws = dw.split([p.shape[0] for p in parts], 0) if len(parts) > 1 else (dw,)
         return (dx, None, *(d.to(p.dtype) for d, p in zip(dws, parts)))
+
+
+def _saved_block(x: torch.Tensor, handoff) -> Optional[torch.Tensor]:
+    """Under SP, the sequence block the entry gathered ``x`` from (saved instead of ``x``), or
+    None: no SP, no handoff, or a block that is not 1/T of ``x`` along the gathered dim."""
+    if handoff is None or not handoff.sequence_parallel:
+        return None
+    block = handoff.take_block()
+    if block is None or block.dim() != x.dim():
+        return None
+    d = handoff.dim % x.dim()
+    return block if block.shape[d] * handoff.axis.size == x.shape[d] else None
 
 
 def column_product(x: torch.Tensor, parts, handoff=None) -> torch.Tensor:
@@ -178,15 +204,6 @@ def column_product(x: torch.Tensor, parts, handoff=None) -> torch.Tensor:
     :func:`gridshard.comm.input_grad_overlap.column_input` overlaps the input-gradient
     collective with the weight-gradient GEMM."""
     return _ColumnProduct.apply(x, handoff, *parts)
-
-
-def _unfuse_gathered(y: torch.Tensor, T: int, parts: int) -> torch.Tensor:
-    """[.., T·parts·m] laid out as (rank, part, m) → global order (part, rank, m)."""
-    if parts == 1 or T == 1:
-        return y
-    m = y.shape[-1] // (T * parts)
-    lead = y.shape[:-1]
-    return y.reshape(*lead, T, parts, m).transpose(-3, -2).reshape(*lead, T * parts * m)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -208,7 +225,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, gather_output: bool = False,
                  skip_bias_add: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
-                 fused_parts: int = 1, dtype: torch.dtype = torch.float32, device=None,
+                 dtype: torch.dtype = torch.float32, device=None,
                  weight_init: Optional[Callable[[torch.Tensor], None]] = None,
                  shared_weight: Optional[nn.Parameter] = None, replicate: int = 1, overlap_input_grad: bool = True,
                  canonical_out: Optional[int] = None):
@@ -221,20 +238,16 @@ class ColumnParallelLinear(nn.Module):
                               f"Fix: use a divisor of {T}.")
         self.replicate = replicate
         blocks = T // replicate
-        fused_note = f" (fused_parts={fused_parts})" if fused_parts > 1 else ""
-        check_divisible(out_features, blocks * fused_parts, f"ColumnParallelLinear out_features{fused_note}",
-                        f"{T_NAME} × fused_parts" if fused_parts > 1 else T_NAME,
-                        f"use out_features that is a multiple of {blocks * fused_parts}, or a tensor size that "
-                        f"divides out_features/fused_parts = {out_features / fused_parts:g}")
+        check_divisible(out_features, blocks, "ColumnParallelLinear out_features", T_NAME,
+                        f"use out_features that is a multiple of {blocks}, or a tensor size that divides "
+                        f"out_features = {out_features}")
         self.in_features, self.out_features = in_features, out_features
         self.out_local = out_features // blocks
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
-        self.fused_parts = fused_parts
         self.overlap_input_grad = overlap_input_grad
         self.precomputed = PrecomputedOutput()    # shared-input parents leave outputs here
-        w_spec = ShardSpec((out_features, in_features), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0,
-                           replicate=replicate,
+        w_spec = ShardSpec((out_features, in_features), ((0, "tensor"),), replicate=replicate,
                            canonical_shape=None if canonical_out is None else (canonical_out, in_features))
         if shared_weight is not None:
             shared_spec = getattr(shared_weight, "shard_spec", None)
@@ -247,8 +260,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.weight = sharded_parameter(w_spec, mesh, weight_init or _normal(init_std), dtype, device)
         if bias:
-            b_spec = ShardSpec((out_features,), ((0, "tensor"),), fused_parts=fused_parts, fused_dim=0,
-                               replicate=replicate)
+            b_spec = ShardSpec((out_features,), ((0, "tensor"),), replicate=replicate)
             self.bias = sharded_parameter(b_spec, mesh, _zeros, dtype, device)
         else:
             self.register_parameter("bias", None)
@@ -262,18 +274,17 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             check_sequence_input(x, name)
         weight, bias = self.local_weight_and_bias()
-        if self.overlap_input_grad:
-            x, handoff = column_input(x, self.axis, self.sequence_parallel)
+        if self.overlap_input_grad or self.sequence_parallel:     # SP: saves its block, re-gathers in backward
+            x, handoff = column_input(x, self.axis, self.sequence_parallel, overlap=self.overlap_input_grad)
             y = column_product(x, (weight,), handoff)
             if bias is not None and not self.skip_bias_add:
                 y = y + bias.to(y.dtype)                  # as F.linear under autocast
         else:
-            x = gather_sequence(x, self.axis, 1) if self.sequence_parallel else copy_to_group(x, self.axis)
-            y = linear_in_layout(x, weight, None if self.skip_bias_add else bias)
+            y = linear_in_layout(copy_to_group(x, self.axis), weight, None if self.skip_bias_add else bias)
         if self.gather_output:
-            y = _unfuse_gathered(gather_from_group(y, self.axis, -1), self.axis.size, self.fused_parts)
+            y = gather_from_group(y, self.axis, -1)
             if self.skip_bias_add and bias is not None:
-                bias = _unfuse_gathered(gather_from_group(bias, self.axis, -1), self.axis.size, self.fused_parts)
+                bias = gather_from_group(bias, self.axis, -1)
         return (y, bias) if self.skip_bias_add else y
 
     def local_weight_and_bias(self):
@@ -287,7 +298,7 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.out_local}), "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}, fused_parts={self.fused_parts}")
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):

@@ -17,10 +17,6 @@ added once per output element (the gathered bias is cached until the optimizer
 changes the shard: one all-gather per step). Backward (autograd): dX = dY·Wᵀ (SUMMA ABᵀ),
 dW = Xᵀ·dY (SUMMA AᵀB), db = reduce-scatter along the column of Σ_tokens dY.
 
-``fused_parts`` = k (gate|up: 2, q|k|v: 3): the out dim is k equal parts each split
-over the q columns, so rank (i, j) computes [part₀ block j, part₁ block j, …] and
-``chunk(k, -1)`` of its output gives its block of every part (whole heads/neurons).
-
 Per rank: parameters (in·out + out)/q² elements; saved for backward the input block
 b·s·in/q² elements (the weight block is a parameter). Communication:
 :func:`gridshard.theory.tp2d.linear2d_comm`.
@@ -39,24 +35,22 @@ from .precomputed import PrecomputedOutput
 from .sharding import ShardSpec, sharded_parameter
 
 
-def weight_spec_2d(in_features: int, out_features: int, fused_parts: int = 1) -> ShardSpec:
-    """[in, out] weight: in split by grid row, out (fused parts separately) by grid column."""
-    return ShardSpec((in_features, out_features), ((0, "grid_row"), (1, "grid_col")),
-                     fused_parts=fused_parts, fused_dim=1, transposed=True)
+def weight_spec_2d(in_features: int, out_features: int) -> ShardSpec:
+    """[in, out] weight: in split by grid row, out by grid column."""
+    return ShardSpec((in_features, out_features), ((0, "grid_row"), (1, "grid_col")), transposed=True)
 
 
-def bias_spec_2d(out_features: int, fused_parts: int = 1) -> ShardSpec:
+def bias_spec_2d(out_features: int) -> ShardSpec:
     """[out] vector: out block j (grid column), then its sub-block i (grid row): out/q² per rank."""
-    return ShardSpec((out_features,), ((0, "grid_col"), (0, "grid_row")), fused_parts=fused_parts, fused_dim=0)
+    return ShardSpec((out_features,), ((0, "grid_col"), (0, "grid_row")))
 
 
-def gather_vector_2d(shard: torch.Tensor, mesh, fused_parts: int = 1, cache=None) -> torch.Tensor:
+def gather_vector_2d(shard: torch.Tensor, mesh, cache=None) -> torch.Tensor:
     """All-gather a :func:`bias_spec_2d` shard [n/q²] along the column → block j [n/q]
-    (backward: reduce-scatter of n/q·e). With fused parts the gathered pieces are reordered
-    from [i][part] to [part][i] so the result is [part₀ block j, part₁ block j, …].
+    (backward: reduce-scatter of n/q·e).
     Inside an open ``cache`` window (:class:`gridshard.comm.grid_ops.GatheredVectors`, one
     optimizer step) the gathered block is reused: one all-gather per step, not one per forward."""
-    return gather_vector(shard, mesh.col, fused_parts, cache)
+    return gather_vector(shard, mesh.col, cache)
 
 
 def _transposed_normal(out_features: int, in_features: int, std: float) -> Callable[[torch.Tensor], None]:
@@ -74,30 +68,25 @@ class Linear2D(nn.Module):
     per cache window; ``None`` gathers it on every forward."""
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,
-                 fused_parts: int = 1, weight_init: Optional[Callable[[torch.Tensor], None]] = None,
+                 weight_init: Optional[Callable[[torch.Tensor], None]] = None,
                  dtype: torch.dtype = torch.float32, device=None, overlap: bool = True,
                  vector_cache: Optional[GatheredVectors] = None):
         super().__init__()
         q = mesh.q
         self.overlap = overlap              # double-buffered async SUMMA broadcasts (False: blocking)
         check_divisible(in_features, q, "in_features", "grid side q")
-        check_divisible(out_features, q * fused_parts, "out_features",
-                        "grid side q × fused_parts" if fused_parts > 1 else "grid side q")
+        check_divisible(out_features, q, "out_features", "grid side q")
         if bias:
-            check_divisible(out_features, q * q * fused_parts, "out_features (bias is split into q² blocks)",
-                            "q² × fused_parts" if fused_parts > 1 else "q²",
-                            f"use out_features a multiple of {q * q * fused_parts} or bias=False")
+            check_divisible(out_features, q * q, "out_features (bias is split into q² blocks)", "q²",
+                            f"use out_features a multiple of {q * q} or bias=False")
         self.mesh, self.in_features, self.out_features = mesh, in_features, out_features
-        self.fused_parts = fused_parts
         self.in_local, self.out_local = in_features // q, out_features // q
         self.vector_cache = vector_cache    # the model's GatheredVectors (one bias gather per window), or none
         self.precomputed = PrecomputedOutput()    # shared-input parents leave outputs here
         init = weight_init or _transposed_normal(out_features, in_features, init_std)
-        self.weight = sharded_parameter(weight_spec_2d(in_features, out_features, fused_parts), mesh, init, dtype,
-                                        device)
+        self.weight = sharded_parameter(weight_spec_2d(in_features, out_features), mesh, init, dtype, device)
         if bias:
-            self.bias = sharded_parameter(bias_spec_2d(out_features, fused_parts), mesh, nn.init.zeros_, dtype,
-                                          device)
+            self.bias = sharded_parameter(bias_spec_2d(out_features), mesh, nn.init.zeros_, dtype, device)
         else:
             self.register_parameter("bias", None)
 
@@ -113,9 +102,9 @@ class Linear2D(nn.Module):
         y = y.view(*x.shape[:-1], self.out_local)
         if self.bias is not None:
             # in the product's dtype, as F.linear under autocast (an fp32 bias would promote a bf16 y)
-            y = y + gather_vector_2d(self.bias, self.mesh, self.fused_parts, self.vector_cache).to(y.dtype)
+            y = y + gather_vector_2d(self.bias, self.mesh, self.vector_cache).to(y.dtype)
         return y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, q={self.mesh.q}, "
-                f"fused_parts={self.fused_parts}, bias={self.bias is not None}")
+                f"bias={self.bias is not None}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..errors import ShapeError
 from ..job_layout import TensorMode
 
 
@@ -163,11 +162,3 @@ def model_shape_rules(mode: str, tensor: int, sequence_parallel: bool, batch: in
                 rule = replace(rule, suggest=_valid_values(rule.what, rule.value, rule.divisor, sizes))
         out.append(rule)
     return out
-
-
-def check_model_shapes(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int,
-                       hidden: int, heads: int, ffn: int, kv_heads=None) -> None:
-    """Raise :class:`ShapeError` for the first rule of :func:`model_shape_rules` that fails."""
-    for rule in model_shape_rules(mode, tensor, sequence_parallel, batch, seq, hidden, heads, ffn, kv_heads):
-        if not rule.holds:
-            raise ShapeError(rule.message())

@@ -19,11 +19,6 @@ apply in order, each narrowing the block left by the previous ones. Examples:
 * Linear2D bias [out]: ``((0, "grid_col"), (0, "grid_row"))`` → rank (i, j) holds
   the i-th sub-block of the j-th out-block, out/q² elements.
 
-``fused_parts = k`` (with ``fused_dim``) describes a fused weight such as
-gate|up (k=2) or q|k|v (k=3): the global dim is k equal parts laid side by side
-and each part is split separately, so rank t holds [part₀ block t, part₁ block t, …]
-and the fused pieces of one head/neuron stay on one rank (Megatron's stride).
-
 ``replicate = r`` makes consecutive groups of r ranks of a split coordinate hold the
 same block: the dim is cut into size/r blocks and rank k holds block k // r (grouped-
 query attention with more tensor ranks than kv heads: T/kv ranks share one kv head).
@@ -50,8 +45,6 @@ from ..errors import check_divisible
 class ShardSpec:
     global_shape: Tuple[int, ...]
     splits: Tuple[Tuple[int, str], ...] = ()
-    fused_parts: int = 1
-    fused_dim: int = 0
     # mesh axes over which each rank's contribution to this (replicated) parameter's
     # gradient is partial (e.g. a norm weight applied to sequence-sharded activations).
     # The layer itself sums it (it uses the parameter through ``copy_to_group``), so the
@@ -70,8 +63,7 @@ class ShardSpec:
         shape = list(self.global_shape)
         for dim, coord in self.splits:
             n = self.blocks(coord, sizes[coord])
-            check_divisible(shape[dim], n * (self.fused_parts if dim == self.fused_dim else 1),
-                            f"dim {dim} of a parameter of shape {self.global_shape}", f"{coord} size")
+            check_divisible(shape[dim], n, f"dim {dim} of a parameter of shape {self.global_shape}", f"{coord} size")
             shape[dim] //= n
         return tuple(shape)
 
@@ -89,14 +81,7 @@ class ShardSpec:
         ``rows = (start, stop)`` narrows the block further to its rows ``[start, stop)`` along
         stored dim 0: ZeRO's data-rank shard (:func:`gridshard.theory.zero.owned_rows`) is this
         same layout with one more narrowing, not a second description. Stored dim 0 is canonical
-        dim 0, or dim 1 of a transposed (Linear2D) block. A fused spec's block is no box
-        (its index lists are not contiguous): LayoutError."""
-        if self.fused_parts > 1:
-            from ..errors import LayoutError
-
-            raise LayoutError(f"a fused tensor ({self.fused_parts} parts side by side, global shape "
-                              f"{self.global_shape}) is not one box of a canonical tensor. Fix: lay the model out "
-                              f"with gridshard.parallelize, which keeps fused projections as separate parameters.")
+        dim 0, or dim 1 of a transposed (Linear2D) block."""
         dims = block_dim_indices(self, index, size)
         if rows is not None:
             dims[0] = dims[0][rows[0]:rows[1]]
@@ -145,28 +130,19 @@ def take_shard(full: torch.Tensor, spec: ShardSpec, index: dict, size: dict) -> 
     """The block of ``full`` (global tensor) held by the rank at coordinates ``index``."""
     out = full
     for dim, coord in spec.splits:
-        n, k = spec.blocks(coord, size[coord]), index[coord] * spec.blocks(coord, size[coord]) // size[coord]
-        if dim == spec.fused_dim and spec.fused_parts > 1:
-            parts = out.chunk(spec.fused_parts, dim=dim)
-            out = torch.cat([p.chunk(n, dim=dim)[k] for p in parts], dim=dim)
-        else:
-            out = out.chunk(n, dim=dim)[k]
+        n = spec.blocks(coord, size[coord])
+        out = out.chunk(n, dim=dim)[index[coord] * n // size[coord]]
     return out.contiguous()
 
 
 def block_dim_indices(spec: ShardSpec, index: dict, size: dict) -> list:
     """For each dim of the global storage tensor, the global indices (LongTensor) that this
-    rank's block holds along it: the block is their Cartesian product (fused parts make a
-    list non-contiguous). Same chunking as :func:`take_shard`, applied to ``arange``."""
+    rank's block holds along it: the block is their Cartesian product. Same chunking as
+    :func:`take_shard`, applied to ``arange``."""
     lists = [torch.arange(n) for n in spec.global_shape]
     for dim, coord in spec.splits:
         n = spec.blocks(coord, size[coord])
-        k = index[coord] * n // size[coord]
-        ix = lists[dim]
-        if dim == spec.fused_dim and spec.fused_parts > 1:
-            lists[dim] = torch.cat([p.chunk(n)[k] for p in ix.chunk(spec.fused_parts)])
-        else:
-            lists[dim] = ix.chunk(n)[k]
+        lists[dim] = lists[dim].chunk(n)[index[coord] * n // size[coord]]
     return lists
 
 

@@ -1,7 +1,7 @@
 """Where a laid-out parameter's block sits in the canonical tensor, in the terms of PyTorch
 components that speak DTensor (``torch.distributed.checkpoint``, FSDP2): its DTensor
-placements (:func:`placements_of`) and its box of offsets (:func:`block_offsets`, which the
-checkpoint writes).
+placements (:func:`placements_of`). Its box of offsets in the canonical tensor, which the
+checkpoint writes, is :meth:`gridshard.nn.sharding.ShardSpec.canonical_box`.
 
 A parameter's :class:`ShardSpec` becomes DTensor placements on the job's tensor sub-mesh
 (1D: ``device_mesh["tensor"]``; 2D: ``device_mesh["grid_row", "grid_col"]``) whenever
@@ -21,8 +21,8 @@ Linear2D weight [in, out]    (0, grid_row), (1, grid_col), ᵀ        (Shard(1),
 
 Not expressible as standard placements (returned as ``None``): 2D norm / bias vectors
 (q² sub-blocks ordered column-major) and kv blocks replicated in groups of T/kv. Those
-are still plain offset blocks of the canonical tensor (:func:`block_offsets`), which is all
-a checkpoint planner needs.
+are still plain offset blocks of the canonical tensor (``ShardSpec.canonical_box``), which is
+all a checkpoint planner needs.
 
 The views themselves (``DTensor.from_local`` over each block, sharing its storage) are
 built by :mod:`gridshard.testing.dtensor_views`: only tests read them today.
@@ -33,13 +33,13 @@ from typing import Optional
 
 from torch.distributed.tensor import Replicate, Shard
 
-from ..nn.sharding import ShardSpec, mesh_coords
+from ..nn.sharding import ShardSpec
 
 
 def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
     """DTensor placements of the canonical tensor on the tensor dims of the device mesh
     (``tensor`` in 1D, ``(grid_row, grid_col)`` in 2D), or None."""
-    if spec.replicate > 1 or spec.fused_parts > 1:
+    if spec.replicate > 1:
         return None
     ndim = len(spec.global_shape)
 
@@ -60,11 +60,3 @@ def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
     if len(set(by_coord.values())) != len(by_coord):
         return None                                   # two coords on one dim: not mesh-ordered
     return tuple(Shard(canon_dim(by_coord[c])) if c in by_coord else Replicate() for c in ("grid_row", "grid_col"))
-
-
-def block_offsets(spec: ShardSpec, mesh) -> list:
-    """(offset, length) of this rank's block along each canonical dim (padding excluded):
-    :meth:`ShardSpec.canonical_box` at this rank's coordinates, (0, 0) on every dim when the
-    block is padding only."""
-    box = spec.canonical_box(*mesh_coords(mesh))
-    return list(box) if box is not None else [(0, 0)] * len(spec.canonical())

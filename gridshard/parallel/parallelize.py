@@ -174,8 +174,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
 
     ``plan`` defaults to the model family's table; ``sequence_parallel`` (1D only);
     ``seed`` drives the counter-based initialisation of meta parameters (same seed → the
-    same global model at every layout); ``device`` where the blocks live (default: CUDA
-    if available, else CPU); ``summa_overlap`` (2D) double-buffered async SUMMA
+    same global model at every layout); ``device`` where the blocks live (default:
+    :func:`gridshard.device.rank_device`: ``cuda:LOCAL_RANK`` under nccl, the CPU under gloo); ``summa_overlap`` (2D) double-buffered async SUMMA
     broadcasts, or blocking ones when False; ``overlap_input_grad`` (1D) each column
     layer's input-gradient collective overlapped with its weight-gradient GEMM
     (:mod:`gridshard.comm.input_grad_overlap`), or issued after it when False.

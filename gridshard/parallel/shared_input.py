@@ -9,9 +9,11 @@ but breaks the canonical layout (its rank blocks interleave the parts).
 So the projections keep separate parameters and the parent module gets a forward
 pre-hook that, for its input x,
 
-* 1D: prepares x once (``gather_sequence`` under sequence parallelism, else
+* 1D: prepares x once (the sequence all-gather under sequence parallelism, else
   ``copy_to_group``) and computes ``x · [W_q; W_k; W_v]_tᵀ`` on the concatenated local
-  blocks (+ the concatenated biases);
+  blocks (+ the concatenated biases); under SP that one product keeps only the rank's
+  sequence block for backward and re-gathers it there (:mod:`gridshard.comm.input_grad_overlap`),
+  so the gathered x replacing the parent's input lives only through the parent's forward;
 * 2D: computes one SUMMA A·B with B = [W_q | W_k | W_v] (the local [in/q, n/q] blocks
   side by side: column j of the grid holds block j of every part, so the product's
   block j is [q block j | k block j | v block j]) and adds each part's gathered bias;
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.dual_ops import copy_to_group, gather_sequence
+from ..comm.dual_ops import copy_to_group
 from ..comm.input_grad_overlap import column_input
 from ..comm.summa import summa_ab_parts
 from ..nn.linear_1d import ColumnParallelLinear, column_product, is_sequence_first
@@ -59,15 +61,15 @@ def _first_input(args, kwargs):
 def _prepare_1d(children, x):
     """(full input, handoff): the sequence all-gather under SP, else x itself; the handoff
     carries the input gradient's collective from the product to this entry (overlapped
-    with the weight gradient, :mod:`gridshard.comm.input_grad_overlap`), or None for the
-    two-node order (``copy_to_group`` / ``gather_sequence``)."""
+    with the weight gradient, :mod:`gridshard.comm.input_grad_overlap`) and, under SP, the
+    sequence block the product saves (re-gathered in backward) instead of the full input; or
+    None for the two-node order without SP (``copy_to_group``)."""
     first = children[0]
     if first.sequence_parallel and x.dim() != 3:
         return None
-    if all(c.overlap_input_grad for c in children):
-        return column_input(x, first.axis, first.sequence_parallel)
-    if first.sequence_parallel:
-        return gather_sequence(x, first.axis, 1), None
+    overlap = all(c.overlap_input_grad for c in children)
+    if overlap or first.sequence_parallel:
+        return column_input(x, first.axis, first.sequence_parallel, overlap=overlap)
     return copy_to_group(x, first.axis), None
 
 

@@ -3,8 +3,7 @@
 parallelism. See ``docs/pipeline.md``."""
 from .build import pipeline_rank_model
 from .runner import SCHEDULES, PipelineRunner
-from .split import HFRankModel, RankModel, stage_layer_counts, stage_layer_ids, stages_of_rank
+from .split import HFRankModel, RankModel
 from .tied import TiedEmbeddingSync
 
-__all__ = ["HFRankModel", "PipelineRunner", "RankModel", "SCHEDULES", "TiedEmbeddingSync", "pipeline_rank_model",
-           "stage_layer_counts", "stage_layer_ids", "stages_of_rank"]
+__all__ = ["HFRankModel", "PipelineRunner", "RankModel", "SCHEDULES", "TiedEmbeddingSync", "pipeline_rank_model"]

@@ -31,7 +31,6 @@ from typing import Sequence
 
 from torch import nn
 
-from ..job_layout import stage_layer_counts, stage_layer_ids, stages_of_rank  # noqa: F401  (the split's home)
 from ..models.hf_stages import LlamaStagePieces, check_stageable
 from ..models.llama import Transformer
 

@@ -23,8 +23,9 @@ def resolve_hardware(name: str):
 
 def run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag) -> None:
     from . import report
-    from .search import plan
+    from .search import check_top, plan
 
+    check_top(top)
     result = plan(source, gpus, nodes=nodes, hardware=resolve_hardware(hardware), overrides=overrides)
     if as_json:
         click.echo(report.as_json(result, top))

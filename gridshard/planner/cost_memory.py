@@ -40,9 +40,10 @@ from .layouts import Layout
 from .memo import rank_blocks
 
 
-def stage_layers_of_rank(layers: int, P: int, V: int) -> list:
-    """Decoder layer ids of each pipeline rank (stages r, r+P, … of the P·V stages)."""
-    split = StageSplit.of(layers, P, V)
+def stage_layers_of_rank(layers: int, P: int, V: int, explicit=None) -> list:
+    """Decoder layer ids of each pipeline rank (stages r, r+P, … of the P·V stages); ``explicit``:
+    the layout's ``stage_layers`` (None: the default split)."""
+    split = StageSplit.of(layers, P, V, explicit)
     return [split.rank_layer_ids(r) for r in range(P)]
 
 
@@ -66,7 +67,7 @@ def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
     ``plan`` of configs/llama_7b.yaml on 64 GPUs)."""
     P, V = layout.pipeline, layout.virtual_stages
     A = micro_batches_per_step(global_batch, layout.micro_batch, layout.data)
-    per_rank = stage_layers_of_rank(model_cfg.layers, P, V) if P > 1 else [None]
+    per_rank = stage_layers_of_rank(model_cfg.layers, P, V, layout.stage_layers) if P > 1 else [None]
     worst = None
     for r in ranks_to_check(per_rank) if P > 1 else [0]:
         mem = predict_rank_memory(

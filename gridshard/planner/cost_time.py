@@ -37,7 +37,11 @@ at different times — on an over-subscribed CPU about a scheduler slice per cal
 :mod:`~gridshard.theory.tp2d` call counts).
 
 Pipeline: each micro-batch crosses the rank's stage boundaries forward and backward,
-:func:`~gridshard.theory.pipeline.boundary_bytes` each (``send`` link), exposed, plus
+:func:`~gridshard.theory.pipeline.boundary_bytes` each (``send`` link), exposed — the rank's
+block of the hidden state (:meth:`gridshard.job_layout.TensorMode.boundary_block`: 1/T of it
+under sequence parallelism, 1/q² in 2D) in the run's compute dtype (``train.precision``: 2
+bytes per element in bf16, as Megatron sends; theory.pipeline on what gridshard's autocast
+runtime sends) — plus
 ``Hardware.p2p_call_overhead_s`` of schedule work per crossing (calibrated; 0 in the GPU files). The
 schedule's idle share b = :func:`~gridshard.theory.pipeline.bubble_fraction`; with t_mb the
 busy time of one micro-batch::
@@ -343,95 +347,176 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     return node_step([cost], hw, max(1, world // max(1, nodes)))
 
 
+@dataclass
+class _Pricing:
+    """How one rank's terms are priced: the link of each mesh dim, and on the critical path the
+    compute stretch and the sync skew per call (1 and 0 on an over-subscribed node, whose
+    contention is the throughput bound's; module docstring, "Two bounds")."""
+
+    hw: Hardware
+    levels: dict
+    stretch: float
+    skew: float
+    ranks_per_node: int
+
+
+def _pricing(layout: Layout, hw: Hardware, nodes: int) -> _Pricing:
+    world = layout.data * layout.pipeline * layout.tensor
+    ranks_per_node = max(1, world // max(1, nodes))
+    throughput_node = hw.oversubscribed(ranks_per_node)
+    return _Pricing(hw, link_levels(layout, hw, nodes), 1.0 if throughput_node else hw.contention(ranks_per_node),
+                    0.0 if throughput_node else hw.sync_skew_s, ranks_per_node)
+
+
+def microbatch_flops(cfg, layout: Layout, seq: int, layers: int, last: bool) -> float:
+    """F of the module docstring: one micro-batch's FLOPs on a rank with ``layers`` decoder
+    layers (+ the head when ``last``), with the recompute's extra forward."""
+    m, T, kvh = layout.micro_batch, layout.tensor, cfg.kv_heads * cfg.head_dim
+    f_layer = flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, seq, kvh)
+    f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, cfg.ffn_hidden, seq, kvh)
+    flops = m * seq * (layers * f_layer + (f_head if last else 0.0)) / T
+    if layout.recompute == "full":
+        flops += m * seq * layers * f_layer / (3 * T)
+    elif layout.recompute == "selective":
+        core = f_layer - flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, 0, kvh)
+        flops += m * seq * layers * core / (3 * T)
+    return flops
+
+
+def _compute_mb(cfg, layout: Layout, hw: Hardware, seq: int, layers: int, last: bool, precision: str,
+                activation_bytes: int) -> tuple:
+    """(seconds at full speed, FLOPs) of one micro-batch's compute: t_gemm + t_elem + t_ops."""
+    flops = microbatch_flops(cfg, layout, seq, layers, last)
+    t_gemm = flops / hw.flops_rate(precision, gemm_flops(cfg, layout, seq))
+    passes = ELEMENTWISE_PASSES + (1 if layout.recompute == "full" else 0)      # full: the forward again
+    t_elem = passes * activation_bytes / (hw.elementwise_bandwidth or hw.memory_bandwidth)
+    t_ops = layers * hw.layer_overhead_s * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
+    return t_gemm + t_elem + t_ops, flops
+
+
+def _tensor_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, first: bool, last: bool) -> tuple:
+    """(critical-path seconds, busy CPU seconds) of one micro-batch's tensor-parallel collectives."""
+    T, hw = layout.tensor, pr.hw
+    vols = []
+    if layout.mode.is_1d and T > 1:
+        vols = tensor_comm_1d(cfg, layout, seq, layers, first, last)
+    elif layout.mode.is_grid and T > 1:
+        vols = tensor_comm_2d(cfg, layout, seq, layers, first, last)
+    around = sum(sum(v.calls.values()) for v in vols) * hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
+    level = pr.levels["tensor"]
+    return (comm_seconds(vols, hw, level, pr.skew) + around * pr.stretch,
+            comm_cpu_seconds(vols, hw, level) + around)
+
+
+def stage_crossings(layout: Layout, first: bool, last: bool) -> int:
+    """Stage boundaries one micro-batch crosses on this rank, forward and backward together:
+    one stage per rank: [not first] + [not last]; V stages per rank: 2V less the two ends."""
+    if layout.pipeline <= 1:
+        return 0
+    if layout.virtual_stages > 1:
+        return max(0, 2 * layout.virtual_stages - (1 if first else 0) - (1 if last else 0))
+    return int(not last) + int(not first)
+
+
+def _pipeline_mb(cfg, layout: Layout, pr: _Pricing, seq: int, first: bool, last: bool, precision: str) -> tuple:
+    """(critical-path seconds, busy CPU seconds) of one micro-batch's stage sends: each crossing
+    moves :func:`~gridshard.theory.pipeline.boundary_bytes` in the compute dtype."""
+    crossings = stage_crossings(layout, first, last)
+    if not crossings:
+        return 0.0, 0.0
+    per = boundary_bytes(layout.tensor_mode, layout.sequence_parallel, layout.tensor, layout.micro_batch, seq,
+                         cfg.hidden, dtype=precision)
+    send, overhead = pr.hw.link(pr.levels["pipeline"], "send"), pr.hw.p2p_call_overhead_s
+    return (send.seconds(per * crossings, crossings) + crossings * (pr.skew + overhead * pr.stretch),
+            send.cpu_seconds(per * crossings, crossings) + crossings * overhead)
+
+
+@dataclass
+class _DataCost:
+    """One step's data-parallel terms (seconds): the reduction, its exposed part, ZeRO-3's
+    gathers per micro-batch, ZeRO-1/2's gather after the step, and the busy CPU of them all."""
+
+    reduce_s: float = 0.0
+    exposed_reduce_s: float = 0.0
+    gather_per_mb_s: float = 0.0
+    gather_after_s: float = 0.0
+    busy_s: float = 0.0
+
+
+def _data_step(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int,
+               compute_mb: float) -> _DataCost:
+    """The data-parallel terms of one step (module docstring): the reduction hides under
+    ``dp_overlap`` × 2/3 of the last micro-batch's compute when P = 1, its last unit exposed."""
+    reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, bucket_bytes)
+    level, hw = pr.levels["data"], pr.hw
+    out = _DataCost(busy_s=comm_cpu_seconds([gather, reduce], hw, level))     # (None: no such calls)
+    if gather is not None:
+        t_gather = comm_seconds([gather], hw, level, pr.skew)
+        if layout.zero == 3:
+            out.gather_per_mb_s = t_gather / A          # per micro-batch (its layer gathers)
+        else:
+            out.gather_after_s = t_gather
+    out.reduce_s = comm_seconds([reduce], hw, level, pr.skew)
+    hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb if layout.pipeline == 1 else 0.0
+    if out.reduce_s:
+        out.exposed_reduce_s = max(out.reduce_s - hide, out.reduce_s / max(1, units))
+    return out
+
+
+def _step_extras(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last: bool, stop_agreement: bool,
+                 log_interval: int) -> dict:
+    """Per-step terms outside the micro-batches: AdamW over the owned elements, the small
+    norm all-reduces and the trainer's bookkeeping, on the critical path and as busy CPU."""
+    hw, levels, T = pr.hw, pr.levels, layout.tensor
+    blocks = rank_blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
+    owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
+    small_calls = [("tensor", T), ("pipeline", layout.pipeline), ("data", layout.data)]
+    stop_s, log_s = trainer_bookkeeping(hw, layout, levels["data"], stop_agreement, log_interval, skew=pr.skew)
+    world = layout.data * layout.pipeline * T
+    return {"busy_opt": ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth,
+            "small": sum(call_seconds(hw, levels[d], "all_reduce", 8, n, skew=pr.skew) for d, n in small_calls),
+            "busy_small": sum(call_cpu_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in small_calls),
+            "stop": stop_s, "log": log_s,
+            "busy_stop": call_cpu_seconds(hw, levels["data"], "all_reduce", 4, world) if stop_agreement else 0.0}
+
+
 def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: int, precision: str = "fp32",
               nodes: int = 1, layer_ids=None, first: bool = True, last: bool = True, activation_bytes: int = 0,
               bucket_mb: float = 25.0, stop_agreement: bool = False, log_interval: int = 1) -> RankCost:
     """Critical path and busy time of the rank holding ``layer_ids`` (module docstring). On an
     over-subscribed node the critical path is priced at full speed and without the sync skew
     (the contention is the throughput bound's), elsewhere with the node's contention (1 on GPUs)."""
-    s, m, T = seq_len, layout.micro_batch, layout.tensor
-    A = micro_batches_per_step(global_batch, m, layout.data)
+    s, P = seq_len, layout.pipeline
+    A = micro_batches_per_step(global_batch, layout.micro_batch, layout.data)
     layers = cfg.layers if layer_ids is None else len(layer_ids)
-    kvh = cfg.kv_heads * cfg.head_dim
-    world = layout.data * layout.pipeline * T
-    ranks_per_node = max(1, world // max(1, nodes))
-    throughput_node = hw.oversubscribed(ranks_per_node)
-    stretch = 1.0 if throughput_node else hw.contention(ranks_per_node)
-    skew = 0.0 if throughput_node else hw.sync_skew_s
-    levels = link_levels(layout, hw, nodes)
-
-    f_layer = flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, s, kvh)
-    f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, cfg.ffn_hidden, s, kvh)
-    flops = m * s * (layers * f_layer + (f_head if last else 0.0)) / T
-    if layout.recompute == "full":
-        flops += m * s * layers * f_layer / (3 * T)
-    elif layout.recompute == "selective":
-        core = f_layer - flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, 0, kvh)
-        flops += m * s * layers * core / (3 * T)
-    t_gemm = flops / hw.flops_rate(precision, gemm_flops(cfg, layout, s))
-    passes = ELEMENTWISE_PASSES + (1 if layout.recompute == "full" else 0)      # full: the forward again
-    t_elem = passes * activation_bytes / (hw.elementwise_bandwidth or hw.memory_bandwidth)
-    t_ops = layers * hw.layer_overhead_s * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
-    busy_compute_mb = t_gemm + t_elem + t_ops
-    compute_mb = busy_compute_mb * stretch
-
-    tensor_vols = []
-    if layout.mode.is_1d and T > 1:
-        tensor_vols = tensor_comm_1d(cfg, layout, s, layers, first, last)
-    elif layout.mode.is_grid and T > 1:
-        tensor_vols = tensor_comm_2d(cfg, layout, s, layers, first, last)
-    around = sum(sum(v.calls.values()) for v in tensor_vols) * hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
-    t_tensor_mb = comm_seconds(tensor_vols, hw, levels["tensor"], skew) + around * stretch
-    busy_tensor_mb = comm_cpu_seconds(tensor_vols, hw, levels["tensor"]) + around
-
-    P, V = layout.pipeline, layout.virtual_stages
-    t_p2p_mb = busy_p2p_mb = 0.0
-    if P > 1:
-        per = boundary_bytes(layout.tensor_mode, layout.sequence_parallel, T, m, s, cfg.hidden)
-        crossings = max(0, 2 * V - (1 if first else 0) - (1 if last else 0) if V > 1 else (not last) + (not first))
-        send = hw.link(levels["pipeline"], "send")
-        t_p2p_mb = send.seconds(per * crossings, crossings) + crossings * (skew + hw.p2p_call_overhead_s * stretch)
-        busy_p2p_mb = send.cpu_seconds(per * crossings, crossings) + crossings * hw.p2p_call_overhead_s
-
-    reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, int(bucket_mb * (1 << 20)))
-    t_gather_in_step = t_gather_after = 0.0
-    busy_data = comm_cpu_seconds([gather, reduce], hw, levels["data"])    # (None: no such calls)
-    if gather is not None:
-        t_gather = comm_seconds([gather], hw, levels["data"], skew)
-        if layout.zero == 3:
-            t_gather_in_step = t_gather / A          # per micro-batch (its layer gathers)
-        else:
-            t_gather_after = t_gather
-    t_reduce = comm_seconds([reduce], hw, levels["data"], skew)
-    hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb if P == 1 else 0.0
-    exposed_reduce = max(t_reduce - hide, t_reduce / max(1, units)) if t_reduce else 0.0
-
-    t_mb = compute_mb + t_tensor_mb + t_p2p_mb + t_gather_in_step
-    bubble = bubble_fraction(P, A, layout.pipeline_schedule, V) if P > 1 else 0.0
+    pr = _pricing(layout, hw, nodes)
+    busy_compute_mb, flops = _compute_mb(cfg, layout, hw, s, layers, last, precision, activation_bytes)
+    compute_mb = busy_compute_mb * pr.stretch
+    t_tensor_mb, busy_tensor_mb = _tensor_mb(cfg, layout, pr, s, layers, first, last)
+    t_p2p_mb, busy_p2p_mb = _pipeline_mb(cfg, layout, pr, s, first, last, precision)
+    data = _data_step(cfg, layout, pr, layer_ids, first, last, A, int(bucket_mb * (1 << 20)), compute_mb)
+    t_mb = compute_mb + t_tensor_mb + t_p2p_mb + data.gather_per_mb_s
+    bubble = bubble_fraction(P, A, layout.pipeline_schedule, layout.virtual_stages) if P > 1 else 0.0
     bubble_s = A * t_mb * bubble / (1.0 - bubble) if P > 1 else 0.0
-
-    blocks = rank_blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
-    owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
-    busy_opt = ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth
-    small_calls = [("tensor", T), ("pipeline", P), ("data", layout.data)]
-    small = sum(call_seconds(hw, levels[d], "all_reduce", 8, n, skew=skew) for d, n in small_calls)
-    busy_small = sum(call_cpu_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in small_calls)
-    stop_s, log_s = trainer_bookkeeping(hw, layout, levels["data"], stop_agreement, log_interval, skew=skew)
-    busy_stop = call_cpu_seconds(hw, levels["data"], "all_reduce", 4, world) if stop_agreement else 0.0
+    x = _step_extras(cfg, layout, pr, layer_ids, first, last, stop_agreement, log_interval)
     latency = StepTime(compute_s=A * compute_mb, tensor_comm_s=A * t_tensor_mb, pipeline_comm_s=A * t_p2p_mb,
-                       data_comm_s=exposed_reduce + t_gather_after + A * t_gather_in_step, bubble_s=bubble_s,
-                       optimizer_s=busy_opt * stretch, overhead_s=hw.step_overhead_s * stretch + small + stop_s,
-                       details={"micro_batches": A, "bubble_fraction": bubble, "links": levels,
-                                "contention": hw.contention(ranks_per_node),
+                       data_comm_s=data.exposed_reduce_s + data.gather_after_s + A * data.gather_per_mb_s,
+                       bubble_s=bubble_s, optimizer_s=x["busy_opt"] * pr.stretch,
+                       overhead_s=hw.step_overhead_s * pr.stretch + x["small"] + x["stop"],
+                       details={"micro_batches": A, "bubble_fraction": bubble, "links": pr.levels,
+                                "contention": hw.contention(pr.ranks_per_node),
                                 "gemm_flops": gemm_flops(cfg, layout, s), "flops_per_microbatch": flops,
-                                "data_reduce_s": t_reduce, "data_reduce_hidden_s": t_reduce - exposed_reduce,
-                                "zero3_gather_s": A * t_gather_in_step, "stop_agreement_s": stop_s,
-                                "log_bookkeeping_s": log_s})
+                                "data_reduce_s": data.reduce_s,
+                                "data_reduce_hidden_s": data.reduce_s - data.exposed_reduce_s,
+                                "zero3_gather_s": A * data.gather_per_mb_s, "stop_agreement_s": x["stop"],
+                                "log_bookkeeping_s": x["log"]})
     busy = StepTime(compute_s=A * busy_compute_mb, tensor_comm_s=A * busy_tensor_mb, pipeline_comm_s=A * busy_p2p_mb,
-                    data_comm_s=busy_data, bubble_s=0.0, optimizer_s=busy_opt,
-                    overhead_s=hw.step_overhead_s + busy_small + busy_stop)
+                    data_comm_s=data.busy_s, bubble_s=0.0, optimizer_s=x["busy_opt"],
+                    overhead_s=hw.step_overhead_s + x["busy_small"] + x["busy_stop"])
     return RankCost(latency, busy)
 
 
-__all__ = ["StepTime", "RankCost", "step_time", "tensor_calls_per_layer", "rank_cost", "node_step", "comm_cpu_seconds", "tensor_comm_1d", "tensor_comm_2d", "recompute2d_comm", "data_comm",
-           "comm_seconds", "call_seconds", "trainer_bookkeeping", "link_levels", "gemm_flops"]
+__all__ = ["StepTime", "RankCost", "step_time", "tensor_calls_per_layer", "rank_cost", "node_step",
+           "microbatch_flops", "stage_crossings", "comm_cpu_seconds", "tensor_comm_1d", "tensor_comm_2d",
+           "recompute2d_comm", "data_comm", "comm_seconds", "call_seconds", "trainer_bookkeeping", "link_levels",
+           "gemm_flops"]

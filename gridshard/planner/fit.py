@@ -100,7 +100,8 @@ def config_layout(cfg):
 
     p, t = cfg.parallel, cfg.train
     return Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, p.sequence_parallel, t.zero, t.recompute,
-                  t.micro_batch, p.pipeline_schedule, p.virtual_stages)
+                  t.micro_batch, p.pipeline_schedule, p.virtual_stages,
+                  None if p.stage_layers is None else tuple(p.stage_layers))
 
 
 def _hardware(budget: MemoryBudget):
@@ -135,7 +136,8 @@ def _changed_keys(cfg, layout) -> list:
         have = getattr(cfg, section)
         for k, v in values.items():
             if getattr(have, k) != v:
-                out.append(f"{section}.{k}={str(v).lower() if isinstance(v, bool) else v}")
+                shown = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v).replace(" ", "")
+                out.append(f"{section}.{k}={shown}")
     return out
 
 

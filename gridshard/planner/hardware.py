@@ -180,11 +180,25 @@ def _link_table(raw: dict) -> dict:
     return out
 
 
+def _peak_flops(raw: dict) -> dict:
+    """``peak_flops`` as written (a calibrated profile's measured rates), or the datasheet table
+    of the GPU named by ``peak_flops_of`` (:mod:`gridshard.peak_flops`, the table MFU reads too)."""
+    if "peak_flops" in raw:
+        return {k: float(v) for k, v in raw["peak_flops"].items()}
+    from ..peak_flops import device_peaks
+
+    peaks = device_peaks(raw["peak_flops_of"])
+    if peaks is None:
+        raise ConfigError(f"peak_flops_of={raw['peak_flops_of']!r} names no GPU of gridshard/peak_flops.py. Fix: "
+                          f"an exact name from its DEVICE_PEAK_FLOPS, or a \"peak_flops\" table in the file.")
+    return peaks
+
+
 def hardware_from_dict(raw: dict) -> Hardware:
     try:
         return Hardware(
             name=raw["name"], device_memory_bytes=int(raw["device_memory_bytes"]),
-            peak_flops={k: float(v) for k, v in raw["peak_flops"].items()},
+            peak_flops=_peak_flops(raw),
             gemm_efficiency=sorted([float(f), float(e)] for f, e in raw["gemm_efficiency"]),
             memory_bandwidth=float(raw["memory_bandwidth"]), links=_link_table(raw["links"]),
             devices_per_node=int(raw.get("devices_per_node", 8)),

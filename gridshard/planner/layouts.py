@@ -13,7 +13,11 @@ combination the device count allows:
 * micro_batch: every divisor of global_batch / D (up to ``max_micro_batch``, 16 by default);
 * P > 1: ``gpipe``, ``1f1b`` and ``interleaved_1f1b`` with V ∈ {2, 4} virtual stages.
   ``zero_bubble`` is not enumerated (the memory model does not describe its deferred
-  weight passes, and ZeRO-3 refuses it).
+  weight passes, and ZeRO-3 refuses it);
+* the stage split: the default (``stage_layers`` None: L/S layers per stage,
+  :func:`gridshard.job_layout.stage_layer_counts`); the search adds the explicit split with one
+  layer moved off the last stage (:func:`lighter_end_splits`, which can lighten either end)
+  where the head makes that stage the slowest (:func:`.search.split_variants`).
 
 Validity is the config's own: :func:`layout_problem` applies
 :mod:`gridshard.config.validate`'s rules to the input config with the layout written in,
@@ -30,7 +34,7 @@ from typing import Iterator, Optional
 from ..config import validate as rules
 from ..config.schema import TrainConfig
 from ..errors import ConfigError, LayoutError
-from ..job_layout import TensorMode
+from ..job_layout import TensorMode, stage_layer_counts
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -52,15 +56,18 @@ class Layout:
     micro_batch: int
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
+    stage_layers: Optional[tuple] = None        # explicit decoder layers per stage; None: the default split
 
     @property
     def mode(self) -> TensorMode:
         return TensorMode.parse(self.tensor_mode)
 
     def parallel_section(self) -> dict:
+        """The ``parallel:`` keys (``stage_layers`` None for the default split)."""
         return {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor, "tensor_mode": self.tensor_mode,
                 "sequence_parallel": self.sequence_parallel, "pipeline_schedule": self.pipeline_schedule,
-                "virtual_stages": self.virtual_stages}
+                "virtual_stages": self.virtual_stages,
+                "stage_layers": None if self.stage_layers is None else list(self.stage_layers)}
 
     def train_section(self) -> dict:
         return {"zero": self.zero, "recompute": self.recompute, "micro_batch": self.micro_batch}
@@ -70,10 +77,49 @@ class Layout:
         pipe = ""
         if self.pipeline > 1:
             pipe = f" {self.pipeline_schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return f"D{self.data} P{self.pipeline} T{self.tensor} {mode}{pipe} z{self.zero} rc={self.recompute} m{self.micro_batch}"
+        split = "" if self.stage_layers is None else f" layers={split_label(self.stage_layers)}"
+        return (f"D{self.data} P{self.pipeline} T{self.tensor} {mode}{pipe}{split} z{self.zero} rc={self.recompute} "
+                f"m{self.micro_batch}")
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def split_label(counts) -> str:
+    """Layers per stage, runs of equal counts shortened: (7, 8, 8, 8, 7) → ``7,8×3,7``."""
+    runs: list = []
+    for n in counts:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ",".join(str(n) if k == 1 else f"{n}×{k}" for n, k in runs)
+
+
+def lighter_end_splits(layers: int, stages: int, off_first: bool, off_last: bool) -> list:
+    """Explicit splits of ``layers`` over ``stages`` that move one decoder layer off the first
+    stage (``off_first``), the last (``off_last``) or each of them, relative to the default
+    :func:`~gridshard.job_layout.stage_layer_counts`: each moved layer goes to the stage with
+    the fewest layers among the middle ones (the one nearest the middle on a tie), or with two
+    stages to the other end. An end keeps at least one layer. Returns tuples, none equal to
+    the default."""
+    default = stage_layer_counts(layers, stages)
+    if stages < 2:
+        return []
+    wanted = [(True, False)] * off_first + [(False, True)] * off_last + \
+        [(True, True)] * (off_first and off_last and stages > 2)
+    out = []
+    for f, la in wanted:
+        counts = list(default)
+        for end, move in ((0, f), (stages - 1, la)):
+            if not move or counts[end] <= 1:
+                continue
+            counts[end] -= 1
+            takers = list(range(1, stages - 1)) or [stages - 1 - end]
+            counts[min(takers, key=lambda i: (counts[i], abs(2 * i - (stages - 1))))] += 1
+        if counts != default and tuple(counts) not in out:
+            out.append(tuple(counts))
+    return out
 
 
 def factorisations(n: int) -> list:
@@ -131,7 +177,7 @@ def enumerate_layouts(world: int, global_batch: int, zero_stages=(0, 1, 2, 3), r
 
 def apply_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
     """``cfg`` with the layout's parallel section and train keys written in (nothing else changes)."""
-    parallel = cfg.parallel.model_copy(update={**layout.parallel_section(), "stage_layers": None})
+    parallel = cfg.parallel.model_copy(update=layout.parallel_section())
     train = cfg.train.model_copy(update=layout.train_section())
     return cfg.model_copy(update={"parallel": parallel, "train": train})
 
@@ -153,4 +199,4 @@ def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available:
 
 
 __all__ = ["Layout", "enumerate_layouts", "factorisations", "divisors", "apply_layout", "layout_problem",
-"RECOMPUTE", "SCHEDULES"]
+           "lighter_end_splits", "split_label", "RECOMPUTE", "SCHEDULES"]

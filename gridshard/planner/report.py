@@ -47,7 +47,8 @@ def explain(result: PlanResult) -> str:
     """Why the top choice wins: its memory and time split, and how the runners-up differ."""
     best = result.best
     mem, st, hw = best.memory, best.step, result.hardware
-    lines = [f"Best: {best.layout.label()}",
+    lines = [result.nodes_note] * bool(result.nodes_note) + [
+             f"Best: {best.layout.label()}",
              f"  memory per rank (worst rank, pipeline rank {best.memory_rank}): params {gib(mem.params)}, grads "
              f"{gib(mem.grads)}, optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)}, buffers "
              f"{gib(mem.comm_buffers + mem.transient)}, baseline {gib(mem.baseline)}, + {mem.margin_fraction:.0%} "
@@ -93,7 +94,8 @@ def _why(best: Candidate, other: Candidate) -> str:
 
 
 def written_config(result: PlanResult, candidate: Candidate = None) -> dict:
-    """The input config (as written, plus the overrides) with the chosen ``parallel:`` section and
+    """The input config (as written, plus the overrides) with the chosen ``parallel:`` section
+    (``stage_layers`` when the layout has an explicit split, else none) and
     ``train.zero/recompute/micro_batch`` merged in."""
     from ..config.load import apply_overrides, default_config_dict, read_yaml
 
@@ -110,7 +112,8 @@ def written_config(result: PlanResult, candidate: Candidate = None) -> dict:
     c = candidate or result.best
     parallel = dict(raw.get("parallel") or {})
     parallel.update(c.layout.parallel_section())
-    parallel.pop("stage_layers", None)
+    if parallel.get("stage_layers") is None:          # the default split: no key
+        parallel.pop("stage_layers", None)
     train = dict(raw.get("train") or {})
     train.update(c.layout.train_section())
     raw["parallel"], raw["train"] = parallel, train

@@ -13,21 +13,38 @@ For each candidate :class:`~gridshard.planner.layouts.Layout`:
 Feasible layouts are ranked by predicted step time (ties: less memory). When none is
 feasible, :class:`PlanError` says why and names the nearest feasible alternative (another
 device count, or the smallest-memory layout and what it lacks).
+
+Stage splits: every pipeline layout is first priced with the default split (L/S layers per
+stage, :func:`gridshard.job_layout.stage_layer_counts`). When its step is decided by the
+critical path, the slowest pipeline rank holds the last stage and the head outweighs a decoder
+layer (:func:`split_variants`; the embedding, a lookup, never outweighs one, so by time the
+first stage is never the one to lighten), the layout with one layer moved off the last stage
+(:func:`~gridshard.planner.layouts.lighter_end_splits`) is priced too, and ranked with the
+rest when it fits and is faster than the default split; ``--write`` then writes its
+``parallel.stage_layers``.
+
+Nodes: without ``nodes`` the N devices go on ⌈N / devices_per_node⌉ nodes of the hardware
+(the fewest nodes that split N evenly with at most ``devices_per_node`` each,
+:func:`default_nodes`). The request is checked before anything is priced
+(:func:`check_request`): N, nodes and ``top`` ≥ 1, nodes dividing N, at most
+``devices_per_node`` devices per node, and the config's own positivity rules (batch sizes).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..config import load_config
+from ..config import validate as rules
 from ..errors import ConfigError
 from ..theory.memory import activation_bytes
 from ..theory.training import flops_per_token, mfu
 from .cost_memory import layout_memory, ranks_to_check, stage_layers_of_rank
-from .cost_time import StepTime, node_step, rank_cost
+from .cost_time import StepTime, microbatch_flops, node_step, rank_cost
 from .hardware import Hardware, load_hardware
-from .layouts import Layout, apply_layout, enumerate_layouts, layout_problem
+from .layouts import Layout, apply_layout, enumerate_layouts, layout_problem, lighter_end_splits
 
 
 class PlanError(ConfigError):
@@ -46,6 +63,7 @@ class Candidate:
     flops_per_token: float = 0.0
     peak_flops: float = 0.0
     world: int = 1
+    rank_step_s: dict = field(default_factory=dict)   # pipeline rank → its critical path (the ranks priced)
 
     @property
     def predicted_mem_bytes(self) -> Optional[int]:
@@ -90,6 +108,8 @@ class PlanResult:
     source: object = None
     overrides: tuple = ()
     counts: dict = field(default_factory=dict)
+    nodes_note: str = ""                   # how the node count was chosen (--explain)
+    nodes_given: bool = False              # the caller chose the node count
 
     @property
     def best(self) -> Candidate:
@@ -119,7 +139,7 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
                        f"{cand.memory.margin_fraction:.0%} margin) > {gib(hw.device_memory_bytes)} on {hw.name}")
         return cand                        # not priced: it cannot run
     P, V = layout.pipeline, layout.virtual_stages
-    per_rank = stage_layers_of_rank(mc.layers, P, V) if P > 1 else [None]
+    per_rank = stage_layers_of_rank(mc.layers, P, V, layout.stage_layers) if P > 1 else [None]
     ranks_per_node = max(1, world // max(1, nodes))
     # the critical path needs the slowest rank only; the throughput bound the mean of them all
     check = range(P) if hw.oversubscribed(ranks_per_node) else (ranks_to_check(per_rank) if P > 1 else [0])
@@ -137,6 +157,7 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
                                   bucket_mb=cfg.train.bucket_mb, stop_agreement=stop_agreement,
                                   log_interval=cfg.train.log_interval)
         costs.append(seen[key])
+    cand.rank_step_s = {r: c.latency.total_s for r, c in zip(check, costs)}
     cand.step = node_step(costs, hw, ranks_per_node)
     cand.feasible = True
     return cand
@@ -150,34 +171,109 @@ def _sort_key(c: Candidate):
     return (c.predicted_step_s, c.predicted_mem_bytes, c.layout.label())
 
 
-def plan(config=None, gpus: Optional[int] = None, *, nodes: int = 1, hardware="cpu", overrides=(),
+def default_nodes(world: int, hw: Hardware) -> tuple:
+    """(nodes, how they were chosen) for ``world`` devices when no node count is given:
+    ⌈world / devices_per_node⌉, or the next count that divides ``world`` (every node holds the
+    same number of devices) when that one does not."""
+    per, name = hw.devices_per_node, hw.name
+    need = -(-world // per)
+    nodes = next(k for k in range(need, world + 1) if world % k == 0)
+    if nodes == need:
+        return nodes, f"nodes: {nodes} = ⌈{world} / {per} devices per node of {name}⌉ (--nodes not given)"
+    return nodes, (f"nodes: {nodes} of {world // nodes} device(s) each, the fewest that split {world} evenly with at "
+                   f"most {per} devices per node of {name} (⌈{world} / {per}⌉ = {need} does not divide {world}; "
+                   f"--nodes not given)")
+
+
+def check_top(top: Optional[int]) -> None:
+    """ConfigError unless ``top`` (the rows shown) is None or ≥ 1."""
+    if top is not None and top < 1:
+        raise ConfigError(f"--top {top} is invalid: it is the number of layouts shown and must be at least 1. "
+                          f"Fix: --top 10 (the default), or any K ≥ 1.")
+
+
+def check_request(world: int, nodes: Optional[int], hw: Hardware) -> None:
+    """ConfigError naming the value, the rule and a fix when ``world`` devices on ``nodes``
+    nodes (None: :func:`default_nodes`) cannot be planned (module docstring)."""
+    if world < 1:
+        raise ConfigError(f"--gpus {world} is invalid: a plan needs at least 1 device. Fix: --gpus N with N ≥ 1, or "
+                          f"omit --gpus to plan the config's own parallel.data × pipeline × tensor.")
+    if nodes is None:
+        return
+    fix = f"Fix: --nodes {default_nodes(world, hw)[0]} (⌈{world} / {hw.devices_per_node} devices per node of " \
+          f"{hw.name}⌉), or omit --nodes."
+    if nodes < 1:
+        raise ConfigError(f"--nodes {nodes} is invalid: the devices need at least 1 node. {fix}")
+    if nodes > world:
+        raise ConfigError(f"--nodes {nodes} is more than --gpus {world}: every node needs at least one device. {fix}")
+    if world % nodes:
+        divisors = [k for k in range(1, world + 1) if world % k == 0]
+        raise ConfigError(f"--nodes {nodes} does not divide --gpus {world}: every node holds the same number of "
+                          f"devices. Fix: --nodes one of {', '.join(map(str, divisors[:12]))}"
+                          f"{', …' if len(divisors) > 12 else ''}, or omit --nodes.")
+    if world // nodes > hw.devices_per_node:
+        raise ConfigError(f"--gpus {world} on --nodes {nodes} puts {world // nodes} devices on a node, but a "
+                          f"{hw.name} node has {hw.devices_per_node} (devices_per_node in its hardware file): links "
+                          f"between them would be priced as inside a node. {fix[:-1]}, or a hardware file with "
+                          f"devices_per_node ≥ {world // nodes}.")
+
+
+def split_variants(cand: Candidate, model_cfg, seq_len: int) -> list:
+    """Layouts with one layer moved off the slowest end stage(s) of ``cand`` (module docstring):
+    only for a priced pipeline layout on the default split whose step is its critical path,
+    whose slowest rank holds the first or the last stage, and whose end stage carries more
+    work than a decoder layer — which only the head can (the head's F_head = 6·V·h per token
+    against a layer's FLOPs, recompute included; the embedding is a lookup, no FLOPs): moving a
+    layer gives another stage one more, so a lighter end cannot gain, and pricing it is skipped."""
+    lay, P = cand.layout, cand.layout.pipeline
+    if not cand.feasible or P < 2 or lay.stage_layers is not None or cand.step.details.get("regime") != "latency":
+        return []
+    slowest = max(cand.rank_step_s.values())
+    slow = {r for r, t in cand.rank_step_s.items() if t >= slowest * (1 - 1e-9)}
+    head_outweighs_a_layer = (microbatch_flops(model_cfg, lay, seq_len, 0, True)
+                              > microbatch_flops(model_cfg, lay, seq_len, 1, False))
+    off_last = P - 1 in slow and head_outweighs_a_layer
+    splits = lighter_end_splits(model_cfg.layers, P * lay.virtual_stages, False, off_last)
+    return [dataclasses.replace(lay, stage_layers=counts) for counts in splits]
+
+
+def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None, hardware="cpu", overrides=(),
          top: Optional[int] = None, zero_stages=(0, 1, 2, 3), max_micro_batch: int = 16,
          raise_if_none: bool = True) -> PlanResult:
-    """Plan ``config`` (YAML path, dict, TrainConfig or None) on ``gpus`` devices over ``nodes`` nodes.
+    """Plan ``config`` (YAML path, dict, TrainConfig or None) on ``gpus`` devices over ``nodes`` nodes
+    (default: :func:`default_nodes` of the hardware).
 
     ``hardware``: a packaged name (h100, h200, a100, cpu), a profile path, or a Hardware.
     ``max_micro_batch``: largest micro-batch tried (all divisors of global_batch/D up to it).
     Returns a :class:`PlanResult` (feasible candidates best first, ``top`` of them if given);
-    raises :class:`PlanError` when none is feasible (``raise_if_none``)."""
+    raises :class:`PlanError` when none is feasible (``raise_if_none``), ConfigError for a
+    request that cannot be planned (:func:`check_request`)."""
     cfg = load_config(config, overrides)
+    rules._positive(cfg)                   # batch sizes, seq_len, model sizes ≥ 1: the config's own rule
     world = cfg.world_size if gpus is None else int(gpus)
-    if world < 1 or nodes < 1 or world % nodes:
-        raise ConfigError(f"--gpus {world} --nodes {nodes} is invalid: the devices must split evenly over the "
-                          f"nodes. Fix: give a multiple of --nodes.")
     hw = load_hardware(hardware)
+    check_top(top)
+    check_request(world, nodes, hw)
+    note = f"nodes: {nodes} (--nodes)"
+    if nodes is None:
+        nodes, note = default_nodes(world, hw)
     if cfg.model.hf_config is not None:
         raise ConfigError("model.hf_config: the planner's memory and communication formulas describe gridshard's "
                           "own model. Fix: plan with the equivalent explicit model.* fields.")
     feasible, rejected = [], []
     counts = collections.Counter()
+    mc = cfg.model.resolve()
     for layout in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages,
                                     max_micro_batch=max_micro_batch):
         c = evaluate(cfg, layout, hw, world, nodes)
-        (feasible if c.feasible else rejected).append(c)
-        counts["feasible" if c.feasible else ("memory" if c.memory is not None else "rule")] += 1
+        variants = (evaluate(cfg, x, hw, world, nodes) for x in split_variants(c, mc, cfg.data.seq_len))
+        faster = [v for v in variants if v.feasible and v.predicted_step_s < c.predicted_step_s]
+        for x in [c] + faster:
+            (feasible if x.feasible else rejected).append(x)
+            counts["feasible" if x.feasible else ("memory" if x.memory is not None else "rule")] += 1
     feasible.sort(key=_sort_key)
     result = PlanResult(feasible[:top] if top else feasible, rejected, cfg, hw, world, nodes, config,
-                        tuple(overrides), dict(counts))
+                        tuple(overrides), dict(counts), note, note.endswith("(--nodes)"))
     if not feasible and raise_if_none:
         raise PlanError(no_layout_message(result))
     return result
@@ -185,40 +281,51 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: int = 1, hardware="c
 
 def no_layout_message(result: PlanResult) -> str:
     """Why nothing is feasible, and the nearest feasible alternative."""
-    cfg, hw, N = result.config, result.hardware, result.world
+    hw, N = result.hardware, result.world
     by_memory = [c for c in result.rejected if c.memory is not None]
     if by_memory:
         smallest = min(by_memory, key=lambda c: c.predicted_mem_bytes)
-        alt = _nearest_device_count(cfg, hw, N, result.nodes, upward=True)
+        alt = _nearest_device_count(result, upward=True)
         msg = (f"no layout of {N} × {hw.name} fits: the smallest, {smallest.layout.label()}, needs "
                f"{gib(smallest.predicted_mem_bytes)} per rank (params {gib(smallest.memory.params)}, grads "
                f"{gib(smallest.memory.grads)}, optimizer {gib(smallest.memory.optimizer)}, activations "
                f"{gib(smallest.memory.activations)}, margin {smallest.memory.margin_fraction:.0%}) against "
                f"{gib(hw.device_memory_bytes)}.")
         if alt:
-            msg += f" Nearest feasible: --gpus {alt[0]} with {alt[1].layout.label()} ({gib(alt[1].predicted_mem_bytes)})."
+            msg += f" Nearest feasible: {alt[0]} with {alt[1].layout.label()} ({gib(alt[1].predicted_mem_bytes)})."
         else:
             msg += " Fix: more devices, a shorter data.seq_len or a smaller model."
         return msg
     reasons = collections.Counter(c.reason.split(" Fix:")[0] for c in result.rejected)
     common = reasons.most_common(1)[0][0].rstrip(". ") if reasons else "no candidate"
-    alt = _nearest_device_count(cfg, hw, N, result.nodes, upward=None)
+    alt = _nearest_device_count(result, upward=None)
     msg = f"no layout of {N} devices passes the config rules; the most common reason: {common}."
     if alt:
-        msg += f" Nearest feasible: --gpus {alt[0]} with {alt[1].layout.label()}."
+        msg += f" Nearest feasible: {alt[0]} with {alt[1].layout.label()}."
     return msg
 
 
-def _nearest_device_count(cfg, hw, N: int, nodes: int, upward) -> Optional[tuple]:
-    """(device count, its best candidate) nearest to N with a feasible layout; searched over the
+def _nodes_for(result: PlanResult, n: int) -> Optional[int]:
+    """The node count a plan of ``n`` devices would use: the result's own when the caller chose
+    it and it still fits (divides n, at most devices_per_node each), else :func:`default_nodes`."""
+    k = result.nodes
+    if result.nodes_given and n % k == 0 and n // k <= result.hardware.devices_per_node:
+        return k
+    return default_nodes(n, result.hardware)[0]
+
+
+def _nearest_device_count(result: PlanResult, upward) -> Optional[tuple]:
+    """(the options to pass, the best candidate) of the device count nearest to N with a
+    feasible layout, each count on the nodes :func:`_nodes_for` gives it; searched over the
     lightest settings only (ZeRO-3 or 0, full recompute, micro-batch 1) to stay quick."""
+    cfg, hw, N = result.config, result.hardware, result.world
     if upward:
         tries = [N * k for k in (2, 4, 8, 16, 32, 64)]
     else:
         tries = [n for d in range(1, N + 1) for n in (N - d, N + d) if n >= 1][:16]
     for n in tries:
-        if n % nodes:
-            continue
+        nodes = _nodes_for(result, n)
+        option = f"--gpus {n}" + (f" --nodes {nodes}" if result.nodes_given else "")
         best = None
         for layout in enumerate_layouts(n, cfg.train.global_batch, zero_stages=(3,),
                                         recompute=("full",), micro_batches=[1]):
@@ -232,8 +339,9 @@ def _nearest_device_count(cfg, hw, N: int, nodes: int, upward) -> Optional[tuple
                     best = c
                     break
         if best is not None:
-            return n, best
+            return option, best
     return None
 
 
-__all__ = ["plan", "evaluate", "PlanResult", "Candidate", "PlanError", "apply_layout"]
+__all__ = ["plan", "evaluate", "PlanResult", "Candidate", "PlanError", "apply_layout", "default_nodes", "check_request",
+           "check_top", "split_variants"]

@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..nn.sharding import ShardSpec
+from ..nn.sharding import ShardSpec, mesh_coords
 from ..parallel.context import context_of
-from ..parallel.dtensor_view import block_offsets, placements_of
+from ..parallel.dtensor_view import placements_of
 
 
 def _contiguous_stride(shape):
@@ -40,12 +40,9 @@ def dtensor_view(t: torch.Tensor, spec: ShardSpec, mesh) -> Optional[DTensor]:
     placements = placements_of(spec, mesh)
     if placements is None:
         return None
-    local = t.detach()
-    if spec.transposed:
-        local = local.t()
-    rows = [length for _, length in block_offsets(spec, mesh)]
-    local = local[tuple(slice(0, n) for n in rows)]
     canon = spec.canonical()
+    box = spec.canonical_box(*mesh_coords(mesh)) or tuple((0, 0) for _ in canon)    # None: padding only
+    local = spec.canonical_view(t.detach(), box)
     return DTensor.from_local(local, tensor_submesh(mesh), placements, run_check=False, shape=torch.Size(canon),
                               stride=_contiguous_stride(canon))
 

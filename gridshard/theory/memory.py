@@ -69,8 +69,9 @@ parallelism, (H/T, K/min(T, K), f/T) in 1D (kv heads replicated in groups when T
 * **RMSNorm** (twice per layer). ``F.rms_norm`` on CPU runs as pow, mean, rsqrt, mul, mul:
   it keeps its input x (R·e), the reciprocal rms (R/h·4, one per token) and the normalised
   x̂ = x·rstd (R·e); the output y = x̂·w is kept by the projections that read it (R·e;
-  under SP the column layers keep the *all-gathered* full-sequence input instead, N·h·e,
-  and y itself is not kept). 2D (``RMSNorm2D``, one autograd function) keeps x (R·e), the
+  under SP that is the sequence block, N·h/T·e: the column layers keep their block and
+  all-gather it again in backward, :mod:`gridshard.comm.input_grad_overlap`, instead of
+  keeping the gathered N·h·e). 2D (``RMSNorm2D``, one autograd function) keeps x (R·e), the
   rms (N_r·4), the gathered weight block (h/q·4) and, through the SUMMA product, y (R·e).
 * **q|k|v** (one matmul on the shared input): keeps that input (counted above). Their
   outputs are kept by RoPE/attention below.
@@ -90,14 +91,16 @@ parallelism, (H/T, K/min(T, K), f/T) in 1D (kv heads replicated in groups when T
 Per layer, recompute ``none``::
 
     2·norm + N_r·d·(2·H_r + 2·K_r)·e + N_r·H_r·4 + 4·N_r·f_r·e
-    norm = 2R·e + R/h·4 + R·e                      (none, 1D)
-         = 2R·e + R/h·4 + N·h·e                    (1D + SP: the gathered input)
+    norm = 2R·e + R/h·4 + R·e                      (none, 1D, 1D + SP: y, the block under SP)
          = 2R·e + N_r·4 + h/q·4                    (2D)
 
 For comparison with Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) bytes per GPT layer (2-byte
 activations, 1-byte dropout masks): ours at T = 1 with K = H and f = 8h/3 is
 s·b·h·(24 + 16 + 128/3) + small ≈ 82.7·s·b·h bytes in fp32 (≈ 41 in 2-byte units), with no s²
-term.
+term. With 1D + SP every term is divided by T (the column inputs too, since they keep their
+sequence block): ≈ 82.7·s·b·h/T in fp32, ≈ 41.3·s·b·h/T in 2-byte units, next to Korthikanti's
+34·s·b·h/t for TP + SP + selective recompute (``docs/memory.md`` itemises the difference: the
+norms' x̂, SwiGLU's four f-wide tensors with f = 8h/3, no dropout masks).
 
 ``selective`` (the attention core is a non-reentrant checkpoint): the core keeps its
 inputs — q, k, v before RoPE (same sizes as after) and cos/sin (shared) — instead of its
@@ -337,7 +340,7 @@ def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: in
     if TensorMode.parse(mode).is_grid:
         q = _grid_side(T)
         return 2 * r.residual * e + r.token_rows * FP32 + (h // q) * FP32
-    consumer_input = tokens * h * e            # y itself, or under SP the gathered full sequence
+    consumer_input = r.residual * e            # y itself (under SP its sequence block, re-gathered in backward)
     return 2 * r.residual * e + (r.residual // h) * FP32 + consumer_input
 
 

@@ -2,14 +2,21 @@
 
 **Stage-to-stage bytes.** One micro-batch of m sequences of s tokens crosses each stage
 boundary twice: the activation forward and its gradient backward, each one rank's block of
-the [m, s, h] hidden state (element size e: 4 in fp32; autocast keeps the residual stream
-in fp32)::
+the [m, s, h] hidden state (:meth:`gridshard.job_layout.TensorMode.boundary_block`) in
+elements of e bytes (:data:`DTYPE_BYTES`: 4 in fp32, 2 in bf16/fp16)::
 
     none / 1D        m·s·h·e          (the tensor ranks of a stage each send the same block)
     1D + SP          m·(s/T)·h·e      (each tensor rank its sequence block)
     2D (q×q grid)    (m/q)·s·(h/q)·e  (each grid rank its batch-row × hidden-column block)
 
-per rank, per micro-batch, per boundary and direction (:func:`boundary_bytes`). A rank at
+per rank, per micro-batch, per boundary and direction (:func:`boundary_bytes`; its ``dtype``
+is the element type sent). What is sent is the residual stream: gridshard's fp32 runs send
+fp32 (asserted by the ledger tests); under bf16/fp16 autocast the residual additions keep
+the fp32 type of the embedding output, so the runtime still sends 4-byte elements there,
+while Megatron-style mixed precision (bf16 parameters and activations) sends the compute
+dtype, which is what the planner prices for a bf16 run (docs/planner.md). 1D without
+sequence parallelism sends the whole block from every tensor rank (Megatron's scatter/gather
+of it over the tensor group is not implemented). A rank at
 stage i of S (one stage per rank) sends forward when i < S−1 and backward when i > 0, so per
 optimizer step with A micro-batches it sends A·boundary_bytes·([i < S−1] + [i > 0])
 (:func:`step_send_bytes`); with V virtual stages per rank, the same per stage it holds.
@@ -27,13 +34,16 @@ from __future__ import annotations
 
 from ..job_layout import TensorMode
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}     # element size of a ``train.precision`` value
+
 
 def boundary_bytes(mode, sequence_parallel: bool, T: int, micro_batch: int, seq_len: int, hidden: int,
-                   elem_bytes: int = 4) -> int:
+                   dtype: str = "fp32") -> int:
     """Bytes one rank sends across one stage boundary for one micro-batch, one direction: its
-    block of the hidden state (:meth:`gridshard.job_layout.TensorMode.boundary_block`)."""
+    block of the hidden state (:meth:`gridshard.job_layout.TensorMode.boundary_block`) in
+    elements of ``dtype`` (``fp32`` | ``bf16`` | ``fp16``, :data:`DTYPE_BYTES`)."""
     m, s, h = TensorMode.parse(mode).boundary_block(T, sequence_parallel, micro_batch, seq_len, hidden)
-    return m * s * h * elem_bytes
+    return m * s * h * DTYPE_BYTES[dtype]
 
 
 def step_send_bytes(stage_indices, num_stages: int, n_microbatches: int, per_boundary: int) -> int:

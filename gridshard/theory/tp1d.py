@@ -11,28 +11,33 @@ Column → row pair (one MLP, or attention's qkv → proj), forward + backward
 * no SP: the row output is all-reduced forward (A) and the column input gradient
   is all-reduced backward (A): 2 all-reduces of A.
 * SP: the column input is all-gathered along the sequence forward (A) and its
-  gradient reduce-scattered backward (A); the row output is reduce-scattered
-  forward (A) and its gradient all-gathered backward (A): 2 all-gathers + 2
-  reduce-scatters of A. A row bias (replicated, added to the sequence block) needs
-  no collective: its gradient is summed from the all-gathered output gradient that
-  the reduce-scatter's backward produces anyway (an all-reduce of h·e before).
+  gradient reduce-scattered backward (A); the column layer keeps only its sequence
+  block for backward and all-gathers it again there for the weight gradient (A,
+  Megatron's choice: :mod:`gridshard.comm.input_grad_overlap`); the row output is
+  reduce-scattered forward (A) and its gradient all-gathered backward (A): 3
+  all-gathers + 2 reduce-scatters of A. A row bias (replicated, added to the sequence
+  block) needs no collective: its gradient is summed from the all-gathered output
+  gradient that the reduce-scatter's backward produces anyway (an all-reduce of h·e
+  before).
 
-Ring wire bytes are equal in both cases (2·2(T−1)/T·A): SP moves the same volume,
-it only splits the all-reduce into its two halves, and stores the residual
-activations 1/T as large.
+Ring wire bytes: no SP 2·2(T−1)/T·A; SP 5·(T−1)/T·A. Without the backward re-gather
+SP would move the same volume (it splits each all-reduce into its two halves); the
+re-gather adds (T−1)/T·A per column input, and in exchange the column input is kept
+at A/T instead of A, like the rest of the residual stream.
 
 Transformer block (2 pairs, 2 RMSNorms, no biases)
 --------------------------------------------------
 * no SP: 4 all-reduces of A (2 forward at the row outputs, 2 backward at the
   column inputs);
-* SP: 4 all-gathers of A + 4 reduce-scatters of A, plus 2 all-reduces of h·e for
-  the norm weight gradients (partial over the sequence blocks).
+* SP: 6 all-gathers of A + 4 reduce-scatters of A (2 of the all-gathers re-gather the
+  column inputs in backward), plus 2 all-reduces of h·e for the norm weight gradients
+  (partial over the sequence blocks).
 
 Whole model (L blocks, vocab-parallel embedding, final norm, head, loss)
 -----------------------------------------------------------------------
 The embedding adds one all-reduce of A forward (SP: reduce-scatter forward,
 all-gather backward), the head one column input (no SP: all-reduce of its
-gradient; SP: all-gather forward, reduce-scatter backward), the final norm (SP)
+gradient; SP: all-gather forward, reduce-scatter and the re-gather backward), the final norm (SP)
 one all-reduce of h·e, and the vocab-parallel cross-entropy over N = b·s tokens
 one all-reduce(max) of 4N bytes and one all-reduce(sum) of 8N bytes (fp32,
 forward only).
@@ -72,13 +77,13 @@ def residual_bytes(batch: int, seq: int, hidden: int, bytes_per_elem: int = 4) -
 def column_row_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
                     bytes_per_elem: int = 4, row_bias: bool = False) -> CommVolume:
     """One ColumnParallelLinear(h→n) → RowParallelLinear(n→h) pair, forward + backward
-    (see the module docstring): no SP 2 all-reduces of A; SP 2 all-gathers + 2
-    reduce-scatters of A. ``row_bias`` (a bias on the row layer) adds nothing either way
+    (see the module docstring): no SP 2 all-reduces of A; SP 3 all-gathers (one re-gathers
+    the column input in backward) + 2 reduce-scatters of A. ``row_bias`` (a bias on the row layer) adds nothing either way
     (under SP its gradient comes from the gathered output gradient; kept for callers)."""
     a = residual_bytes(batch, seq, hidden, bytes_per_elem)
     v = CommVolume(T)
     if sequence_parallel:
-        v.add("all_gather", a, 2).add("reduce_scatter", a, 2)
+        v.add("all_gather", a, 3).add("reduce_scatter", a, 2)
     else:
         v.add("all_reduce", a, 2)
     return v
@@ -92,7 +97,9 @@ def block_recompute_comm(batch: int, seq: int, hidden: int, T: int, sequence_par
     stops as soon as the last tensor backward needs is rebuilt — the MLP's down projection
     input — so the MLP's row-output collective is *not* repeated: no SP one all-reduce of A
     (attention's row output); SP two all-gathers (both column inputs) and one reduce-scatter
-    (attention's row output) of A. Norm-weight and kv-gradient all-reduces are backward-only."""
+    (attention's row output) of A. Norm-weight and kv-gradient all-reduces are backward-only, and
+    so is the SP column layers' re-gather of their saved block (it runs once per backward,
+    recomputed or not: :func:`block_comm`)."""
     a = residual_bytes(batch, seq, hidden, bytes_per_elem)
     v = CommVolume(T)
     if sequence_parallel:
@@ -143,11 +150,12 @@ def embedding_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel:
 def head_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
               bytes_per_elem: int = 4) -> CommVolume:
     """Column-parallel LM head input: no SP one all-reduce of A (backward); SP one
-    all-gather of A forward and one reduce-scatter of A backward."""
+    all-gather of A forward, and backward one reduce-scatter of A and the all-gather of A
+    that re-gathers the saved sequence block for the weight gradient."""
     a = residual_bytes(batch, seq, hidden, bytes_per_elem)
     v = CommVolume(T)
     if sequence_parallel:
-        return v.add("all_gather", a).add("reduce_scatter", a)
+        return v.add("all_gather", a, 2).add("reduce_scatter", a)
     return v.add("all_reduce", a)
 
 

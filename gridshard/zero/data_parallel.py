@@ -302,19 +302,26 @@ class ZeroDataParallel:
         for u in self.units:
             self._free(u)
 
-    def _unpack_into(self, full: torch.Tensor, u: Unit, sp: ShardedParam, target: torch.Tensor) -> None:
-        """Copy every rank's rows of ``sp`` from the gathered [D · segment] buffer into ``target``."""
+    def _rank_rows(self, buf: torch.Tensor, u: Unit, sp: ShardedParam, whole: torch.Tensor) -> list:
+        """(rows of ``sp`` in the [D · segment] buffer ``buf``, the same rows of ``whole``, the
+        flat parameter-sized tensor) pairs, one per data rank that holds rows; without padding
+        one strided pair for all ranks (one copy)."""
         D, R = self.axis.size, sp.row_elems
-        flat_target = target.view(-1)
         c = rows_per_rank(sp.shape[0], D)
-        if c * D == sp.shape[0]:                   # no padding: one strided copy
-            flat_target.view(D, c * R).copy_(full.view(D, u.segment)[:, sp.offset:sp.offset + c * R])
-            return
+        if c * D == sp.shape[0]:
+            return [(buf.view(D, u.segment)[:, sp.offset:sp.offset + c * R], whole.view(D, c * R))]
+        pairs = []
         for j in range(D):
             a, b = sp.rows_of(D, j)
             if b > a:
                 base = j * u.segment + sp.offset
-                flat_target[a * R:b * R].copy_(full[base:base + (b - a) * R])
+                pairs.append((buf[base:base + (b - a) * R], whole[a * R:b * R]))
+        return pairs
+
+    def _unpack_into(self, full: torch.Tensor, u: Unit, sp: ShardedParam, target: torch.Tensor) -> None:
+        """Copy every rank's rows of ``sp`` from the gathered [D · segment] buffer into ``target``."""
+        for segment, rows in self._rank_rows(full, u, sp, target.view(-1)):
+            rows.copy_(segment)
 
     # ---- gradients -------------------------------------------------------------------------
     def _on_grad(self, u: Unit):
@@ -347,16 +354,8 @@ class ZeroDataParallel:
             g = sp.param.grad
             if g is None:
                 continue
-            R, c = sp.row_elems, rows_per_rank(sp.shape[0], D)
-            gflat = g.reshape(-1)
-            if c * D == sp.shape[0]:
-                flat.view(D, u.segment)[:, sp.offset:sp.offset + c * R].copy_(gflat.view(D, c * R))
-            else:
-                for j in range(D):
-                    a, b = sp.rows_of(D, j)
-                    if b > a:
-                        base = j * u.segment + sp.offset
-                        flat[base:base + (b - a) * R].copy_(gflat[a * R:b * R])
+            for segment, rows in self._rank_rows(flat, u, sp, g.reshape(-1)):
+                segment.copy_(rows)
             if self.stage >= 2:
                 sp.param.grad = None               # only the shard's gradient is kept
         u.pending = C.reduce_scatter_flat(flat, self.axis, async_op=True)

@@ -106,12 +106,6 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
     return ZeroDataParallel(model, data_axis, zero, overlap=overlap)
 
 
-def gathered_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
-    """``model.grad_reducer.gathered()`` when a reducer is registered, else nothing to do."""
-    reducer = getattr(model, "grad_reducer", None)
-    return reducer.gathered() if reducer is not None else contextlib.nullcontext()
-
-
 def whole_parameters(model: nn.Module) -> Iterator[SteppedTensor]:
     """Every parameter of ``model`` as itself (the checkpoint's blocks without a reducer)."""
     for name, p in model.named_parameters():
