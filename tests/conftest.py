@@ -13,3 +13,16 @@ def _stop_workers_at_end():
     from gridshard.testing import shutdown_all
 
     shutdown_all()
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """The CLI's local launcher raises if called, and no torchrun variables are set: a command
+    that must refuse before any worker starts fails loudly if it starts one."""
+    import gridshard.launch
+
+    def boom(*a, **k):
+        raise AssertionError("a worker was started")
+    monkeypatch.setattr(gridshard.launch, "launch_local", boom)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)

@@ -7,7 +7,6 @@ import torch
 from click.testing import CliRunner
 
 import gridshard.device as device_mod
-import gridshard.launch
 from gridshard.cli import EXIT_CONFIG, main
 from gridshard.config import resolve_config
 from gridshard.errors import ConfigError
@@ -91,13 +90,6 @@ def _build_with_nccl():
 
 
 # ---- refused before launch: more nccl ranks than GPUs ----------------------------------------
-@pytest.fixture
-def no_launch(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("a worker was started")
-    monkeypatch.setattr(gridshard.launch, "launch_local", boom)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
 
 
 def test_more_nccl_ranks_than_gpus_is_refused_before_launch(fake_gpus, no_launch):

@@ -18,7 +18,6 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-import gridshard.launch
 from gridshard.checkpoint import CheckpointError
 from gridshard.checkpoint.hf_tokenizer import byte_tokenizer, export_tokenizer, write_tokenizer_files
 from gridshard.checkpoint.resume import check_compatible
@@ -69,13 +68,6 @@ def run(tmp_path_factory):
     return {"run_dir": run_dir, "config": config, **result}
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("a worker was started")
-    monkeypatch.setattr(gridshard.launch, "launch_local", boom)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
 
 
 # ---- item 11: the export's tokenizer --------------------------------------------------------------------
