@@ -35,3 +35,14 @@ plot: install
 ## Training-step overhead against a plain PyTorch loop (docs/training.md).
 bench-train: install
 	$(PY) benchmarks/bench_train_overhead.py
+
+.PHONY: gpu-wheels
+## Wheels a lent GPU machine lacks for `import gridshard` and the CLI (it has torch, numpy, no
+## registry): downloaded here for its Python, carried with `carry: ["gpu-wheels"]` (docs/gpu.md).
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := pydantic pyyaml click tqdm
+gpu-wheels:
+	rm -rf gpu-wheels     # one version of each: two would stop the install there
+	python3 -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform any -d gpu-wheels $(GPU_WHEELS)

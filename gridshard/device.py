@@ -79,3 +79,14 @@ def check_ranks_per_node(ranks_per_node: int, requested: str = "auto", flag: str
         raise ConfigError(f"{flag} {ranks_per_node} starts {ranks_per_node} nccl ranks on this node but it has "
                           f"{gpus} visible GPU(s): nccl needs one GPU per rank. Fix: parallel.backend: gloo "
                           f"(a CPU run, for checks and tests), or {flag} {gpus} or fewer.")
+
+
+def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``batch`` (a host tensor of token ids) on ``device``. Host → CUDA: pinned first
+    (``pin_memory()``, a host copy of b·s·8 bytes), then copied ``non_blocking``, so the upload
+    really is asynchronous (from pageable memory CUDA stages the copy and the host waits).
+    Anything else (CPU → CPU, already on the device): ``.to(device)`` unchanged."""
+    device = torch.device(device)
+    if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)

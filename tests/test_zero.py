@@ -13,7 +13,7 @@
   (calls and payload per op), plus the clipping norm's 8-byte all-reduce per step.
 * Checkpoints: a ZeRO-3 D=4 checkpoint resumes at ZeRO-0 D=2 × T=2 and back, continuing the
   uninterrupted run; at the same layout the resume is bit-exact.
-* Offload: HostAdamW steps like AdamW, bit for bit, on the CPU path.
+* Offload: HostAdamW steps like (fused) AdamW, bit for bit, on the CPU path.
 """
 import os
 
@@ -181,7 +181,7 @@ def test_host_adamw_steps_like_adamw_bit_for_bit():
     a = [torch.randn(5, 3), torch.randn(7)]
     b = [t.clone() for t in a]
     groups = lambda ts: [{"params": [ts[0]], "weight_decay": 0.1}, {"params": [ts[1]], "weight_decay": 0.0}]
-    plain = torch.optim.AdamW(groups(a), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    plain = torch.optim.AdamW(groups(a), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)   # the host's step
     host = HostAdamW(groups(b), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     for step in range(4):
         grads = [torch.randn_like(t) for t in a]

@@ -56,6 +56,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..comm import collectives as C
+from ..device import batch_to_device
 from .clip import clip_gradients, global_grad_norm
 from .optim import set_lr
 from .schedule import lr_at
@@ -102,8 +103,8 @@ class MicroBatchLoop:
         self.reducer, self.ignore_index, self.device = reducer, ignore_index, device
 
     def _loss_sum(self, tokens, targets) -> torch.Tensor:
-        tokens = self.context.shard_tokens(tokens).to(self.device, non_blocking=True)   # 2D: this grid row's rows
-        targets = self.context.shard_tokens(targets).to(self.device, non_blocking=True)
+        tokens = batch_to_device(self.context.shard_tokens(tokens), self.device)   # 2D: this grid row's rows
+        targets = batch_to_device(self.context.shard_tokens(targets), self.device)
         with self.precision.autocast():
             return self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum")
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rope import apply_rope, rope_tables
+from .rope import RopeTableCache, apply_rope
 
 
 @dataclass
@@ -148,6 +148,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.rope_cache = RopeTableCache()       # built once per length and device, not saved
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
@@ -176,8 +177,9 @@ class Transformer(nn.Module):
 
     def layer_inputs(self, x: torch.Tensor, seq_len: int) -> tuple:
         """What every decoder layer reads besides the hidden states: the RoPE tables (cos, sin)
-        [s, d] of the whole sequence (``seq_len``; under sequence parallelism ``x`` holds a block)."""
-        return rope_tables(seq_len, self.cfg.head_dim, self.cfg.rope_theta, device=x.device)
+        [s, d] of the whole sequence (``seq_len``; under sequence parallelism ``x`` holds a block),
+        built on the first call for this length and device and reused (``self.rope_cache``)."""
+        return self.rope_cache.get(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device)
 
     @staticmethod
     def run_layer(layer: nn.Module, x: torch.Tensor, inputs: tuple) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Rotary position embedding (rotate-half form) on [b, heads, s, head_dim] tensors."""
 import torch
 
+TABLE_DTYPE = torch.float32
+
 
 def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, device=None):
     """cos, sin tables of shape [s, head_dim] (float32)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    ang = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=TABLE_DTYPE, device=device) / head_dim))
+    ang = torch.outer(torch.arange(seq_len, dtype=TABLE_DTYPE, device=device), inv)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()
 
@@ -16,3 +18,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RopeTableCache:
+    """The (cos, sin) tables a model's forward reads, built once per
+    (seq_len, head_dim, theta, device, dtype) instead of once per forward; a model holds one
+    (an instance attribute: no process-global state, not a buffer, so not in ``state_dict`` or
+    checkpoints). A hit returns the very tensors :func:`rope_tables` built, so values are the
+    same bit for bit. Tables are built outside inference mode and without autograd, so a table
+    first built under ``torch.inference_mode`` can still be saved for backward later. Size:
+    2·s·d·4 bytes per key (the ``rope_tables`` term of :mod:`gridshard.theory.memory`)."""
+
+    def __init__(self):
+        self.tables: dict = {}
+
+    def get(self, seq_len: int, head_dim: int, theta: float, device) -> tuple:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        key = (seq_len, head_dim, float(theta), device, TABLE_DTYPE)
+        hit = self.tables.get(key)
+        if hit is None:
+            with torch.inference_mode(False), torch.no_grad():
+                hit = self.tables[key] = rope_tables(seq_len, head_dim, theta, device=device)
+        return hit

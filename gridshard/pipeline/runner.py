@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from ..device import batch_to_device
 from ..errors import ConfigError
 from ..job_layout import StageSplit, TensorMode
 from ..nn.sharding import mesh_coords
@@ -121,10 +122,10 @@ class PipelineRunner:
         shard = self.ctx.shard_tokens
         args = ()
         if self.has_first:
-            args = (torch.cat([shard(t) for t, _ in micro]).to(device, non_blocking=True),)
+            args = (batch_to_device(torch.cat([shard(t) for t, _ in micro]), device),)
         kwargs = {}
         if self.has_last:
-            kwargs = {"target": torch.cat([shard(y) for _, y in micro]).to(device, non_blocking=True),
+            kwargs = {"target": batch_to_device(torch.cat([shard(y) for _, y in micro]), device),
                       "losses": []}
         t0 = time.perf_counter()
         with self.precision.autocast():

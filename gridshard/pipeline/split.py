@@ -95,7 +95,7 @@ class RankModel(_RankPart):
 
     def __init__(self, plain, layer_ids: Sequence[int], has_first: bool, has_last: bool):
         super().__init__(plain, layer_ids, has_first, has_last)
-        self.cfg = plain.cfg
+        self.cfg, self.rope_cache = plain.cfg, plain.rope_cache
 
     def init_laws(self) -> dict:
         """The single-device model's laws for the parameters held here (same names)."""
