@@ -37,7 +37,8 @@ def _train(cfg):
     from gridshard.engine import Trainer
 
     trainer = Trainer(cfg, progress=False)
-    shapes = [tuple(sp.shape) for sp in trainer.reducer.sharded()]
+    shapes = [(tuple(p.shape), None if u.name == "root" else i)      # (local shape, unit) in unit order
+              for i, u in enumerate(trainer.reducer.units) for p in u.params]
     losses = trainer.run()
     last = trainer.history[-1]
     return {"shapes": shapes, "losses": losses, "peak": last["peak_mem_bytes_per_rank"],
@@ -57,11 +58,11 @@ def main(steps: int) -> None:
 
     res = run_on_fresh_ranks(D, _train, _config(steps), timeout=3600)
     shapes = res[0]["shapes"]
-    params = sum(__import__("math").prod(s) for s in shapes)
+    params = sum(__import__("math").prod(s) for s, _ in shapes)
     gib = 2**30
     rows = []
     for stage in range(4):
-        per_rank = model_state_bytes([(s, None) for s in shapes], stage, D, 0).held
+        per_rank = model_state_bytes(shapes, stage, D, 0).held
         rows.append([f"ZeRO-{stage}", f"{per_rank / gib:.2f}", f"{D * per_rank / gib:.1f}"])
     print(f"model: {params / 1e6:.0f} M parameters; host memory {_host_bytes() / gib:.1f} GiB; D = {D} ranks")
     print(format_table(["stage", "model state per rank (GiB)", f"all {D} ranks (GiB)"], rows))

@@ -695,10 +695,10 @@ def plan(args, gpus, nodes, hardware, top, as_json, write, explain_flag, calibra
     from .planner.command import run_calibrate, run_plan
 
     try:
-        if calibrate_flag:
-            run_calibrate(nproc, out)
-            return
         source, overrides = _split_args(args)
+        if calibrate_flag:
+            run_calibrate(nproc, out, overrides)          # parallel.backend=... picks the backend
+            return
         run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag)
     except ConfigError as e:
         click.echo(f"gridshard plan: {e}", err=True)
@@ -760,6 +760,25 @@ def generate(path, prompt, max_new_tokens, temperature, top_k, seed):
         sys.exit(EXIT_CONFIG)
     click.echo(f"# {folder} (step {step}), temperature {temperature}, top-k {top_k}, seed {seed}", err=True)
     click.echo(prompt + text)
+
+
+@main.command()
+@click.argument("path", metavar="RUN_DIR|CKPT_DIR", type=click.Path(file_okay=False))
+@click.argument("images", nargs=-1, required=True, metavar="IMAGE...", type=click.Path(dir_okay=False))
+@click.option("--top", type=int, default=3, show_default=True, help="Classes printed per image.")
+def predict(path, images, top):
+    """Print the top classes of each IMAGE by the ViT (model.kind: vit) in RUN_DIR (its latest
+    checkpoint) or CKPT_DIR, in one process whatever layout trained it (docs/vision.md)."""
+    from .predict import predict_images
+
+    try:
+        folder, step, rows = predict_images(path, list(images), top)
+    except ConfigError as e:                          # a CheckpointError is one
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
+    click.echo(f"# {folder} (step {step})", err=True)
+    for image, best in rows:
+        click.echo(f"{image}: " + ", ".join(f"{name} {p:.3f}" for name, p in best))
 
 
 @main.command("prepare-data")

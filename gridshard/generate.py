@@ -7,7 +7,10 @@ causal attention and every layer keeps its keys and values K, V [b, K_heads, s�
 RoPE). Each new token then costs one position: its query q at absolute position p attends to
 the cached K, V of positions 0..p (no mask is needed: every cached position is ≤ p), and its
 own k, v are appended — O(p) work per token instead of the O(p²) of re-running the whole
-window. RoPE rotates q and k by their absolute positions, so cached keys stay valid.
+window. RoPE rotates q and k by their absolute positions, so cached keys stay valid; the
+(cos, sin) tables are the model's own (``Transformer.rope_cache``), built once for the whole
+window (``max_seq_len`` rows; row p depends on p alone, so a slice equals a table built to
+any length) and sliced to positions pos … pos + n − 1 at every step.
 
 The model was trained on windows of at most ``max_seq_len`` tokens starting at position 0;
 when prompt + continuation outgrow it, the context is cut to its last ``max_seq_len − 1``
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from .data.tokenizer import run_tokenizer
 from .errors import ConfigError
 from .models.llama import ModelConfig, Transformer
-from .models.rope import apply_rope, rope_tables
+from .models.rope import apply_rope
 
 
 def load_model(folder: str, checked=None) -> tuple:
@@ -69,11 +72,17 @@ class CachedDecoder:
         self.cache: List[Optional[tuple]] = [None] * len(self.model.layers)
         self.pos = 0
 
+    def _rope_rows(self, n: int, device) -> tuple:
+        """The RoPE (cos, sin) rows of positions pos … pos + n − 1, sliced from the model's cached
+        table of the whole window (module docstring): no table is built per step."""
+        length = max(self.cfg.max_seq_len, self.pos + n)
+        cos, sin = self.model.rope_cache.get(length, self.cfg.head_dim, self.cfg.rope_theta, device)
+        return cos[self.pos:self.pos + n], sin[self.pos:self.pos + n]
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         m, n = self.model, tokens.shape[1]
-        cos, sin = rope_tables(self.pos + n, self.cfg.head_dim, self.cfg.rope_theta)
-        cos, sin = cos[self.pos:], sin[self.pos:]
+        cos, sin = self._rope_rows(n, tokens.device)
         x = m.embed_tokens(tokens)
         b = x.shape[0]
         for i, layer in enumerate(m.layers):

@@ -104,11 +104,6 @@ def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tens
         )
 
 
-def default_backend(requested: str = "auto") -> str:
-    """The backend for ``parallel.backend`` = ``requested`` (:func:`gridshard.device.resolve_backend`)."""
-    return resolve_backend(requested)
-
-
 def default_device(requested: str = "auto") -> torch.device:
     """The device this rank computes on (:func:`gridshard.device.rank_device`): the process
     group's backend decides once one exists (nccl → ``cuda:LOCAL_RANK``, gloo → CPU)."""
@@ -205,6 +200,15 @@ class ParallelMesh:
     def world_size(self) -> int:
         return self.sizes[0] * self.sizes[1] * self.sizes[2]
 
+    def groups(self) -> list:
+        """The distinct process groups of this rank's axes (size-1 axes have none)."""
+        axes = [self.data, self.pipeline, self.tensor] + ([self.row, self.col] if self.tensor_mode.is_grid else [])
+        out = []
+        for g in (a.group for a in axes):
+            if g is not None and all(g is not h for h in out):
+                out.append(g)
+        return out
+
     def __repr__(self) -> str:
         d, p, t = self.sizes
         return f"ParallelMesh(D={d}, P={p}, T={t}, mode={self.tensor_mode!r}, rank={dist.get_rank()})"
@@ -240,7 +244,8 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     DeviceMesh creates its process groups (a collective over every rank, with sockets that live
     as long as the process), so a process that builds the same layout many times (the test
     harness's workers, evaluation, export) builds it once. Every rank calls it in the same
-    order, so the memo's hits and evictions are the same on every rank."""
+    order, so the memo's hits and evictions are the same on every rank. The new groups wait as
+    long as ``world_group`` (:func:`set_collective_timeout`), not torch's default for new groups."""
     device_type = "cuda" if dist.get_backend(world_group) == "nccl" else "cpu"
     if tensor_mode.is_grid:
         q = tensor_mode.grid_side(tensor)
@@ -250,7 +255,41 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     else:
         dm = init_device_mesh(device_type, (data, pipeline, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
         flat = None
-    return ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat)
+    mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat)
+    world_timeout = group_timeout_s(world_group)
+    if world_timeout is not None:
+        set_collective_timeout(mesh.groups(), world_timeout)
+    return mesh
+
+
+def group_timeout_s(group) -> Optional[float]:
+    """How long (seconds) a collective on ``group`` waits before it fails; None when the backend
+    does not say. Read from the backend's options (a private attribute of torch's
+    ``ProcessGroup``; torch has no public reader)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def set_collective_timeout(groups, seconds: float) -> None:
+    """Make every collective on ``groups`` (process groups; None entries skipped) fail after
+    ``seconds`` of waiting.
+
+    Why it is needed: torch gives a group created by ``new_group`` or ``init_device_mesh`` the
+    backend's *default* timeout (gloo 30 min, NCCL 10 min), not the one ``init_process_group``
+    got, so the mesh's data, pipeline and tensor groups would ignore
+    ``train.collective_timeout_s`` (seen on torch 2.13). :func:`layout_mesh` gives them the
+    world group's; ``train.compile``'s first step raises and then restores it
+    (:mod:`gridshard.engine.warmup`). Uses ``torch.distributed.distributed_c10d._set_pg_timeout``
+    (private; what torchtitan uses to tighten the timeout after its first step)."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in groups:
+        if group is not None:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 class ShapeMesh:

@@ -3,7 +3,9 @@
 * ``metrics.png``: six panels against the optimizer step — training loss with the validation
   loss (``val_loss``, on evaluation steps), learning rate, gradient norm (before clipping),
   global tokens/s, peak memory of every rank (MiB) and the communication share (%);
-* ``loss.png`` and ``throughput.png``: the first and fourth panels alone.
+* ``loss.png`` and ``throughput.png``: the first and fourth panels alone;
+* ``accuracy.png`` (a classifier's run, ``model.kind: vit``): ``accuracy`` and ``val_accuracy``
+  on the evaluation steps, on 0–1.
 
 Every logged record is drawn, the first included, and each x axis starts at step 0. Axes a
 reader can trust: quantities that cannot be negative (tokens/s, memory, share, lr, grad norm)
@@ -33,7 +35,7 @@ def read_metrics(run_dir: str) -> list:
 
 
 def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list:
-    """Write the two PNGs into ``out_dir`` (default: ``run_dir``); returns their paths."""
+    """Write the PNGs (module docstring) into ``out_dir`` (default: ``run_dir``); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,7 +62,28 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list:
         fig.savefig(path)
         plt.close(fig)
         paths.append(path)
+    evals = [r for r in recs if r.get("accuracy") is not None]
+    if evals:
+        paths.append(_accuracy(plt, evals, run_dir, os.path.join(out_dir, "accuracy.png")))
     return paths
+
+
+def _accuracy(plt, evals: list, run_dir: str, path: str) -> str:
+    """``accuracy`` and ``val_accuracy`` of the evaluation records against the step, on 0–1."""
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for key, label in (("accuracy", "train"), ("val_accuracy", "validation")):
+        ax.plot([r["step"] for r in evals], [_num(r.get(key)) for r in evals], marker="o", markersize=3, label=label)
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: accuracy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _num(x):

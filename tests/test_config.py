@@ -188,7 +188,8 @@ def test_shipped_configs_validate_at_their_world_size():
     assert len(paths) >= 4
     for path in paths:
         cfg = load_config(path)
-        overrides = [] if cfg.data.kind == "stdlib" else ["data.kind=stdlib", "data.path=null"]  # no token file here
+        overrides = ([] if cfg.data.kind in ("stdlib", "digits")      # bundled data; no token file here
+                     else ["data.kind=stdlib", "data.path=null"])
         resolved = resolve_config(path, overrides, world_size=cfg.world_size, cuda_available=True)
         assert resolved.world_size == cfg.world_size, path
     tiny = resolve_config(os.path.join(os.path.dirname(paths[0]), "tiny.yaml"), world_size=4, cuda_available=False)

@@ -275,3 +275,263 @@ def test_cuda_memory_peaks_are_per_interval_with_reserved(monkeypatch):
     assert interval_memory_peaks(gpu) == (1 << 30, 2 << 30)        # the first interval's peak is gone
     allocated, reserved = interval_memory_peaks(torch.device("cpu"))
     assert allocated > 0 and reserved is None
+
+
+# ---- calibration: the same backend rule as a job ---------------------------------------------
+class _Started(Exception):
+    pass
+
+
+@pytest.fixture
+def spawned(monkeypatch):
+    """Calibration's rank processes are not started: the backend they would get is recorded."""
+    import torch.multiprocessing as mp
+
+    seen = []
+
+    def start(fn, args, nprocs, **kwargs):
+        seen.append((nprocs, args[2]))                 # (nproc, port, backend, result path)
+        raise _Started
+    monkeypatch.setattr(mp, "start_processes", start)
+    return seen
+
+
+@pytest.mark.parametrize("gpus,requested,backend", [(2, "auto", "nccl"), (0, "auto", "gloo"), (1, "gloo", "gloo")])
+def test_calibration_takes_the_backend_from_the_device_rule(gpus, requested, backend, fake_gpus, spawned, tmp_path):
+    from gridshard.planner.calibrate import calibrate
+
+    fake_gpus(gpus)
+    with pytest.raises(_Started):
+        calibrate(nproc=2, out=str(tmp_path / "p.json"), backend=requested)
+    assert spawned == [(2, backend)]
+
+
+def test_calibration_refuses_more_ranks_than_gpus_before_starting(fake_gpus, spawned, tmp_path):
+    """It measured the CPU instead, quietly, when the host had fewer GPUs than ranks."""
+    from gridshard.planner.calibrate import calibrate
+
+    fake_gpus(1)
+    with pytest.raises(ConfigError, match=r"--nproc 2 starts 2 nccl ranks.*1 visible GPU.*parallel.backend: gloo"):
+        calibrate(nproc=2, out=str(tmp_path / "p.json"))
+    assert spawned == []
+    result = CliRunner().invoke(main, ["plan", "--calibrate", "--nproc", "2", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == EXIT_CONFIG and "--nproc 2" in result.output and spawned == []
+    result = CliRunner().invoke(main, ["plan", "--calibrate", "--nproc", "2", "--out", str(tmp_path / "p.json"),
+                                       "parallel.backend=gloo"])
+    assert isinstance(result.exception, _Started) and spawned == [(2, "gloo")]
+
+
+# ---- all-reduces of temporaries run in place ---------------------------------------------------
+# The copying all-reduces left: a forward's input or a backward's incoming gradient (held by the
+# caller or by autograd, which may hand one gradient to several branches) and the early
+# input-gradient collective (its source is compared afterwards).
+COPY_KEPT = {"_ReduceFromGroup.forward", "_CopyToGroup.backward", "_SumAlong.forward", "_SumAlong.backward",
+             "_SplitBatch.backward", "InputGradHandoff.launch", "_ColumnInput.backward"}
+
+
+def _all_reduce_calls(runs: list) -> list:
+    """Per (layout, copy) run: ([(caller, in place, result aliases input)], ledger entries, the
+    global loss and gradient norm) of one training step, all_reduce in place where callers allow
+    it (``copy``: forced to copy, the former form)."""
+    import sys
+
+    import gridshard
+    from gridshard.comm import collectives as C
+    from gridshard.engine.step import global_losses, train_step
+
+    real, force_copy = C.all_reduce, []
+
+    def spy(x, axis, *args, inplace=False, **kwargs):
+        caller = sys._getframe(1).f_code.co_qualname
+        # the copying form: every call but those that were in place already (their result is their input)
+        copy = force_copy and not kwargs.get("async_op") and caller != "TiedEmbeddingSync.sync"
+        out = real(x, axis, *args, inplace=inplace and not copy, **kwargs)
+        if axis.size > 1 and not kwargs.get("async_op"):
+            calls.append((caller, inplace, out.data_ptr() == x.data_ptr()))
+        return out
+
+    C.all_reduce = spy
+    results = []
+    try:
+        for parallel, copy in runs:
+            force_copy[:] = [True] if copy else []
+            calls = []
+            job = gridshard.build_job({"model": {"preset": "tiny"}, "parallel": parallel, "data": {"seq_len": 32},
+                                       "train": {"global_batch": 4, "micro_batch": 2, "seed": 5}})
+            result = train_step(job, job.batch(0))
+            losses = global_losses(job, [(result.loss_share, result.valid_targets)])
+            entries = sorted((k, e.count, e.payload_bytes) for k, e in job.ledger.entries.items())
+            results.append((calls, entries, losses + [float(result.grad_norm)]))
+    finally:
+        C.all_reduce = real
+    return results
+
+
+def test_all_reduces_of_temporaries_run_in_place_with_the_same_ledger_and_numbers():
+    """Every all-reduce of a step whose input is a temporary (norm and loss statistics, id
+    verdicts, the gradient norm, loss sums) reduces in place — the result is its input, no
+    clone — and the step's ledger entries and numbers equal those of the copying form (1D, D=2:
+    the vocabulary-parallel loss, the norm over tensor and data; 2D: norms, loss, id verdicts,
+    whose numbers the 2D equivalence tests hold to the single-device reference)."""
+    from gridshard.testing import run_on_ranks
+
+    one_d, two_d = {"data": 2, "tensor": 2, "tensor_mode": "1d"}, {"data": 1, "tensor": 4, "tensor_mode": "2d"}
+    out = run_on_ranks(4, _all_reduce_calls, [(one_d, False), (one_d, True), (two_d, False)])
+    for (calls, entries, numbers), (copy_calls, copy_entries, copy_numbers), (calls_2d, _, _) in out:
+        for run in (calls, calls_2d):
+            copying = {caller for caller, inplace, _ in run if not inplace}
+            assert copying <= COPY_KEPT, copying - COPY_KEPT
+            in_place = [(caller, alias) for caller, inplace, alias in run if inplace]
+            assert in_place and all(alias for _, alias in in_place)
+        assert len(calls) == len(copy_calls) and entries == copy_entries
+        assert numbers == pytest.approx(copy_numbers, rel=1e-12, abs=0)
+    callers = {c for rank_results in out for calls, _, _ in rank_results for c, _, _ in calls}
+    assert {"_RMSNorm2DFn.forward", "_CrossEntropy2DFn.forward", "_VocabParallelCrossEntropy.forward",
+            "global_grad_norm", "global_losses"} <= callers
+
+
+# ---- pipeline busy/bubble time on the device's clock -------------------------------------------
+class _FakeCudaEvent:
+    """A CUDA event that completes when the test says so; ``elapsed_time`` is what the fake
+    device took (ms), not what the host spent."""
+    log: list = []
+    done = True
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.t = None
+
+    def record(self):
+        self.t = len([e for e in self.log if e == "record"]) * 250.0          # each region: 250 ms on the device
+        self.log.append("record")
+
+    def query(self):
+        self.log.append("query")
+        return self.done
+
+    def synchronize(self):
+        self.log.append("synchronize")
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+def test_region_timer_on_cpu_sums_host_time_inside_regions_only():
+    import time
+
+    from gridshard.pipeline.meter import RegionTimer
+
+    timer = RegionTimer("cpu")
+    with timer.region():
+        time.sleep(0.03)
+    time.sleep(0.05)                                   # outside every region: not counted
+    with timer.region():
+        time.sleep(0.01)
+    assert 0.04 <= timer.total_s < 0.08
+
+
+def test_region_timer_on_cuda_reads_events_without_a_host_sync_per_region(monkeypatch):
+    """Host time would measure kernel launches: the regions' device time comes from events on
+    the current stream; a region's end only asks (``query``) whether earlier ones completed, and
+    only reading the total waits (after the step's own sync point)."""
+    from gridshard.pipeline.meter import RegionTimer, StageMeter
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    _FakeCudaEvent.log, _FakeCudaEvent.done = [], False
+    timer = RegionTimer(torch.device("cuda", 0))
+    for _ in range(3):
+        with timer.region():
+            pass
+    assert "synchronize" not in _FakeCudaEvent.log and _FakeCudaEvent.log.count("record") == 6
+    assert len(timer._pending) == 3                    # not completed yet: nothing read, nothing waited for
+    assert timer.total_s == pytest.approx(0.75) and _FakeCudaEvent.log.count("synchronize") == 3
+    _FakeCudaEvent.done = True
+    with timer.region():
+        pass
+    assert timer._pending == []                        # completed pairs are folded in as regions end
+
+    class Stage:                                       # the three compute calls the meter wraps
+        stage_index = 0
+
+        def forward_one_chunk(self, i, *a):
+            return torch.ones(2, requires_grad=True) * 2
+
+        backward_one_chunk = backward_weight_one_chunk = lambda self, i, *a: None
+        get_fwd_send_ops = get_bwd_send_ops = lambda self, i: []
+
+    _FakeCudaEvent.log = []
+    meter, stage = StageMeter(None, [], device="cuda"), Stage()
+    meter.attach(stage)
+    stage.forward_one_chunk(0)
+    stage.backward_one_chunk(0)
+    with meter.schedule.region():
+        pass
+    assert meter.busy_s == pytest.approx(0.5) and meter.schedule_s == pytest.approx(0.25)
+
+
+# ---- collective timeouts: every group, and train.compile's first step -------------------------
+def _group_timeouts(cfg: dict) -> dict:
+    import gridshard
+    import gridshard.engine.job as job_module
+    import torch.distributed as dist
+    from gridshard.engine.step import evaluate, train_step
+    from gridshard.mesh import build_mesh, group_timeout_s
+
+    world = group_timeout_s(dist.group.WORLD)
+    out = {"world": world, "mesh": [group_timeout_s(g) for g in build_mesh(2, 1, 2, "1d").groups()]}
+    real_compile = job_module.apply_compile
+    job_module.apply_compile = lambda model: 0         # the timeouts only: no compiling on 2 shared cores
+    try:
+        job = gridshard.build_job(cfg)
+        groups = [dist.group.WORLD] + job.mesh.groups()
+        seen = lambda: sorted({group_timeout_s(g) for g in groups})      # noqa: E731
+        out["built"] = seen()
+        train_step(job, job.batch(0))
+        out["after_step"] = seen()
+        evaluate(job)
+        out["after_eval"] = seen()
+        out["groups"] = len(job.mesh.groups())
+    finally:
+        job_module.apply_compile = real_compile
+    return out
+
+
+def test_mesh_groups_wait_the_collective_timeout_and_compile_warms_up_with_a_longer_one():
+    """torch gives a mesh's sub-groups its default timeout (gloo 30 min, NCCL 10 min), not the
+    world's: they now get the world's (train.collective_timeout_s when gridshard initialised it;
+    here the harness's). With train.compile the job's groups wait train.compile_timeout_s until
+    the first step and the first evaluation ran (ranks compile then), then their own again."""
+    from gridshard.testing import run_on_ranks
+
+    cfg = {"parallel": {"data": 2, "tensor": 2, "tensor_mode": "1d"}, "data": {"seq_len": 32, "val_fraction": 0.1},
+           "train": {"global_batch": 4, "micro_batch": 2, "compile": True, "compile_timeout_s": 55,
+                     "collective_timeout_s": 7, "eval_batches": 1}}
+    for out in run_on_ranks(4, _group_timeouts, cfg):
+        assert out["world"] is not None and out["mesh"] == [out["world"]] * 2        # data and tensor groups
+        assert out["groups"] == 2 and out["built"] == [55.0]
+        assert out["after_step"] == [55.0] and out["after_eval"] == [out["world"]]
+
+
+def test_compile_timeout_is_validated():
+    with pytest.raises(ConfigError, match="train.compile_timeout_s"):
+        resolve_config(None, ["train.compile_timeout_s=0"])
+
+
+def test_the_collective_timeout_reaches_init_process_group(monkeypatch):
+    """A job that starts the process group starts it with train.collective_timeout_s."""
+    import datetime
+
+    import gridshard.engine.job as job_module
+    import gridshard.mesh as mesh_module
+
+    seen = []
+    monkeypatch.setattr(job_module.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(job_module, "init_distributed", lambda backend, timeout_s: (seen.append(timeout_s), 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        job_module.resolve_job_config({"train": {"collective_timeout_s": 42}})
+    monkeypatch.setattr(mesh_module.dist, "init_process_group", lambda backend, **kw: seen.append(kw["timeout"]))
+    monkeypatch.setattr(mesh_module, "elastic_attempt_store", lambda timeout: None)
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(var, value)
+    mesh_module.init_distributed("gloo", timeout_s=42)
+    assert seen == [42, datetime.timedelta(seconds=42)]

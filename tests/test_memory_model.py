@@ -12,7 +12,8 @@
 * activations: the bytes autograd saves during one forward (counted by
   :class:`gridshard.engine.memory_meter.SavedTensorMeter`) equal :func:`activation_bytes`
   exactly, for recompute none / selective / full at T = 1 and on 2 and 4 ranks in 1D,
-  1D + SP and 2D.
+  1D + SP and 2D, in fp32 and under bf16 autocast on CPU (activations in bf16, autocast's
+  weight copies included).
 """
 import pytest
 import torch
@@ -30,6 +31,7 @@ def tiny_config(tied=False, kv_heads=2):
 
 
 BATCH, SEQ = 4, 8
+PRECISIONS = ("fp32", "bf16")                                    # bf16: CPU autocast, parameters fp32
 PIPELINE_RANKS = (((0,), True, False), ((1,), False, True))      # (layer ids, first stage, last stage)
 
 LAYOUTS = {  # name: (T, mode, sequence_parallel, tied, kv_heads)
@@ -44,7 +46,7 @@ LAYOUTS = {  # name: (T, mode, sequence_parallel, tied, kv_heads)
 
 def _measure(T, mode, sp, tied, kv):
     """On each rank: its parameter (name, shape) list, the model-state bytes after one AdamW
-    step, and the saved-for-backward bytes of one forward per recompute mode."""
+    step, and the saved-for-backward bytes of one forward per (precision, recompute mode)."""
     from gridshard import build_mesh, parallelize
     from gridshard.engine.memory_meter import SavedTensorMeter, model_state_tensor_bytes
     from gridshard.engine.optim import build_optimizer
@@ -57,16 +59,17 @@ def _measure(T, mode, sp, tied, kv):
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     out = {"saved": {}}
-    for recompute in ("none", "selective", "full"):
+    for precision, recompute in [(p, r) for p in PRECISIONS for r in ("none", "selective", "full")]:
         with torch.device("meta"):
             plain = Transformer(cfg)
         model = parallelize(plain, build_mesh(1, 1, T, mode), sequence_parallel=sp, seed=0, device="cpu")
         apply_recompute(model, recompute)
         ctx = model.parallel_context
-        with SavedTensorMeter(exclude=model.parameters()) as meter:
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+        with SavedTensorMeter(exclude=model.parameters()) as meter, autocast:
             loss = ctx.model_loss(model, ctx.shard_tokens(tokens), ctx.shard_tokens(targets), reduction="sum")
-        out["saved"][recompute] = meter.bytes
-        if recompute == "none":
+        out["saved"][precision, recompute] = meter.bytes
+        if (precision, recompute) == ("fp32", "none"):
             loss.backward()
             opt = build_optimizer(model, 1e-3, 0.1)
             opt.step()
@@ -146,14 +149,36 @@ def test_zero0_model_state_equals_the_tensors_after_a_step(name):
         assert got["state"]["optimizer"] == state.optimizer, (name, rank)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_saved_activation_bytes_equal_the_formula(name, recompute):
+def test_saved_activation_bytes_equal_the_formula(name, recompute, precision):
     T, mode, sp, tied, kv = LAYOUTS[name]
-    formula = M.activation_bytes(tiny_config(tied, kv), BATCH, SEQ, mode, T, sp, recompute).total
+    formula = M.activation_bytes(tiny_config(tied, kv), BATCH, SEQ, mode, T, sp, recompute, precision=precision).total
     for rank, got in enumerate(measured(name)):
-        assert got["saved"][recompute] == formula, \
-            f"{name} rank {rank} recompute={recompute}: measured {got['saved'][recompute]} B, formula {formula} B"
+        assert got["saved"][precision, recompute] == formula, \
+            (f"{name} rank {rank} recompute={recompute} {precision}: measured {got['saved'][precision, recompute]} B, "
+             f"formula {formula} B")
+
+
+# per layer, 1D + SP, in s·b·h/t bytes (terms in 1/h, 1/d dropped): module docstring §2's table
+@pytest.mark.parametrize("precision,recompute,units", [
+    ("bf16", "none", 4 + 4 + 8 + 64 / 3), ("bf16", "selective", 4 + 4 + 8 + 16), ("bf16", "full", 2),
+    ("fp32", "none", 24 + 16 + 128 / 3), ("fp32", "selective", 24 + 16 + 32), ("fp32", "full", 4)])
+def test_layer_bytes_next_to_korthikanti(precision, recompute, units):
+    """The GPT-3 175B shape with f = 8h/3 and K = H (h 12288, a 96), s 2048, b 1, t 8, SP: norms'
+    x and y (+ x̂ in fp32), q/k/v/attention output, SwiGLU's 4 (3 selective) f-wide tensors; bf16
+    selective within 10 % of Korthikanti et al.'s 34·s·b·h/t, full recompute equal to their 2·s·b·h/t."""
+    from gridshard.models import ModelConfig
+
+    cfg = ModelConfig(vocab_size=51200, hidden=12288, layers=96, heads=96, ffn_hidden=32768, max_seq_len=2048)
+    s, b, t = 2048, 1, 8
+    unit = s * b * cfg.hidden / t
+    per_layer = M.layer_saved_bytes(cfg, "1d", t, True, s * b, recompute, e=M.activation_element_bytes(precision))
+    assert per_layer / unit == pytest.approx(units, abs=0.05)
+    published = {"selective": 34, "full": 2}.get(recompute)
+    if precision == "bf16" and published:
+        assert per_layer == pytest.approx(published * unit, rel=0.10)
 
 
 def test_recompute_orders_the_activations():
@@ -166,18 +191,19 @@ def test_recompute_orders_the_activations():
 
 # --- ZeRO stages on a hand-computed example -------------------------------------------------
 # blocks: a [5, 3] matrix of layer 0, a [4] vector of layer 0, a [7, 2] root table; D = 2.
-# rows per rank c = ceil(n0 / 2): [5,3] → c=3, padded 9, rank 1 owns rows 3..5 → 6 elements;
-# [4] → c=2, padded 2, rank 1 owns 2; [7,2] → c=4, padded 8, rank 1 owns rows 4..7 → 6.
+# unit layer 0: n = 15 + 4 = 19 → L = 20, C = 10; rank 1 owns [10, 20): elements 10..14 of the
+# matrix and all 4 of the vector → s = 9, two stepped parameters. Root: n = 14 → L = 14, C = 7;
+# rank 1 owns [7, 14) of the table → s = 7, one stepped parameter.
 BLOCKS = [((5, 3), 0), ((4,), 0), ((7, 2), None)]
-N_ALL, S_RANK1, P_ALL = 15 + 4 + 14, 6 + 2 + 6, 9 + 2 + 8
+N_ALL, L_ALL, C_ALL, S_RANK1, COUNTERS = 15 + 4 + 14, 20 + 14, 10 + 7, 9 + 7, 4 * 3
 
 
 @pytest.mark.parametrize("zero,params,grads,opt,buffers,transient", [
-    (0, 4 * N_ALL, 4 * N_ALL, 8 * N_ALL + 12, 0, 0),
-    (1, 4 * N_ALL, 4 * N_ALL, 8 * S_RANK1 + 12, 4 * P_ALL, 0),
-    (2, 4 * N_ALL, 4 * P_ALL, 8 * S_RANK1 + 12, 0, 0),
-    # root gathered (4·14) + layer 0 gathered (4·19) + its all-gather buffer (4·2·(9+2))
-    (3, 4 * P_ALL, 4 * P_ALL, 8 * S_RANK1 + 12, 0, 4 * 14 + 4 * 19 + 4 * 2 * 11),
+    (0, 4 * N_ALL, 4 * N_ALL, 8 * N_ALL + COUNTERS, 0, 0),
+    (1, 4 * L_ALL, 4 * L_ALL, 8 * S_RANK1 + COUNTERS, 4 * C_ALL, 0),
+    (2, 4 * L_ALL, 4 * C_ALL, 8 * S_RANK1 + COUNTERS, 0, 0),
+    # the root gathered (4·14) + layer 0 gathered into its buffer (4·20)
+    (3, 4 * C_ALL, 4 * C_ALL, 8 * S_RANK1 + COUNTERS, 0, 4 * 14 + 4 * 20),
 ])
 def test_zero_stages_by_hand(zero, params, grads, opt, buffers, transient):
     st = M.model_state_bytes(BLOCKS, zero=zero, data=2, data_rank=1)
@@ -203,9 +229,11 @@ def test_pipeline_stage_holds_its_in_flight_microbatches():
     kw = dict(micro_batch=2, seq_len=8, n_microbatches=8, pipeline=2)
     first = M.predict_rank_memory(cfg, pipeline_rank=0, **kw)
     one = M.activation_bytes(cfg, 2, 8, layers=1, has_head=False)
-    assert first.details["in_flight"] == 2 and first.activations == 2 * one.total
+    # each micro-batch in flight adds its own; the RoPE tables (the model's cache) are held once
+    assert first.details["in_flight"] == 2 and first.activations == 2 * one.per_microbatch + one.rope_tables
+    assert one.total == one.per_microbatch + one.rope_tables and one.rope_tables == 2 * 8 * cfg.head_dim * 4
     gpipe = M.predict_rank_memory(cfg, pipeline_rank=0, schedule="gpipe", **kw)
-    assert gpipe.activations == 8 * one.total
+    assert gpipe.activations == 8 * one.per_microbatch + one.rope_tables
     assert first.params == 4 * sum(b.numel for b in rank_parameter_blocks(cfg, layer_ids=[0], has_head=False))
 
 
@@ -220,8 +248,15 @@ def test_prediction_adds_baseline_and_margin():
 
 def test_zero_backward_gradient_transient_by_hand():
     """Units: layer 0 = 5·3 + 4 = 19 elements, layer 1 = 6·2 = 12, root = 7·2 = 14; D = 2:
-    padded buffers 2·(3·3 + 2) = 22, 2·(3·2) = 12, 2·(4·2) = 16 elements."""
+    gradient buffers L = 20, 12, 14 elements. One micro-batch: the root's buffer and up to three
+    layers' (one filling, two reducing); two: every buffer from the first backward to the last."""
     blocks = [((5, 3), 0), ((4,), 0), ((6, 2), 1), ((7, 2), None)]
     assert M.zero_gradient_transient(blocks, 1, 2) == 0                    # ZeRO-1 keeps full grads anyway
-    assert M.zero_gradient_transient(blocks, 2, 2) == 4 * 19 + 4 * (22 + 16 + 12)       # one unit's grads
-    assert M.zero_gradient_transient(blocks, 3, 2, micro_batches=2) == 4 * (19 + 12 + 14) + 4 * (22 + 16 + 12)
+    assert M.zero_gradient_transient(blocks, 2, 2) == 4 * (14 + 20 + 12)
+    assert M.zero_gradient_transient(blocks, 3, 2, micro_batches=2, sharded_accumulation=False) == 4 * (20 + 12 + 14)
+    wide = [((8,), i) for i in range(5)] + [((3,), None)]                  # five layers: three of them count
+    assert M.zero_gradient_transient(wide, 3, 2, micro_batches=4) == 4 * (4 + 3 * 8)      # reduced per micro-batch
+    assert M.zero_gradient_transient(wide, 3, 2, micro_batches=4, sharded_accumulation=False) == 4 * (4 + 5 * 8)
+    assert M.zero_gradient_transient(wide, 2, 2) == 4 * (4 + 3 * 8)
+    # ZeRO-3 gathers: the root and two consecutive layers (one computing, the next prefetched)
+    assert M.model_state_bytes(blocks, zero=3, data=2).transient == 4 * 14 + 4 * (20 + 12)

@@ -1,11 +1,13 @@
 """Shard specs: blocks cover the global tensor exactly once, in the documented order."""
 import itertools
+import math
 
 import pytest
 import torch
 
 from gridshard.errors import ShapeError
 from gridshard.nn.sharding import ShardSpec, assemble_global, take_shard
+from gridshard.theory.zero import flat_range_boxes
 
 
 def _all_blocks(full, spec, size):
@@ -61,21 +63,44 @@ def _ranks(size):
     (ShardSpec((8, 5), ((0, "tensor"),), replicate=2), {"tensor": 4}),                      # kv heads shared
     (ShardSpec((7, 2)), {"tensor": 2}),                                                     # replicated
 ])
-def test_canonical_box_of_a_block_and_of_its_row_ranges(spec, size):
-    """The box (and view) of a block, and of rows [a, b) of it (a ZeRO shard), hold exactly the
-    canonical elements that :func:`take_shard` of the storage tensor puts there."""
+def test_canonical_box_of_a_block_and_of_its_element_ranges(spec, size):
+    """The box (and view) of a block, and of every element range [a, b) of it (a ZeRO shard: its
+    boxes by :func:`flat_range_boxes`, rows and columns narrowed), hold exactly the canonical
+    elements that :func:`take_shard` of the storage tensor puts there."""
     canon = torch.arange(1, 1 + torch.Size(spec.canonical()).numel()).reshape(spec.canonical())
     storage = spec.from_canonical(canon)                 # padding rows are 0
     for index in _ranks(size):
         local = take_shard(storage, spec, index, size)
-        n = local.shape[0]
+        flat = local.reshape(-1)
+        n = flat.numel()
         for a, b in [(a, b) for a in range(n) for b in range(a + 1, n + 1)]:
-            rows = local[a:b]
-            box = spec.canonical_box(index, size, rows=(a, b))
-            if box is None:
-                assert not rows.any(), (index, a, b)    # only padding
-                continue
-            want = canon[tuple(slice(o, o + n) for o, n in box)]
-            assert torch.equal(spec.canonical_view(rows, box), want), (index, a, b, box)
-            assert int((rows != 0).sum()) == want.numel()          # nothing outside the box but padding
-        assert spec.canonical_box(index, size) == spec.canonical_box(index, size, rows=(0, local.shape[0]))
+            pieces = flat_range_boxes(local.shape, a, b)
+            for local_box, (lo, hi) in pieces:
+                part = flat[lo:hi].view(tuple(h - l for l, h in local_box))
+                box = spec.canonical_box(index, size, local_box=local_box)
+                if box is None:
+                    assert not part.any(), (index, a, b)    # only padding
+                    continue
+                want = canon[tuple(slice(o, o + n) for o, n in box)]
+                assert torch.equal(spec.canonical_view(part, box), want), (index, a, b, box)
+                assert int((part != 0).sum()) == want.numel()          # nothing outside the box but padding
+        whole = tuple((0, m) for m in local.shape)
+        assert spec.canonical_box(index, size) == spec.canonical_box(index, size, local_box=whole)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (4, 5), (3, 4, 2), (2, 1, 3, 2)])
+def test_flat_range_boxes_cover_each_element_once_in_order(shape):
+    """Every element range of a block of ``shape`` decomposes into ≤ 2·ndim − 1 boxes that are,
+    in order, exactly its elements, each box the contiguous flat slice it claims."""
+    ids = torch.arange(math.prod(shape)).reshape(shape)
+    n = ids.numel()
+    for a in range(n):
+        for b in range(a, n + 1):
+            pieces = flat_range_boxes(shape, a, b)
+            assert len(pieces) <= max(1, 2 * len(shape) - 1)
+            got = []
+            for box, (lo, hi) in pieces:
+                part = ids[tuple(slice(l, h) for l, h in box)]
+                assert part.reshape(-1).tolist() == list(range(lo, hi)), (shape, a, b, box)
+                got += part.reshape(-1).tolist()
+            assert got == list(range(a, b)), (shape, a, b)

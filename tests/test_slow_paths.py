@@ -3,7 +3,8 @@
 * clipping scales gradients with one ``torch._foreach_mul_`` per (device, dtype) group, bit for
   bit the per-tensor ``mul_``;
 * the RoPE tables are built once per (length, head_dim, theta, device, dtype) per model, not
-  every forward, and are not part of the state dict;
+  every forward, and are not part of the state dict; generation slices the model's one table
+  of the window instead of building one per decoded token;
 * optimizer offload: host buffers (values and gradient staging) ask for pinned memory when the
   device tensors are on CUDA, a step waits on one CUDA event instead of a device-wide
   ``torch.cuda.synchronize``, and the host step is torch's fused AdamW (CUDA faked on CPU:
@@ -94,6 +95,37 @@ def test_cached_rope_tables_equal_fresh_ones_and_survive_inference_mode():
     fresh = rope_module.rope_tables(8, cfg.head_dim, cfg.rope_theta)
     assert torch.equal(cos, fresh[0]) and torch.equal(sin, fresh[1])
     model(tokens).float().pow(2).mean().backward()            # saved for backward: not inference tensors
+
+
+def test_generation_builds_the_rope_table_once_per_call_with_unchanged_output(monkeypatch):
+    """``generate``'s cached decoder slices the model's one table of the window (it built a new
+    table at every decoded token); the logits equal, bit for bit, those with a table of pos + n
+    rows built at each step (the former form)."""
+    from gridshard import generate as gen_module
+
+    cfg = ModelConfig(vocab_size=41, hidden=16, layers=2, heads=4, kv_heads=2, ffn_hidden=24, max_seq_len=24)
+    torch.manual_seed(3)
+    model = Transformer(cfg).eval()
+    prompt = torch.randint(0, 41, (1, 5))
+
+    def decode(dec):
+        out = [dec.step(prompt)]
+        out += [dec.step(prompt[:, i:i + 1]) for i in range(4)]
+        return torch.cat(out, 1)
+
+    built, _ = _count_table_builds(monkeypatch)
+    ids = gen_module.generate_ids(model, prompt[0].tolist(), 12, temperature=0.0)
+    assert built == [(cfg.max_seq_len, cfg.head_dim)]         # one table for the whole call
+    got = decode(gen_module.CachedDecoder(model))
+    assert built == [(cfg.max_seq_len, cfg.head_dim)]         # and reused by the next decoder
+
+    def fresh_rows(self, n, device):                          # the former per-step table
+        cos, sin = rope_module.rope_tables(self.pos + n, cfg.head_dim, cfg.rope_theta, device)
+        return cos[self.pos:], sin[self.pos:]
+
+    monkeypatch.setattr(gen_module.CachedDecoder, "_rope_rows", fresh_rows)
+    assert torch.equal(got, decode(gen_module.CachedDecoder(model)))
+    assert gen_module.generate_ids(model, prompt[0].tolist(), 12, temperature=0.0) == ids
 
 
 # ---- optimizer offload ---------------------------------------------------------------------

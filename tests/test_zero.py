@@ -15,6 +15,7 @@
   uninterrupted run; at the same layout the resume is bit-exact.
 * Offload: HostAdamW steps like (fused) AdamW, bit for bit, on the CPU path.
 """
+import math
 import os
 
 import pytest
@@ -28,7 +29,7 @@ from gridshard.engine.memory_meter import model_state_tensor_bytes
 from gridshard.errors import ConfigError
 from gridshard.testing import run_on_ranks
 from gridshard.theory.memory import model_state_bytes
-from gridshard.theory.zero import zero_step_comm
+from gridshard.theory.zero import unit_padded_numel, zero_step_comm
 
 # vocabulary 257 and hidden 48: rows that D=4 does not divide (padding in the flat buffers)
 ODD = {"preset": None, "vocab_size": 257, "hidden": 48, "layers": 2, "heads": 4, "kv_heads": 2,
@@ -61,6 +62,10 @@ def held_model_state(trainer) -> dict:
     return {"optimizer": got["optimizer"], "total": got["params"] + got["grads"] + got["optimizer"] + got["extra"]}
 
 
+def _numels(blocks, unit) -> list:
+    return [math.prod(shape) for shape, u in blocks if u == unit]
+
+
 def _stages_body(cfg):
     """Every stage in turn on the same ranks: losses, grad norms, held vs formula bytes at the
     end of the run, and the data axis's ledger per step vs the formula."""
@@ -76,16 +81,21 @@ def _stages_body(cfg):
             assert calls % steps == 0 and payload % steps == 0, (op, calls, payload)
             per_step[op] = (calls // steps, payload // steps)
         held = held_model_state(trainer)
-        local_shapes = [tuple(p.shape) for p in trainer.params]
         D, r = trainer.mesh.data.size, trainer.mesh.data.rank
-        st = model_state_bytes([(shape, None) for shape in local_shapes], stage, D, r)
+        if stage:       # the units (decoder layers, root) with their parameters' local shapes, in order
+            units = trainer.reducer.units
+            blocks = [(tuple(p.shape), None if u.name == "root" else i) for i, u in enumerate(units) for p in u.params]
+        else:
+            blocks = [(tuple(p.shape), None) for p in trainer.params]
+        st = model_state_bytes(blocks, stage, D, r)
         want_state = {"optimizer": st.optimizer, "total": st.held}
         if stage:
-            units = trainer.reducer.units
-            layers = [D * u.segment for u in units if u.name != "root"]
-            root = sum(D * u.segment for u in units if u.name == "root")
+            layers = [unit_padded_numel(_numels(blocks, i), D) for i, u in enumerate(units)
+                      if u.name != "root"]
+            root = sum(unit_padded_numel(_numels(blocks, None), D) for u in units if u.name == "root")
             micro = c["train"]["global_batch"] // (D * c["train"]["micro_batch"])
-            vol = zero_step_comm(layers, root, D, stage, micro_batches=micro)
+            sharded = trainer.mesh.pipeline.size == 1 and D > 1      # ZeRO-2/3 reduce every micro-batch
+            vol = zero_step_comm(layers, root, D, stage, micro_batches=micro, sharded_accumulation=sharded)
             want_comm = {op: (vol.count(op), vol.payload_bytes(op)) for op in ("all_gather", "reduce_scatter")}
             want_comm["all_reduce"] = (1, 8) if D > 1 else (0, 0)     # the shards' squared norm
         else:
@@ -124,6 +134,93 @@ def test_zero3_traffic_is_one_and_a_half_allreduces():
     assert zero_step_comm(units, root, D, 1).wire_bytes() == pytest.approx(allreduce_wire)
     z3 = zero_step_comm(units, root, D, 3).wire_bytes()
     assert z3 == pytest.approx(allreduce_wire * 1.5 - (D - 1) / D * root * 4)
+
+
+# ---- ZeRO-3 prefetch (issue 27) ----------------------------------------------------------
+def _prefetch_body(overlap):
+    """One ZeRO-3 step on 3 layers with the gathers, layer forwards and first layer gradients
+    in one timeline; the losses and the data ledger."""
+    from gridshard.comm import collectives
+
+    cfg = _cfg(2, 1, "none", False, {**ODD, "layers": 3}, {"zero": 3, "steps": 1, "global_batch": 4,
+                                                          "micro_batch": 2, "overlap_grad_reduce": overlap})
+    trainer = Trainer(cfg, progress=False)
+    units, events = trainer.reducer.units, []
+    layers = [u for u in units if u.name != "root"]
+    name_of = {id(u.param_buffer): u.name for u in units}
+    real = collectives.all_gather_into
+
+    def spy(out, x, axis, async_op=False):
+        events.append(("gather", name_of[id(out)]))
+        return real(out, x, axis, async_op=async_op)
+
+    for u in layers:
+        u.modules[0].register_forward_pre_hook(
+            lambda m, a, n=u.name: events.append(("fwd", n, sum(v.gathered for v in layers))))
+        for p in u.params:
+            p.register_hook(lambda g, n=u.name: events.append(("grad", n)) if ("grad", n) not in events else None)
+    collectives.all_gather_into = spy
+    try:
+        losses = trainer.run()
+    finally:
+        collectives.all_gather_into = real
+    ledger = (trainer.ledger.count("all_gather", "data"), trainer.ledger.payload_bytes("all_gather", "data"))
+    return losses, events, [u.name for u in layers], ledger
+
+
+def test_zero3_prefetch_issues_the_next_gather_first_and_changes_nothing_else():
+    """With prefetch (overlap on) layer i+1's forward gather is issued before layer i computes
+    and layer i's backward gather before layer i+1's gradients; at most two layers are gathered;
+    the same gathers (ledger) and bitwise the same losses as without prefetch."""
+    on, off = (run_on_ranks(2, _prefetch_body, overlap, timeout=240)[0] for overlap in (True, False))
+    assert on[0] == off[0] and on[3] == off[3]
+    for (losses, events, names, _), prefetch in ((on, True), (off, False)):
+        first_step = events[:events.index(("grad", names[0])) + 1]
+        at = lambda e: first_step.index(e)                                           # noqa: E731
+        fwd = {e[1]: i for i, e in enumerate(first_step) if e[0] == "fwd"}
+        gathers = [i for i, e in enumerate(first_step) if e[0] == "gather"]
+        for a, b in zip(names, names[1:]):
+            forward_b = next(i for i in gathers if first_step[i][1] == b)
+            backward_a = [i for i in gathers if first_step[i][1] == a][1]
+            assert (forward_b < fwd[a]) == prefetch, (prefetch, a, b, first_step)
+            assert (backward_a < at(("grad", b))) == prefetch, (prefetch, a, b, first_step)
+        assert max(e[2] for e in first_step if e[0] == "fwd") == (2 if prefetch else 1)
+    assert [e for e in on[1] if e[0] == "gather"] == [e for e in off[1] if e[0] == "gather"]
+
+
+# ---- ZeRO-2 sharded gradient accumulation (issue 23) -------------------------------------
+def _accumulation_body(stage):
+    """Two steps of 4 micro-batches per data rank: losses, norms and (ZeRO-2) the largest and
+    the between-micro-batch bytes of live gradient buffers, with the full gradient's and the
+    formula's bytes."""
+    from gridshard.theory.memory import zero_gradient_transient
+
+    cfg = _cfg(2, 1, "none", False, {**ODD, "layers": 4}, {"zero": stage, "steps": 2, "micro_batch": 1})
+    trainer = Trainer(cfg, progress=False)
+    if not stage:
+        return trainer.run(), [h["grad_norm"] for h in trainer.history], None
+    units, seen = trainer.reducer.units, {"during": [], "between": []}
+    live = lambda: sum(u.grad_buffer.untyped_storage().nbytes() for u in units)     # noqa: E731
+    for u in units:
+        for p in u.params:
+            p.register_post_accumulate_grad_hook(lambda _p: seen["during"].append(live()))
+    trainer.model.register_forward_pre_hook(lambda m, a: seen["between"].append(live()))
+    losses = trainer.run()
+    blocks = [(tuple(p.shape), None if u.name == "root" else i) for i, u in enumerate(units) for p in u.params]
+    full = 4 * sum(unit_padded_numel(_numels(blocks, i if u.name != "root" else None), 2) for i, u in enumerate(units))
+    bound = zero_gradient_transient(blocks, 2, 2, micro_batches=4)
+    return losses, [h["grad_norm"] for h in trainer.history], (max(seen["during"]), max(seen["between"]), full, bound)
+
+
+def test_zero2_accumulates_sharded_gradients_and_equals_zero0():
+    """ZeRO-2 with 4 micro-batches reduce-scatters each one into the sharded accumulator: the
+    same losses and norms as ZeRO-0 (fp32, 1e-6), the live gradient buffers never reach the full
+    gradient and stay within the formula, and between micro-batches less than half survives."""
+    (l0, n0, _), (l2, n2, mem) = (run_on_ranks(2, _accumulation_body, stage, timeout=240)[0] for stage in (0, 2))
+    assert max(abs(a - b) / abs(b) for a, b in zip(l2 + n2, l0 + n0)) < 1e-6, (l0, l2, n0, n2)
+    during, between, full, bound = mem
+    assert during <= bound < full, mem
+    assert between < full / 2, mem
 
 
 # ---- checkpoints across stages and layouts --------------------------------------------------
@@ -171,6 +268,20 @@ def test_checkpoints_reshard_between_zero3_d4_and_zero0_d2_t2(tmp_path):
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, runs[src][3:]))
         assert len(losses) == 3 and rel < RTOL, (src, dst, rel)
         assert _max_rel(_final(tmp_path / f"{src}-to-{dst[3]}"), _final(tmp_path / src)) < 1e-3, (src, dst)
+
+
+@pytest.mark.wide
+def test_pipeline_tied_zero2_checkpoint_writes_the_tied_weight_once(tmp_path):
+    """Two GPipe stages × D=2 at ZeRO-2 with the tied embedding on the first and last stage: the
+    two copies sit in different units (different element ranges), so only the first stage's is
+    written; resumed at ZeRO-0 D=2 without a pipeline, the run continues the uninterrupted one."""
+    pipe = {"pipeline": 2, "pipeline_schedule": "gpipe"}
+    src = _ck_cfg(2, 1, "none", 2)
+    src["parallel"].update(pipe)
+    runs = run_on_ranks(4, _ck_body, src, str(tmp_path / "p2"), timeout=240)[0]
+    step3 = os.path.join(checkpoints_root(str(tmp_path / "p2")), "step_3")
+    losses = _ck_run(_ck_cfg(2, 1, "none", 0, resume=step3), tmp_path / "p1")
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, runs[3:])) < RTOL, (losses, runs)
 
 
 # ---- offload and config rules ------------------------------------------------------------

@@ -7,7 +7,11 @@ every parameter (and every AdamW moment, which has its parameter's layout), one 
 that canonical tensor: by its layout (:meth:`gridshard.nn.sharding.ShardSpec.canonical_box`), a
 box ``offsets[d] … offsets[d] + sizes[d]`` along each canonical dim d, after transposing a
 Linear2D block back to ``[out, in]`` and cutting vocabulary padding off its end; under ZeRO the
-same layout narrowed to the data rank's rows of the block.
+same layout narrowed to the data rank's element range of the block, which is up to three boxes
+of a matrix (a partial first row, whole rows, a partial last row:
+:func:`gridshard.theory.zero.flat_range_boxes`), so a rank may hold several blocks of one
+tensor, keyed ``fqn@offsets`` (:func:`block_key`). The saved chunks of one tensor are disjoint
+and cover it (element ranges of different data ranks are disjoint), as DCP requires.
 
 :class:`CanonicalBlock` is that box: the fqn, the canonical global size, the offsets and a
 *view* of the local storage in canonical orientation (writing the view writes the
@@ -67,43 +71,65 @@ class CanonicalBlock:
 
 
 def canonical_block(fqn: str, local: torch.Tensor, spec: ShardSpec, mesh,
-                    rows: Optional[tuple] = None) -> Optional[CanonicalBlock]:
-    """The box of ``local`` (this rank's block stored by ``spec``, or with ``rows = (start, stop)``
-    those rows of it: a ZeRO shard) in its canonical tensor (:meth:`ShardSpec.canonical_box`),
-    or None when it holds only padding."""
-    box = spec.canonical_box(*mesh_coords(mesh), rows=rows)
+                    local_box: Optional[tuple] = None) -> Optional[CanonicalBlock]:
+    """The box of ``local`` (this rank's block stored by ``spec``, or with ``local_box`` = ((lo, hi)
+    per stored dim) that box of it, ``local`` then in the box's shape: a piece of a ZeRO element
+    range) in its canonical tensor (:meth:`ShardSpec.canonical_box`), or None when it holds only
+    padding."""
+    box = spec.canonical_box(*mesh_coords(mesh), local_box=local_box)
     if box is None:
         return None
     return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(o for o, _ in box),
                           spec.canonical_view(local.detach(), box))
 
 
-def _stepped_tensors(model: torch.nn.Module, reducer=None):
-    """(name, the tensor the optimizer steps, box) for every trainable parameter once (tied weights
-    under their first name): what ``reducer`` (:class:`gridshard.zero.reducer.GradReducer`) steps —
-    the parameter itself, or under ZeRO this data rank's rows of it —, without one every parameter.
-    ``box(fqn, t)`` is the :class:`CanonicalBlock` of a tensor ``t`` laid out like that one
-    (the parameter or one of its AdamW moments): the parameter's layout, narrowed to the rows."""
+def block_key(block: CanonicalBlock, piece: bool) -> str:
+    """The key of ``block`` in a rank's dict of blocks (and in DCP's state dict): its fqn, or for a
+    piece of an element range — a parameter may have several on one rank — ``fqn@offsets``."""
+    return f"{block.fqn}@{','.join(map(str, block.offsets))}" if piece else block.fqn
+
+
+def _written_once(model: torch.nn.Module, name: str) -> bool:
+    """False for the last pipeline stage's copy of a tied embedding (:mod:`gridshard.pipeline.tied`):
+    the first stage writes the weight, the copy is equal and only read. (Under ZeRO the two
+    copies sit in different units, so their element ranges — chunks — differ and must not
+    both be written.)"""
+    return getattr(model, "has_first", True) or name != getattr(model, "embedding_weight_name", None)
+
+
+def _stepped(model: torch.nn.Module, reducer) -> list:
+    """What ``reducer`` steps (:class:`gridshard.zero.reducer.SteppedTensor`), without one every parameter."""
     from ..zero.reducer import whole_parameters
 
-    ctx = model.parallel_context
-    for s in (reducer.stepped() if reducer is not None else whole_parameters(model)):
+    return reducer.stepped() if reducer is not None else list(whole_parameters(model))
+
+
+def _stepped_blocks(model: torch.nn.Module, reducer, prefix: str, tensor_of, writing: bool) -> dict:
+    """key → :class:`CanonicalBlock` of ``tensor_of(stepped)`` (the stepped tensor, or one of its
+    AdamW moments; None: skipped) for every tensor ``reducer`` (:class:`gridshard.zero.reducer.
+    GradReducer`) steps — the parameter itself, or under ZeRO its element range, as ≤ 3 boxes of
+    the parameter's layout narrowed further —, without one every parameter (tied weights under
+    their first name). fqn = ``prefix(name)``."""
+    ctx, out = model.parallel_context, {}
+    for s in _stepped(model, reducer):
+        t = tensor_of(s)
+        if t is None or (writing and not _written_once(model, s.name)):
+            continue
         spec = ctx.layouts[s.name]
-        yield s.name, s.tensor, (lambda fqn, t, spec=spec, rows=s.rows:
-                                 canonical_block(fqn, t, spec, ctx.mesh, rows))
-
-
-def model_blocks(model: torch.nn.Module, reducer=None) -> dict:
-    """fqn → block for every trainable parameter once (tied weights under their first name)
-    of a model laid out by :func:`gridshard.parallelize`; fqn = ``"model." + name``. With a ZeRO
-    ``reducer`` (:class:`gridshard.zero.ZeroDataParallel`) each data rank's block is its rows only
-    (the shard: the parameter itself is not gathered under ZeRO-3)."""
-    out = {}
-    for name, t, box in _stepped_tensors(model, reducer):
-        b = box(MODEL + name, t)
-        if b is not None:
-            out[b.fqn] = b
+        for local_box, piece in s.pieces(t):
+            b = canonical_block(prefix(s.name), piece, spec, ctx.mesh, local_box)
+            if b is not None:
+                out[block_key(b, s.elements is not None)] = b
     return out
+
+
+def model_blocks(model: torch.nn.Module, reducer=None, writing: bool = False) -> dict:
+    """key (:func:`block_key`) → block for every trainable parameter once (tied weights under their
+    first name) of a model laid out by :func:`gridshard.parallelize`; fqn = ``"model." + name``.
+    With a ZeRO ``reducer`` (:class:`gridshard.zero.ZeroDataParallel`) each data rank's blocks are
+    its element ranges only (the parameter itself is not gathered under ZeRO-3). ``writing``: the
+    blocks a save writes (a pipeline's second copy of a tied weight left out)."""
+    return _stepped_blocks(model, reducer, lambda name: MODEL + name, lambda s: s.tensor, writing)
 
 
 def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -134,23 +160,20 @@ def adam_state(optimizer, tensor) -> dict:
     return lookup(tensor) if lookup is not None else optimizer.state.get(tensor)
 
 
-def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None) -> dict:
-    """fqn → block of each AdamW moment (``optim.<param>.exp_avg`` / ``.exp_avg_sq``, the
+def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None,
+                     writing: bool = False) -> dict:
+    """key → block of each AdamW moment (``optim.<param>.exp_avg`` / ``.exp_avg_sq``, the
     parameter's layout) plus ``optim.step`` (the shared step count, replicated, stored as shape [1]).
-    Under a ZeRO ``reducer`` the moments are the shards' (rows of the parameter's block)."""
+    Under a ZeRO ``reducer`` the moments are the stepped element ranges' (:func:`model_blocks`)."""
     ensure_adam_state(optimizer)
-    out, step = {}, None
-    for name, t, box in _stepped_tensors(model, reducer):
-        st = adam_state(optimizer, t) if t.numel() else None
-        if not st:
-            continue
-        for key in ADAM_MOMENTS:
-            b = box(f"{OPTIM}{name}.{key}", st[key])
-            if b is not None:
-                out[b.fqn] = b
-        step = st["step"]
-    if step is not None:
-        out[OPTIM + "step"] = CanonicalBlock(OPTIM + "step", (1,), (0,), step.detach().reshape(1))
+    state = lambda s: adam_state(optimizer, s.tensor) if s.tensor.numel() else None      # noqa: E731
+    out = {}
+    for key in ADAM_MOMENTS:
+        out.update(_stepped_blocks(model, reducer, lambda name, key=key: f"{OPTIM}{name}.{key}",
+                                   lambda s, key=key: (state(s) or {}).get(key), writing))
+    steps = [st["step"] for s in _stepped(model, reducer) if (st := state(s))]
+    if steps:
+        out[OPTIM + "step"] = CanonicalBlock(OPTIM + "step", (1,), (0,), steps[-1].detach().reshape(1))
     return out
 
 
@@ -170,21 +193,27 @@ class BlockSavePlanner(DefaultSavePlanner):
 
     def __init__(self, boxes: dict):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes = boxes
+        self.boxes, self.keys = boxes, _keys_by_index(boxes)
 
     def create_local_plan(self) -> SavePlan:
         items = []
-        for fqn, data in self.state_dict.items():
-            b = self.boxes[fqn]
+        for key, data in self.state_dict.items():
+            b = self.boxes[key]
             items.append(WriteItem(
-                index=MetadataIndex(fqn, torch.Size(b.offsets)), type=WriteItemType.SHARD,
+                index=MetadataIndex(b.fqn, torch.Size(b.offsets)), type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(chunk=b.chunk(), properties=TensorProperties(dtype=data.dtype),
                                             size=torch.Size(b.global_size))))
         self.plan = SavePlan(items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
-        return self.state_dict[index.fqn]
+        return self.state_dict[self.keys[(index.fqn, tuple(index.offset))]]
+
+
+def _keys_by_index(boxes: dict) -> dict:
+    """(fqn, offsets) → key of every block: how DCP's write and read items (indexed by the
+    chunk's fqn and offsets) find a block when a fqn has several on this rank."""
+    return {(b.fqn, tuple(b.offsets)): key for key, b in boxes.items()}
 
 
 class BlockLoadPlanner(DefaultLoadPlanner):
@@ -192,25 +221,26 @@ class BlockLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self, boxes: dict):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes = boxes
+        self.boxes, self.keys = boxes, _keys_by_index(boxes)
 
     def create_local_plan(self) -> LoadPlan:
         items = []
-        for fqn, b in self.boxes.items():
-            md = self.metadata.state_dict_metadata[fqn]
-            items += create_read_items_for_chunk_list(fqn, md, [b.chunk()])
+        for b in self.boxes.values():
+            md = self.metadata.state_dict_metadata[b.fqn]
+            items += create_read_items_for_chunk_list(b.fqn, md, [b.chunk()])
         self.plan = LoadPlan(items)
         return self.plan
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.boxes[index.fqn].view
+        return self.boxes[self.keys[(index.fqn, tuple(index.offset))]].view
 
 
 def check_against_metadata(boxes: dict, metadata, where: str) -> None:
     """Every block has a saved tensor of its canonical size (same check on every rank, before
     any collective): a clear error naming the first mismatch."""
     saved = metadata.state_dict_metadata
-    for fqn, b in boxes.items():
+    for b in boxes.values():
+        fqn = b.fqn
         md = saved.get(fqn)
         if md is None:
             near = sorted(k for k in saved if k.startswith(fqn.split(".")[0]))[:4]

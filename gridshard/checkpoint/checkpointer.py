@@ -146,7 +146,8 @@ class Checkpointer:
         self.last_requested = step
         t0 = time.perf_counter()
         hit(self.faults, "save_start", self.rank, step)
-        boxes = {**model_blocks(model, reducer), **optimizer_blocks(model, optimizer, reducer),
+        boxes = {**model_blocks(model, reducer, writing=True),
+                 **optimizer_blocks(model, optimizer, reducer, writing=True),
                  **rng_blocks(self.rank, next(model.parameters()).device)}
         staged = staged_copy(boxes)
         meta = {**meta, "format": F.FORMAT, "step": step, "world_size": self.world}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 
 import torch
 
@@ -80,8 +81,14 @@ def export_hf(folder: str, out_dir: str) -> list:
     hf_json = model_cfg.get("hf_config")
     hf_fields = _hf_config_json(hf_json, model_cfg) if hf_json else None
     os.makedirs(out_dir, exist_ok=True)
-    if hf_json:                                     # trained as the Hugging Face model itself: names are HF's
+    vit = model_cfg.get("kind") == "vit"
+    if hf_json or vit:                              # HF's names already (a ViT's are ViTForImageClassification's)
         named = {k: v.contiguous() for k, v in tensors.items()}
+        if vit:
+            from ..models.vit import ViTConfig, hf_vit_config_fields, vit_config
+
+            known = {f.name for f in fields(ViTConfig)}
+            hf_fields = hf_vit_config_fields(vit_config({k: v for k, v in model_cfg.items() if k in known}))
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(hf_fields, f, indent=1)
     else:
@@ -92,7 +99,9 @@ def export_hf(folder: str, out_dir: str) -> list:
     save_file(named, weights, metadata={"format": "pt", "gridshard_step": str(meta["step"])})
     from .hf_tokenizer import export_tokenizer      # tokenizer.json & co. (or one line saying why not)
 
-    paths = [weights, os.path.join(out_dir, "config.json")] + export_tokenizer(meta["config"], folder, out_dir)
+    paths = [weights, os.path.join(out_dir, "config.json")]
+    if not vit:                                     # a ViT reads images: no tokenizer
+        paths += export_tokenizer(meta["config"], folder, out_dir)
     for path in paths:                              # readable by the group whatever the umask
         os.chmod(path, 0o644)
     return paths

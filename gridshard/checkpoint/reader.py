@@ -179,11 +179,14 @@ def _check_meta_against_tensors(meta: dict, metadata) -> None:
     from ..models.llama import ModelConfig, Transformer
 
     model = meta["config"]["model"]
-    names = {f.name for f in fields(ModelConfig)}
+    vit = model.get("kind") == "vit"               # a ViT (model.kind: vit); older checkpoints have no kind
+    if vit:
+        from ..models.vit import ViTConfig, VisionTransformer, vit_config
+    names = {f.name for f in fields(ViTConfig if vit else ModelConfig)}
     described = {k: model[k] for k in sorted(names) if k in model}
     try:
         with torch.device("meta"):
-            plain = Transformer(ModelConfig(**described))
+            plain = VisionTransformer(vit_config(described)) if vit else Transformer(ModelConfig(**described))
     except Exception as e:     # noqa: BLE001 - any field of any type may be edited
         raise F.Refused(f"{F.META}'s model section does not describe a model ({type(e).__name__}: {str(e)[:120]})") \
             from None

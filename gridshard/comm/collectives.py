@@ -31,7 +31,12 @@ Each function here
 
 Shapes (group of n ranks, ``dim`` = d):
 
-* ``all_reduce(x)``: x → x summed over the group (in place on a contiguous copy).
+* ``all_reduce(x)``: x → x summed over the group, on a contiguous copy; ``inplace=True``:
+  in x itself, no copy — what callers pass when x is a temporary nobody reads afterwards
+  (norm and loss statistics, verdicts, the gradient norm, loss sums, flags). A copy is kept
+  where x is held elsewhere: a forward's input or a backward's incoming gradient (autograd
+  may hand the same gradient tensor to several branches) and the early input-gradient
+  collective, whose source is compared and may still be read.
 * ``all_gather(x, d)``: local [.., m, ..] → [.., n·m, ..], member k's block at k·m.
 * ``reduce_scatter(x, d)``: [.., n·m, ..] → member k gets the sum over ranks of block k.
 
@@ -44,6 +49,7 @@ Shapes (group of n ranks, ``dim`` = d):
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -126,8 +132,9 @@ def _nbytes(t: torch.Tensor) -> int:
 @_eager
 def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False, inplace: bool = False):
     """Sum (or max) ``x`` over ``axis``; returns a new contiguous tensor (``x`` itself with
-    ``inplace``, which needs a contiguous ``x``). With ``async_op`` returns a
-    :class:`PendingCollective`; the ledger times only the wait."""
+    ``inplace``, which needs a contiguous ``x`` that the caller no longer reads as it was: module
+    docstring). The ledger entry is the same either way (payload ``x``'s bytes). With
+    ``async_op`` returns a :class:`PendingCollective`; the ledger times only the wait."""
     if axis.size == 1:
         return PendingCollective(None, x, None) if async_op else x
     if inplace and not x.is_contiguous():
@@ -176,6 +183,26 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = Fals
 
 
 @_eager
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Gather every member's flat ``x`` (m elements) into the flat ``out`` (n·m, member order),
+    a persistent buffer; ``x`` may be ``out``'s own chunk of this member (in place, no send
+    buffer: NCCL and gloo both accept it). With one member ``x`` is copied into ``out``.
+    Ledger payload: ``out``. With ``async_op`` a :class:`PendingCollective` is returned."""
+    if axis.size == 1:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        return PendingCollective(None, out, None) if async_op else out
+    if out.numel() != axis.size * x.numel():
+        raise ValueError(f"all_gather_into: out has {out.numel()} elements, not {axis.size}·{x.numel()}")
+    entry = record("all_gather", axis, _nbytes(out))
+    if async_op:
+        return PendingCollective(_all_gather_flat(out, x, group=axis.group, async_op=True), out, entry)
+    with entry.owner.timed(entry, out.device):
+        _all_gather_flat(out, x, group=axis.group)
+    return out
+
+
+@_eager
 def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = False):
     """Sum ``x`` over the group and keep this member's 1/n block along ``dim``.
 
@@ -210,16 +237,20 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = 
 
 
 @_eager
-def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False):
+def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False, out: Optional[torch.Tensor] = None):
     """Sum a flat buffer ``x`` of n·m elements over the group; member k keeps elements
-    [k·m, (k+1)·m) (no copy: the segments are already contiguous). Ledger payload: ``x``.
-    With ``async_op`` a :class:`PendingCollective` is returned."""
+    [k·m, (k+1)·m) (no copy: the segments are already contiguous), in ``out`` when given (a
+    persistent m-element buffer, not aliasing ``x``; with one member ``x`` is copied into it).
+    Ledger payload: ``x``. With ``async_op`` a :class:`PendingCollective` is returned."""
     if axis.size == 1:
+        if out is not None:
+            x = out.copy_(x)
         return PendingCollective(None, x, None) if async_op else x
     n = axis.size
     if x.dim() != 1 or x.numel() % n:
         raise ValueError(f"reduce_scatter_flat: needs a 1-dim buffer of a multiple of {n} elements, got {tuple(x.shape)}")
-    out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
     entry = record("reduce_scatter", axis, _nbytes(x))
     if async_op:
         return PendingCollective(_reduce_scatter_flat(out, x, group=axis.group, async_op=True), out, entry)

@@ -161,7 +161,7 @@ class _SumOverReplicas(torch.autograd.Function):
         axis, r = ctx.axis, ctx.r
         buf = g.new_zeros((axis.size // r, *g.shape))
         buf[axis.rank // r] = g
-        return C.all_reduce(buf, axis)[axis.rank // r], None, None
+        return C.all_reduce(buf, axis, inplace=True)[axis.rank // r], None, None
 
 
 def reduce_scatter_sequence_bias(x: torch.Tensor, bias: torch.Tensor, axis: Axis, dim: int = 1) -> torch.Tensor:

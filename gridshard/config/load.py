@@ -125,12 +125,31 @@ def from_dict(raw: Optional[dict]) -> TrainConfig:
         close = difflib.get_close_matches(cfg.model.preset, preset_names(), n=1)
         raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown: presets are {preset_names()}. "
                           f"Fix: use {close[0] if close else 'tiny'!r}, or preset: null with explicit fields.")
+    if cfg.model.kind == "vit":
+        return _vit_defaults(cfg)
     if cfg.model.preset is None:
         missing = [k for k in ("vocab_size", "hidden", "layers", "heads", "ffn_hidden")
                    if getattr(cfg.model, k) is None]
         if missing:
             raise ConfigError(f"model.preset is null and model.{missing[0]} is not set: without a preset the "
                               f"fields {missing} are required. Fix: set them or choose a preset.")
+    return cfg
+
+
+def _vit_defaults(cfg: TrainConfig) -> TrainConfig:
+    """``model.kind: vit``: the presets are the decoder's (a preset the user wrote is an error, the
+    default one is dropped), and ``data.seq_len`` is the ViT's 1 + patches (set when not written,
+    an error when written otherwise)."""
+    if "preset" in cfg.model.model_fields_set and cfg.model.preset is not None:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} is invalid with model.kind=vit: the presets are "
+                          f"decoder (llama) sizes. Fix: remove model.preset (or set it to null) and give the ViT's "
+                          f"fields (image_size, patch_size, channels, num_classes, hidden, layers, heads, ffn_hidden).")
+    cfg.model.preset = None
+    tokens = cfg.model.resolve().seq_len
+    if "seq_len" in cfg.data.model_fields_set and cfg.data.seq_len != tokens:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is invalid with model.kind=vit: a ViT reads 1 + "
+                          f"(image_size/patch_size)² = {tokens} tokens per image. Fix: remove data.seq_len.")
+    cfg.data.seq_len = tokens
     return cfg
 
 

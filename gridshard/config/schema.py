@@ -50,11 +50,16 @@ class ParallelSection(BaseModel):
                             "gridshard/device.py")
 
 
+VIT_ONLY_FIELDS = {"image_size", "patch_size", "channels", "num_classes"}
+
+
 class ModelSection(BaseModel):
     """A preset name and/or explicit fields; explicit fields win over the preset's."""
 
     model_config = _STRICT
-    preset: Optional[str] = Field("tiny", description="tiny | 125m | 1.3b | 7b | 13b | 70b, or null")
+    kind: Literal["llama", "vit"] = Field("llama", description="llama (the decoder; presets apply) | vit (a "
+                                                               "Vision Transformer classifier, docs/vision.md)")
+    preset: Optional[str] = Field("tiny", description="tiny | 125m | 1.3b | 7b | 13b | 70b, or null (llama only)")
     vocab_size: Optional[int] = None
     hidden: Optional[int] = None
     layers: Optional[int] = None
@@ -71,14 +76,30 @@ class ModelSection(BaseModel):
     init_from: Optional[str] = Field(None, description="start from these weights: a Hugging Face folder "
                                                        "(config.json + *.safetensors, e.g. `gridshard export` output) "
                                                        "or a gridshard checkpoint folder; any layout")
+    image_size: Optional[int] = Field(None, description="vit: image side in pixels (images are square)")
+    patch_size: Optional[int] = Field(None, description="vit: patch side in pixels; divides image_size")
+    channels: Optional[int] = Field(None, description="vit: image channels (1 grey, 3 RGB)")
+    num_classes: Optional[int] = Field(None, description="vit: classes of the classifier")
 
     def explicit_fields(self) -> dict:
         return {k: v for k, v in self.model_dump().items()
-                if k not in ("preset", "hf_config", "init_from") and v is not None}
+                if k not in ("kind", "preset", "hf_config", "init_from") and v is not None}
 
-    def resolve(self) -> ModelConfig:
+    def resolve(self):
         """Preset fields (if any) updated with the explicit ones, or the dimensions of
-        ``hf_config``. KeyError for an unknown preset."""
+        ``hf_config`` (a :class:`ModelConfig`); for ``kind: vit`` the explicit fields over the ViT
+        defaults (a :class:`gridshard.models.vit.ViTConfig`). KeyError for an unknown preset;
+        ConfigError for a field of the other kind."""
+        if self.kind == "vit":
+            from ..models.vit import vit_config
+
+            return vit_config(self.explicit_fields())
+        wrong = sorted(set(self.explicit_fields()) & VIT_ONLY_FIELDS)
+        if wrong:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"model.{wrong[0]} is a Vision Transformer field but model.kind=llama. Fix: set "
+                              f"model.kind: vit, or remove {['model.' + w for w in wrong]}.")
         if self.hf_config is not None:
             from ..models.hf import model_config_of_hf_json
 
@@ -93,8 +114,9 @@ class DataSection(BaseModel):
     is a ``gridshard prepare-data`` folder (its vocabulary sets ``model.vocab_size``)."""
 
     model_config = _STRICT
-    kind: Literal["stdlib", "text", "tokens", "prepared"] = Field("stdlib", description="stdlib | text | tokens | "
-                                                                                        "prepared")
+    kind: Literal["stdlib", "text", "tokens", "prepared", "digits", "images"] = Field(
+        "stdlib", description="stdlib | text | tokens | prepared (token data) | digits | images (labelled images "
+                              "for model.kind=vit: scikit-learn's bundled digits, or a class-per-subfolder folder)")
     path: Optional[str] = Field(None, description="text file/folder, token file (tokens), or a prepare-data folder "
                                                   "(prepared)")
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of a tokens file (prepared: from "
@@ -103,7 +125,7 @@ class DataSection(BaseModel):
                                                             "for validation; null: a prepared folder's own split, "
                                                             "else none")
     val_path: Optional[str] = Field(None, description="a separate validation source of the same kind as data.path")
-    seq_len: int = Field(128, description="tokens per training sequence")
+    seq_len: int = Field(128, description="tokens per training sequence (vit: set from the model, 1 + patches)")
     max_bytes: int = Field(4 << 20, description="cap on bytes read for stdlib/text corpora")
     ignore_token: Optional[int] = Field(None, description="targets equal to this token id are left out of the "
                                                           "loss (padding); the loss is normalised by the valid "
@@ -138,9 +160,14 @@ class TrainSection(BaseModel):
     save_interval: int = Field(0, description="steps between checkpoints under RUN_DIR/checkpoints; 0 = only at "
                                               "the end of the run")
     recompute: Literal["none", "full", "selective"] = Field(
-        "none", description="activation recompute: none | full (every decoder layer) | selective (attention core)")
+        "none", description="activation recompute: none | full (every decoder layer) | selective (attention core + MLP "
+                        "activation)")
     compile: bool = Field(False, description="torch.compile each decoder layer's forward (collectives stay "
                                              "eager between compiled pieces; same losses as eager)")
+    compile_timeout_s: float = Field(900.0, description="with compile: the collective timeout until the first step "
+                                                        "and first evaluation ran (ranks compile then; a pipeline's "
+                                                        "last stage waits for the stages before it), then "
+                                                        "collective_timeout_s")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO over the data dimension: 0 off | 1 optimizer state | "
                                                       "2 + gradients | 3 + parameters sharded by rows")
     offload: Literal["none", "optimizer"] = Field("none", description="optimizer: AdamW's state and step in host "
@@ -197,6 +224,8 @@ class TrainConfig(BaseModel):
         loading it back gives the same config."""
         out = self.model_dump()
         out["model"] = {"preset": self.model.preset, **vars(self.model.resolve())}
+        if self.model.kind != "llama":
+            out["model"] = {"kind": self.model.kind, **out["model"]}
         for key in ("hf_config", "init_from"):
             if getattr(self.model, key) is not None:
                 out["model"][key] = getattr(self.model, key)

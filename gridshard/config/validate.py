@@ -49,8 +49,9 @@ def _positive(cfg: TrainConfig):
               ("train.log_interval", cfg.train.log_interval), ("data.seq_len", cfg.data.seq_len),
               ("data.max_bytes", cfg.data.max_bytes)]
     m = cfg.model.resolve()
-    checks += [(f"model.{k}", getattr(m, k)) for k in ("vocab_size", "hidden", "layers", "heads", "ffn_hidden",
-                                                      "max_seq_len")]
+    sizes = _VIT_SIZES if cfg.model.kind == "vit" else ("vocab_size", "hidden", "layers", "heads", "ffn_hidden",
+                                                         "max_seq_len")
+    checks += [(f"model.{k}", getattr(m, k)) for k in sizes]
     for field, v in checks:
         if v < 1:
             _fail(field, v, "it must be an integer >= 1", f"set {field} to a positive integer")
@@ -126,19 +127,73 @@ def _shapes(cfg: TrainConfig):
     p, m = cfg.parallel, cfg.model.resolve()
     rules = model_shape_rules(p.tensor_mode, p.tensor, p.sequence_parallel, cfg.train.micro_batch,
                               cfg.data.seq_len, m.hidden, m.heads, m.ffn_hidden, m.kv_heads)
+    if cfg.model.kind == "vit":      # no rotary embeddings (any head_dim); its token count: _vit_shapes
+        rules = [r for r in rules if r.what not in ("head_dim", "seq_len")]
     for rule in rules:
         if not rule.holds:
             raise ConfigError(f"{_SHAPE_FIELDS.get(rule.what, rule.what)} ({p.tensor_mode} mode, tensor={p.tensor}): "
                               f"{rule.message()}")
+    if cfg.model.kind == "vit":
+        _vit_shapes(cfg, m)
+        return
     if cfg.data.seq_len > m.max_seq_len:
         _fail("data.seq_len", cfg.data.seq_len, f"it exceeds model.max_seq_len={m.max_seq_len} (the RoPE table length)",
               f"set data.seq_len <= {m.max_seq_len} or model.max_seq_len >= {cfg.data.seq_len}")
+
+
+_VIT_SIZES = ("image_size", "patch_size", "channels", "num_classes", "hidden", "layers", "heads", "ffn_hidden")
+_IMAGE_DATA = ("digits", "images")
+
+
+def _vit_shapes(cfg: TrainConfig, m) -> None:
+    """What a ViT needs of the layout beyond the shared rules: under sequence parallelism whole
+    blocks of its 1 + (image/patch)² tokens (the shared rule, said in the ViT's terms), in 2D the
+    MLP width in q² blocks (the bias of intermediate.dense is a Linear2D bias); no pipeline stages,
+    selective recompute or compile yet."""
+    p, t = cfg.parallel, cfg.train
+    if p.sequence_parallel and p.tensor_mode == "1d" and m.seq_len % p.tensor:
+        _fail("model.image_size/model.patch_size", (m.image_size, m.patch_size),
+              f"sequence parallelism splits the ViT's 1 + (image_size/patch_size)² = {m.seq_len} tokens into "
+              f"tensor={p.tensor} blocks", "choose sizes whose token count is a multiple of the tensor size "
+              "(e.g. image 12, patch 4: 10 tokens for tensor=2), or parallel.sequence_parallel=false")
+    q = TensorMode.parse(p.tensor_mode).grid_side(p.tensor)
+    if q and m.ffn_hidden % (q * q):
+        _fail("model.ffn_hidden", m.ffn_hidden, f"in 2D the MLP's first bias is stored in q²={q * q} blocks",
+              f"use a multiple of {q * q}")
+    for field, value, default in (("parallel.pipeline", p.pipeline, 1), ("train.recompute", t.recompute, "none"),
+                                  ("train.compile", t.compile, False)):
+        if value != default:
+            _fail(field, value, "model.kind=vit does not support it yet (docs/vision.md)", f"set {field}={default}")
+    if cfg.data.kind not in _IMAGE_DATA:
+        _fail("data.kind", cfg.data.kind, "model.kind=vit learns from labelled images", "use digits or images")
+
+
+def _image_data(cfg: TrainConfig) -> None:
+    """digits / images: a ViT reads them, with a validation share in [0, 1); images need a folder."""
+    d = cfg.data
+    if cfg.model.kind != "vit":
+        _fail("data.kind", d.kind, "labelled images train a Vision Transformer", "set model.kind: vit")
+    if d.kind == "images" and not d.path:
+        _fail("data.path", d.path, "data.kind=images needs a folder with one subfolder of images per class",
+              "set data.path")
+    if d.kind == "images":
+        from ..data.images import image_classes
+
+        image_classes(d.path)                          # a folder of non-empty class folders (names only)
+    if d.kind == "digits" and d.path is not None:
+        _fail("data.path", d.path, "data.kind=digits is scikit-learn's bundled set and takes no path",
+              "remove data.path, or use data.kind=images")
+    if d.val_fraction is not None and not 0 <= d.val_fraction < 1:
+        _fail("data.val_fraction", d.val_fraction, "it is the share of the images held out for validation, in "
+              "[0, 1)", "use e.g. 0.2")
 
 
 def _data(cfg: TrainConfig):
     from ..data.sources import split_sizes  # pure file inspection, no process group
 
     d, m = cfg.data, cfg.model.resolve()
+    if d.kind in _IMAGE_DATA:
+        return _image_data(cfg)
     if d.kind == "stdlib" and d.path is not None:
         _fail("data.path", d.path, "data.kind=stdlib reads Python's own library and takes no path",
               "remove data.path, or set data.kind=text / tokens")
@@ -198,8 +253,8 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
         _fail("train.precision", "fp16", "fp16 with loss scaling runs on CUDA GPUs only, and none is visible",
               "use train.precision=bf16 (autocast, works on CPU) or fp32")
     if t.recompute == "selective" and cfg.model.hf_config is not None:
-        _fail("train.recompute", "selective", "selective recompute wraps the attention core of gridshard's own model; "
-              "a Hugging Face model (model.hf_config) has its own attention code", "use train.recompute=full")
+        _fail("train.recompute", "selective", "selective recompute wraps the attention core and MLP activation of gridshard's "
+              "own model; a Hugging Face model (model.hf_config) has its own attention and MLP code", "use train.recompute=full")
     if t.zero == 3 and cfg.parallel.pipeline > 1 and cfg.parallel.pipeline_schedule == "zero_bubble":
         _fail("train.zero", 3, "ZeRO-3 frees each layer's parameters after its backward, and the zero-bubble "
               "schedule runs a layer's weight gradients in a separate later pass", "use train.zero=2, or "
@@ -212,6 +267,8 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
               "use the datasheet's dense figure, e.g. 989.4e12 for an H100 SXM in bf16, or null")
     if t.collective_timeout_s <= 0:
         _fail("train.collective_timeout_s", t.collective_timeout_s, "it must be > 0", "use e.g. 120")
+    if t.compile_timeout_s <= 0:
+        _fail("train.compile_timeout_s", t.compile_timeout_s, "it must be > 0", "use e.g. 900")
     if t.resume not in ("never", "auto"):
         import os
 

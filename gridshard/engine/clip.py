@@ -45,7 +45,7 @@ def global_grad_norm(params, mesh, specs=None, pipeline_axis=None, data_axis=Non
     ``pipeline_axis``: with pipeline stages each rank holds some layers only; the tensor
     group's sum of squares is summed over the stages too (one more 8-byte all-reduce;
     ``params`` must list a tied weight on one stage only). ``data_axis``: ``params`` are ZeRO
-    shards, each data rank holding different rows of every block, so the sum of squares is
+    shards, each data rank holding different elements of every block, so the sum of squares is
     summed over data ranks too (one more 8-byte all-reduce); a shard's tensor-group rule is
     its parameter's (``specs``)."""
     specs = list(specs) if specs is not None else [None] * len(params)
@@ -56,11 +56,11 @@ def global_grad_norm(params, mesh, specs=None, pipeline_axis=None, data_axis=Non
     if mine:
         norms = torch._foreach_norm([g.float() for g in mine])
         local = torch.stack(norms).double().pow(2).sum()
-    total = C.all_reduce(local, mesh.tensor)
+    total = C.all_reduce(local, mesh.tensor, inplace=True)        # local, total: temporaries
     if data_axis is not None:
-        total = C.all_reduce(total, data_axis)
+        total = C.all_reduce(total, data_axis, inplace=True)
     if pipeline_axis is not None:
-        total = C.all_reduce(total, pipeline_axis)
+        total = C.all_reduce(total, pipeline_axis, inplace=True)
     return total.sqrt()
 
 

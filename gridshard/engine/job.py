@@ -10,7 +10,8 @@ is composed in this fixed order, each stage reading only what the ones before it
     config ─ resolved once (world size) · rank 0's run directory · resume source checked
       ├─ math modes (train.tf32, train.deterministic: engine/precision.apply_math_modes)
       ├─ CommLedger (the job's) · build_mesh(D, P, T, mode) · JobLayout (every derived fact)
-      1. model on meta       Transformer, or Hugging Face LlamaForCausalLM (model.hf_config)
+      1. model on meta       Transformer (or VisionTransformer, model.kind: vit), or Hugging Face
+                             LlamaForCausalLM (model.hf_config)
       2. stage split         P > 1: this rank's stages only (pipeline_rank_model, JobLayout.split)
       3. parallelize         swap layers, materialise this rank's blocks (values: a function of
                              (seed, name, global index), or model.init_from into the whole blocks)
@@ -20,7 +21,8 @@ is composed in this fixed order, each stage reading only what the ones before it
       7. optimizer           AdamW over reducer.optimizer_tensors() · Precision (train.precision)
       8. checkpointer        Checkpointer (own gloo group) · train.resume into model, optimizer, reducer
       ├─ micro-batch driver  P = 1: MicroBatchLoop; P > 1: PipelineSchedule (PipelineRunner, tied sync)
-      └─ norm pairs (each reduced gradient with its parameter's layout) · BatchPlans (train, validation)
+      └─ norm pairs (each reduced gradient with its parameter's layout) · BatchPlans (train, validation;
+                             ImagePlans for data.kind digits | images)
 
 :data:`COMPOSITION_ORDER` names the eight stages; ``Job.composed`` records them as they ran.
 One optimizer step is :func:`gridshard.engine.step.train_step`.
@@ -43,12 +45,14 @@ from ..errors import ConfigError
 from ..job_layout import JobLayout
 from ..mesh import build_mesh, default_device, init_distributed
 from ..models import Transformer
+from ..models.vit import VisionTransformer
 from ..parallel import context_of, parallelize
 from ..parallel.compile import apply_compile
 from ..parallel.recompute import apply_recompute
 from ..pipeline.build import pipeline_rank_model
 from ..zero.reducer import build_reducer
 from .memory_meter import rss_now
+from .warmup import start_warmup
 from .optim import build_optimizer
 from .precision import Precision, apply_math_modes
 from .step import MicroBatchLoop, PipelineSchedule, step_batch
@@ -110,6 +114,7 @@ class Job:
     plan: Optional[BatchPlan] = None
     val_plan: Optional[BatchPlan] = None
     decay_steps: int = 0
+    warmup: Any = None                       # train.compile: the first step's raised timeout (engine.warmup)
 
     def batch(self, step: int):
         """Step ``step``'s :class:`~gridshard.engine.step.StepBatch` of this rank (the training data plan)."""
@@ -137,6 +142,7 @@ def build_job(config=None, run_dir: Optional[str] = None, *, overrides=()) -> Jo
     _checkpointer(job)
     _driver(job)
     _data(job)
+    job.warmup = start_warmup(job)             # train.compile: a longer collective timeout until compiled
     return job
 
 
@@ -201,8 +207,9 @@ def _model_on_meta(job: Job):
         from ..models.hf import build_hf_causal_lm
 
         return build_hf_causal_lm(job.cfg.model.hf_config, device="meta")
+    family = VisionTransformer if job.cfg.model.kind == "vit" else Transformer
     with torch.device("meta"):
-        return Transformer(job.model_cfg)
+        return family(job.model_cfg)
 
 
 def _stage_split(job: Job, plain):
@@ -287,7 +294,7 @@ def _optimizer(job: Job) -> None:
 
 def _checkpointer(job: Job) -> None:
     """8. The checkpointer (when there is a run directory or a resume source) and
-    ``train.resume``: model, optimizer, reducer rows, loss scale, step."""
+    ``train.resume``: model, optimizer, reducer chunks, loss scale, step."""
     job.composed.append("checkpointer")
     t = job.cfg.train
     if job.run_dir is not None or job.resume_from is not None:
@@ -319,7 +326,7 @@ def _resume(job: Job, folder: str) -> None:
 def _driver(job: Job) -> None:
     """The micro-batch driver (P = 1: one after the other; P > 1: the pipeline schedule over
     this rank's stages, with the tied embedding's gradient sync) and the gradient norm's
-    (tensor, layout) pairs: each reduced tensor with its parameter's layout (ZeRO: rows, once
+    (tensor, layout) pairs: each reduced tensor with its parameter's layout (ZeRO: element ranges, once
     over data ranks), a tied weight's copy on the last stage left out."""
     p, t = job.cfg.parallel, job.cfg.train
     if p.pipeline > 1:
@@ -345,6 +352,11 @@ def _driver(job: Job) -> None:
 def _data(job: Job) -> None:
     """The batch plans: the training data's (and the validation data's, ``stream=1``)."""
     cfg, t, d = job.cfg, job.cfg.train, job.cfg.data
+    if d.kind in ("digits", "images"):                 # labelled images (model.kind: vit)
+        from ..data.images import image_plans
+
+        job.plan, job.val_plan = image_plans(cfg, cfg.parallel.data, job.mesh.data.rank)
+        return
     tokens, val_tokens = load_split(d)
     rank, D, V = job.mesh.data.rank, cfg.parallel.data, job.model_cfg.vocab_size
     job.plan = BatchPlan(tokens, d.seq_len, t.global_batch, t.micro_batch, D, rank, t.seed, V, d.ignore_token)

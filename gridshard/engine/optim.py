@@ -24,7 +24,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
     layouts (``model.parallel_context.layouts``) say which, else the shard spec or shape.
 
     ``tensors``: (parameter name, tensor) pairs to step instead of the parameters themselves
-    (ZeRO: each parameter's rows, :mod:`gridshard.zero`); the name picks the decay.
+    (ZeRO: each parameter's elements in this rank's chunk, 1-dim views, :mod:`gridshard.zero`); the name picks the decay.
     ``offload``: keep AdamW's state and arithmetic in host memory (:class:`gridshard.zero.offload.HostAdamW`)."""
     ctx = getattr(model, "parallel_context", None)
     named_params = dict(model.named_parameters())

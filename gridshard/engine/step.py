@@ -13,10 +13,10 @@ One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
     grads ← mean over data ranks by the reducer of train.zero (gridshard.zero.reducer; issued
             during the last micro-batch's backward as each bucket/unit completes): ZeRO-0 an
             in-place all-reduce per bucket of the persistent gradient buffer (.grad are views of
-            it); ZeRO ≥ 1 a reduce-scatter per layer unit, each data rank keeping its rows' mean
+            it); ZeRO ≥ 1 a reduce-scatter per layer unit, each data rank keeping its chunk's mean
     ‖g‖  ← global norm, every parameter once (one all-reduce over tensor; ZeRO: over data too)
     skip_update(k, ‖g‖, loss sums) ? drop the gradients :
-        clip to train.grad_clip; AdamW step (ZeRO: on this rank's rows, then ZeRO-1/2 all-gather them)
+        clip to train.grad_clip; AdamW step (ZeRO: on this rank's chunk, then ZeRO-1/2 all-gather them)
 
 Normalisation. The step's loss is the mean over the valid targets (``data.ignore_token``
 masks the others) of the whole global batch, L = (1/N) Σ_{d,a} L_da, and its gradient
@@ -172,7 +172,9 @@ def train_step(job, batch: StepBatch, skip_update: Optional[Callable] = None) ->
     else:
         clip_gradients(job.clip_tensors, norm, t.grad_clip)
         job.precision.step(job.optimizer)
-        job.reducer.after_step()                       # ZeRO-1/2: all-gather the updated rows
+        job.reducer.after_step()                       # ZeRO-1/2: all-gather the updated chunks
+    if job.warmup is not None:                         # train.compile: compiled; back to collective_timeout_s
+        job.warmup.done("step")
     return StepResult(_loss_share(sums, n_valid, job.device), norm, lr, n_valid, sums, skipped)
 
 
@@ -190,9 +192,42 @@ def global_losses(job, results: List[tuple]) -> list:
     (one all-reduce over data and one over pipeline ranks, paused in the ledger); None for a
     step without valid targets (N = 0). The same list on every rank."""
     with job.ledger.paused():
-        vec = C.all_reduce(torch.stack([x for x, _ in results]).double(), job.mesh.data)
-        vec = C.all_reduce(vec, job.mesh.pipeline)          # only the last stage holds losses
+        vec = C.all_reduce(torch.stack([x for x, _ in results]).double(), job.mesh.data, inplace=True)
+        vec = C.all_reduce(vec, job.mesh.pipeline, inplace=True)        # only the last stage holds losses
     return [None if n == 0 else x for x, (_, n) in zip(vec.cpu().tolist(), results)]
+
+
+def accuracy_metrics(job) -> dict:
+    """A classifier's (``parallel_context.objective == "classify"``, the ViT) ``accuracy`` and
+    ``val_accuracy``: the share of right answers (argmax = label) over the first
+    ``train.eval_batches`` global batches of the training data (batches 0, 1, … of the run's order,
+    the same every time) and of the validation data; {} for a language model. Forward only (P = 1),
+    the same values on every rank (all-reduces over data and, in 2D, along the grid column;
+    paused in the ledger)."""
+    if job.context.objective != "classify":
+        return {}
+    out = {"accuracy": _accuracy(job, job.plan)}
+    if job.val_plan is not None:
+        out["val_accuracy"] = _accuracy(job, job.val_plan)
+    return out
+
+
+def _accuracy(job, plan) -> float:
+    from ..nn.classification_loss import correct_count
+
+    ctx, hits, n = job.context, torch.zeros((), dtype=torch.float64, device=job.device), 0
+    with torch.no_grad(), job.ledger.paused():
+        for j in range(job.cfg.train.eval_batches):
+            micro, n_valid = plan.step_batches(j)
+            n += n_valid
+            for images, labels in micro:
+                images = batch_to_device(ctx.shard_tokens(images), job.device)
+                labels = batch_to_device(ctx.shard_tokens(labels), job.device)
+                with job.precision.autocast():
+                    hits += correct_count(ctx.logits(job.model, images), labels, ctx.mode, ctx.mesh)
+        job.reducer.free_all()                          # ZeRO-3: the root stays gathered after a forward
+        hits = C.all_reduce(hits.reshape(1), job.mesh.data, inplace=True)
+    return float(hits[0]) / n
 
 
 def evaluate(job) -> Optional[float]:
@@ -215,6 +250,8 @@ def evaluate(job) -> Optional[float]:
                 total += loss_sum.double()
     job.reducer.free_all()                             # ZeRO-3: the root stays gathered after a forward
     with job.ledger.paused():
-        total = C.all_reduce(total.reshape(1), job.mesh.data)
-        total = C.all_reduce(total, job.mesh.pipeline)          # only the last stage holds sums
+        total = C.all_reduce(total.reshape(1), job.mesh.data, inplace=True)
+        total = C.all_reduce(total, job.mesh.pipeline, inplace=True)        # only the last stage holds sums
+    if job.warmup is not None:                         # train.compile: the no-grad graphs are compiled too
+        job.warmup.done("eval")
     return float(total[0]) / n if n else None

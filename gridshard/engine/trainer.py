@@ -71,7 +71,7 @@ from ..theory.training import flops_per_token, mfu
 from . import control
 from .job import Job, build_job
 from .metrics import RunFiles, device_peak_flops, format_postfix, interval_memory_peaks
-from .step import evaluate, global_losses, train_step
+from .step import accuracy_metrics, evaluate, global_losses, train_step
 
 
 def world_axis(ledger=None) -> Axis:
@@ -114,8 +114,8 @@ class Trainer:
 
     def _predict_memory(self, tokens, val_tokens):
         """This rank's predicted peak bytes (:func:`gridshard.theory.memory.predict_rank_memory`),
-        or None for a model the memory model does not describe (a Hugging Face model)."""
-        if self.cfg.model.hf_config is not None:
+        or None for a model the memory model does not describe (a Hugging Face model, a ViT)."""
+        if self.cfg.model.hf_config is not None or self.cfg.model.kind == "vit":
             return None
         from ..theory.memory import predict_rank_memory
 
@@ -127,7 +127,7 @@ class Trainer:
             seq_len=self.cfg.data.seq_len, n_microbatches=self.layout.micro_batches,
             pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
             layer_ids=[int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None,
-            baseline_bytes=self.mem_baseline,
+            baseline_bytes=self.mem_baseline, precision=t.precision,
             extra_bytes=sum(int(getattr(x, "nbytes", 0)) for x in resident) if self.device.type == "cpu" else 0)
 
     # ---- checkpoints (resume and model.init_from are the composer's: gridshard.engine.job) ----
@@ -188,7 +188,8 @@ class Trainer:
         bad = bool(sums) and not bool(torch.isfinite(torch.stack(sums)).all())
         flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
         with self.ledger.paused():
-            flag = C.all_reduce(C.all_reduce(flag, self.mesh.data, op="max"), self.mesh.pipeline, op="max")
+            flag = C.all_reduce(flag, self.mesh.data, op="max", inplace=True)
+            flag = C.all_reduce(flag, self.mesh.pipeline, op="max", inplace=True)
         return bool(flag[0] > 0)
 
     def _last_checkpoint(self) -> str:
@@ -252,7 +253,7 @@ class Trainer:
         one-element flag over the world, not in the ledger, so all ranks stop after the same step."""
         flag = torch.tensor([1.0 if control.stop_requested() else 0.0], device=self.device)
         with self.ledger.paused():
-            return bool(C.all_reduce(flag, world_axis(self.ledger), op="max")[0] > 0)
+            return bool(C.all_reduce(flag, world_axis(self.ledger), op="max", inplace=True)[0] > 0)
 
     def _stopped(self, step: int, saving: bool, losses: list) -> "control.TrainingStopped":
         """Checkpoint the ``step`` completed steps (blocking; the save in flight, if it is this
@@ -339,6 +340,7 @@ class Trainer:
         rec = self._record(k, losses[-1], norm, lr, wall, k + 1 - window.steps, now, stats)
         if is_eval:
             rec["val_loss"] = self.evaluate()
+            rec.update(accuracy_metrics(self.job))     # a classifier's accuracy, val_accuracy (else none)
         self.history.append(rec)
         self.files.append(rec)
         bar.set_postfix(format_postfix(rec), refresh=False)

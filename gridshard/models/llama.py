@@ -20,6 +20,13 @@ Initialisation is a *law* per parameter (:meth:`Transformer.init_laws`), not a d
 :mod:`gridshard.init`, so the values are a function of (seed, name, global index) only.
 Laws: linear and embedding weights N(0, init_std²); the output projections of each
 residual branch (``o_proj``, ``down_proj``) N(0, (init_std/√(2L))²); norm weights ones.
+
+Precision: under ``torch.autocast`` (``train.precision: bf16 | fp16``) the activations are in the
+compute dtype c: the embedding output is cast to c, so the residual stream, the norms' outputs
+(computed in fp32 inside, :func:`gridshard.nn.norm.rms_norm`), the projections and the RoPE tables
+(cached in c, built in fp32) are all in c; only the loss upcasts the logits to fp32
+(:meth:`gridshard.parallel.context.ParallelContext.model_loss`). Parameters keep their own dtype.
+Without autocast nothing is cast: an fp32 run is what it was, bit for bit.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.norm import RMSNorm
 from .rope import RopeTableCache, apply_rope
 
 
@@ -71,6 +79,13 @@ def _linear(n_in: int, n_out: int) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=False)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype activations are kept in: autocast's dtype inside ``torch.autocast`` on x's
+    device, else x's own (module docstring, "Precision")."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class Attention(nn.Module):
     """Causal self-attention with H query heads and K kv heads (K divides H)."""
 
@@ -89,20 +104,16 @@ class Attention(nn.Module):
     recompute_core: bool = False
 
     def recompute_core_in_backward(self) -> None:
-        """Keep only the core's inputs (q, k, v, cos, sin) for backward and run the core again there
-        (non-reentrant ``torch.utils.checkpoint``): selective recompute. No collective is inside."""
+        """Keep only the core's inputs (q, k, v before RoPE; the shared cos, sin) for backward and
+        run the core again there (non-reentrant ``torch.utils.checkpoint``): part of selective
+        recompute. No collective is inside."""
         self.recompute_core = True
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.recompute_core:
-            from torch.utils.checkpoint import checkpoint
-
-            o = checkpoint(self.core, q, k, v, cos, sin, use_reentrant=False)
-        else:
-            o = self.core(q, k, v, cos, sin)
+        o = _recomputed(self.core, q, k, v, cos, sin) if self.recompute_core else self.core(q, k, v, cos, sin)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
     @staticmethod
@@ -112,15 +123,41 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _recomputed(fn, *args) -> torch.Tensor:
+    """``fn(*args)`` keeping only ``args`` for backward and running ``fn`` again there
+    (non-reentrant ``torch.utils.checkpoint``, autocast state and RNG state replayed)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
 class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) · up(x)). Kept for backward: gate's output g (for SiLU), silu(g) and
+    up's output u (for the product), and the product (down's input): four f-wide tensors; with
+    :meth:`recompute_activation_in_backward`, g and u (the recomputed region's inputs) and the
+    product, three — silu(g) is rebuilt from g in backward."""
+
+    #: recompute silu(g)·u in backward (``train.recompute: selective``); off by default
+    recompute_activation: bool = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = _linear(cfg.hidden, cfg.ffn_hidden)
         self.up_proj = _linear(cfg.hidden, cfg.ffn_hidden)
         self.down_proj = _linear(cfg.ffn_hidden, cfg.hidden)
 
+    def recompute_activation_in_backward(self) -> None:
+        """Keep g and u, not silu(g), and compute silu(g)·u again in backward (no collective)."""
+        self.recompute_activation = True
+
+    @staticmethod
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        act = _recomputed(self.activation, gate, up) if self.recompute_activation else self.activation(gate, up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -128,9 +165,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.mlp = SwiGLUMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -151,7 +188,7 @@ class Transformer(nn.Module):
         self.rope_cache = RopeTableCache()       # built once per length and device, not saved
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
-        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.lm_head = _linear(cfg.hidden, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -172,14 +209,23 @@ class Transformer(nn.Module):
     # The forward in pieces: what a pipeline stage runs of it (gridshard.pipeline.stage_module),
     # so the single-device forward and every stage share one description.
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] → hidden states (this rank's block of [b, s, h] once laid out)."""
-        return self.embed_tokens(tokens)
+        """tokens [b, s] → hidden states (this rank's block of [b, s, h] once laid out), in the
+        compute dtype (module docstring, "Precision")."""
+        x = self.embed_tokens(tokens)
+        return x.to(compute_dtype(x))
+
+    @staticmethod
+    def hidden_dtype(compute: torch.dtype) -> torch.dtype:
+        """The dtype of the hidden states between layers (and pipeline stages) when the run
+        computes in ``compute``: that dtype itself (module docstring, "Precision")."""
+        return compute
 
     def layer_inputs(self, x: torch.Tensor, seq_len: int) -> tuple:
         """What every decoder layer reads besides the hidden states: the RoPE tables (cos, sin)
-        [s, d] of the whole sequence (``seq_len``; under sequence parallelism ``x`` holds a block),
-        built on the first call for this length and device and reused (``self.rope_cache``)."""
-        return self.rope_cache.get(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device)
+        [s, d] of the whole sequence (``seq_len``; under sequence parallelism ``x`` holds a block)
+        in x's dtype, built (in fp32) on the first call for this length, device and dtype and
+        reused (``self.rope_cache``): one pair per model, shared by every layer and micro-batch."""
+        return self.rope_cache.get(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype)
 
     @staticmethod
     def run_layer(layer: nn.Module, x: torch.Tensor, inputs: tuple) -> torch.Tensor:

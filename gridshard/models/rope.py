@@ -24,19 +24,22 @@ class RopeTableCache:
     """The (cos, sin) tables a model's forward reads, built once per
     (seq_len, head_dim, theta, device, dtype) instead of once per forward; a model holds one
     (an instance attribute: no process-global state, not a buffer, so not in ``state_dict`` or
-    checkpoints). A hit returns the very tensors :func:`rope_tables` built, so values are the
-    same bit for bit. Tables are built outside inference mode and without autograd, so a table
-    first built under ``torch.inference_mode`` can still be saved for backward later. Size:
-    2·s·d·4 bytes per key (the ``rope_tables`` term of :mod:`gridshard.theory.memory`)."""
+    checkpoints). A hit returns the very tensors :func:`rope_tables` built (in fp32, then cast to
+    the ``dtype`` asked for: the activations' dtype, so :func:`apply_rope` makes no per-call copy),
+    so values are the same bit for bit as casting at every call. Tables are built outside
+    inference mode and without autograd, so a table first built under ``torch.inference_mode``
+    can still be saved for backward later. Size: 2·s·d·e bytes per key, e the dtype's size (the
+    ``rope_tables`` term of :mod:`gridshard.theory.memory`: held once, not per micro-batch)."""
 
     def __init__(self):
         self.tables: dict = {}
 
-    def get(self, seq_len: int, head_dim: int, theta: float, device) -> tuple:
+    def get(self, seq_len: int, head_dim: int, theta: float, device, dtype: torch.dtype = TABLE_DTYPE) -> tuple:
         device = torch.device(device) if device is not None else torch.device("cpu")
-        key = (seq_len, head_dim, float(theta), device, TABLE_DTYPE)
+        key = (seq_len, head_dim, float(theta), device, dtype)
         hit = self.tables.get(key)
         if hit is None:
             with torch.inference_mode(False), torch.no_grad():
-                hit = self.tables[key] = rope_tables(seq_len, head_dim, theta, device=device)
+                cos, sin = rope_tables(seq_len, head_dim, theta, device=device)
+                hit = self.tables[key] = (cos.to(dtype), sin.to(dtype))
         return hit

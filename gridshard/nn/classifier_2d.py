@@ -13,6 +13,8 @@ logits of batch block i, [b/q, …, C], the same on every rank of row i.
              along the column; the bias gradient is all-reduced along the column
              (sum of the q batch blocks), after which it is exact on every rank.
 
+``ClsClassifier2D``: Classifier2D on the class token's row of [b/q, s, h/q] (the ViT head).
+
 ``VocabParallelClassifier2D`` (LM head): a Linear2D h → V_pad without bias; logits
 block [b/q, s, V_pad/q] at (i, j) = logits[batch block i, :, vocab block j]. The global
 weight is drawn as [V, h] (init contract), zero rows are appended to V_pad = ⌈V/q⌉·q and
@@ -43,7 +45,7 @@ class Classifier2D(nn.Module):
     """Few-class head: [b/q, …, h/q] → full logits [b/q, …, C] (see module docstring)."""
 
     def __init__(self, in_features: int, num_classes: int, mesh, bias: bool = True, init_std: float = 0.02,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         q = mesh.q
         check_divisible(in_features, q * q, "in_features (Classifier2D splits it into q² blocks)", "q²",
@@ -51,9 +53,9 @@ class Classifier2D(nn.Module):
         self.mesh, self.in_features, self.num_classes = mesh, in_features, num_classes
         self.in_local = in_features // q
         spec = ShardSpec((num_classes, in_features), ((1, "grid_col"), (1, "grid_row")))
-        self.weight = sharded_parameter(spec, mesh, lambda full: full.normal_(0.0, init_std), dtype)
+        self.weight = sharded_parameter(spec, mesh, lambda full: full.normal_(0.0, init_std), dtype, device)
         if bias:
-            self.bias = sharded_parameter(ShardSpec((num_classes,)), mesh, nn.init.zeros_, dtype)
+            self.bias = sharded_parameter(ShardSpec((num_classes,)), mesh, nn.init.zeros_, dtype, device)
         else:
             self.register_parameter("bias", None)
 
@@ -63,10 +65,19 @@ class Classifier2D(nn.Module):
                              f"{x.shape[-1]}; each rank holds in/q = {self.in_local}. "
                              f"Fix: pass this rank's [b/q, …, h/q] block.")
         w = gather_along(self.weight, self.mesh.col, 1)      # [C, h/q]
-        logits = reduce_from_group(x @ w.t(), self.mesh.row)
+        logits = reduce_from_group(x @ w.t().to(x.dtype), self.mesh.row)
         if self.bias is not None:
-            logits = logits + copy_to_group(self.bias, self.mesh.col)
+            logits = logits + copy_to_group(self.bias, self.mesh.col).to(logits.dtype)
         return logits
+
+
+class ClsClassifier2D(Classifier2D):
+    """The ViT head in 2D (:class:`gridshard.models.vit.ClsClassifier`): the class token's row of this
+    rank's final hidden block [b/q, s, h/q] (the sequence is whole in 2D) → logits [b/q, C] of
+    batch block i, the same on every rank of grid row i."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[:, 0])
 
 
 class VocabParallelClassifier2D(Linear2D):

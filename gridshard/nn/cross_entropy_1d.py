@@ -49,14 +49,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             z = z.clone()
             z[:, n_real:] = float("-inf")
         local_max = z.max(dim=-1).values
-        gmax = C.all_reduce(local_max, axis, op="max")
+        gmax = C.all_reduce(local_max, axis, op="max", inplace=True)
         shifted = z - gmax.unsqueeze(-1)
         exp = shifted.exp()                                          # padding → exp(−inf) = 0
         local_target = targets - vocab_start
         mine = (targets != ignore_index) & (local_target >= 0) & (local_target < n_real)
         idx = local_target.masked_fill(~mine, 0)
         target_shifted = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        sums = C.all_reduce(torch.stack([exp.sum(dim=-1), target_shifted]), axis)
+        sums = C.all_reduce(torch.stack([exp.sum(dim=-1), target_shifted]), axis, inplace=True)
         sum_exp, target_logit = sums[0], sums[1]
         valid = targets != ignore_index
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)

@@ -58,18 +58,18 @@ class _CrossEntropy2DFn(torch.autograd.Function):
         if start + vl > vocab_size:  # this block holds padding columns
             pad = torch.arange(start, start + vl, device=z.device) >= vocab_size
             z = z.masked_fill(pad, float("-inf"))
-        m = C.all_reduce(z.max(-1).values, mesh.row, op="max")
+        m = C.all_reduce(z.max(-1).values, mesh.row, op="max", inplace=True)
         e = torch.exp(z - m.unsqueeze(-1))
         valid = targets != ignore_index
         local = targets - start
         mine = valid & (local >= 0) & (local < vl)
         idx = local.masked_fill(~mine, 0)
         zt = torch.gather(z, -1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        s_zt = C.all_reduce(torch.stack([e.sum(-1), zt]), mesh.row)
+        s_zt = C.all_reduce(torch.stack([e.sum(-1), zt]), mesh.row, inplace=True)
         tok = (torch.log(s_zt[0]) + m - s_zt[1]).masked_fill(~valid, 0.0)
         verdict = bad_id_slots(targets, vocab_size, mesh.grid_row, mesh.q, ignore_index)
         stats = torch.cat([torch.stack([tok.sum().double(), valid.sum().double()]), verdict])
-        stats = C.all_reduce(stats, mesh.col)
+        stats = C.all_reduce(stats, mesh.col, inplace=True)
         raise_on_bad_ids(stats[2:], vocab_size, "cross_entropy_2d targets", ignore_index)
         total, count = stats[0].float(), stats[1].float()
         e.div_(s_zt[0].unsqueeze(-1))  # softmax block

@@ -104,7 +104,7 @@ class Embedding2D(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _check_tokens(tokens)
         verdict = bad_id_slots(tokens, self.vocab, self.mesh.grid_row, self.mesh.q)
-        raise_on_bad_ids(C.all_reduce(verdict, self.mesh.col), self.vocab, "Embedding2D tokens")
+        raise_on_bad_ids(C.all_reduce(verdict, self.mesh.col, inplace=True), self.vocab, "Embedding2D tokens")
         table = gather_along(self.weight, self.mesh.col, 1)  # [V, h/q], hidden block j
         return F.embedding(tokens, table)
 

@@ -23,6 +23,15 @@ Communication per forward+backward under SP: one all-reduce of h·bytes (backwar
 A sequence-first input (how SP activations are stored, :mod:`gridshard.comm.dual_ops`) is
 normalised as its contiguous [s, b, h] view, so the output keeps that layout (``F.rms_norm``
 would return a batch-first copy).
+
+Precision (:func:`rms_norm`): an fp32 input runs ``F.rms_norm`` (as before, bit for bit; on CPU
+it keeps x, x̂ = x·rstd and rstd for backward). A bf16/fp16 input (the residual stream under
+autocast, :mod:`gridshard.models.llama`) is normalised in fp32 and returned in its own dtype by
+:class:`_LowPrecisionRMSNorm`, which keeps only x (its dtype) and rstd (fp32, one per token) and
+rebuilds x̂ in backward, as a fused RMSNorm kernel does::
+
+    rstd = (mean(x², -1) + ε)^(-1/2),  y = (x·rstd·w) in x's dtype
+    dx = rstd·(g∘w − x̂·mean(g∘w∘x̂, -1)),  dw = Σ_tokens g∘x̂      (all in fp32)
 """
 from __future__ import annotations
 
@@ -35,6 +44,35 @@ from ..comm.dual_ops import copy_to_group
 from ..errors import LayoutError
 from ..job_layout import TensorMode
 from .sharding import ShardSpec, set_spec
+
+
+class _LowPrecisionRMSNorm(torch.autograd.Function):
+    """RMSNorm of a bf16/fp16 x computed in fp32, returned in x's dtype (module docstring):
+    saves x and rstd [.., 1] (fp32), not x̂."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, w)
+        return (xf * rstd * w.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, rstd, w = ctx.saved_tensors
+        xhat = x.float() * rstd
+        gw = g.float() * w.float()
+        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (g.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(w.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32 arithmetic, returned in x's dtype (module docstring,
+    "Precision"): ``F.rms_norm`` for fp32 x, :class:`_LowPrecisionRMSNorm` for bf16/fp16 x."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return _LowPrecisionRMSNorm.apply(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -64,8 +102,8 @@ class RMSNorm(nn.Module):
         w = copy_to_group(self.weight, self.axis) if self.sequence_parallel else self.weight
         if x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
             # sequence-first storage (SP): normalise the contiguous [s, b, h] view, keep the layout
-            return F.rms_norm(x.transpose(0, 1), (self.hidden,), w, self.eps).transpose(0, 1)
-        return F.rms_norm(x, (self.hidden,), w, self.eps)
+            return rms_norm(x.transpose(0, 1), w, self.eps).transpose(0, 1)
+        return rms_norm(x, w, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

@@ -36,28 +36,31 @@ from .sharding import sharded_parameter
 class _RMSNorm2DFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, row, hidden, eps):
-        ss = C.all_reduce(x.pow(2).sum(-1, keepdim=True), row)
+        # in fp32 (a no-op for fp32 x); a bf16/fp16 x (autocast) is kept in its dtype, y returned in it
+        xf = x.float()
+        ss = C.all_reduce(xf.pow(2).sum(-1, keepdim=True), row, inplace=True)
         r = torch.rsqrt(ss / hidden + eps)
         ctx.save_for_backward(x, r, w)
         ctx.row, ctx.hidden = row, hidden
-        return x * r * w
+        return (xf * r * w).to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         x, r, w = ctx.saved_tensors
-        gw = g * w
-        dot = C.all_reduce((gw * x).sum(-1, keepdim=True), ctx.row)
-        dx = r * gw - x * (r.pow(3) * dot / ctx.hidden)
-        dw = (g * x * r).reshape(-1, x.shape[-1]).sum(0)
-        return dx, dw, None, None, None
+        xf = x.float()
+        gw = g.float() * w
+        dot = C.all_reduce((gw * xf).sum(-1, keepdim=True), ctx.row, inplace=True)
+        dx = r * gw - xf * (r.pow(3) * dot / ctx.hidden)
+        dw = (g.float() * xf * r).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(w.dtype), None, None, None
 
 
 class _LayerNorm2DFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, row, hidden, eps):
-        mu = C.all_reduce(x.sum(-1, keepdim=True), row) / hidden
+        mu = C.all_reduce(x.sum(-1, keepdim=True), row, inplace=True) / hidden
         xc = x - mu
-        var = C.all_reduce(xc.pow(2).sum(-1, keepdim=True), row) / hidden
+        var = C.all_reduce(xc.pow(2).sum(-1, keepdim=True), row, inplace=True) / hidden
         r = torch.rsqrt(var + eps)
         xhat = xc * r
         ctx.save_for_backward(xhat, r, w)
@@ -68,7 +71,8 @@ class _LayerNorm2DFn(torch.autograd.Function):
     def backward(ctx, g):
         xhat, r, w = ctx.saved_tensors
         gw = g * w
-        sums = C.all_reduce(torch.cat([gw.sum(-1, keepdim=True), (gw * xhat).sum(-1, keepdim=True)], -1), ctx.row)
+        sums = C.all_reduce(torch.cat([gw.sum(-1, keepdim=True), (gw * xhat).sum(-1, keepdim=True)], -1), ctx.row,
+                            inplace=True)
         m1, m2 = (sums / ctx.hidden).split(1, -1)
         dx = r * (gw - m1 - xhat * m2)
         flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
@@ -115,10 +119,11 @@ class RMSNorm2D(_Norm2DBase):
 class LayerNorm2D(_Norm2DBase):
     """LayerNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, bias zeros, h/q² each)."""
 
-    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, vector_cache=None):
+    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, vector_cache=None,
+                 device=None):
         super().__init__(hidden, mesh, eps, vector_cache)
-        self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype)
-        self.bias = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.zeros_, dtype)
+        self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype, device)
+        self.bias = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.zeros_, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)

@@ -28,8 +28,8 @@ The *canonical* tensor (the single-device model's parameter, what checkpoints an
 ``transposed`` (a Linear2D stores [in, out]; canonical is [out, in]) and cut to
 ``canonical_shape`` when given (vocabulary padding rows are local storage only). Where a
 rank's block sits in it is :meth:`ShardSpec.canonical_box` (what checkpoints write), and a
-ZeRO data rank's rows of that block are the same box narrowed by ``rows=(start, stop)``:
-one description, no second record of where a shard lives.
+ZeRO data rank's elements of that block are the same box narrowed by ``local_box`` (a few
+boxes per element range): one description, no second record of where a shard lives.
 """
 from __future__ import annotations
 
@@ -74,17 +74,18 @@ class ShardSpec:
         return tuple(reversed(self.global_shape)) if self.transposed else tuple(self.global_shape)
 
     def canonical_box(self, index: dict, size: dict,
-                      rows: Optional[Tuple[int, int]] = None) -> Optional[Tuple[Tuple[int, int], ...]]:
+                      local_box: Optional[Tuple[Tuple[int, int], ...]] = None) -> Optional[Tuple[Tuple[int, int], ...]]:
         """(offset, length) along each canonical dim of the block held at coordinates ``index``
         (padding cut off its end), or None when that box is empty (the block is padding only).
 
-        ``rows = (start, stop)`` narrows the block further to its rows ``[start, stop)`` along
-        stored dim 0: ZeRO's data-rank shard (:func:`gridshard.theory.zero.owned_rows`) is this
-        same layout with one more narrowing, not a second description. Stored dim 0 is canonical
-        dim 0, or dim 1 of a transposed (Linear2D) block."""
+        ``local_box`` = ((lo, hi) per stored dim) narrows the block further to that box of it, in
+        storage orientation: a ZeRO data rank's element range of the block is a few such boxes
+        (:func:`gridshard.theory.zero.flat_range_boxes`), each this same layout with one more
+        narrowing, not a second description. A transposed (Linear2D) block's stored dims are
+        canonical dims in reverse."""
         dims = block_dim_indices(self, index, size)
-        if rows is not None:
-            dims[0] = dims[0][rows[0]:rows[1]]
+        if local_box is not None:
+            dims = [ix[lo:hi] for ix, (lo, hi) in zip(dims, local_box)]
         if self.transposed:
             dims = dims[::-1]
         box = []
@@ -96,7 +97,7 @@ class ShardSpec:
         return tuple(box)
 
     def canonical_view(self, local: torch.Tensor, box) -> torch.Tensor:
-        """The part of ``local`` (a block, or rows of one, in storage orientation) inside ``box``
+        """The part of ``local`` (a block, or a box of one, in storage orientation) inside ``box``
         (:meth:`canonical_box`), in canonical orientation: a view, writing it writes ``local``."""
         view = local.t() if self.transposed else local
         return view[tuple(slice(0, n) for _, n in box)]

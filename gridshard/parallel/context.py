@@ -11,7 +11,10 @@ none    [b, s]                         [b, s, V]                            ``F.
 2d      [b/q, s] batch block i         [b/q, s, V_p/q] (i, j)               ``cross_entropy_2d`` (global)
 ======  =============================  ==================================  =====================================
 
-The same for a Hugging Face model (``hf=True``: only the logits call differs). Reductions
+The same for a Hugging Face model (``hf=True``: only the logits call differs). A classifier
+(``objective="classify"``, the ViT) takes images [b, C, H, W] (2D: batch block i) and one label per
+image, its heads give full logits [b', K] per rank, and its loss is
+:func:`gridshard.nn.classification_loss.classification_loss`. Reductions
 over the N non-ignored targets of the tensor group's micro-batch, the same scalar on every
 tensor rank, with ℓ_i the per-token cross-entropy:
 
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from ..comm.grid_ops import GatheredVectors
 from ..errors import LayoutError, ShapeError, check_divisible
 from ..job_layout import TensorMode
+from ..nn.classification_loss import classification_loss
 from ..nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from ..nn.cross_entropy_2d import REDUCTIONS, cross_entropy_2d
 
@@ -52,6 +56,9 @@ class ParallelContext:
     layouts: dict = field(default_factory=dict)
     # 2D biases/norm weights gathered once per optimizer step: ``with ctx.vector_cache.window():``
     vector_cache: GatheredVectors = field(default_factory=GatheredVectors)
+    # what the loss compares: "next_token" (a language model, the table above) or "classify" (one
+    # label per input, full logits [b', K] per rank: gridshard.nn.classification_loss)
+    objective: str = "next_token"
 
     def __post_init__(self):
         self.mode = TensorMode.parse(self.mode)
@@ -78,6 +85,8 @@ class ParallelContext:
         if reduction not in REDUCTIONS:
             raise ShapeError(f"ParallelContext.loss: reduction={reduction!r} is not one of {REDUCTIONS}. Fix: use "
                              f"'mean' or 'sum'.")
+        if self.objective == "classify":
+            return classification_loss(logits, targets, self.mode, self.mesh, ignore_index, reduction)
         if not self.mode.splits_weights:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                                    ignore_index=ignore_index, reduction=reduction)

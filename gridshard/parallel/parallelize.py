@@ -40,7 +40,7 @@ from ..nn.shape_rules import layout_rules
 from ..nn.sharding import get_spec, mesh_coords
 from .context import ParallelContext
 from .materialize import init_laws, materialize
-from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, Plan
+from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, VIT_PLAN, Plan
 from .shared_input import install_shared_input
 from .swap import build_1d, build_2d
 
@@ -54,16 +54,21 @@ class ModelDims:
     kv_heads: int
     head_dim: int
     ffn: int
-    vocab: int
+    vocab: int                  # the output width: the vocabulary, or a ViT's classes
     hf: bool
+    objective: str = "next_token"    # what the loss compares: "next_token" (LM) | "classify" (one label per input)
 
 
 def model_dims(model: nn.Module) -> ModelDims:
     from ..models.llama import ModelConfig
+    from ..models.vit import ViTConfig
 
     cfg = getattr(model, "cfg", None)
     if isinstance(cfg, ModelConfig):
         return ModelDims(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size, False)
+    if isinstance(cfg, ViTConfig):
+        return ModelDims(cfg.hidden, cfg.heads, cfg.heads, cfg.head_dim, cfg.ffn_hidden, cfg.num_classes, False,
+                         "classify")
     hf = getattr(model, "config", None)
     if hf is not None and hasattr(hf, "num_attention_heads"):
         heads = hf.num_attention_heads
@@ -79,7 +84,7 @@ def default_plan(model: nn.Module, dims: ModelDims) -> Plan:
     if callable(own):
         return own()
     if not dims.hf:
-        return LLAMA_PLAN
+        return VIT_PLAN if dims.objective == "classify" else LLAMA_PLAN     # a ViT classifies; the decoder
     model_type = getattr(model.config, "model_type", None)
     if model_type in HF_LLAMA_TYPES:
         return HF_LLAMA_PLAN
@@ -216,7 +221,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
 
     layouts = {name: (get_spec(p) or ShardSpec(tuple(p.shape)))
                for name, p in model.named_parameters(remove_duplicate=False)}
-    model.parallel_context = ParallelContext(mesh, mode, sp, dims.vocab, dims.hf, layouts, vector_cache)
+    model.parallel_context = ParallelContext(mesh, mode, sp, dims.vocab, dims.hf, layouts, vector_cache,
+                                             objective=dims.objective)
     return model
 
 

@@ -17,6 +17,11 @@ kind               plain module                         1D (± sequence parallel
 ``norm``           RMSNorm [h]                          RMSNorm (SP-aware)           RMSNorm2D
 ``replicate``      anything                             kept as is (1D without SP    not allowed
                                                         only: its input is whole)
+``patch_embedding`` ViT ``ViTEmbeddings`` (conv, cls,    kept as is, replicated       ViTEmbeddings2D
+                   positions)                           (its docstring says why)
+``layer_norm``     ``nn.LayerNorm`` [h] (with bias)     LayerNorm (SP-aware)         LayerNorm2D
+``classifier``     ViT ``ClsClassifier`` [K, h] on the  Classifier1D (replicated;    ClsClassifier2D
+                   class token's row                    SP: finds the class token)
 =================  ===================================  ==========================  =====================
 
 ``shared_inputs`` names parent modules whose column children read the same input (q|k|v
@@ -34,7 +39,8 @@ import fnmatch
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Tuple
 
-KINDS = ("column", "kv_column", "row", "vocab_embedding", "vocab_head", "norm", "replicate")
+KINDS = ("column", "kv_column", "row", "vocab_embedding", "vocab_head", "norm", "replicate", "patch_embedding",
+         "layer_norm", "classifier")
 
 
 @dataclass(frozen=True)
@@ -122,3 +128,26 @@ HF_LLAMA_PLAN = Plan(
     rules=LLAMA_PLAN.rules, shared_inputs=LLAMA_PLAN.shared_inputs, attention=LLAMA_PLAN.attention,
     kv_group_attr="num_key_value_groups", sequence_scatter="layers.0",
 ).prefixed("model.")
+
+#: gridshard's :class:`gridshard.models.vit.VisionTransformer` (Hugging Face ``ViTForImageClassification``
+#: names). Under sequence parallelism the residual stream is cut at the first encoder layer's input
+#: (the embeddings are replicated and see whole images). ``attention.output.dense`` comes before the
+#: MLP's ``output.dense`` pattern, which would match it too.
+VIT_PLAN = Plan(
+    rules={
+        "vit.embeddings": "patch_embedding",
+        "vit.encoder.layer.*.attention.attention.query": "column",
+        "vit.encoder.layer.*.attention.attention.key": "column",
+        "vit.encoder.layer.*.attention.attention.value": "column",
+        "vit.encoder.layer.*.attention.output.dense": "row",
+        "vit.encoder.layer.*.intermediate.dense": "column",
+        "vit.encoder.layer.*.output.dense": "row",
+        "vit.encoder.layer.*.layernorm_before": "layer_norm",
+        "vit.encoder.layer.*.layernorm_after": "layer_norm",
+        "vit.layernorm": "layer_norm",
+        "classifier": "classifier",
+    },
+    shared_inputs={"vit.encoder.layer.*.attention.attention": ("query", "key", "value")},
+    attention=("vit.encoder.layer.*.attention.attention",),
+    sequence_scatter="vit.encoder.layer.0",
+)

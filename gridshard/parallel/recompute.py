@@ -9,14 +9,27 @@
   recomputation: the same ops in the same order on every rank, so no rank waits on another);
   the step's tensor-group bytes grow by those forward collectives, up to the last tensor backward
   needs (PyTorch stops the recomputation there: :func:`gridshard.theory.tp1d.block_recompute_comm`).
-* ``selective`` (Korthikanti et al. 2022): only the attention core — RoPE and the softmax
-  attention, whose activations grow with s² per head while their FLOPs are small next to
-  the projections — is recomputed; the projections, norms and MLP keep their activations.
-  The core runs on each rank's own heads with no collective, so nothing is communicated
-  again. (gridshard's model; a Hugging Face model takes ``full``.)
+* ``selective``: the cheap, memory-heavy parts of each layer are recomputed, as Korthikanti
+  et al. (2022) recompute the attention core and Megatron-core / torchtitan also the MLP
+  activation; the projections (the FLOPs) and the norms keep their activations. Exactly:
 
-Both give exactly the same gradients as ``none`` (the recomputation repeats deterministic
-fp32 ops; no dropout), which ``tests/test_recompute.py`` checks bit for bit.
+  - **attention core** (:meth:`gridshard.models.llama.Attention.core`: RoPE on q and k and the
+    causal softmax attention) — kept: q, k, v as the projections made them (before RoPE) and
+    the shared cos/sin tables; recomputed: rotated q and k and SDPA's saved tensors (the
+    rotated q, k, v, its output and the log-sum-exp; an unfused softmax would keep its s×s
+    probabilities here). The core's output stays kept by ``o_proj`` (its input).
+  - **MLP activation** (:meth:`gridshard.models.llama.SwiGLUMLP.activation`, silu(g)·u) —
+    kept: g = gate(x) and u = up(x); recomputed: silu(g). The product stays kept by
+    ``down_proj`` (its input).
+
+  Per layer that is the log-sum-exp (N·H_r·4 bytes) and one f-wide tensor (silu(g)) less than
+  ``none`` (:func:`gridshard.theory.memory.layer_saved_bytes`). Both regions run on the rank's
+  own heads / MLP columns with no collective, so nothing is communicated again. (gridshard's
+  model; a Hugging Face model takes ``full``.)
+
+All three give exactly the same gradients as ``none`` (the recomputation repeats deterministic
+ops under the same autocast state; no dropout), which ``tests/test_recompute.py`` checks bit for
+bit in fp32.
 
 How ``full`` is installed: nothing of the module is replaced (its ``forward`` stays its class's,
 parameter names and state dicts are unchanged). A forward pre-hook opens PyTorch's non-reentrant
@@ -99,13 +112,17 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
             checkpoint_module(module)
             count += 1
     elif mode == "selective":
-        from ..models.llama import Attention
+        from ..models.llama import Attention, SwiGLUMLP
 
         for module in model.modules():
             if isinstance(module, Attention):
                 module.recompute_core_in_backward()
                 count += 1
+            elif isinstance(module, SwiGLUMLP):
+                module.recompute_activation_in_backward()
+                count += 1
         if count == 0:
-            raise LayoutError(f"train.recompute=selective recomputes the attention core of gridshard's model, and "
-                              f"this {type(model).__name__} has none. Fix: train.recompute=full.")
+            raise LayoutError(f"train.recompute=selective recomputes the attention core and MLP activation of "
+                              f"gridshard's model, and this {type(model).__name__} has neither. "
+                              f"Fix: train.recompute=full.")
     return count

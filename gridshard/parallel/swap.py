@@ -10,13 +10,16 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import LayoutError
-from ..nn.classifier_2d import TiedVocabHead2D, VocabParallelClassifier2D
+from ..nn.classifier_1d import Classifier1D
+from ..nn.classifier_2d import ClsClassifier2D, TiedVocabHead2D, VocabParallelClassifier2D
 from ..nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
 from ..nn.embedding_2d import VocabParallelEmbedding2D
 from ..nn.linear_1d import ColumnParallelLinear, RowParallelLinear
 from ..nn.linear_2d import Linear2D
+from ..nn.layer_norm import LayerNorm
 from ..nn.norm import RMSNorm
-from ..nn.norm_2d import RMSNorm2D
+from ..nn.norm_2d import LayerNorm2D, RMSNorm2D
+from ..nn.patch_embedding_2d import ViTEmbeddings2D
 
 META = "meta"
 
@@ -63,6 +66,19 @@ def build_1d(name, module, kind, mesh, sp: bool, sp_in_embedding: bool, kv_repli
                                     overlap_input_grad=overlap_input_grad, canonical_out=vocab, shared_weight=shared)
     if kind == "norm":
         return RMSNorm(module.weight.shape[0], norm_eps(module), mesh, sequence_parallel=sp, device=META)
+    return _build_vit_1d(name, module, kind, mesh, sp)
+
+
+def _build_vit_1d(name, module, kind, mesh, sp: bool):
+    """The ViT kinds in 1D: the patch embedding stays replicated (its docstring says why), LayerNorm
+    and the class-token classifier are replicated layers aware of sequence parallelism."""
+    if kind == "patch_embedding":
+        return module
+    if kind == "layer_norm":
+        return LayerNorm(module.weight.shape[0], norm_eps(module), mesh, sequence_parallel=sp, device=META)
+    if kind == "classifier":
+        n_in, n_out, bias = _linear_dims(name, module, kind)
+        return Classifier1D(n_in, n_out, mesh, sequence_parallel=sp, bias=bias, device=META)
     raise LayoutError(f"parallelize: kind {kind!r} of {name!r} has no 1D layer")
 
 
@@ -84,6 +100,15 @@ def build_2d(name, module, kind, mesh, tied_embedding=None, overlap: bool = True
         return VocabParallelClassifier2D(n_in, vocab, mesh, device=META, overlap=overlap, vector_cache=vector_cache)
     if kind == "norm":
         return RMSNorm2D(module.weight.shape[0], mesh, norm_eps(module), device=META, vector_cache=vector_cache)
+    if kind == "layer_norm":
+        return LayerNorm2D(module.weight.shape[0], mesh, norm_eps(module), vector_cache=vector_cache, device=META)
+    if kind == "classifier":
+        n_in, n_out, bias = _linear_dims(name, module, kind)
+        return ClsClassifier2D(n_in, n_out, mesh, bias=bias, device=META)
+    if kind == "patch_embedding":
+        conv = module.patch_embeddings.projection
+        return ViTEmbeddings2D(module.image_size, conv.kernel_size[0], conv.in_channels, conv.out_channels, mesh,
+                               device=META)
     raise LayoutError(f"parallelize: kind {kind!r} of {name!r} cannot be laid out in 2D (the residual stream is "
                       f"split over the grid, so a replicated module would see a block, not its whole input). "
                       f"Fix: map {name!r} to column/row/norm/vocab_* in the plan.")

@@ -33,8 +33,6 @@ saved activation bytes.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..device import batch_to_device
@@ -73,10 +71,14 @@ class PipelineRunner:
         self.has_first = split.holds_first(mesh.pipeline.rank)
         T = mesh.tensor.size
         micro_local = micro_batch // ctx.mode.batch_split(T)
+        # hidden states between stages: the compute dtype for gridshard's model (Transformer.hidden_dtype),
+        # fp32 for a family that keeps an fp32 residual stream under autocast (Hugging Face's)
+        hidden_dtype = getattr(rank_model, "hidden_dtype", lambda compute: torch.float32)(precision.dtype)
         act = torch.empty(local_activation_shape(ctx.mode, ctx.sequence_parallel, T, micro_batch, seq_len,
-                                                 hidden), device="meta", requires_grad=True)
+                                                 hidden), dtype=hidden_dtype, device="meta", requires_grad=True)
         tokens = torch.empty((micro_local, seq_len), dtype=torch.long, device="meta")
-        self.meter = StageMeter(mesh.pipeline if mesh.ledger is not None else ctx.mesh.pipeline, rank_model.parameters())
+        self.meter = StageMeter(mesh.pipeline if mesh.ledger is not None else ctx.mesh.pipeline,
+                                rank_model.parameters(), device)
         self.modules, stages = [], []
         for s in self.stage_indices:
             first, last = s == 0, s == S - 1
@@ -127,10 +129,8 @@ class PipelineRunner:
         if self.has_last:
             kwargs = {"target": batch_to_device(torch.cat([shard(y) for _, y in micro]), device),
                       "losses": []}
-        t0 = time.perf_counter()
-        with self.precision.autocast():
+        with self.meter.schedule.region(), self.precision.autocast():
             self.schedule.step(*args, **kwargs)
-        self.meter.schedule_s += time.perf_counter() - t0
         return self.sums
 
     def evaluate(self, micro: list, device) -> list:

@@ -91,7 +91,7 @@ class RankModel(_RankPart):
 
     EMBEDDING, LAYERS, HEAD = "embed_tokens", "layers", ("norm", "lm_head")
     embed, layer_inputs, head = Transformer.embed, Transformer.layer_inputs, Transformer.head
-    run_layer = staticmethod(Transformer.run_layer)
+    run_layer, hidden_dtype = staticmethod(Transformer.run_layer), staticmethod(Transformer.hidden_dtype)
 
     def __init__(self, plain, layer_ids: Sequence[int], has_first: bool, has_last: bool):
         super().__init__(plain, layer_ids, has_first, has_last)

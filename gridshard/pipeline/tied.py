@@ -18,7 +18,7 @@ import itertools
 import torch.distributed as dist
 
 from ..comm import collectives as C
-from ..mesh import Axis
+from ..mesh import Axis, group_timeout_s, set_collective_timeout
 
 
 class TiedEmbeddingSync:
@@ -35,9 +35,16 @@ class TiedEmbeddingSync:
             group = dist.new_group(list(ranks))         # every rank creates every pair, in the same order
             if me in ranks:
                 self.axis = Axis("pipeline_tied", 2, ranks.index(me), ranks, group, mesh.ledger)
+                timeout = group_timeout_s(dist.group.WORLD)       # the world's, not torch's default
+                if timeout is not None:
+                    set_collective_timeout([group], timeout)
         if self.axis is not None:
             self.param = rank_model.get_parameter(rank_model.embedding_weight_name)     # the family's name
             self.drop_from_norm = not rank_model.has_first     # the last stage's copy is not counted twice
+
+    def groups(self) -> list:
+        """This rank's tied pair's process group, if it is in one."""
+        return [self.axis.group] if self.axis is not None else []
 
     def sync(self) -> None:
         """Sum the two copies' gradients (no-op without a cross-stage tie)."""

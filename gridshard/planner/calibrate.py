@@ -1,7 +1,8 @@
 """``gridshard plan --calibrate``: measure this machine and write a hardware profile.
 
 The one part of the planner that starts processes. It spawns ``nproc`` local ranks
-(``torch.multiprocessing``, one thread each, a gloo group — NCCL on GPUs) and measures:
+(``torch.multiprocessing``, one thread each, a gloo group — NCCL on GPUs: backend and device
+by :mod:`gridshard.device`'s rule, see :func:`calibrate`) and measures:
 
 * **GEMM rate** by size: square fp32 matmuls of n ∈ {32 … 512} (GPU: bf16, up to 8192) on
   rank 0 alone, then on every rank at once. ``gemm_efficiency`` is the alone rate over
@@ -182,9 +183,11 @@ def _rank_main(rank, world, port, backend, result_path):
     import torch.distributed as dist
 
 
+    from ..device import device_for_backend
+
     torch.set_num_threads(1)
-    cuda = backend == "nccl"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = device_for_backend(backend, local_rank=rank)          # nccl: cuda:rank; gloo: the CPU
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
@@ -304,17 +307,25 @@ def profile_from_measurements(m: dict, nproc: int, cuda: bool, host_memory: int)
     return profile
 
 
-def calibrate(nproc: int = 4, out: str = "gridshard-profile.json", timeout_s: float = 900.0) -> dict:
-    """Run the measurements on ``nproc`` local ranks and write the profile to ``out``."""
+def calibrate(nproc: int = 4, out: str = "gridshard-profile.json", timeout_s: float = 900.0,
+              backend: str = "auto") -> dict:
+    """Run the measurements on ``nproc`` local ranks and write the profile to ``out``.
+
+    ``backend``: ``parallel.backend`` (``auto | nccl | gloo``), decided by the rule every job uses
+    (:mod:`gridshard.device`): auto is nccl on a CUDA host — one GPU per rank, so ``nproc`` more
+    than the visible GPUs is refused before any process starts (ConfigError, exit 2) instead of
+    quietly measuring the CPU — and gloo (the CPU) otherwise."""
     import tempfile
 
     import torch
     import torch.multiprocessing as mp
 
+    from ..device import check_ranks_per_node, resolve_backend
     from ..netutil import free_port
 
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
-    backend = "nccl" if cuda else "gloo"
+    backend = resolve_backend(backend)
+    check_ranks_per_node(nproc, backend, "--nproc")
+    cuda = backend == "nccl"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.json")
         ctx = mp.start_processes(_rank_main, args=(nproc, free_port(), backend, path), nprocs=nproc, join=False,

@@ -42,10 +42,13 @@ def run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, expl
             click.echo(f"warning: {warning}", err=True)
 
 
-def run_calibrate(nproc: int, out: str) -> None:
+def run_calibrate(nproc: int, out: str, overrides=()) -> None:
+    """``gridshard plan --calibrate``; ``overrides``: the command's ``key=value`` arguments, of
+    which ``parallel.backend`` (auto | nccl | gloo) picks the backend, as for a job."""
     from .calibrate import calibrate
 
-    prof = calibrate(nproc=nproc, out=out)
+    backend = dict(o.split("=", 1) for o in overrides).get("parallel.backend", "auto")
+    prof = calibrate(nproc=nproc, out=out, backend=backend)
     click.echo(f"wrote {out}: GEMM {prof['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s per rank, "
                f"{prof['compute_slots_per_node']:.2f} ranks compute at once, all-reduce "
                f"{prof['links']['intra']['default']['bandwidth'] / 1e6:.0f} MB/s + "

@@ -25,9 +25,9 @@ backward (Narayanan et al. 2021's interleaved schedule), so it holds about
 min(A, P − r); :func:`interleaved_in_flight` gives the count and the planner adds the
 difference × the rank's activation bytes per micro-batch.
 
-Precision: the memory model is fp32 (asserted there); under bf16 autocast it over-states
-activations (it keeps fp32 copies where autocast keeps bf16), so GPU plans at bf16 are
-conservative on activations.
+Precision: activations are priced in the run's compute dtype (``precision``: e = 2 bytes under
+bf16/fp16, with the fp32 parts the memory model states: norm statistics, log-sum-exp, the loss's
+softmax, and autocast's bf16 copies of the fp32 weights), as the trainer's prediction does.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def ranks_to_check(layer_ids: list) -> list:
 
 
 def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,
-                  margin_fraction: float = 0.10):
+                  margin_fraction: float = 0.10, precision: str = "fp32"):
     """(worst RankMemory, pipeline rank it belongs to) of ``layout`` (module docstring). Not
     memoised: a search prices each layout's memory once (measured: no repeated call in
     ``plan`` of configs/llama_7b.yaml on 64 GPUs)."""
@@ -75,7 +75,7 @@ def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
             data=layout.data, data_rank=0, zero=layout.zero, recompute=layout.recompute,
             micro_batch=layout.micro_batch, seq_len=seq_len, n_microbatches=A, pipeline=P, pipeline_rank=r,
             schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=int(baseline_bytes),
-            margin_fraction=float(margin_fraction),
+            margin_fraction=float(margin_fraction), precision=precision,
             blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1))
         if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
             extra = interleaved_in_flight(r, P, V, A) - mem.details["in_flight"]

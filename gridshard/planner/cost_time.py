@@ -114,7 +114,7 @@ from ..job_layout import micro_batches_per_step
 from ..theory import CommVolume, tp1d, tp2d
 from ..theory.pipeline import boundary_bytes, bubble_fraction
 from ..theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token
-from ..theory.zero import padded_numel, zero_step_comm
+from ..theory.zero import unit_padded_numel, zero_step_comm
 from .hardware import Hardware
 from .layouts import Layout
 from .memo import rank_blocks
@@ -214,9 +214,9 @@ def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, b
     units: dict = {}
     for b in blocks:
         units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
-    size = {u: D * sum(padded_numel(b.shape, D) for b in bs) for u, bs in units.items()}
+    size = {u: unit_padded_numel([b.numel for b in bs], D) for u, bs in units.items()}
     layer_units = [size[u] for u in units if u != "root"]
-    vol = zero_step_comm(layer_units, size.get("root", 0), D, layout.zero, A)
+    vol = zero_step_comm(layer_units, size.get("root", 0), D, layout.zero, A, sharded_accumulation=layout.pipeline == 1)
     reduce = type(vol)(D).add("reduce_scatter", vol.payload_bytes("reduce_scatter") // max(1, vol.count("reduce_scatter")),
                               vol.count("reduce_scatter"))
     gather = type(vol)(D).add("all_gather", vol.payload_bytes("all_gather") // max(1, vol.count("all_gather")),

@@ -118,7 +118,7 @@ def predicted_peak(cfg, budget: MemoryBudget):
 
     hw = _hardware(budget)
     mem, rank = layout_memory(cfg.model.resolve(), config_layout(cfg), cfg.data.seq_len, cfg.train.global_batch,
-                              hw.reserved_bytes, hw.margin_fraction)
+                              hw.reserved_bytes, hw.margin_fraction, cfg.train.precision)
     if budget.cuda and cfg.train.offload == "optimizer":
         mem = dataclasses.replace(mem, optimizer=0)
     return mem, rank
@@ -168,6 +168,8 @@ def check_memory(cfg, world: int, budget: MemoryBudget) -> str:
     the line says so."""
     if cfg.model.hf_config is not None:
         return "predicted peak memory per rank: not modelled for a Hugging Face architecture (model.hf_config)"
+    if cfg.model.kind == "vit":
+        return "predicted peak memory per rank: not modelled for a Vision Transformer (model.kind: vit) yet"
     mem, rank = predicted_peak(cfg, budget)
     where = f" (pipeline rank {rank})" if cfg.parallel.pipeline > 1 else ""
     line = (f"predicted peak memory per rank: {gib(mem.total)}{where} ({_parts(mem)}); usable "

@@ -120,9 +120,12 @@ def _precision(cfg) -> str:
     return cfg.train.precision if cfg.train.precision in ("bf16", "fp16") else "fp32"
 
 
-def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop_agreement: bool = False) -> Candidate:
+def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop_agreement: bool = False,
+             price_too_large: bool = False) -> Candidate:
     """Rules, memory and step time of one layout of ``cfg`` (module docstring);
-    ``stop_agreement``: the run has a stop handler installed (cost_time's trainer bookkeeping)."""
+    ``stop_agreement``: the run has a stop handler installed (cost_time's trainer bookkeeping);
+    ``price_too_large``: price a layout that does not fit too (it stays infeasible, with its
+    reason), e.g. to compare a published layout's step time whatever the memory model says."""
     mc, s, G = cfg.model.resolve(), cfg.data.seq_len, cfg.train.global_batch
     prec = _precision(cfg)
     cand = Candidate(layout, False, tokens_per_step=G * s, world=world,
@@ -133,11 +136,12 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
     if problem:
         cand.reason = problem
         return cand
-    cand.memory, cand.memory_rank = layout_memory(mc, layout, s, G, hw.reserved_bytes, hw.margin_fraction)
+    cand.memory, cand.memory_rank = layout_memory(mc, layout, s, G, hw.reserved_bytes, hw.margin_fraction, prec)
     if cand.memory.total_with_margin > hw.device_memory_bytes:
         cand.reason = (f"memory: {gib(cand.memory.total_with_margin)} per rank (with the "
                        f"{cand.memory.margin_fraction:.0%} margin) > {gib(hw.device_memory_bytes)} on {hw.name}")
-        return cand                        # not priced: it cannot run
+        if not price_too_large:
+            return cand                    # not priced: it cannot run
     P, V = layout.pipeline, layout.virtual_stages
     per_rank = stage_layers_of_rank(mc.layers, P, V, layout.stage_layers) if P > 1 else [None]
     ranks_per_node = max(1, world // max(1, nodes))
@@ -159,7 +163,7 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
         costs.append(seen[key])
     cand.rank_step_s = {r: c.latency.total_s for r, c in zip(check, costs)}
     cand.step = node_step(costs, hw, ranks_per_node)
-    cand.feasible = True
+    cand.feasible = not cand.reason
     return cand
 
 
@@ -260,6 +264,9 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None
     if cfg.model.hf_config is not None:
         raise ConfigError("model.hf_config: the planner's memory and communication formulas describe gridshard's "
                           "own model. Fix: plan with the equivalent explicit model.* fields.")
+    if cfg.model.kind == "vit":
+        raise ConfigError("model.kind=vit: the planner's memory and communication formulas describe the decoder "
+                          "(llama) only so far. Fix: choose the ViT's layout by hand (docs/vision.md).")
     feasible, rejected = [], []
     counts = collections.Counter()
     mc = cfg.model.resolve()

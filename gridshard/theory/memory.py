@@ -14,124 +14,162 @@ group's micro-batch, T tensor size (q = √T in 2D), D data size, P pipeline sta
 1. Model state (:func:`model_state_bytes`)
 ==========================================
 Per parameter, n = numel of the rank's local tensor-parallel block (tied weights once; a
-pipeline rank holds only its stages' parameters). ZeRO splits that block by rows over the
-D data ranks (:mod:`gridshard.theory.zero`): this rank owns s = ``shard_numel`` elements,
-and communication buffers use the padded segment p = ``padded_numel`` (every data rank's
-segment equally long). What a rank holds after ``optimizer.step`` and before ``zero_grad``,
-all fp32 (bf16/fp16 runs autocast with fp32 parameters, gradients and AdamW state: the
-same 16 bytes per parameter as the seed's estimate)::
+pipeline rank holds only its stages' parameters). ZeRO lays each *unit* u (a decoder layer,
+or the root: embedding, final norm, head) out in one flat buffer of L_u = D·ceil(n_u/D)
+elements, n_u = Σ_{p∈u} n (:mod:`gridshard.theory.zero`), and data rank r owns the chunk
+C_u = L_u/D of it, s_u = ``unit_shard_numel`` of which are parameter elements (not padding).
+What a rank holds after ``optimizer.step`` and before ``zero_grad``, all fp32 (bf16/fp16
+runs autocast with fp32 parameters, gradients and AdamW state: the same 16 bytes per
+parameter as the seed's estimate)::
 
-    stage   params   grads            optimizer (exp_avg + exp_avg_sq)   comm buffers
-    0       4n       4n               8n                                  —
-    1       4n       4n (full)        8s                                  4p  (reduce-scatter output;
-                                                                              the shard's grad is a view)
-    2       4n       4p (shard only)  8s                                  —
-    3       4p       4p               8s                                  —   (+ transient below)
+    stage   params      grads             optimizer (exp_avg + exp_avg_sq)   comm buffers
+    0       4n          4n                8n                                  —
+    1       4·ΣL_u      4·ΣL_u (buffer)   8·Σs_u                              4·ΣC_u  (the reduced chunk)
+    2       4·ΣL_u      4·ΣC_u (chunk)    8·Σs_u                              —
+    3       4·ΣC_u      4·ΣC_u            8·Σs_u                              —   (+ transient below)
 
-plus AdamW's ``step`` counter, a 0-dim fp32 tensor per parameter it steps (4 bytes each;
-ZeRO ≥ 1: per parameter whose shard is not empty). With D = 1, s = p = n and every stage
-equals stage 0 (up to the stage-1 buffer).
+(ZeRO ≥ 1: the parameters are views into the units' buffers, padding included; the
+gradient buffer of ZeRO-2/3 is freed once reduced.) Plus AdamW's ``step`` counter, a 0-dim
+fp32 tensor per tensor it steps (4 bytes each; ZeRO ≥ 1: per parameter with an element in
+this rank's chunk, the parameters taken in unit order as the blocks list them). With D = 1,
+L_u = C_u = s_u = n_u and every stage equals stage 0 up to the stage-1 buffer.
 
-Gradients of stages 0 and 1 are autograd's ``.grad`` tensors; where one is a view into a
-larger buffer the whole buffer stays alive. In our layers that happens once: 1D with more
-tensor ranks than kv heads (T > K), where the k/v gradient is a view of the all-reduced
-buffer of all K blocks and the q|k|v gradient matmul keeps the unused k, v rows behind q's
-view: K·(n_k + n_v) extra gradient elements per layer (``ParamBlock.grad_extra``; a
-``.clone()`` of the slice in ``sum_over_replicas``' backward would free them).
+ZeRO-0's gradients are views into its persistent buffer at D > 1, autograd's ``.grad`` at
+D = 1; where one is a view into a larger buffer the whole buffer stays alive. In our layers
+that happens once: 1D with more tensor ranks than kv heads (T > K), where the k/v gradient
+is a view of the all-reduced buffer of all K blocks and the q|k|v gradient matmul keeps the
+unused k, v rows behind q's view: K·(n_k + n_v) extra gradient elements per layer
+(``ParamBlock.grad_extra``). ZeRO ≥ 1 accumulates every gradient into its unit's buffer, so
+no such extra stays.
 
-ZeRO-3 *transient*: during forward and backward one decoder layer's parameters are
-gathered at a time — its full local blocks (4·Σn over the layer) plus the all-gather
-output buffer they are copied out of (4·D·Σp) — and the *root* parameters (embedding,
-final norm, head: not in a decoder layer) stay gathered from forward to the end of
-backward (4·Σn_root)::
+ZeRO-3 *transient*: a unit is gathered straight into its parameter buffer (L_u elements,
+the parameters are views of it, no separate gather output); in forward and backward a decoder
+layer is gathered while the next one's gather is in flight (prefetch: two consecutive layers
+ℓ, ℓ' at once), and the *root* unit stays gathered from forward to the end of backward::
 
-    transient = 4·Σ_root n + max over layers ℓ (4·Σ_ℓ n + 4·D·Σ_ℓ p)
+    transient = 4·L_root + 4·max over consecutive layers (L_ℓ + L_ℓ')     (one layer: 4·L_ℓ)
 
-ZeRO-2/3 *backward gradients* (:func:`zero_gradient_transient`): gradients are full blocks
-until their unit (a decoder layer, or the root) is packed into its reduce-scatter buffer
-(B_u = 4·D·Σ_u p) and dropped; at most 2 reduce-scatters are outstanding (+1 being packed),
-bounded by the three largest buffers B_(1) ≥ B_(2) ≥ B_(3). With A > 1 micro-batches every full
-gradient lives from the first backward to the last (accumulation without communication)::
+ZeRO-2/3 *backward gradients* (:func:`zero_gradient_transient`): a unit's gradient buffer
+(4·L_u) is allocated when its backward starts and freed when its reduce-scatter is done; with
+one backward at most 2 reduce-scatters are outstanding and one layer is being filled, and
+the root's buffer lives from the head's gradient (the first) to the embedding's (the last).
+With A > 1 micro-batches and sharded accumulation (P = 1, overlap on: every micro-batch is
+reduce-scattered into the reduced chunk, which is the held 4·ΣC_u) that holds for every
+micro-batch; without it every buffer lives from the first backward to the last
+(accumulation without communication)::
 
-    A = 1:  4·max_u Σ_u n + B_(1) + B_(2) + B_(3)        A > 1:  4·Σ n + B_(1) + B_(2) + B_(3)
+    A = 1 or sharded:  4·(L_root + L_(1) + L_(2) + L_(3))  (three largest layers)
+    otherwise:         4·Σ_u L_u
 
 2. Activations (:func:`activation_bytes`)
 =========================================
 The bytes autograd keeps for backward during one micro-batch's forward (counted once per
 storage; parameters excluded), derived for gridshard's Llama block op by op as
-Korthikanti et al. (2022) did for GPT. e = 4 (fp32). Let the rank's token rows be
+Korthikanti et al. (2022) did for GPT. e = bytes of an activation element: 4 in fp32, 2 under
+bf16/fp16 autocast, where gridshard's model keeps its activations in the compute dtype
+(:mod:`gridshard.models.llama`, "Precision": the embedding output is cast, so the residual
+stream, the norms' outputs, q/k/v, the MLP tensors and the RoPE tables are e-byte); what stays
+fp32 is written with 4: the norms' rstd, the attention log-sum-exp, the loss's softmax, and
+ids (8) and masks (1). Let the rank's token rows be
 N_r = N (none, 1D) or N/q (2D: the batch is split over grid rows); the residual stream
 per rank is R = N·h (none, 1D), N·h/T (1D+SP: the sequence is split), N·h/q² (2D);
 H_r, K_r, f_r the rank's heads, kv heads and MLP width: (H, K, f) without tensor
 parallelism, (H/T, K/min(T, K), f/T) in 1D (kv heads replicated in groups when T > K),
 (H/q, K/q, f/q) in 2D.
 
-* **RMSNorm** (twice per layer). ``F.rms_norm`` on CPU runs as pow, mean, rsqrt, mul, mul:
-  it keeps its input x (R·e), the reciprocal rms (R/h·4, one per token) and the normalised
-  x̂ = x·rstd (R·e); the output y = x̂·w is kept by the projections that read it (R·e;
-  under SP that is the sequence block, N·h/T·e: the column layers keep their block and
-  all-gather it again in backward, :mod:`gridshard.comm.input_grad_overlap`, instead of
-  keeping the gathered N·h·e). 2D (``RMSNorm2D``, one autograd function) keeps x (R·e), the
-  rms (N_r·4), the gathered weight block (h/q·4) and, through the SUMMA product, y (R·e).
+* **RMSNorm** (twice per layer). It keeps its input x (R·e) and the reciprocal rms (R/h·4, one
+  per token); in fp32 also the normalised x̂ = x·rstd (R·4: ``F.rms_norm`` on CPU runs as pow,
+  mean, rsqrt, mul, mul; a fused CUDA kernel may keep x and rstd only — not measured here),
+  while a bf16/fp16 x goes through :func:`gridshard.nn.norm.rms_norm`'s own backward, which
+  rebuilds x̂ (as a fused kernel does). The output y = x̂·w is kept by the
+  projections that read it (R·e; under SP that is the sequence block, N·h/T·e: the column
+  layers keep their block and all-gather it again in backward,
+  :mod:`gridshard.comm.input_grad_overlap`, instead of keeping the gathered N·h·e). 2D
+  (``RMSNorm2D``, one autograd function, fp32 arithmetic inside) keeps x (R·e), the rms
+  (N_r·4), the gathered weight block (h/q·4) and, through the SUMMA product, y (R·e).
 * **q|k|v** (one matmul on the shared input): keeps that input (counted above). Their
   outputs are kept by RoPE/attention below.
 * **Attention core** (RoPE + ``scaled_dot_product_attention``, causal). RoPE's multiplies
-  keep only the cos/sin tables ([s, d] fp32 each, built once per forward and shared by the
-  layers: counted once per micro-batch, 2·s·d·4). PyTorch's SDPA on these shapes is the
-  flash kernel (measured on CPU; GPU flash / memory-efficient kernels keep the same set):
-  it keeps rotated q (N_r·H_r·d·e), rotated k and v (N_r·K_r·d·e each), its output
+  keep only the cos/sin tables ([s, d] each, e-byte: the model's cache,
+  :class:`gridshard.models.rope.RopeTableCache`, one pair for every layer and micro-batch,
+  so **held once per rank**, 2·s·d·e, not per micro-batch in flight). PyTorch's SDPA on these
+  shapes is the flash kernel (measured on CPU; GPU flash / memory-efficient kernels keep the
+  same set): it keeps rotated q (N_r·H_r·d·e), rotated k and v (N_r·K_r·d·e each), its output
   (N_r·H_r·d·e) and the log-sum-exp (N_r·H_r·4), *not* the s×s score matrix —
   Korthikanti's 5·a·s²·b term belongs to an unfused softmax (and dropout, which we lack).
 * **o_proj** (row/2D): keeps its input, which is the attention output already counted
   (a view of the same storage).
-* **MLP**: gate output (for SiLU), SiLU output and up output (for the product), and the
+* **MLP**: gate output g (for SiLU), silu(g) and up output u (for the product), and the
   product (down's input): 4·N_r·f_r·e.
 * Residual additions keep nothing.
 
 Per layer, recompute ``none``::
 
     2·norm + N_r·d·(2·H_r + 2·K_r)·e + N_r·H_r·4 + 4·N_r·f_r·e
-    norm = 2R·e + R/h·4 + R·e                      (none, 1D, 1D + SP: y, the block under SP)
-         = 2R·e + N_r·4 + h/q·4                    (2D)
+    norm = R·e + R·4 + R/h·4 + R·e      fp32: x, x̂, rstd, y   (none, 1D, 1D + SP; y the block under SP)
+         = R·e + R/h·4 + R·e            bf16/fp16: x, rstd, y
+         = 2R·e + N_r·4 + h/q·4         2D, any precision
 
-For comparison with Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) bytes per GPT layer (2-byte
-activations, 1-byte dropout masks): ours at T = 1 with K = H and f = 8h/3 is
-s·b·h·(24 + 16 + 128/3) + small ≈ 82.7·s·b·h bytes in fp32 (≈ 41 in 2-byte units), with no s²
-term. With 1D + SP every term is divided by T (the column inputs too, since they keep their
-sequence block): ≈ 82.7·s·b·h/T in fp32, ≈ 41.3·s·b·h/T in 2-byte units, next to Korthikanti's
-34·s·b·h/t for TP + SP + selective recompute (``docs/memory.md`` itemises the difference: the
-norms' x̂, SwiGLU's four f-wide tensors with f = 8h/3, no dropout masks).
+``selective`` (:mod:`gridshard.parallel.recompute`: the attention core and the MLP activation
+are non-reentrant checkpoints): the core keeps its inputs — q, k, v before RoPE (same sizes as
+after) and the shared cos/sin — instead of its activations, and its output stays kept by
+o_proj; the MLP region keeps g and u, and the product stays kept by down: the layer saves the
+log-sum-exp N_r·H_r·4 and silu(g) N_r·f_r·e less::
 
-``selective`` (the attention core is a non-reentrant checkpoint): the core keeps its
-inputs — q, k, v before RoPE (same sizes as after) and cos/sin (shared) — instead of its
-activations, and its output stays kept by o_proj: the layer saves N_r·H_r·4 (the
-log-sum-exp) less. ``full``: each decoder layer keeps only its input, R·e (+ the shared
-cos/sin).
+    2·norm + N_r·d·(2·H_r + 2·K_r)·e + 3·N_r·f_r·e
+
+``full``: each decoder layer keeps only its input, R·e (+ the shared cos/sin).
+
+**Weight copies** (:func:`weight_copy_bytes`; bf16/fp16 with fp32 parameters only). Autocast
+multiplies an fp32 weight through an e-byte copy, and autograd keeps the copy wherever the
+matmul saves its weight operand: every projection and the head in mode none (``F.linear``) and
+in 2D (SUMMA), only the row layers (o_proj, down_proj) in 1D, whose column layers save the
+fp32 parameter itself and cast again in backward. Per decoder layer (not under ``full``:
+the checkpointed forward's copies are dropped) e·(h·d·(2H+2K) + 3·h·f) (none; the local blocks
+in 2D) or e·h·(H_r·d + f_r) (1D); the head e·h·V (none) or e·h/q·V_p/q (2D) on the last stage.
+Autocast caches the copy for its region (a micro-batch's forward; the whole schedule of a
+pipeline step), so they are **held once per rank**, not per micro-batch. They vanish when the
+parameters are stored in the compute dtype (``param_bytes = e``). Not modelled: 1D without SP
+with ``parallel.overlap_input_grad: false``, whose column layers go through ``F.linear`` and
+keep copies too.
+
+For comparison with Korthikanti et al.'s s·b·h·(34 + 5·a·s/h)/t bytes per GPT layer with TP
+and SP (2-byte activations, 1-byte dropout masks): ours with K = H and f = 8h/3, in units of
+s·b·h/t bytes (terms in 1/h and 1/d dropped)::
+
+                 bf16 / fp16 (e = 2)     fp32 (e = 4)     Korthikanti (2-byte)
+    none         37.3                    82.7              34 + 5·a·s/h
+    selective    32                      72                34
+    full         2                       4                 2
+
+``docs/memory.md`` itemises the difference term by term (the s² term of an unfused softmax,
+SwiGLU's f-wide tensors with f = 8h/3 against GELU's 4h, no dropout masks, fp32's x̂).
 
 Outside the layers (first / last pipeline stage):
 
 * embedding: T = 1: the token ids (N·8); vocab-parallel (1D T > 1, 2D): the local ids
   (N·8; 2D: the column-gathered [b, s] ids) and the out-of-range mask (N·1);
 * final norm: one norm as above (its output kept by the head);
-* head + loss (the **logits**): no TP: ``F.cross_entropy`` keeps the fp32 log-softmax
-  N·V·4, the targets N·8 and a 4-byte total weight; 1D: the fp32 softmax block N·V_p/T·4,
-  target index N·8 and two masks N·1; 2D: softmax N_r·V_p/q·4, index N_r·8, two masks
-  N_r·1 and a 4-byte weight.
+* head + loss (the **logits**): the loss upcasts the logits to fp32 in any precision. No TP:
+  ``F.cross_entropy`` keeps the fp32 log-softmax N·V·4, the targets N·8 and a 4-byte total
+  weight; 1D: the fp32 softmax block N·V_p/T·4, target index N·8 and two masks N·1; 2D:
+  softmax N_r·V_p/q·4, index N_r·8, two masks N_r·1 and a 4-byte weight.
 
-Precision: the formulas are for fp32 runs and asserted there. Under bf16 autocast the
-projections keep bf16 copies of their inputs (one per projection) and of their weights,
-norms, RoPE tables and the loss stay fp32: not modelled yet (the fp32 figure is then an
-over-estimate of the activations, less the weight copies).
+Asserted (``tests/test_memory_model.py``): the total equals the saved-tensor meter to the byte
+for none / selective / full, in fp32 and under bf16 autocast on CPU, at T = 1 (none and 1D),
+1D, 1D + SP (T = 2, 4, kv heads replicated), 2D (tied, grouped-query).
 
 Pipeline (:func:`gridshard.theory.pipeline.peak_in_flight`): stage i of P holds the
-activations of up to min(A, P − i) micro-batches under 1F1B, all A under GPipe.
+activations of up to min(A, P − i) micro-batches under 1F1B, all A under GPipe
+(:attr:`ActivationBytes.per_microbatch` each; the RoPE tables and weight copies once).
 
 3. Prediction (:func:`predict_rank_memory`)
 ===========================================
 ``peak`` = baseline (measured by the caller just before the model is built: the Python,
 torch and gloo footprint, i.e. peak RSS on CPU) + model state + comm buffers + ZeRO-3
-transient + activations of the micro-batches in flight + the logits workspace (the
-logits tensor and its gradient, 2·N_r·V_r·4, alive around the loss) — a sum of maxima,
+transient + activations of the micro-batches in flight (with what is held once) + the logits
+workspace (the e-byte logits and their fp32 upcast / gradient, N_r·V_r·(e + 4), alive around
+the loss) — a sum of maxima,
 so an upper estimate; ``margin`` is stated separately (default 10 % of the modelled part)
 for allocator slack.
 """
@@ -142,8 +180,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from ..job_layout import StageSplit, TensorMode
-from .zero import padded_numel, shard_numel
-from .pipeline import peak_in_flight
+from .zero import chunk_range, unit_padded_numel, unit_shard_numel
+from .pipeline import DTYPE_BYTES, peak_in_flight
 from .vocab import padded_vocab_size
 
 FP32 = 4
@@ -236,54 +274,69 @@ class ModelState:
         return self.held + self.transient
 
 
+def zero_units(blocks: Sequence) -> dict:
+    """ZeRO's units of ``blocks`` (ParamBlocks or pairs, :func:`_as_blocks`): decoder layer (or
+    ``"root"``) → its blocks in the order given (:mod:`gridshard.zero.data_parallel`)."""
+    units: dict = {}
+    for b in _as_blocks(blocks):
+        units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
+    return units
+
+
+def _stepped_in_chunk(bs: list, data: int, data_rank: int) -> int:
+    """Parameters of a unit (blocks in unit order) with an element in data rank ``data_rank``'s chunk."""
+    lo, hi = chunk_range(unit_padded_numel([b.numel for b in bs], data), data, data_rank)
+    count, off = 0, 0
+    for b in bs:
+        count += b.numel > 0 and off < hi and off + b.numel > lo
+        off += b.numel
+    return count
+
+
 def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank: int = 0,
                       step_counters: bool = True) -> ModelState:
     """Model-state bytes of one rank for its parameter blocks (module docstring §1, fp32).
 
-    ``blocks``: :class:`ParamBlock` s or (local shape, decoder layer or None) pairs;
-    ``zero`` ∈ {0, 1, 2, 3}; ``data`` = D; ``data_rank`` which row shard this rank owns;
-    ``step_counters`` counts AdamW's 4-byte ``step`` tensor per stepped parameter.
+    ``blocks``: :class:`ParamBlock` s or (local shape, decoder layer or None) pairs, each unit's
+    in its parameter order; ``zero`` ∈ {0, 1, 2, 3}; ``data`` = D; ``data_rank`` which chunk this
+    rank owns; ``step_counters`` counts AdamW's 4-byte ``step`` tensor per stepped parameter.
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     blocks = _as_blocks(blocks)
-    D = data
-    n = [b.numel for b in blocks]
-    s = [shard_numel(b.shape, D, data_rank) for b in blocks]
-    p = [padded_numel(b.shape, D) for b in blocks]
-    counters = lambda sizes: STEP_COUNTER_BYTES * sum(1 for x in sizes if x > 0) if step_counters else 0  # noqa: E731
-    full_grads = FP32 * sum(b.numel + b.grad_extra for b in blocks)
+    n = sum(b.numel for b in blocks)
     if zero == 0:
-        return ModelState(FP32 * sum(n), full_grads, ADAM_STATES * FP32 * sum(n) + counters(n))
-    opt = ADAM_STATES * FP32 * sum(s) + counters(s)
+        counters = STEP_COUNTER_BYTES * sum(1 for b in blocks if b.numel) if step_counters else 0
+        return ModelState(FP32 * n, FP32 * sum(b.numel + b.grad_extra for b in blocks),
+                          ADAM_STATES * FP32 * n + counters)
+    D, units = data, zero_units(blocks)
+    L = {u: unit_padded_numel([b.numel for b in bs], D) for u, bs in units.items()}
+    C = sum(L.values()) // D
+    s = sum(unit_shard_numel([b.numel for b in bs], D, data_rank) for bs in units.values())
+    counters = STEP_COUNTER_BYTES * sum(_stepped_in_chunk(bs, D, data_rank) for bs in units.values())
+    opt = ADAM_STATES * FP32 * s + (counters if step_counters else 0)
     if zero == 1:
-        return ModelState(FP32 * sum(n), full_grads, opt, comm_buffers=FP32 * sum(p))
+        return ModelState(FP32 * sum(L.values()), FP32 * sum(L.values()), opt, comm_buffers=FP32 * C)
     if zero == 2:
-        return ModelState(FP32 * sum(n), FP32 * sum(p), opt)
-    root = [b for b in blocks if not b.in_decoder_layer]
-    by_layer: dict = {}
-    for b in blocks:
-        if b.in_decoder_layer:
-            by_layer.setdefault(b.layer, []).append(b)
-    layer_peak = max((FP32 * sum(b.numel for b in bs) + FP32 * D * sum(padded_numel(b.shape, D) for b in bs)
-                      for bs in by_layer.values()), default=0)
-    transient = FP32 * sum(b.numel for b in root) + layer_peak
-    return ModelState(FP32 * sum(p), FP32 * sum(p), opt, transient=transient)
+        return ModelState(FP32 * sum(L.values()), FP32 * C, opt)
+    layers = [v for u, v in L.items() if u != "root"]
+    pairs = [a + b for a, b in zip(layers, layers[1:])] or layers
+    transient = FP32 * L.get("root", 0) + FP32 * max(pairs, default=0)
+    return ModelState(FP32 * C, FP32 * C, opt, transient=transient)
 
 
-def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batches: int = 1) -> int:
-    """Full gradients and packed reduce-scatter buffers alive during a ZeRO-2/3 backward
-    (module docstring §1); 0 for ZeRO-0/1, whose full gradients are already in the held state."""
+def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batches: int = 1,
+                            sharded_accumulation: bool = True) -> int:
+    """Gradient buffers alive during a ZeRO-2/3 backward (module docstring §1); 0 for ZeRO-0/1,
+    whose full gradients are already in the held state. ``sharded_accumulation``: every
+    micro-batch is reduce-scattered (P = 1 with overlap)."""
     if zero < 2:
         return 0
-    blocks = _as_blocks(blocks)
-    units: dict = {}
-    for b in blocks:
-        units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
-    n_max = max((sum(b.numel for b in bs) for bs in units.values()), default=0)
-    buffers = sorted((data * sum(padded_numel(b.shape, data) for b in bs) for bs in units.values()), reverse=True)
-    full = sum(b.numel for b in blocks) if micro_batches > 1 else n_max
-    return FP32 * full + FP32 * sum(buffers[:3])
+    L = {u: unit_padded_numel([b.numel for b in bs], data) for u, bs in zero_units(blocks).items()}
+    if micro_batches > 1 and not sharded_accumulation:
+        return FP32 * sum(L.values())
+    layers = sorted((v for u, v in L.items() if u != "root"), reverse=True)
+    return FP32 * (L.get("root", 0) + sum(layers[:3]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,7 +344,9 @@ def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batche
 # ---------------------------------------------------------------------------------------
 @dataclass
 class ActivationBytes:
-    """Bytes kept for backward by one micro-batch on one rank (module docstring §2)."""
+    """Bytes kept for backward by one micro-batch's forward on one rank (module docstring §2).
+    ``rope_tables`` and ``weight_copies`` are held once per rank whatever the micro-batches in
+    flight (the model's RoPE cache; autocast's weight copies, cached for the autocast region)."""
 
     per_layer: int
     layers: int
@@ -299,14 +354,26 @@ class ActivationBytes:
     embedding: int
     final_norm: int
     head_and_loss: int
+    weight_copies: int = 0
 
     @property
     def decoder(self) -> int:
         return self.per_layer * self.layers
 
     @property
+    def per_microbatch(self) -> int:
+        """What each micro-batch in flight adds: decoder layers, embedding, final norm, head + loss."""
+        return self.decoder + self.embedding + self.final_norm + self.head_and_loss
+
+    @property
+    def held_once(self) -> int:
+        """What the rank holds once, however many micro-batches are in flight."""
+        return self.rope_tables + self.weight_copies
+
+    @property
     def total(self) -> int:
-        return self.decoder + self.rope_tables + self.embedding + self.final_norm + self.head_and_loss
+        """One micro-batch's forward: what the saved-tensor meter counts."""
+        return self.per_microbatch + self.held_once
 
 
 @dataclass(frozen=True)
@@ -333,20 +400,30 @@ def _rank_shape(cfg, mode, T: int, sequence_parallel: bool, tokens: int) -> _Ran
     return _RankShape(tokens // q, tokens * h // T, H // q, K // q, f // q, padded_vocab_size(V, q) // q)
 
 
+def activation_element_bytes(precision: str) -> int:
+    """e: bytes of an activation element under ``train.precision`` (4 fp32, 2 bf16/fp16)."""
+    if precision not in DTYPE_BYTES:
+        raise ValueError(f"precision is {precision!r}, not one of {sorted(DTYPE_BYTES)}. Fix: use one of them.")
+    return DTYPE_BYTES[precision]
+
+
 def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, e: int = FP32) -> int:
-    """One RMSNorm and the input its consumer keeps (module docstring §2, ``norm``)."""
+    """One RMSNorm and the input its consumer keeps (module docstring §2, ``norm``): x, the fp32
+    rstd and y, plus x̂ for fp32 (``F.rms_norm`` decomposed) outside 2D."""
     r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
     h = cfg.hidden
     if TensorMode.parse(mode).is_grid:
         q = _grid_side(T)
         return 2 * r.residual * e + r.token_rows * FP32 + (h // q) * FP32
+    x_hat = r.residual * e if e == FP32 else 0       # bf16/fp16: rebuilt in backward (nn.norm.rms_norm)
     consumer_input = r.residual * e            # y itself (under SP its sequence block, re-gathered in backward)
-    return 2 * r.residual * e + (r.residual // h) * FP32 + consumer_input
+    return r.residual * e + x_hat + (r.residual // h) * FP32 + consumer_input
 
 
 def layer_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, recompute: str = "none",
                       e: int = FP32) -> int:
-    """Bytes one decoder layer keeps for backward (module docstring §2)."""
+    """Bytes one decoder layer keeps for backward, activations only (module docstring §2; the
+    weight copies of autocast are :func:`weight_copy_bytes`)."""
     r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
     if recompute == "full":
         return r.residual * e
@@ -355,11 +432,30 @@ def layer_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: i
     attention = r.token_rows * d * (2 * r.heads + 2 * r.kv_heads) * e
     logsumexp = r.token_rows * r.heads * FP32
     mlp = 4 * r.token_rows * r.ffn * e
-    if recompute == "selective":
-        logsumexp = 0
+    if recompute == "selective":               # the core's log-sum-exp and silu(g) are recomputed
+        logsumexp, mlp = 0, 3 * r.token_rows * r.ffn * e
     elif recompute != "none":
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     return norms + attention + logsumexp + mlp
+
+
+def weight_copy_bytes(cfg, mode: str, T: int, layers: int, has_head: bool, recompute: str = "none",
+                      e: int = FP32, param_bytes: int = FP32) -> int:
+    """Autocast's e-byte copies of the weights that autograd keeps (module docstring §2, "weight
+    copies"): 0 when parameters are already e-byte; else the weights multiplied through
+    ``F.linear``/SUMMA (none and 2D: all; 1D: the row layers o_proj and down_proj), per decoder
+    layer unless ``full`` recompute, and the head's on the last stage (none, 2D)."""
+    if e >= param_bytes:
+        return 0
+    mode = TensorMode.parse(mode)
+    r = _rank_shape(cfg, mode, T, False, 0)
+    h, d = cfg.hidden, cfg.head_dim
+    if mode.splits_weights and mode.is_1d:
+        per_layer, head = h * (r.heads * d + r.ffn), 0
+    else:
+        h_in = h // _grid_side(T) if mode.is_grid else h
+        per_layer, head = h_in * (d * (2 * r.heads + 2 * r.kv_heads) + 3 * r.ffn), h_in * r.vocab_block
+    return e * ((0 if recompute == "full" else per_layer * layers) + (head if has_head else 0))
 
 
 def embedding_saved_bytes(mode: str, T: int, tokens: int) -> int:
@@ -369,7 +465,8 @@ def embedding_saved_bytes(mode: str, T: int, tokens: int) -> int:
 
 
 def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int) -> int:
-    """The fp32 (log-)softmax over this rank's logits block and the loss's targets/masks."""
+    """The fp32 (log-)softmax over this rank's logits block and the loss's targets/masks (any precision:
+    the loss upcasts the logits)."""
     r = _rank_shape(cfg, mode, T, False, tokens)
     n = r.token_rows
     mode = TensorMode.parse(mode)
@@ -382,29 +479,36 @@ def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int) -> int:
 
 def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", layers: Optional[int] = None,
-                     has_embedding: bool = True, has_head: bool = True) -> ActivationBytes:
-    """Activation bytes one micro-batch keeps on one rank (fp32; module docstring §2).
+                     has_embedding: bool = True, has_head: bool = True, precision: str = "fp32",
+                     param_bytes: int = FP32) -> ActivationBytes:
+    """Activation bytes one micro-batch keeps on one rank (module docstring §2).
 
     ``micro_batch``: sequences of the tensor group's micro-batch (2D splits them over grid
     rows here); ``layers``: decoder layers on this rank (default all); ``has_embedding`` /
-    ``has_head``: first / last pipeline stage."""
+    ``has_head``: first / last pipeline stage; ``precision``: ``train.precision`` (activations
+    in its compute dtype, e = 4 or 2); ``param_bytes``: bytes of a stored parameter element
+    (4: fp32 parameters, which autocast copies to e bytes)."""
     N = micro_batch * seq_len
+    e = activation_element_bytes(precision)
     sp = TensorMode.parse(mode).sequence_parallel_in_effect(sequence_parallel, T)
     L = cfg.layers if layers is None else layers
     return ActivationBytes(
-        per_layer=layer_saved_bytes(cfg, mode, T, sp, N, recompute),
+        per_layer=layer_saved_bytes(cfg, mode, T, sp, N, recompute, e),
         layers=L,
-        rope_tables=2 * seq_len * cfg.head_dim * FP32 if L else 0,
+        rope_tables=2 * seq_len * cfg.head_dim * e if L else 0,
         embedding=embedding_saved_bytes(mode, T, N) if has_embedding else 0,
-        final_norm=norm_saved_bytes(cfg, mode, T, sp, N) if has_head else 0,
+        final_norm=norm_saved_bytes(cfg, mode, T, sp, N, e) if has_head else 0,
         head_and_loss=head_and_loss_saved_bytes(cfg, mode, T, N) if has_head else 0,
+        weight_copies=weight_copy_bytes(cfg, mode, T, L, has_head, recompute, e, param_bytes),
     )
 
 
-def logits_workspace_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T: int = 1) -> int:
-    """The logits block and its gradient (fp32), alive around the loss but not saved: 2·N_r·V_r·4."""
+def logits_workspace_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T: int = 1,
+                           precision: str = "fp32") -> int:
+    """The logits block (e bytes) and its fp32 upcast / gradient, alive around the loss but not
+    saved: N_r·V_r·(e + 4) (2·N_r·V_r·4 in fp32)."""
     r = _rank_shape(cfg, mode, T, False, micro_batch * seq_len)
-    return 2 * r.token_rows * r.vocab_block * FP32
+    return r.token_rows * r.vocab_block * (activation_element_bytes(precision) + FP32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -447,11 +551,13 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                         seq_len: int = 128, n_microbatches: int = 1, pipeline: int = 1, pipeline_rank: int = 0,
                         schedule: str = "1f1b", layer_ids: Optional[Iterable[int]] = None,
                         baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
-                        blocks: Optional[Sequence] = None) -> RankMemory:
+                        blocks: Optional[Sequence] = None, precision: str = "fp32") -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
-    (:func:`activation_bytes` × :func:`gridshard.theory.pipeline.peak_in_flight`; one without
-    pipeline: accumulation runs micro-batches one after another) + the logits workspace +
+    (:attr:`ActivationBytes.per_microbatch` × :func:`gridshard.theory.pipeline.peak_in_flight`; one
+    without pipeline: accumulation runs micro-batches one after another; the RoPE tables and
+    autocast's weight copies once, :attr:`ActivationBytes.held_once`) in the compute dtype of
+    ``precision`` (``train.precision``) + the logits workspace +
     ``extra_bytes`` (other resident bytes the caller knows of and the baseline missed, e.g.
     token arrays loaded after it was measured). No data-parallel gradient copy: ZeRO-0 all-reduces its persistent
     gradient buffer in place (:mod:`gridshard.zero.grad_buffer`).
@@ -472,18 +578,22 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
         blocks = rank_parameter_blocks(cfg, mode, T, layer_ids, has_embedding=first, has_head=last)
     state = model_state_bytes(blocks, zero, data, data_rank)
     acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
-                            has_embedding=first, has_head=last)
+                            has_embedding=first, has_head=last, precision=precision)
     in_flight = peak_in_flight(pipeline_rank, P, n_microbatches, schedule) if P > 1 else 1
-    workspace = logits_workspace_bytes(cfg, micro_batch, seq_len, mode, T) if last else 0
+    workspace = logits_workspace_bytes(cfg, micro_batch, seq_len, mode, T, precision) if last else 0
     return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
-                      optimizer=state.optimizer, activations=acts.total * in_flight + workspace,
+                      optimizer=state.optimizer,
+                      activations=acts.per_microbatch * in_flight + acts.held_once + workspace,
                       comm_buffers=state.comm_buffers,
-                      transient=state.transient + zero_gradient_transient(blocks, zero, data, n_microbatches),
+                      transient=state.transient + zero_gradient_transient(blocks, zero, data, n_microbatches,
+                                                                          sharded_accumulation=P == 1),
                       margin_fraction=margin_fraction,
-                      details={"activation_per_microbatch": acts.total, "in_flight": in_flight,
+                      details={"activation_per_microbatch": acts.per_microbatch, "in_flight": in_flight,
                                "logits_workspace": workspace, "per_layer": acts.per_layer})
 
 
 __all__ = ["ParamBlock", "kv_replica_grad_extra", "ModelState", "model_state_bytes", "zero_gradient_transient",
-           "ActivationBytes", "activation_bytes", "layer_saved_bytes", "norm_saved_bytes", "embedding_saved_bytes",
+           "zero_units",
+           "ActivationBytes", "activation_bytes", "activation_element_bytes", "layer_saved_bytes", "norm_saved_bytes",
+           "weight_copy_bytes", "embedding_saved_bytes",
            "head_and_loss_saved_bytes", "logits_workspace_bytes", "RankMemory", "predict_rank_memory"]

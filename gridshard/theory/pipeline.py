@@ -11,10 +11,10 @@ elements of e bytes (:data:`DTYPE_BYTES`: 4 in fp32, 2 in bf16/fp16)::
 
 per rank, per micro-batch, per boundary and direction (:func:`boundary_bytes`; its ``dtype``
 is the element type sent). What is sent is the residual stream: gridshard's fp32 runs send
-fp32 (asserted by the ledger tests); under bf16/fp16 autocast the residual additions keep
-the fp32 type of the embedding output, so the runtime still sends 4-byte elements there,
-while Megatron-style mixed precision (bf16 parameters and activations) sends the compute
-dtype, which is what the planner prices for a bf16 run (docs/planner.md). 1D without
+fp32 (asserted by the ledger tests); under bf16/fp16 autocast gridshard's model keeps the
+residual stream in the compute dtype (:mod:`gridshard.models.llama`, "Precision") and sends
+2-byte elements, as Megatron-style mixed precision does and as the planner prices a bf16 run
+(docs/planner.md); a Hugging Face model keeps an fp32 residual stream and sends 4 bytes. 1D without
 sequence parallelism sends the whole block from every tensor rank (Megatron's scatter/gather
 of it over the tensor group is not implemented). A rank at
 stage i of S (one stage per rank) sends forward when i < S−1 and backward when i > 0, so per

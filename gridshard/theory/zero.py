@@ -1,36 +1,45 @@
-"""ZeRO over the data dimension: which rows each data rank owns, and bytes moved per step.
+"""ZeRO over the data dimension: which elements each data rank owns, and bytes moved per step.
 
-Row shards
-----------
-A parameter's local block (the tensor-parallel shard a rank stores, shape ``[n0, *rest]``)
-is split over the D data ranks along its first stored dim, as ``torch.chunk`` would:
-every rank is given ``c = ceil(n0 / D)`` rows, the last ones fewer (or none), so data
-rank r owns rows ``[min(r·c, n0), min((r+1)·c, n0))``. Its shard is therefore a
-*rectangular box* of the local block (rows × all of ``rest``), and so of the canonical
-tensor: a checkpoint can write it as one chunk, and another layout reads it by overlap.
+Element ranges (one flat layout per unit)
+-----------------------------------------
+Parameters are grouped into *units* (one per decoder layer, one *root* unit with the
+embedding, final norm and head: :mod:`gridshard.zero.data_parallel`). A unit's parameters
+are laid end to end in one flat buffer, parameter p (its local tensor-parallel block,
+``numel`` n_p) at ``[off_p, off_p + n_p)``, off_p = Σ_{q<p} n_q, padded with zeros to a
+multiple of D::
 
-Communication buffers use the padded size ``c·R`` per rank and parameter (``R = Π rest``)
-so that every rank's segment has the same length (reduce-scatter and all-gather need
-equal segments); padding elements are zero and never reach the optimizer.
+    n_u = Σ_p n_p,      L_u = D · ceil(n_u / D),      C_u = L_u / D
+
+Data rank r owns the *element* range ``[r·C_u, (r+1)·C_u)`` of that buffer (Megatron-core's
+distributed optimizer, FSDP1's flat parameter): a contiguous chunk, so the reduce-scatter of
+the gradient buffer and the all-gather of the parameter buffer need no packing. Within
+parameter p rank r owns the local elements ``[a, b)`` = ``[off_p, off_p + n_p) ∩ [r·C_u,
+(r+1)·C_u)`` shifted by −off_p (:func:`owned_elements`; empty for most parameters of a large
+unit). Rank r's elements of unit u that are not padding:
+
+    s_u(r) = max(0, min(n_u, (r+1)·C_u) − r·C_u)
+
+independent of the parameters' order. An element range of a ``[n0, *rest]`` block is a few
+boxes of it — a partial first row, whole rows, a partial last row, recursively for more dims
+(:func:`flat_range_boxes`) — and each box is a box of the canonical tensor
+(:meth:`gridshard.nn.sharding.ShardSpec.canonical_box`): what checkpoints write, so they
+reshard by overlap as before.
 
 Communication
 -------------
-Notation (per rank, fp32, :mod:`gridshard.zero.data_parallel`): the rank's trainable
-parameters are grouped into units u (one per decoder layer, one *root* unit with the
-embedding, final norm and head); a parameter with a local block of n0 rows of R elements
-contributes c·R elements to each of the D equal segments of its unit's flat buffer,
-c = ceil(n0/D), so the buffer has
-
-    S_u = D · Σ_{p∈u} c_p · R_p  elements  (= the unit's local elements, plus row padding).
-
-**Per optimizer step, A micro-batches, L_r decoder-layer units on this rank** (payload bytes
-as the ledger records them: the unscattered input of a reduce-scatter, the gathered output
-of an all-gather; b = bytes per element):
+**Per optimizer step, A micro-batches** (payload bytes as the ledger records them: the
+unscattered input of a reduce-scatter, the gathered output of an all-gather; b = bytes per
+element), S_u = L_u:
 
 * ZeRO-1 and ZeRO-2: every unit once — reduce-scatter of S_u·b (gradients, after the last
-  micro-batch) and all-gather of S_u·b (the updated rows). On a ring each moves
+  micro-batch) and all-gather of S_u·b (the updated chunk). On a ring each moves
   (D−1)/D·S_u·b, together 2(D−1)/D·S_u·b: the all-reduce of ZeRO-0 (whose payload is the
-  unpadded Σ n elements), up to padding.
+  unpadded Σ n elements), up to < D padding elements per unit.
+* ZeRO-2/3 with *sharded accumulation* (``overlap``, P = 1): the reduce-scatter of every unit
+  runs after *each* micro-batch's backward, into the sharded accumulator (so no full gradient
+  survives between micro-batches): A reduce-scatters per unit instead of one. Without it (a
+  pipeline, or ``train.overlap_grad_reduce=false``) the full gradients accumulate locally and
+  are reduced once.
 * ZeRO-3: per micro-batch, an all-gather of every decoder layer in forward and again in
   backward; the root unit once per step (it stays gathered from its first use to the
   step's reduction: the head is the first thing every backward needs and the embedding the
@@ -54,18 +63,20 @@ from . import CommVolume
 
 
 def zero_step_comm(layer_units: list, root_unit: int, data: int, stage: int, micro_batches: int = 1,
-                   bytes_per_elem: int = 4) -> CommVolume:
+                   bytes_per_elem: int = 4, sharded_accumulation: bool = False) -> CommVolume:
     """One step's ZeRO collectives over the data axis (module docstring). ``layer_units``: S_u
-    of each decoder-layer unit on this rank; ``root_unit``: S_root (0 if none)."""
+    of each decoder-layer unit on this rank; ``root_unit``: S_root (0 if none);
+    ``sharded_accumulation``: ZeRO-2/3 reduce-scatter every micro-batch."""
     vol = CommVolume(data)
     units = list(layer_units) + ([root_unit] if root_unit else [])
+    reductions = micro_batches if sharded_accumulation and stage >= 2 else 1
     if stage in (1, 2):
         for s in units:
-            vol.add("reduce_scatter", s * bytes_per_elem)
+            vol.add("reduce_scatter", s * bytes_per_elem, calls=reductions)
             vol.add("all_gather", s * bytes_per_elem)
     elif stage == 3:
         for s in units:
-            vol.add("reduce_scatter", s * bytes_per_elem)
+            vol.add("reduce_scatter", s * bytes_per_elem, calls=reductions)
         for s in layer_units:
             vol.add("all_gather", s * bytes_per_elem, calls=2 * micro_batches)
         if root_unit:
@@ -75,28 +86,63 @@ def zero_step_comm(layer_units: list, root_unit: int, data: int, stage: int, mic
     return vol
 
 
-def rows_per_rank(n0: int, data: int) -> int:
-    """c = ceil(n0 / D): rows of a rank's padded segment."""
-    return -(-n0 // data) if n0 else 0
+def unit_padded_numel(numels, data: int) -> int:
+    """L_u = D · ceil(Σ n_p / D): a unit's flat buffer, padded so that D ranks get equal chunks."""
+    n = sum(numels)
+    return -(-n // data) * data
 
 
-def owned_rows(n0: int, data: int, rank: int) -> tuple:
-    """(start, stop) of the rows data rank ``rank`` of ``data`` owns (module docstring)."""
-    c = rows_per_rank(n0, data)
-    start = min(rank * c, n0)
-    return start, min(start + c, n0)
+def chunk_range(padded: int, data: int, rank: int) -> tuple:
+    """``[r·C, (r+1)·C)``, C = L/D: the elements of a unit's buffer of ``padded`` = L elements
+    that data rank ``rank`` owns."""
+    c = padded // data
+    return rank * c, (rank + 1) * c
 
 
-def shard_numel(shape, data: int, rank: int) -> int:
-    """Elements of the shard of a block of ``shape`` owned by data rank ``rank``."""
-    if len(shape) == 0:
-        return 1 if rank == 0 else 0
-    start, stop = owned_rows(shape[0], data, rank)
-    return (stop - start) * math.prod(shape[1:])
+def owned_elements(offset: int, numel: int, chunk: tuple) -> tuple:
+    """(a, b): the local elements ``[a, b)`` of a parameter at ``[offset, offset + numel)`` of its
+    unit's buffer that fall in ``chunk`` = (lo, hi); a == b when none do."""
+    lo, hi = chunk
+    a = min(max(lo - offset, 0), numel)
+    b = max(min(hi - offset, numel), a)
+    return a, b
 
 
-def padded_numel(shape, data: int) -> int:
-    """Elements of one rank's padded segment for a block of ``shape``: c·R."""
-    if len(shape) == 0:
-        return 1
-    return rows_per_rank(shape[0], data) * math.prod(shape[1:])
+def unit_shard_numel(numels, data: int, rank: int) -> int:
+    """s_u(r): elements of data rank ``rank``'s chunk of a unit that are not padding."""
+    n = sum(numels)
+    lo, hi = chunk_range(unit_padded_numel(numels, data), data, rank)
+    return max(0, min(n, hi) - lo)
+
+
+def flat_range_boxes(shape, start: int, stop: int) -> list:
+    """The elements ``[start, stop)`` of a row-major block of ``shape`` as boxes: a list of
+    ``(box, (a, b))`` in order, ``box`` = ((lo, hi) per dim) and ``[a, b)`` the flat elements it
+    is (contiguous, so the box is ``flat[a:b].view(hi − lo per dim)``). Along dim 0: a partial
+    first row (the same decomposition of the row, recursively), the whole rows, a partial last
+    row — at most 2·ndim − 1 boxes, exactly the range, each element once."""
+    shape = tuple(shape)
+    if stop <= start:
+        return []
+    if not shape:
+        return [((), (start, stop))]
+    inner = math.prod(shape[1:])
+    rest = tuple((0, n) for n in shape[1:])
+    first, col0 = divmod(start, inner)
+    last, col1 = divmod(stop, inner)
+    out = []
+    if col0:                                                    # partial first row
+        end = min(stop, (first + 1) * inner)
+        base = first * inner
+        out += [(((first, first + 1),) + box, (a + base, b + base))
+                for box, (a, b) in flat_range_boxes(shape[1:], col0, end - base)]
+        first, start = first + 1, end
+        if start >= stop:
+            return out
+    if last > first:                                            # whole rows
+        out.append((((first, last),) + rest, (first * inner, last * inner)))
+    if col1:                                                    # partial last row
+        base = last * inner
+        out += [(((last, last + 1),) + box, (a + base, b + base))
+                for box, (a, b) in flat_range_boxes(shape[1:], 0, col1)]
+    return out

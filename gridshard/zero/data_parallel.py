@@ -2,83 +2,97 @@
 all-reduce of :class:`gridshard.zero.grad_buffer.DataParallelGradSync` when ``train.zero ≥ 1``
 (both are :class:`gridshard.zero.reducer.GradReducer`).
 
-Shards. Every trainable parameter's local block ``[n0, *rest]`` (the tensor-parallel shard
-this rank stores) is split by rows over the D data ranks (:mod:`gridshard.theory.zero`):
-data rank r owns rows ``[start_r, stop_r)``, a box of the canonical tensor. The optimizer
-(AdamW, element-wise) steps only those rows, so its two moments are ``s = (stop−start)·R``
-elements per parameter instead of ``n0·R``.
+Units and their flat buffers. Parameters are grouped into *units*: one per decoder layer
+(``layers.N`` / ``model.layers.N``) and one *root* unit with everything else (embedding,
+final norm, head; a tied weight once). Each unit lays its parameters end to end in
+persistent flat buffers of L_u = D·ceil(n_u/D) elements (:class:`~.flat_layout.FlatLayout`,
+:mod:`gridshard.theory.zero`), set up once at construction:
 
-Units. Parameters are grouped into *units*: one per decoder layer (``layers.N`` /
-``model.layers.N``) and one *root* unit with everything else (embedding, final norm, head;
-a tied weight once). A unit's parameters travel together: one reduce-scatter and (ZeRO-3)
-one all-gather per unit, over a flat buffer of D equal segments; rank r's segment holds,
-parameter after parameter, its rows padded to ``c = ceil(n0/D)`` rows (zeros).
+* the *parameter buffer*: every parameter is a view of its slice (``p.data = buf[off:off+n]
+  .view(shape)``, FSDP1's flat parameter);
+* the *gradient buffer*: every ``.grad`` is a view of its slice (as ZeRO-0's buckets), so
+  autograd accumulates micro-batches straight into it;
+* the *reduced chunk* [C_u = L_u/D]: this rank's chunk of the gradient buffer after the
+  reduce-scatter, ÷ D;
+* ZeRO-3: the *parameter chunk* [C_u]: this rank's chunk of the parameters, which lives on
+  while the parameter buffer's storage is freed.
 
-Stages (what each data rank keeps between steps, fp32; Ψ = local elements, Ψ/D ≈ shard):
+Data rank r owns elements ``[r·C_u, (r+1)·C_u)`` of each unit. What the optimizer steps, per
+parameter, is the part of that chunk inside the parameter — a 1-dim view of the parameter
+chunk (ZeRO-1/2: of the parameter buffer itself), whose ``.grad`` is the same slice of the
+reduced chunk; parameters with no element in the chunk are not stepped here. AdamW is
+element-wise, so stepping element ranges is exactly a step of the whole model.
 
-====  ===================  ==========================  =================================
-ZeRO  parameters           gradients                   AdamW moments
-====  ===================  ==========================  =================================
-0     full block           full block (all-reduced)    full block
-1     full block           full block + shard          shard   (rows)
-2     full block           shard only                  shard
-3     shard only           shard only                  shard
-====  ===================  ==========================  =================================
+Stages (what each data rank keeps between steps, fp32; :func:`gridshard.theory.memory.
+model_state_bytes`):
 
-One step, ``A`` micro-batches (``g`` = local gradient, summed over micro-batches locally
-with no communication; only the last micro-batch's backward reduces):
+====  ========================  ================================  ======================
+ZeRO  parameters                gradients                         AdamW moments
+====  ========================  ================================  ======================
+1     buffer (full)             buffer (full) + reduced chunk     chunk
+2     buffer (full)             reduced chunk (buffer freed)      chunk
+3     chunk (buffer freed)      reduced chunk (buffer freed)      chunk
+====  ========================  ================================  ======================
 
-1. backward of every micro-batch accumulates ``p.grad`` (full block) as usual;
-2. in the last backward, the moment a unit's gradients are complete (a post-accumulate-grad
-   hook counts them) its gradients are packed into the flat buffer and one asynchronous
-   ``reduce_scatter`` over data is issued (``overlap``; else after the backward). ZeRO-2/3
-   drop the full ``p.grad`` right after packing; ZeRO-1 keeps it. At most ``MAX_IN_FLIGHT``
-   reduce-scatters are outstanding: launching another first waits for the oldest, so the
-   packed input buffers (D·segment each) do not pile up over the whole backward. With
-   A > 1 the full gradients live from the first micro-batch's backward to the last one's
-   (accumulation without communication, 4 bytes per local element, as at ZeRO-0);
-3. :meth:`sync` waits, divides the segment by D (the data mean) and hands each shard a
-   gradient view into the segment;
-4. clipping and AdamW act on the shards (the norm counts each shard once: sum of squares
-   over tensor *and* data ranks);
-5. :meth:`after_step` (ZeRO-1/2): one ``all_gather`` per unit of the updated rows refreshes
-   every rank's full parameters. ZeRO-3 gathers lazily instead (below).
+One step, ``A`` micro-batches:
 
-Why packed and not views of a persistent buffer (as ZeRO-0's :mod:`.grad_buffer`): the
-reduce-scatter's input is rank-major (rank j's rows of every parameter of the unit, then rank
-j+1's), so a parameter's rows are spread over D segments and its ``[n0, *rest]`` gradient is no
-strided view of it once a unit holds two parameters; sharding by element ranges instead (as
-Megatron-core's distributed optimizer) would cut rows, and a shard would no longer be a box of
-the canonical tensor. A persistent full-size buffer would also keep every unit's full gradient
-alive, which is what ZeRO-2/3 exist to avoid. So ZeRO ≥ 1 packs each unit once per step into a
-transient buffer (at most ``MAX_IN_FLIGHT`` outstanding), uninitialised where every element is
-written.
+1. backward of every micro-batch accumulates into the gradient buffers (ZeRO-2/3 allocate a
+   unit's buffer — ``untyped_storage().resize_`` and zero — when its backward starts: a hook
+   on each parameter's gradient runs before autograd accumulates it);
+2. the moment a unit's gradients are complete (a post-accumulate-grad hook counts them), one
+   asynchronous ``reduce_scatter`` of its gradient buffer into its reduced chunk is issued —
+   no packing, the chunks are contiguous — in the last micro-batch's backward (ZeRO-1), in
+   *every* micro-batch's (ZeRO-2/3: *sharded accumulation*, a later micro-batch's result is
+   added into the chunk, so no full gradient survives between micro-batches); without
+   ``overlap`` (a pipeline, or ``train.overlap_grad_reduce=false``) once, after the last
+   backward. At most ``MAX_IN_FLIGHT`` are outstanding: launching another first waits for
+   the oldest. ZeRO-2/3 free a gradient buffer's storage once its reduce-scatter is done (a
+   new gradient for the unit first finishes a reduce-scatter still in flight);
+3. :meth:`sync` waits for the rest, divides by D (the sum over data ranks and micro-batches →
+   the mean) and hands each stepped tensor its slice of the reduced chunk as ``.grad``;
+4. clipping and AdamW act on the stepped tensors (the norm counts each element once: sum of
+   squares over tensor *and* data ranks);
+5. :meth:`after_step` (ZeRO-1/2): one in-place ``all_gather`` per unit of the parameter
+   buffer from this rank's chunk of it (all issued, then all waited for) — the parameters
+   are views, nothing to unpack.
 
-ZeRO-3 parameters. Between uses a parameter's storage is freed (``resize_(0)``; the
-tensor object, its name and its autograd identity stay) and its rows live in the unit's
-flat shard buffer, which the optimizer updates in place. A forward pre-hook on the unit's
-module gathers the unit (all-gather of the flat shards, copied into the parameters'
-storage); after the forward the layer is freed again; an identity autograd function on the
-layer's outputs gathers it again when backward reaches the layer (the saved activations
-refer to the same storage, so they see the same values); when the layer's gradients are
-complete it is freed. The root unit stays gathered from its first use in forward to the
-step's reduction (:meth:`sync`): the head is the first thing every backward needs and the
-embedding the first thing every forward needs. With ``train.recompute=full`` the
-recomputation runs inside the layer's backward, after the regather.
+ZeRO-3 parameters. Between uses a unit's parameter buffer has storage size 0 (the parameter
+objects, their names and autograd identity stay; every view sees the storage when it is
+back). A forward pre-hook on the unit's module gathers it (storage resized, one all-gather of
+the parameter chunks into the buffer); after the forward the layer is freed again; an
+identity autograd function on the layer's outputs gathers it again when backward reaches the
+layer (the saved activations refer to the same storage, so they see the same values; the
+parameters' version counters are their own, not the buffer's, so the write does not trip
+autograd's saved-tensor check); when the layer's gradients are complete it is freed. The root
+unit stays gathered from its first use in forward to the step's reduction (:meth:`sync`): the
+head is the first thing every backward needs and the embedding the first thing every forward
+needs. With ``train.recompute=full`` the recomputation runs inside the layer's backward,
+after the regather.
 
-Communication per step and rank (payloads as the ledger records them, S_u = D · Σ_p c_p·R_p
-elements of unit u, 4 bytes each; :func:`gridshard.theory.zero.zero_step_comm`):
+ZeRO-3 prefetch (with ``overlap``: ``train.overlap_grad_reduce`` at P = 1, D > 1). When a
+unit's gather starts a use of it, the gather of the unit that runs next is issued
+asynchronously — in forward the next layer (the root's first use issues layer 0's), in
+backward the previous layer — and waited for by that unit's own hook; at most one unit ahead,
+so at most two decoder layers are gathered at once (+ the root). The collectives, their order
+and the values are those without prefetch (``tests/test_zero.py``); only the order against
+the computation changes.
 
-* ZeRO-1/2: one reduce-scatter of S_u and one all-gather of S_u per unit — on a ring
-  (D−1)/D·S_u each, together the wire bytes of the all-reduce they replace (up to padding);
-* ZeRO-3: one reduce-scatter per unit, two all-gathers per decoder layer and micro-batch
+Communication per step and rank (payloads as the ledger records them, S_u = L_u elements,
+4 bytes each; :func:`gridshard.theory.zero.zero_step_comm`):
+
+* ZeRO-1/2: one reduce-scatter of S_u (ZeRO-2 with sharded accumulation: one per micro-batch)
+  and one all-gather of S_u per unit — on a ring (D−1)/D·S_u each, together the wire bytes of
+  the all-reduce they replace (up to padding);
+* ZeRO-3: one reduce-scatter per unit (per micro-batch with sharded accumulation), two
+  all-gathers per decoder layer and micro-batch
   (forward and backward) and one per step for the root unit — with one micro-batch 1.5× the
   all-reduce's wire bytes.
 
-Why our own and not FSDP2 / ``ZeroRedundancyOptimizer``: (1) a shard here is a *box of the
-canonical tensor* (rows of the tensor-parallel block, including the 2D norm pieces and the
-kv blocks replicated over T/kv that DTensor placements cannot describe), which the
-checkpoint planner writes as one chunk — so checkpoints reshard between ZeRO stages, data
+Why our own and not FSDP2 / ``ZeroRedundancyOptimizer``: (1) a shard here is a few *boxes of
+the canonical tensor* (an element range of a tensor-parallel block is a partial row, whole
+rows and a partial row, :func:`gridshard.theory.zero.flat_range_boxes`, including the 2D norm
+pieces and the kv blocks replicated over T/kv that DTensor placements cannot describe), which
+the checkpoint planner writes as chunks — so checkpoints reshard between ZeRO stages, data
 sizes and tensor layouts by overlap alone, with no gather at save time;
 ``ZeroRedundancyOptimizer`` assigns whole parameters to ranks (its state is not a box of
 anything a different D can read) and FSDP2 drops the tensor-parallel layout attributes of
@@ -86,12 +100,11 @@ plain-tensor parameters; (2) every collective goes through :mod:`gridshard.comm.
 and is in the ledger, so the step's bytes are asserted against the formula; (3) the
 reduction is an explicit sum then ÷D, which sidesteps FSDP2's reported averaging trap on
 gloo (pytorch #162338); (4) the pipeline runner and the tied-embedding sync work on plain
-``p.grad`` until :meth:`sync`, unchanged. The row split is the same one FSDP2 uses (dim 0).
+``p.grad`` (views) until :meth:`sync`, unchanged.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -101,50 +114,40 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..parallel.decoder_layers import decoder_layers
-from ..theory.zero import owned_rows, rows_per_rank
+from .flat_layout import FlatLayout
 from .reducer import SteppedTensor
 
 MAX_IN_FLIGHT = 2          # reduce-scatters outstanding in backward; the oldest is waited for beyond it
 
 
 @dataclass
-class ShardedParam:
-    """One parameter under ZeRO: its local block and this data rank's rows of it. Where the rows
-    sit in the canonical tensor is the parameter's layout narrowed to ``(start, stop)``
-    (:meth:`gridshard.nn.sharding.ShardSpec.canonical_box`, read through
-    :attr:`gridshard.zero.reducer.SteppedTensor.rows`); ``offset`` and ``padded`` place them in
-    the unit's communication buffer, nothing else."""
+class Unit:
+    """Parameters gathered, reduced and freed together (a decoder layer, or the root), and their
+    flat buffers (module docstring)."""
 
     name: str
-    param: nn.Parameter
-    shape: tuple                 # the local (tensor-parallel) block, [n0, *rest]
-    start: int                   # owned rows [start, stop)
-    stop: int
-    offset: int                  # where its padded rows start inside a unit segment
-    padded: int                  # c · R: elements per rank segment
-    shard: Optional[torch.Tensor] = None     # what the optimizer steps: [stop − start, *rest]
+    names: list
+    params: list
+    modules: list = field(default_factory=list)
+    layout: Optional[FlatLayout] = None
+    param_buffer: Optional[torch.Tensor] = None     # [L]: the parameters are views of it
+    param_chunk: Optional[torch.Tensor] = None      # [C]: this rank's chunk (ZeRO-1/2: a view of param_buffer)
+    grad_buffer: Optional[torch.Tensor] = None      # [L]: the .grad are views of it
+    grad_views: list = field(default_factory=list)
+    reduced: Optional[torch.Tensor] = None          # [C]: the reduced gradient chunk, ÷ D
+    stepped: list = field(default_factory=list)     # SteppedTensor per parameter with elements in the chunk
+    ready: int = 0                                  # gradients accumulated in the current backward
+    pending: object = None                          # PendingCollective of the reduce-scatter in flight
+    scratch: Optional[torch.Tensor] = None          # [C]: a later micro-batch's reduce-scatter output
+    reductions: int = 0                             # reduce-scatters issued this step
+    unreduced: bool = False                         # the gradient buffer holds gradients not yet reduced
+    grads_live: bool = True                         # the gradient buffer has its storage
+    gathered: bool = True
+    prefetch: object = None                         # ZeRO-3: PendingCollective of a gather issued ahead
 
     @property
-    def row_elems(self) -> int:
-        return math.prod(self.shape[1:])
-
-    def rows_of(self, data: int, rank: int) -> tuple:
-        return owned_rows(self.shape[0], data, rank)
-
-
-@dataclass
-class Unit:
-    """Parameters gathered, reduced and freed together (a decoder layer, or the root)."""
-
-    name: str
-    params: list
-    segment: int = 0             # elements of one rank's segment (Σ padded)
-    ready: int = 0               # gradients accumulated in the current backward
-    pending: object = None       # PendingCollective of the reduce-scatter in flight
-    reduced: object = None       # this rank's summed segment after sync
-    flat_shard: Optional[torch.Tensor] = None   # ZeRO-3: this rank's rows of every parameter
-    gathered: bool = True
-    modules: list = field(default_factory=list)
+    def nbytes(self) -> int:
+        return self.layout.padded * self.params[0].element_size()
 
 
 class _RegatherInBackward(torch.autograd.Function):
@@ -158,7 +161,7 @@ class _RegatherInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.zero.gather(ctx.unit, in_backward=True)
+        ctx.zero.gather(ctx.unit, ahead=-1)
         return grad, None, None
 
 
@@ -172,72 +175,75 @@ class ZeroDataParallel:
             raise ValueError(f"ZeroDataParallel: stage {stage} is not 1, 2 or 3")
         self.model, self.axis, self.stage = model, data_axis, stage
         self.overlap = overlap and data_axis.size > 1
+        # ZeRO-2/3 with overlap: reduce-scatter every micro-batch into the sharded accumulator
+        self.sharded_accumulation = stage >= 2 and self.overlap
         self.units = self._build_units(model)
+        # ZeRO-3 prefetch order: the root (embedding first), then the layers as the forward runs them
+        self.gather_order = [u for u in self.units if u.name == "root"] + [u for u in self.units if u.name != "root"]
         self._armed = False
         self._in_flight: list = []                     # units whose reduce-scatter is outstanding, oldest first
         for u in self.units:
-            dtype, device = u.params[0].param.dtype, u.params[0].param.device
-            if stage == 3:
-                u.flat_shard = torch.zeros(u.segment, dtype=dtype, device=device)
-            for sp in u.params:
-                rows = sp.stop - sp.start
-                with torch.no_grad():
-                    if stage == 3:
-                        sp.shard = u.flat_shard[sp.offset:sp.offset + rows * sp.row_elems].view(rows, *sp.shape[1:])
-                        sp.shard.copy_(sp.param.detach()[sp.start:sp.stop])
-                    else:
-                        sp.shard = sp.param.detach()[sp.start:sp.stop]
-            for sp in u.params:
-                sp.param.register_post_accumulate_grad_hook(self._on_grad(u))
-            self._free(u)                              # ZeRO-3: the rows are in the flat shard now
+            self._lay_out(u)
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._on_grad(u))
+                if stage >= 2:
+                    p.register_hook(self._before_accumulate(u))
+            self._free(u)                              # ZeRO-3: the chunk holds the values now
         if stage == 3:
             self._install_gather_hooks()
         model.grad_reducer = self                      # gathered_state_dict finds the shards through it
 
     # ---- construction ------------------------------------------------------------------
     def _build_units(self, model) -> list:
-        layers = decoder_layers(model)
-        units, seen = [], set()
-        for lname, module in layers:
-            u = Unit(lname, [], modules=[module])
-            for pname, p in module.named_parameters(prefix=lname):
+        """Decoder-layer units in model order, then the root unit; each parameter once."""
+        seen, units = set(), []
+
+        def take(unit, named):
+            for pname, p in named:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
-                    u.params.append(pname)
-            units.append(u)
-        root = Unit("root", [])
-        for pname, p in model.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                root.params.append(pname)
-        if root.params:
-            units.append(root)
-        named = dict(model.named_parameters())
-        D, r = self.axis.size, self.axis.rank
-        out = []
+                    unit.names.append(pname)
+                    unit.params.append(p)
+            if unit.params:
+                units.append(unit)
+
+        for lname, module in decoder_layers(model):
+            take(Unit(lname, [], [], modules=[module]), module.named_parameters(prefix=lname))
+        take(Unit("root", [], []), model.named_parameters())
         for u in units:
-            sps, offset = [], 0
-            for pname in u.params:
-                p = named[pname]
-                if p.dim() == 0:
-                    raise ValueError(f"ZeRO: parameter {pname!r} is a scalar; ZeRO splits parameters by rows")
-                shape = tuple(p.shape)
-                start, stop = owned_rows(shape[0], D, r)
-                padded = rows_per_rank(shape[0], D) * math.prod(shape[1:])
-                sps.append(ShardedParam(pname, p, shape, start, stop, offset, padded))
-                offset += padded
-            dtypes = {sp.param.dtype for sp in sps}
-            if len(dtypes) > 1:
+            if len({p.dtype for p in u.params}) > 1:
+                dtypes = sorted({str(p.dtype) for p in u.params})
                 raise ValueError(f"ZeRO: unit {u.name} mixes parameter dtypes {dtypes}; keep parameters in one dtype")
-            u.params, u.segment = sps, offset
-            if sps:
-                out.append(u)
-        for u in out:                               # modules that own root parameters directly
-            if u.name == "root":
-                ids = {id(sp.param) for sp in u.params}
-                u.modules = [m for m in model.modules()
-                             if any(id(p) in ids for p in m.parameters(recurse=False))]
-        return out
+            if u.name == "root":                       # modules that own root parameters directly
+                ids = {id(p) for p in u.params}
+                u.modules = [m for m in model.modules() if any(id(p) in ids for p in m.parameters(recurse=False))]
+        return units
+
+    @torch.no_grad()
+    def _lay_out(self, u: Unit) -> None:
+        """Allocate ``u``'s buffers, make the parameters and gradients views of them and record
+        what this rank steps (module docstring)."""
+        D, first = self.axis.size, u.params[0]
+        u.layout = FlatLayout.of([p.numel() for p in u.params], D)
+        new = lambda n: torch.zeros(n, dtype=first.dtype, device=first.device)     # noqa: E731
+        u.param_buffer = new(u.layout.padded)
+        shapes = [p.shape for p in u.params]
+        for p, view in zip(u.params, u.layout.views(u.param_buffer, shapes)):
+            view.copy_(p.detach())
+            p.data = view
+        lo, hi = u.layout.chunk(self.axis.rank)
+        u.param_chunk = u.param_buffer[lo:hi].clone() if self.stage == 3 else u.param_buffer[lo:hi]
+        u.grad_buffer = new(u.layout.padded)
+        u.grad_views = u.layout.views(u.grad_buffer, shapes)
+        u.reduced = new(hi - lo)
+        for name, p, off, (a, b) in zip(u.names, u.params, u.layout.offsets, u.layout.owned(self.axis.rank)):
+            if b > a:
+                u.stepped.append(SteppedTensor(name, p, u.param_chunk[off + a - lo:off + b - lo], (a, b)))
+        if self.stage == 1:
+            self._attach_grads(u)
+        else:                                          # allocated when the unit's first backward starts
+            u.grad_buffer.untyped_storage().resize_(0)
+            u.grads_live = False
 
     def _install_gather_hooks(self) -> None:
         for u in self.units:
@@ -248,7 +254,8 @@ class ZeroDataParallel:
 
     def _pre_forward(self, u):
         def hook(_module, _args):
-            self.gather(u)
+            # a forward inside backward (full recompute) finds its unit gathered: nothing to prefetch
+            self.gather(u, ahead=1 if torch._C._current_graph_task_id() == -1 else 0)
         return hook
 
     def _post_forward(self, u):
@@ -262,28 +269,42 @@ class ZeroDataParallel:
 
     # ---- ZeRO-3 gather / free ----------------------------------------------------------------
     @torch.no_grad()
-    def gather(self, u: Unit, in_backward: bool = False) -> None:
-        """All-gather unit ``u``'s rows into its parameters' storage (no-op if gathered)."""
-        if u.gathered:
+    def gather(self, u: Unit, ahead: int = 0) -> None:
+        """All-gather unit ``u``'s parameter chunks into its parameter buffer (no-op if gathered;
+        waited for if prefetched): every parameter, a view of the buffer, sees the whole values.
+        ``ahead`` = ±1 (with ``overlap``): then issue, asynchronously, the gather of the unit that
+        runs next — the next in forward (+1), the previous layer in backward (−1) — so it moves
+        while this one computes; at most one unit ahead (issue 27's prefetch; the same
+        collectives, in the same order on every rank, as without it)."""
+        fresh = u.prefetch is not None or not u.gathered          # this call starts a use of u
+        if u.prefetch is not None:
+            self._wait_prefetch(u)
+        elif not u.gathered:
+            u.param_buffer.untyped_storage().resize_(u.nbytes)
+            C.all_gather_into(u.param_buffer, u.param_chunk, self.axis)
+            u.gathered = True
+        if ahead and fresh and self.overlap:
+            i = self.gather_order.index(u) + ahead
+            if 0 <= i < len(self.gather_order) and self.gather_order[i].name != "root":
+                self._prefetch(self.gather_order[i])
+
+    def _prefetch(self, u: Unit) -> None:
+        if u.gathered or u.prefetch is not None:
             return
-        for sp in u.params:
-            storage = sp.param.untyped_storage()
-            storage.resize_(sp.param.numel() * sp.param.element_size())
-        full = C.all_gather(u.flat_shard, self.axis, dim=0)
-        # in backward the autograd graph holds these parameters: keep their version counter
-        for sp in u.params:
-            if in_backward:
-                with torch.autograd._unsafe_preserve_version_counter(sp.param):
-                    self._unpack_into(full, u, sp, sp.param)
-            else:
-                self._unpack_into(full, u, sp, sp.param)
+        u.param_buffer.untyped_storage().resize_(u.nbytes)
+        u.prefetch = C.all_gather_into(u.param_buffer, u.param_chunk, self.axis, async_op=True)
         u.gathered = True
+
+    def _wait_prefetch(self, u: Unit) -> None:
+        u.prefetch.wait()
+        u.prefetch = None
 
     def _free(self, u: Unit) -> None:
         if self.stage != 3 or not u.gathered:
             return
-        for sp in u.params:
-            sp.param.untyped_storage().resize_(0)
+        if u.prefetch is not None:                     # issued ahead but never used (e.g. a forward cut short)
+            self._wait_prefetch(u)
+        u.param_buffer.untyped_storage().resize_(0)
         u.gathered = False
 
     @contextlib.contextmanager
@@ -302,35 +323,40 @@ class ZeroDataParallel:
         for u in self.units:
             self._free(u)
 
-    def _rank_rows(self, buf: torch.Tensor, u: Unit, sp: ShardedParam, whole: torch.Tensor) -> list:
-        """(rows of ``sp`` in the [D · segment] buffer ``buf``, the same rows of ``whole``, the
-        flat parameter-sized tensor) pairs, one per data rank that holds rows; without padding
-        one strided pair for all ranks (one copy)."""
-        D, R = self.axis.size, sp.row_elems
-        c = rows_per_rank(sp.shape[0], D)
-        if c * D == sp.shape[0]:
-            return [(buf.view(D, u.segment)[:, sp.offset:sp.offset + c * R], whole.view(D, c * R))]
-        pairs = []
-        for j in range(D):
-            a, b = sp.rows_of(D, j)
-            if b > a:
-                base = j * u.segment + sp.offset
-                pairs.append((buf[base:base + (b - a) * R], whole[a * R:b * R]))
-        return pairs
-
-    def _unpack_into(self, full: torch.Tensor, u: Unit, sp: ShardedParam, target: torch.Tensor) -> None:
-        """Copy every rank's rows of ``sp`` from the gathered [D · segment] buffer into ``target``."""
-        for segment, rows in self._rank_rows(full, u, sp, target.view(-1)):
-            rows.copy_(segment)
-
     # ---- gradients -------------------------------------------------------------------------
+    def _attach_grads(self, u: Unit) -> None:
+        """Make every parameter's ``.grad`` its view of the gradient buffer (again, if replaced)."""
+        for p, view in zip(u.params, u.grad_views):
+            if p.grad is not view:
+                p.grad = view
+
+    @torch.no_grad()
+    def _ensure_grad_buffer(self, u: Unit) -> None:
+        """ZeRO-2/3: give ``u``'s gradient buffer its storage back, zeroed, before the first
+        gradient of its backward is accumulated (a reduce-scatter of the previous micro-batch's
+        still in flight is finished first: it frees the buffer)."""
+        if u.pending is not None:
+            self._in_flight.remove(u)
+            self._finish(u)
+        if not u.grads_live:
+            u.grad_buffer.untyped_storage().resize_(u.nbytes)
+            u.grad_buffer.zero_()
+            u.grads_live = True
+        self._attach_grads(u)
+
+    def _before_accumulate(self, u: Unit):
+        def hook(_grad):
+            self._ensure_grad_buffer(u)
+        return hook
+
     def _on_grad(self, u: Unit):
         def on_grad_ready(_param):
+            u.unreduced = True
             u.ready += 1
             if u.ready < len(u.params):
                 return
             u.ready = 0
-            if self._armed and u.pending is None and u.reduced is None:
+            if (self._armed or self.sharded_accumulation) and u.pending is None:
                 self._launch(u)
             if self.stage == 3 and u.name != "root":
                 self._free(u)
@@ -345,102 +371,102 @@ class ZeroDataParallel:
 
     @torch.no_grad()
     def _launch(self, u: Unit) -> None:
-        D, first = self.axis.size, u.params[0].param
-        # every element is written below unless a row is padding or a parameter got no gradient
-        covered = all(sp.param.grad is not None and rows_per_rank(sp.shape[0], D) * D == sp.shape[0]
-                      for sp in u.params)
-        flat = (torch.empty if covered else torch.zeros)(D * u.segment, dtype=first.dtype, device=first.device)
-        for sp in u.params:
-            g = sp.param.grad
-            if g is None:
-                continue
-            for segment, rows in self._rank_rows(flat, u, sp, g.reshape(-1)):
-                segment.copy_(rows)
-            if self.stage >= 2:
-                sp.param.grad = None               # only the shard's gradient is kept
-        u.pending = C.reduce_scatter_flat(flat, self.axis, async_op=True)
+        """Reduce-scatter ``u``'s gradient buffer: the step's first into the reduced chunk, a later
+        micro-batch's (sharded accumulation) into a scratch chunk added to it when done."""
+        if not u.grads_live:                           # no gradient reached the unit this step
+            self._ensure_grad_buffer(u)
+        out = u.reduced
+        if u.reductions:
+            out = u.scratch = torch.empty_like(u.reduced)
+        u.pending = C.reduce_scatter_flat(u.grad_buffer, self.axis, async_op=True, out=out)
+        u.reductions, u.unreduced = u.reductions + 1, False
+        if self.stage >= 2:
+            for p in u.params:
+                p.grad = None                          # the buffer is freed once reduced
         self._in_flight.append(u)
         while len(self._in_flight) > MAX_IN_FLIGHT:
             self._finish(self._in_flight.pop(0))
 
     def _finish(self, u: Unit) -> None:
-        """Wait for unit ``u``'s reduce-scatter; keep the data-parallel mean of this rank's segment."""
-        seg = u.pending.wait()
+        """Wait for unit ``u``'s reduce-scatter; add a later micro-batch's into the reduced chunk
+        (ZeRO-2/3: free the gradient buffer)."""
+        u.pending.wait()
         u.pending = None
-        if self.axis.size > 1:
-            seg.div_(self.axis.size)
-        u.reduced = seg
+        if u.scratch is not None:
+            u.reduced.add_(u.scratch)
+            u.scratch = None
+        if self.stage >= 2:
+            u.grad_buffer.untyped_storage().resize_(0)
+            u.grads_live = False
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Finish the step's reduction: every shard gets the data-parallel mean of its rows'
-        gradient (module docstring, step 3)."""
+        """Finish the step's reduction: every stepped tensor gets the data-parallel mean of its
+        elements' gradient (module docstring, step 3)."""
         self._armed = False
         for u in self.units:
-            if u.pending is None and u.reduced is None:
+            if u.pending is None and (u.unreduced or not u.reductions):
                 self._launch(u)
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
         for u in self.units:
-            seg = u.reduced
-            for sp in u.params:
-                rows = sp.stop - sp.start
-                sp.shard.grad = seg[sp.offset:sp.offset + rows * sp.row_elems].view(rows, *sp.shape[1:])
+            if self.axis.size > 1:
+                u.reduced.div_(self.axis.size)         # the sum over data ranks (and micro-batches) → mean
+            lo = u.layout.chunk(self.axis.rank)[0]
+            for s, off in zip(u.stepped, self._offsets_of(u)):
+                a, b = s.elements
+                s.tensor.grad = u.reduced[off + a - lo:off + b - lo]
             u.ready = 0
         self.free_all()                                # ZeRO-3: the root, and any layer that got no gradient
 
+    def _offsets_of(self, u: Unit) -> list:
+        """The buffer offset of each stepped tensor's parameter, in ``u.stepped`` order."""
+        where = {id(p): off for p, off in zip(u.params, u.layout.offsets)}
+        return [where[id(s.param)] for s in u.stepped]
+
     @torch.no_grad()
     def after_step(self) -> None:
-        """ZeRO-1/2: all-gather the updated rows so every data rank holds the whole block."""
+        """ZeRO-1/2: all-gather every unit's updated chunk into its parameter buffer, in place."""
         if self.stage == 3 or self.axis.size == 1:
             return
-        for u in self.units:
-            # padding rows are sent but never unpacked: no need to zero them
-            send = torch.empty(u.segment, dtype=u.params[0].param.dtype, device=u.params[0].param.device)
-            for sp in u.params:
-                n = (sp.stop - sp.start) * sp.row_elems
-                send[sp.offset:sp.offset + n].copy_(sp.shard.reshape(-1))
-            full = C.all_gather(send, self.axis, dim=0)
-            for sp in u.params:
-                self._unpack_into(full, u, sp, sp.param.detach())
+        pending = [C.all_gather_into(u.param_buffer, u.param_chunk, self.axis, async_op=True) for u in self.units]
+        for work in pending:
+            work.wait()
 
     def zero_grad(self) -> None:
+        """Zero the gradient buffers that have storage (ZeRO-1: all, persistent; ZeRO-2/3 get theirs
+        back, zeroed, when the unit's backward starts) and drop the stepped tensors' gradients."""
         for u in self.units:
-            u.reduced = None
-            for sp in u.params:
-                sp.param.grad = None
-                sp.shard.grad = None
+            u.reductions, u.unreduced = 0, False
+            if u.grads_live:
+                u.grad_buffer.zero_()
+                self._attach_grads(u)
+            for s in u.stepped:
+                s.tensor.grad = None
 
     # ---- what the optimizer, the norm and the checkpoint see -------------------------------
-    def sharded(self) -> list:
-        """Every :class:`ShardedParam`, units in order."""
-        return [sp for u in self.units for sp in u.params]
-
-    def named_shards(self) -> list:
-        """(name, shard) of every parameter with at least one owned row."""
-        return [(sp.name, sp.shard) for sp in self.sharded() if sp.stop > sp.start]
-
     @property
     def norm_axis(self):
-        """The norm of the shards is summed over data ranks too (each row once)."""
+        """The norm of the stepped elements is summed over data ranks too (each element once)."""
         return self.axis
 
     def stepped(self) -> list:
-        """Every shard as a :class:`SteppedTensor` (rows from ``start``), units in order."""
-        return [SteppedTensor(sp.name, sp.param, sp.shard, sp.start) for sp in self.sharded()]
+        """Every :class:`SteppedTensor` (parameters with elements in this rank's chunks), units in order."""
+        return [s for u in self.units for s in u.stepped]
 
     def optimizer_tensors(self) -> list:
-        return self.named_shards()
+        return [(s.name, s.tensor) for s in self.stepped()]
 
     def norm_tensors(self) -> list:
-        """(shard, parameter) of every parameter with at least one owned row."""
-        return [(sp.shard, sp.param) for sp in self.sharded() if sp.stop > sp.start]
+        """(stepped tensor, its parameter) of every parameter with elements in this rank's chunks."""
+        return [(s.tensor, s.param) for s in self.stepped()]
 
     def memory_tensors(self) -> list:
-        """The buffers ZeRO itself holds (ZeRO-3 flat shards, reduced gradient segments), for
-        memory accounting; shards and their gradients are views into these or the parameters."""
-        out = [u.flat_shard for u in self.units if u.flat_shard is not None]
-        return out + [u.reduced for u in self.units if u.reduced is not None]
+        """The buffers ZeRO holds beyond the parameters and their ``.grad`` (reduced chunks,
+        ZeRO-3 parameter chunks, gradient buffers with no ``.grad`` attached), for memory
+        accounting; stepped tensors and their gradients are views into these."""
+        out = [u.reduced for u in self.units] + [u.grad_buffer for u in self.units]
+        return out + ([u.param_chunk for u in self.units] if self.stage == 3 else [])
 
 
 def _map_tensors(obj, fn):

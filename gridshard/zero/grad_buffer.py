@@ -43,6 +43,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..theory.training import bucket_partition
+from .flat_layout import FlatLayout
 from .reducer import whole_parameters
 
 
@@ -78,12 +79,11 @@ class DataParallelGradSync:
             groups.setdefault((p.dtype, p.device), []).append(p)
         view_of, where = {}, {}
         for (dtype, device), ps in groups.items():
-            buffer = torch.zeros(sum(p.numel() for p in ps) if self.persistent else 0, dtype=dtype, device=device)
-            offsets, offset = [], 0
-            for p in ps:
-                offsets.append(offset)
-                view_of[id(p)] = buffer[offset:offset + p.numel()].view_as(p) if self.persistent else None
-                offset += p.numel()
+            layout = FlatLayout.of([p.numel() for p in ps])
+            offsets = layout.offsets
+            buffer = torch.zeros(layout.padded if self.persistent else 0, dtype=dtype, device=device)
+            views = layout.views(buffer, [p.shape for p in ps]) if self.persistent else [None] * len(ps)
+            view_of.update((id(p), v) for p, v in zip(ps, views))
             for idx in bucket_partition([p.numel() for p in ps], buffer.element_size(), bucket_bytes):
                 start, stop = offsets[idx[0]], offsets[idx[-1]] + ps[idx[-1]].numel()
                 for i in idx:

@@ -7,13 +7,15 @@ A reducer owns everything that depends on how gradients are reduced over ``mesh.
                        ZeRO-0 (:class:`~.grad_buffer.                ZeRO-1/2/3 (:class:`~.data_parallel.
                        DataParallelGradSync`)                      ZeroDataParallel`)
 =====================  ==========================================  ==========================================
-gradients              ``.grad`` = views into persistent flat       full ``.grad`` in backward, then this
-                       buckets, all-reduced in place, ÷ D           rank's rows (reduce-scatter per unit, ÷ D)
-optimizer steps        the parameters                               this rank's rows of each parameter
-norm contributions     every parameter, summed over tensor          the rows, summed over tensor *and* data
+gradients              ``.grad`` = views into persistent flat       ``.grad`` = views into each unit's flat
+                       buckets, all-reduced in place, ÷ D           buffer, reduce-scattered into this rank's
+                                                                    chunk (÷ D)
+optimizer steps        the parameters                               each parameter's elements in the chunk
+norm contributions     every parameter, summed over tensor          the chunks, summed over tensor *and* data
                        (and pipeline) ranks                         (and pipeline) ranks: ``norm_axis``
-checkpoint blocks      each parameter's canonical box               the box narrowed to this rank's rows
-after the step         nothing                                      ZeRO-1/2: all-gather the updated rows
+checkpoint blocks      each parameter's canonical box               the box narrowed to the element range
+                                                                    (≤ 3 boxes per matrix)
+after the step         nothing                                      ZeRO-1/2: all-gather the updated chunk
 gathered state         the parameters as they are                   ZeRO-3: gather every unit first
 =====================  ==========================================  ==========================================
 
@@ -26,8 +28,8 @@ One step drives every stage alike::
     reducer.after_step()
 
 :class:`SteppedTensor` is the one record the optimizer, the norm and the checkpoint read: the
-parameter's name, the parameter, the tensor stepped and, for a ZeRO shard, the first row it owns
-(the parameter's layout narrowed to rows ``[start, start + len(tensor))``).
+parameter's name, the parameter, the tensor stepped and, for a ZeRO shard, the local elements
+``[a, b)`` of the parameter's flattened block it is (:mod:`gridshard.theory.zero`).
 """
 from __future__ import annotations
 
@@ -38,23 +40,32 @@ from typing import Iterator, Optional, Protocol
 import torch
 from torch import nn
 
+from ..theory.zero import flat_range_boxes
+
 
 @dataclass(frozen=True)
 class SteppedTensor:
-    """What the optimizer steps for parameter ``name``: ``param`` itself (``start`` None) or
-    its local rows ``[start, start + tensor.shape[0])`` (a ZeRO shard)."""
+    """What the optimizer steps for parameter ``name``: ``param`` itself (``elements`` None) or,
+    for a ZeRO shard, the local elements ``[a, b)`` of the parameter's flattened block
+    (``tensor`` 1-dim, b − a elements: a view into this rank's chunk of the unit's buffer)."""
 
     name: str
     param: nn.Parameter
     tensor: torch.Tensor
-    start: Optional[int] = None
+    elements: Optional[tuple] = None
 
-    @property
-    def rows(self) -> Optional[tuple]:
-        """``(start, stop)``: the rows of the parameter's block this tensor is (ZeRO's narrowing of
-        the parameter's layout, :meth:`gridshard.nn.sharding.ShardSpec.canonical_box`), or None
-        for the whole block."""
-        return None if self.start is None else (self.start, self.start + self.tensor.shape[0])
+    def pieces(self, tensor: Optional[torch.Tensor] = None) -> list:
+        """(local box or None, the part of ``tensor`` — this one, or its AdamW moment — in it):
+        the whole block once, or the boxes of the element range
+        (:func:`gridshard.theory.zero.flat_range_boxes`: ≤ 3 for a matrix), each a view in the box's
+        shape. Each box is the parameter's layout narrowed once more
+        (:meth:`gridshard.nn.sharding.ShardSpec.canonical_box`)."""
+        t = self.tensor if tensor is None else tensor
+        if self.elements is None:
+            return [(None, t)]
+        a = self.elements[0]
+        return [(box, t[lo - a:hi - a].view(tuple(h - l for l, h in box)))
+                for box, (lo, hi) in flat_range_boxes(self.param.shape, *self.elements)]
 
 
 class GradReducer(Protocol):

@@ -1,0 +1,293 @@
+"""A plain pre-norm Vision Transformer (ViT) for image classification, written once: no
+parallel code in it.
+
+:func:`gridshard.parallelize` lays it out for a mesh by swapping its modules for gridshard's
+1D / sequence-parallel / 2D layers (plan :data:`gridshard.parallel.plan.VIT_PLAN`). The module and
+parameter names are those of Hugging Face's ``ViTForImageClassification``, so exporting to it or
+importing from it is a copy by name, never a reshape.
+
+Images x [b, C, H, W] (H = W = image_size, P = patch_size, n = (H/P)² patches, s = 1 + n tokens),
+h = hidden, H_a heads of d = h/H_a, f = ffn_hidden, K = num_classes:
+
+* ``vit.embeddings``: ``patch_embeddings.projection`` a P×P stride-P convolution
+  (weight [h, C, P, P], bias [h]) → n patch vectors; ``cls_token`` [1, 1, h] prepended;
+  ``position_embeddings`` [1, s, h] added;
+* ``vit.encoder.layer.N`` (pre-norm): x += attention.output.dense(attn(layernorm_before(x)))
+  with ``attention.attention.query | key | value`` [h, h] (+ bias) and full (non-causal) softmax
+  attention; x += output.dense(gelu(intermediate.dense(layernorm_after(x)))) with
+  ``intermediate.dense`` [f, h], ``output.dense`` [h, f] (+ biases); LayerNorms with bias;
+* ``vit.layernorm`` on the last hidden states, then ``classifier`` [K, h] (+ bias) on the class
+  token's row: logits [b, K].
+
+The forward reads local sizes from the tensors it gets (``view(b, s, -1, d)``), so the same code
+runs on whole heads of one rank after tensor parallelism splits the projections.
+
+Initialisation laws (:meth:`VisionTransformer.init_laws`, evaluated per rank block by the counter
+generator of :mod:`gridshard.init`): matrices, the convolution kernel, the class token and the
+positions N(0, init_std²); biases zeros; LayerNorm weights ones (Hugging Face's ViT init with a
+plain instead of a truncated normal).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+
+
+@dataclass
+class ViTConfig:
+    image_size: int = 16
+    patch_size: int = 4
+    channels: int = 1
+    num_classes: int = 10
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    ffn_hidden: int = 128
+    norm_eps: float = 1e-12                 # Hugging Face ViT's layer_norm_eps
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.image_size % self.patch_size:
+            raise ConfigError(f"model.image_size={self.image_size} is not divisible by model.patch_size="
+                              f"{self.patch_size}: a ViT cuts the image into whole patches. Fix: choose a patch_size "
+                              f"among the divisors of {self.image_size}.")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per image: the class token and n patches."""
+        return 1 + self.num_patches
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Multi-head attention: every query head has its own key/value head."""
+        return self.heads
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the output layer: the number of classes."""
+        return self.num_classes
+
+    def num_parameters(self) -> int:
+        """Global parameter count:
+
+            N = (C·P² + 1)·h + h + s·h  +  L·(4h² + 4h + 2h·f + f + h + 4h)  +  2h  +  K·h + K
+        """
+        h, f, C, P, K = self.hidden, self.ffn_hidden, self.channels, self.patch_size, self.num_classes
+        embeddings = (C * P * P + 1) * h + h + self.seq_len * h
+        per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        return embeddings + self.layers * per_layer + 2 * h + K * h + K
+
+
+class ViTPatchEmbeddings(nn.Module):
+    """Hugging Face's ``ViTPatchEmbeddings``: a stride-P convolution (``projection``)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.projection = nn.Conv2d(cfg.channels, cfg.hidden, cfg.patch_size, stride=cfg.patch_size)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """[b, C, H, W] → [b, n, h]."""
+        return self.projection(images).flatten(2).transpose(1, 2)
+
+
+class ViTEmbeddings(nn.Module):
+    """Patches, class token, positions: images [b, C, H, W] → [b, s, h].
+
+    Laid out in 1D it stays as it is, replicated on every tensor rank: its parameters are
+    (C·P² + 1 + s + 1)·h numbers (a few thousand for the digits model), its input is the
+    whole image on every rank and its output the whole residual stream the 1D layers expect,
+    so splitting it would save almost nothing and cost a collective. Its gradient is complete
+    on every rank: the first column layer's input collective (an all-reduce of ∂L/∂x; under
+    sequence parallelism the sequence scatter's all-gather) makes ∂L/∂x whole and identical
+    before it reaches here. In 2D it becomes :class:`gridshard.nn.patch_embedding_2d.ViTEmbeddings2D`."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.image_size, self.channels = cfg.image_size, cfg.channels
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.hidden))
+        self.patch_embeddings = ViTPatchEmbeddings(cfg)
+        self.position_embeddings = nn.Parameter(torch.zeros(1, cfg.seq_len, cfg.hidden))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        check_images(images, self.channels, self.image_size)
+        y = self.patch_embeddings(images)
+        cls = self.cls_token.expand(y.shape[0], -1, -1).to(y.dtype)
+        return torch.cat([cls, y], dim=1) + self.position_embeddings.to(y.dtype)
+
+
+def check_images(images: torch.Tensor, channels: int, size: int) -> None:
+    if images.dim() != 4 or tuple(images.shape[1:]) != (channels, size, size):
+        from ..errors import ShapeError
+
+        raise ShapeError(f"the ViT expects images [b, {channels}, {size}, {size}], got {tuple(images.shape)}. "
+                         f"Fix: resize the images to model.image_size with model.channels channels.")
+
+
+class ViTSelfAttention(nn.Module):
+    """query / key / value (with bias) and full softmax attention: [b, s, h] → [b, s, H·d]."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.query = nn.Linear(cfg.hidden, cfg.hidden)
+        self.key = nn.Linear(cfg.hidden, cfg.hidden)
+        self.value = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[0], x.shape[1]
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.query, self.key, self.value))
+        o = F.scaled_dot_product_attention(q, k, v)
+        return o.transpose(1, 2).reshape(b, s, -1)
+
+
+class ViTSelfOutput(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden, cfg.hidden)
+
+
+class ViTAttention(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.attention = ViTSelfAttention(cfg)
+        self.output = ViTSelfOutput(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output.dense(self.attention(x))
+
+
+class ViTIntermediate(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden, cfg.ffn_hidden)
+
+
+class ViTOutput(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.ffn_hidden, cfg.hidden)
+
+
+class ViTLayer(nn.Module):
+    """Pre-norm block: x + attention(layernorm_before(x)), then + mlp(layernorm_after(x)),
+    mlp = output.dense(gelu(intermediate.dense(·))) (exact GELU, Hugging Face's ``"gelu"``)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.layernorm_before = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attention = ViTAttention(cfg)
+        self.layernorm_after = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.intermediate = ViTIntermediate(cfg)
+        self.output = ViTOutput(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.layernorm_before(x))
+        return x + self.output.dense(F.gelu(self.intermediate.dense(self.layernorm_after(x))))
+
+
+class ViTEncoder(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(ViTLayer(cfg) for _ in range(cfg.layers))
+
+
+class ViTModel(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.embeddings = ViTEmbeddings(cfg)
+        self.encoder = ViTEncoder(cfg)
+        self.layernorm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+
+
+class ClsClassifier(nn.Linear):
+    """The classifier [K, h] (+ bias) applied to the class token's row: [b, s, h] → [b, K]
+    (Hugging Face applies ``classifier`` to ``sequence_output[:, 0]``; taking the row inside the
+    module lets the 1D / sequence-parallel / 2D heads find it in their own blocks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[:, 0])
+
+
+class VisionTransformer(nn.Module):
+    """images [b, C, H, W] → logits [b, K] (module docstring). Build it on ``torch.device("meta")``
+    and hand it to :func:`gridshard.parallelize` (plan :data:`gridshard.parallel.plan.VIT_PLAN`)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vit = ViTModel(cfg)
+        self.classifier = ClsClassifier(cfg.hidden, cfg.num_classes)
+
+    def init_laws(self) -> dict:
+        """Parameter name → ``("normal", std)`` / ``("ones",)`` / ``("zeros",)`` (module docstring)."""
+        laws = {}
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                laws[name] = ("zeros",)
+            elif p.dim() == 1:
+                laws[name] = ("ones",)
+            else:
+                laws[name] = ("normal", self.cfg.init_std)
+        return laws
+
+    # the forward in pieces, as the Llama's (embed → layers → head)
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        return self.vit.embeddings(images)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final LayerNorm and the classifier on the class token: hidden states → logits [b, K]."""
+        return self.classifier(self.vit.layernorm(x))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.embed(images)
+        for layer in self.vit.encoder.layer:
+            x = layer(x)
+        return self.head(x)
+
+
+def hf_vit_config_fields(cfg: ViTConfig) -> dict:
+    """The Hugging Face ``config.json`` of ``ViTForImageClassification`` with this architecture (what
+    ``gridshard export`` writes; no ``transformers`` needed). Labels are the class indices."""
+    labels = {str(k): str(k) for k in range(cfg.num_classes)}
+    return {"architectures": ["ViTForImageClassification"], "model_type": "vit", "hidden_size": cfg.hidden,
+            "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "intermediate_size": cfg.ffn_hidden,
+            "hidden_act": "gelu", "layer_norm_eps": cfg.norm_eps, "image_size": cfg.image_size,
+            "patch_size": cfg.patch_size, "num_channels": cfg.channels, "qkv_bias": True,
+            "initializer_range": cfg.init_std, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+            "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}, "torch_dtype": "float32"}
+
+
+def hf_vit_config(cfg: ViTConfig):
+    """The ``transformers.ViTConfig`` of the same architecture (needs ``gridshard[hf]``)."""
+    from transformers import ViTConfig as HFViTConfig
+
+    fields = hf_vit_config_fields(cfg)
+    fields.pop("architectures"), fields.pop("model_type")
+    return HFViTConfig(**fields)
+
+
+def vit_config(fields: dict) -> ViTConfig:
+    """A :class:`ViTConfig` from a config's explicit ``model`` fields (``model.kind: vit``): the ones
+    a ViT has over its defaults; a decoder-only field is a ConfigError naming it."""
+    from dataclasses import fields as dataclass_fields
+
+    known = {f.name for f in dataclass_fields(ViTConfig)}
+    wrong = sorted(set(fields) - known)
+    if wrong:
+        raise ConfigError(f"model.{wrong[0]} is not a Vision Transformer field (model.kind=vit has "
+                          f"{sorted(known)}). Fix: remove {['model.' + w for w in wrong]}, or use model.kind: llama.")
+    return ViTConfig(**fields)
