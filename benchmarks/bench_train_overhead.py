@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from gridshard.comm.ledger import LEDGER  # noqa: E402
 from gridshard.engine import Trainer  # noqa: E402
-from gridshard.engine.schedule import lr_at  # noqa: E402
+from gridshard.schedule import lr_at  # noqa: E402
 from gridshard.mesh import init_distributed  # noqa: E402
 from gridshard.models import Transformer  # noqa: E402
 

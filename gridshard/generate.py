@@ -51,6 +51,9 @@ def load_model(folder: str, checked=None) -> tuple:
         raise ConfigError(f"checkpoint {folder!r} holds a Hugging Face architecture (model.hf_config): "
                           f"`gridshard generate` runs gridshard's own model. Fix: `gridshard export {folder} --to hf "
                           f"OUT` and generate with transformers.")
+    if config["model"].get("kind") == "vit":
+        raise ConfigError(f"checkpoint {folder!r} holds a Vision Transformer (model.kind=vit), an image classifier: "
+                          f"`gridshard generate` continues text. Fix: `gridshard predict {folder} IMAGE...`.")
     names = {f.name for f in fields(ModelConfig)}
     model = Transformer(ModelConfig(**{k: v for k, v in config["model"].items() if k in names}))
     state = read_tensors(checked)

@@ -11,7 +11,9 @@ Prints, for each part, the parts it imports eagerly and those it imports only la
 the strongly connected groups of the eager+lazy graph with more than one part (cycles), and
 the parts in dependency order (a part after everything it imports eagerly, cycles collapsed).
 
-Usage: ``python scripts/import_graph.py [--root gridshard]``.
+Usage: ``python scripts/import_graph.py [--root gridshard] [--markdown]``. ``--markdown`` prints
+the levels and the table that docs/architecture.md holds between its ``import_graph`` markers
+(``tests/test_import_graph.py`` holds the page equal to it, and the graph free of cycles).
 """
 from __future__ import annotations
 
@@ -130,7 +132,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                   "gridshard"))
+    ap.add_argument("--markdown", action="store_true", help="print the block docs/architecture.md holds")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(args.root))
+        return
     parts, eager, lazy = graph(args.root)
     width = max(len(p) for p in parts)
     print(f"{'part':<{width}}  imports at module level  |  only inside functions")
@@ -144,6 +150,17 @@ def main() -> None:
     print("\nlevels (module-level imports; a part imports only parts of lower levels, cycles collapsed):")
     for level, group in enumerate(levels(strongly_connected(parts, eager), eager)):
         print(f"  {level}: {', '.join(group)}")
+
+
+def markdown(root: str) -> str:
+    """The levels (a fenced block) and one table row per part: what docs/architecture.md holds
+    between ``<!-- import_graph:begin -->`` and ``<!-- import_graph:end -->``."""
+    parts, eager, lazy = graph(root)
+    rows = ["```", "level  parts"]
+    rows += [f"{i:<7}{', '.join(g)}" for i, g in enumerate(levels(strongly_connected(parts, eager), eager))]
+    rows += ["```", "", "| part | imports at module level | only inside functions |", "|---|---|---|"]
+    rows += [f"| {p} | {', '.join(sorted(eager[p])) or '–'} | {', '.join(sorted(lazy[p])) or '–'} |" for p in parts]
+    return "\n".join(rows)
 
 
 def levels(components: list, edges) -> list:

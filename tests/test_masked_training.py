@@ -100,7 +100,7 @@ def _train_body(cfg, run_dir):
 def _reference_body(cfg, ids):
     """The plain one-process loop (module docstring); the trainer only supplies the initial weights."""
     from gridshard.engine import Trainer
-    from gridshard.engine.schedule import lr_at
+    from gridshard.schedule import lr_at
     from gridshard.models import Transformer
 
     t = Trainer(cfg, progress=False)

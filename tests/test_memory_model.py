@@ -18,6 +18,7 @@
 import pytest
 import torch
 
+from gridshard.job_layout import StageSplit
 from gridshard.parallel.rank_blocks import rank_parameter_blocks
 from gridshard.testing import run_on_ranks
 from gridshard.theory import memory as M
@@ -226,7 +227,8 @@ def test_zero_invariants_on_the_tiny_model():
 
 def test_pipeline_stage_holds_its_in_flight_microbatches():
     cfg = tiny_config()
-    kw = dict(micro_batch=2, seq_len=8, n_microbatches=8, pipeline=2)
+    stage0 = rank_parameter_blocks(cfg, layer_ids=StageSplit.of(cfg.layers, 2).rank_layer_ids(0), has_head=False)
+    kw = dict(micro_batch=2, seq_len=8, n_microbatches=8, pipeline=2, blocks=stage0)
     first = M.predict_rank_memory(cfg, pipeline_rank=0, **kw)
     one = M.activation_bytes(cfg, 2, 8, layers=1, has_head=False)
     # each micro-batch in flight adds its own; the RoPE tables (the model's cache) are held once
@@ -239,7 +241,7 @@ def test_pipeline_stage_holds_its_in_flight_microbatches():
 
 def test_prediction_adds_baseline_and_margin():
     cfg = tiny_config()
-    pred = M.predict_rank_memory(cfg, micro_batch=2, seq_len=8, baseline_bytes=1000)
+    pred = M.predict_rank_memory(cfg, micro_batch=2, seq_len=8, baseline_bytes=1000, blocks=rank_parameter_blocks(cfg))
     state = M.model_state_bytes(rank_parameter_blocks(cfg), 0)
     acts = M.activation_bytes(cfg, 2, 8).total + M.logits_workspace_bytes(cfg, 2, 8)
     assert pred.total == 1000 + state.held + acts

@@ -31,13 +31,22 @@ from gridshard.errors import ConfigError
 from gridshard.planner import PlanError, evaluate, load_hardware, plan
 from gridshard.planner.cost_memory import stage_layers_of_rank
 from gridshard.planner.calibrate_reference import reference_step_s as _priced
-from gridshard.planner.cost_time import rank_cost, step_time, tensor_calls_per_layer
+from gridshard.planner.cost_time import rank_cost, step_time, tensor_comm_1d, tensor_comm_2d
 from gridshard.planner.layouts import Layout, apply_layout, enumerate_layouts, factorisations, layout_problem
 from gridshard.planner.report import as_json, write_config
 from gridshard.parallel.rank_blocks import rank_parameter_blocks
 from gridshard.theory.memory import layer_saved_bytes, model_state_bytes, predict_rank_memory
 
 CPU = load_hardware("cpu")
+
+
+def tensor_calls_per_layer(cfg, layout: Layout, seq: int) -> int:
+    """Tensor-parallel collectives of one decoder layer in one micro-batch's forward and
+    backward (``tensor_comm_1d`` / ``tensor_comm_2d`` of one middle layer)."""
+    if layout.tensor <= 1 or not layout.mode.splits_weights:
+        return 0
+    comm = tensor_comm_1d if layout.mode.is_1d else tensor_comm_2d
+    return sum(sum(v.calls.values()) for v in comm(cfg, layout, seq, 1, False, False))
 
 
 def test_factorisations_and_enumeration():
@@ -97,8 +106,9 @@ def test_memory_is_predict_rank_memory_of_the_worst_rank(layout, precision):
                                   data=layout.data, zero=layout.zero, recompute=layout.recompute,
                                   micro_batch=layout.micro_batch, seq_len=128, n_microbatches=A,
                                   pipeline=layout.pipeline, pipeline_rank=r, schedule=layout.pipeline_schedule,
-                                  layer_ids=ids[r], baseline_bytes=hw.reserved_bytes,
-                                  precision=precision).total_with_margin
+                                  layer_ids=ids[r], baseline_bytes=hw.reserved_bytes, precision=precision,
+                                  blocks=rank_parameter_blocks(mc, layout.tensor_mode, layout.tensor, ids[r],
+                                                               r == 0, r == layout.pipeline - 1)).total_with_margin
               for r in range(layout.pipeline)]
     assert c.predicted_mem_bytes == max(direct)
     if precision == "bf16":
@@ -471,6 +481,15 @@ def test_gpt3_175b_model_state_at_t8_p8():
     c = evaluate(cfg, Layout(16, 8, 8, "1d", True, 0, "full", 1, "1f1b"), load_hardware("a100"), 1024)
     state = c.memory.params + c.memory.grads + c.memory.optimizer
     assert state == pytest.approx(16 * 175e9 / 64, rel=0.10)
+
+
+def test_gpt3_175b_published_layout_fits_64_a100_with_bf16_storage():
+    """Issue 23: the published 175B recipe on 64 A100s (D1 P8 T8, sequence parallel, selective
+    recompute, micro-batch 1, global batch 64) is feasible once parameters are stored in bf16
+    with fp32 masters (16 bytes per parameter, no autocast weight copies) and predicts 45–70 GB."""
+    cfg = load_config(None, GPT3 + ["train.global_batch=64"])
+    c = evaluate(cfg, Layout(1, 8, 8, "1d", True, 0, "selective", 1, "1f1b"), load_hardware("a100"), 64, nodes=8)
+    assert c.feasible and 45e9 <= c.predicted_mem_bytes <= 70e9, c.predicted_mem_bytes
 
 
 def test_deepspeed_zero3_estimator_formula():

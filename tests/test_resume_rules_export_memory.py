@@ -199,7 +199,7 @@ def test_which_schedule_changes_are_refused():
 
 
 def test_trainer_refuses_a_changed_schedule_and_names_an_allowed_one(run):
-    from gridshard.engine.schedule import lr_at
+    from gridshard.schedule import lr_at
 
     assert "train.warmup_steps is 3 in this config but 1 in the checkpoint" in run["refused"]
     assert "--allow-changed-schedule" in run["refused"]

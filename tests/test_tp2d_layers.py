@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridshard.comm import LEDGER
-from gridshard.comm.grid_ops import gather_along, reduce_by_batch, reduce_scatter_along, split_batch, sum_along
+from gridshard.comm.grid_ops import gather_along, reduce_scatter_along, split_batch
 from gridshard.nn.classifier_2d import Classifier2D, TiedVocabHead2D, VocabParallelClassifier2D
 from gridshard.nn.cross_entropy_2d import cross_entropy_2d
 from gridshard.nn.embedding_2d import Embedding2D, VocabParallelEmbedding2D
@@ -382,21 +382,18 @@ def test_vit_path_q2():
 def _grid_ops(seed):
     """Forward and backward of each grid collective, on per-rank inputs xs[r] and upstream gradients gs[r]."""
     mesh = mesh_2d(2)
-    row, col = mesh.row, mesh.col
+    col = mesh.col
     r = mesh.tensor.rank
     rank_of = lambda i, j: i * 2 + j  # noqa: E731 - (grid_row, grid_col) → tensor rank, for the reference only
     xs = [randn((4, 6), seed + k) for k in range(4)]
     gs = {name: [randn(shape, seed + 10 * n + k) for k in range(4)]
-          for n, (name, shape) in enumerate([("gather", (8, 6)), ("rs", (2, 6)), ("sum", (4, 6)), ("batch", (4, 6))])}
+          for n, (name, shape) in enumerate([("gather", (8, 6)), ("rs", (2, 6))])}
     same_col = [rank_of(i, mesh.grid_col) for i in range(2)]
-    same_row = [rank_of(mesh.grid_row, j) for j in range(2)]
     cases = [
         ("gather", lambda x: gather_along(x, col, 0), torch.cat([xs[k] for k in same_col], 0),
          sum(gs["gather"][k] for k in same_col).chunk(2, 0)[mesh.grid_row]),
         ("rs", lambda x: reduce_scatter_along(x, col, 0), sum(xs[k] for k in same_col).chunk(2, 0)[mesh.grid_row],
          torch.cat([gs["rs"][k] for k in same_col], 0)),
-        ("sum", lambda x: sum_along(x, row), sum(xs[k] for k in same_row), sum(gs["sum"][k] for k in same_row)),
-        ("batch", lambda x: reduce_by_batch(x, mesh), sum(xs[k] for k in same_col), gs["batch"][r]),
     ]
     for name, fn, expect_y, expect_g in cases:
         x = xs[r].clone().requires_grad_()

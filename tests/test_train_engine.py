@@ -12,7 +12,7 @@ from gridshard.engine import Trainer, train
 from gridshard.engine.clip import counts_here
 from gridshard.engine.optim import build_optimizer
 from gridshard.engine.precision import Precision
-from gridshard.engine.schedule import lr_at
+from gridshard.schedule import lr_at
 from gridshard.models import ModelConfig, Transformer
 from gridshard.testing import run_on_ranks
 from gridshard.theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token, matmul_params
@@ -210,7 +210,7 @@ METRIC_KEYS = {"step", "loss", "valid_tokens", "lr", "grad_norm", "tokens_per_s"
 
 def test_metrics_and_run_files(tmp_path):
     cfg = _with({"data": 2}, steps=5, log_interval=2)
-    out = run_on_ranks(2, _metrics_body, cfg, str(tmp_path))
+    out = run_on_ranks(2, _metrics_body, cfg, str(tmp_path), fresh=True)   # the peak RSS is the process's
     losses, history, _ = out[0]
     assert [h["step"] for h in history] == [2, 4, 5]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -150,7 +150,6 @@ def test_vit_config_resolves_and_round_trips():
      "splits the ViT's 1 + (image_size/patch_size)² = 17 tokens into tensor=2 blocks"),
     ({"model": {"ffn_hidden": 66}, "parallel": {"tensor": 4, "tensor_mode": "2d"}}, 4,
      "model.ffn_hidden=66 is invalid: in 2D the MLP's first bias is stored in q²=4 blocks"),
-    ({"train": {"recompute": "full"}}, 1, "train.recompute='full' is invalid: model.kind=vit does not support it"),
     ({"data": {"kind": "images"}}, 1, "data.path=None is invalid: data.kind=images needs a folder"),
 ])
 def test_vit_config_errors_name_the_field_and_the_fix(sections, world, message):
@@ -194,9 +193,41 @@ def test_image_folder_problems_are_one_clear_message(tmp_path):
     with pytest.raises(ConfigError, match="class folder 'empty' holds no image"):
         _resolve(data={"kind": "images", "path": str(tmp_path)}, model={"channels": 3})
     os.rmdir(tmp_path / "empty")
+    (tmp_path / "cat" / "notes.txt").write_text("not an image")                 # named before launch
+    with pytest.raises(ConfigError, match=r"notes.txt' is not an image file .*Fix: remove it"):
+        _resolve(data={"kind": "images", "path": str(tmp_path)}, model={"channels": 3})
+    os.remove(tmp_path / "cat" / "notes.txt")
     (tmp_path / "cat" / "broken.png").write_bytes(b"not an image")
     with pytest.raises(ConfigError, match="broken.png' is not a readable image"):
+        _resolve(data={"kind": "images", "path": str(tmp_path)}, model={"channels": 3})
+    with pytest.raises(ConfigError, match="broken.png' is not a readable image"):
         load_image_folder(str(tmp_path), 12, 3)
+    png = (tmp_path / "cat" / "0.png").read_bytes()                                # a truncated PNG too
+    (tmp_path / "cat" / "broken.png").write_bytes(png[:len(png) // 2])
+    with pytest.raises(ConfigError, match="broken.png' is not a readable image"):
+        _resolve(data={"kind": "images", "path": str(tmp_path)}, model={"channels": 3})
+
+
+def test_each_data_rank_reads_only_its_share_of_an_image_folder(tmp_path):
+    """Data rank d of D decodes, per step, exactly the files of its G/D rows; the ranks' files
+    are disjoint and together the global batch, the same images the whole-set plan gives."""
+    from gridshard.data.images import folder_index, image_plans, load_image_folder
+
+    _write_folder(tmp_path, {"a": (8, 8), "b": (9, 7), "c": (5, 5)})              # 9 images
+    cfg = _resolve(2, data={"kind": "images", "path": str(tmp_path), "val_fraction": 0.25},
+                   model={"channels": 3, "num_classes": 3}, parallel={"data": 2},
+                   train={"global_batch": 4, "micro_batch": 2})
+    plans = [image_plans(cfg, 2, d)[0] for d in range(2)]
+    whole, labels, _ = load_image_folder(str(tmp_path), TINY["image_size"], 3)
+    index = folder_index(str(tmp_path))[0]
+    files = []
+    for plan in plans:
+        (x, y), = plan.step_batches(0)[0]
+        assert plan.images.reads == 2 and len(plan.images) == 6        # 9 − ⌈0.25·9⌉ = 6 training images
+        mine = [index.index(plan.images.files[i]) for i in plan.global_indices(0)[plan.rows]]
+        assert torch.equal(x, whole[mine]) and y.tolist() == labels[mine].tolist()
+        files += mine
+    assert len(set(files)) == 4                                     # disjoint: the 4 images of the global batch
 
 
 def test_plot_draws_accuracy_only_for_a_classifier(tmp_path):

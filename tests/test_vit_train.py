@@ -3,7 +3,8 @@ a tiny ViT at (D, T, mode) = (4, 1, none), (1, 4, 1d), (2, 2, 1d + SP) and (1, 4
 single-process run's per-step loss and gradient norm within 1e-5 relative (fp32; clipping is
 active, so a gradient counted twice or missed would move the trajectory), and the metrics carry
 ``accuracy`` and ``val_accuracy``; so do 2 × 2 (1d) with ZeRO-3 and 4 data ranks with ZeRO-1. Only the
-2D run is in ``make test``; the others are wide."""
+2D run is in ``make test``; the others are wide. Pipeline stages too: (2, 2, none) — D = 2, P = 2 —
+in ``make test``; P = 2 with 1D, 1D + SP and 2D inside the stages, GPipe, and ZeRO-1 over D = 2, wide."""
 import pytest
 
 pytest.importorskip("sklearn")
@@ -21,8 +22,9 @@ CFG = {"model": {"kind": "vit", "image_size": 12, "patch_size": 4, "channels": 1
 TOL = 1e-5
 
 
-def _train_body(D, T, mode, sp, zero=0):
-    cfg = {**CFG, "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
+def _train_body(D, T, mode, sp, zero=0, P=1, schedule="1f1b"):
+    cfg = {**CFG, "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp, "pipeline": P,
+                               "pipeline_schedule": schedule},
            "train": {**CFG["train"], "zero": zero}}
     trainer = Trainer(cfg, progress=False)
     losses = trainer.run()
@@ -33,10 +35,10 @@ def _train_body(D, T, mode, sp, zero=0):
 _RUNS = {}
 
 
-def _run(D=1, T=1, mode="none", sp=False, zero=0):
-    key = (D, T, mode, sp, zero)
+def _run(D=1, T=1, mode="none", sp=False, zero=0, P=1, schedule="1f1b"):
+    key = (D, T, mode, sp, zero, P, schedule)
     if key not in _RUNS:
-        per_rank = run_on_ranks(D * T, _train_body, D, T, mode, sp, zero, timeout=300)
+        per_rank = run_on_ranks(D * P * T, _train_body, D, T, mode, sp, zero, P, schedule, timeout=300)
         assert all(r == per_rank[0] for r in per_rank[1:]), f"{key}: ranks disagree on losses / norms / accuracy"
         _RUNS[key] = per_rank[0]
     return _RUNS[key]
@@ -64,6 +66,19 @@ def test_vit_2d_training_matches_one_process():
 @pytest.mark.parametrize("layout", [(4, 1, "none", False), (1, 4, "1d", False), (2, 2, "1d", True),
                                     (2, 2, "1d", False, 3), (4, 1, "none", False, 1)])     # + ZeRO-3, ZeRO-1
 def test_vit_training_matches_one_process(layout):
+    _check(layout)
+
+
+def test_vit_pipeline_training_matches_one_process():
+    """(D, P, T) = (2, 2, none): two stages (embeddings + layer 0 | layer 1 + head), 1F1B."""
+    _check((2, 1, "none", False, 0, 2))
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("layout", [(1, 2, "1d", False, 0, 2), (1, 2, "1d", True, 0, 2), (1, 4, "2d", False, 0, 2),
+                                    (1, 1, "none", False, 0, 2, "gpipe"), (2, 1, "none", False, 1, 2)],
+                         ids=["P2-T2-1d", "P2-T2-1d-SP", "P2-T4-2d", "P2-gpipe", "D2-P2-zero1"])
+def test_vit_pipeline_with_tensor_layouts_matches_one_process(layout):
     _check(layout)
 
 
@@ -97,8 +112,8 @@ def test_export_loads_in_hugging_face_with_the_same_logits(tmp_path):
         assert relative_error(hf(pixel_values=images).logits, logits) <= TOL
 
 
-def _train_saving(D, T, mode, run_dir, resume):
-    cfg = {**CFG, "parallel": {"data": D, "tensor": T, "tensor_mode": mode},
+def _train_saving(D, T, mode, run_dir, resume, P=1):
+    cfg = {**CFG, "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "pipeline": P},
            "train": {**CFG["train"], "save_interval": 5, "eval_interval": 0, "resume": resume}}
     trainer = Trainer(cfg, run_dir=run_dir, progress=False)
     return trainer.run(), trainer.start_step
@@ -112,6 +127,18 @@ def test_checkpoint_saved_at_2d_resumes_at_1d_exactly(tmp_path):
     run_on_ranks(4, _train_saving, 1, 4, "2d", str(tmp_path / "grid"), "never", timeout=300)
     step5 = str(tmp_path / "grid" / "checkpoints" / "step_5")
     losses, start = run_on_ranks(4, _train_saving, 1, 4, "1d", str(tmp_path / "row"), step5, timeout=300)[0]
+    assert start == 5 and len(losses) == 5
+    assert _max_rel(losses, ref_loss[5:]) <= TOL, f"resumed {losses} vs {ref_loss[5:]}"
+
+
+@pytest.mark.wide
+def test_checkpoint_saved_with_pipeline_stages_resumes_at_1d_exactly(tmp_path):
+    """A (2, 2, none) pipeline run's step-5 checkpoint (each stage saving its own layers under their
+    global names) resumes at (1, 2, 1d) as the single-process run's steps 6–10."""
+    ref_loss = _run()[0]
+    run_on_ranks(4, _train_saving, 2, 1, "none", str(tmp_path / "pipe"), "never", 2, timeout=300)
+    step5 = str(tmp_path / "pipe" / "checkpoints" / "step_5")
+    losses, start = run_on_ranks(2, _train_saving, 1, 2, "1d", str(tmp_path / "row"), step5, timeout=300)[0]
     assert start == 5 and len(losses) == 5
     assert _max_rel(losses, ref_loss[5:]) <= TOL, f"resumed {losses} vs {ref_loss[5:]}"
 
@@ -140,3 +167,12 @@ def test_predict_prints_the_trained_models_top_classes(tmp_path):
         top = p.topk(3)
         assert [name for name, _ in best] == [str(int(i)) for i in top.indices]
         assert [q for _, q in best] == pytest.approx(top.values.tolist(), rel=1e-5)
+    # `gridshard generate` on this image classifier: one line pointing to predict
+    from click.testing import CliRunner
+
+    from gridshard.cli import main
+
+    out = CliRunner().invoke(main, ["generate", str(tmp_path / "run"), "--prompt", "a"])
+    assert out.exit_code != 0
+    assert "holds a Vision Transformer (model.kind=vit), an image classifier" in out.output
+    assert f"Fix: `gridshard predict {folder} IMAGE...`" in out.output

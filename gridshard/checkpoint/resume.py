@@ -22,7 +22,7 @@ What may not:
 
 The schedule rule, precisely. Step k runs at
 ``lr_at(k, lr, min_lr, warmup_steps, decay_steps or steps, schedule)``
-(:func:`gridshard.engine.schedule.lr_at`; the trainer's horizon is ``train.decay_steps``,
+(:func:`gridshard.schedule.lr_at`; the trainer's horizon is ``train.decay_steps``,
 or ``train.steps`` when it is unset). A resume at step k₀ runs steps k₀ … steps−1; it is
 refused when one of them gets another learning rate than the checkpoint's config gives it
 (the saved schedule extended past its own end, where it stays at its last value). So
@@ -40,12 +40,14 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from ..schedule import lr_at
 from . import files as F
 
 FIXED_FIELDS = (("train", "global_batch"), ("data", "seq_len"))
 LOGGED_FIELDS = (("data", "kind"), ("data", "path"), ("train", "seed"), ("train", "micro_batch"), ("train", "zero"),
                  ("train", "recompute"), ("train", "offload"), ("train", "weight_decay"), ("train", "beta1"),
-                 ("train", "beta2"), ("train", "adam_eps"), ("train", "grad_clip"), ("train", "precision"))
+                 ("train", "beta2"), ("train", "adam_eps"), ("train", "grad_clip"), ("train", "precision"),
+                 ("train", "grad_reduce_dtype"))
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "schedule", "decay_steps", "steps")
 ALLOW_KEY = "allow_changed_schedule"
 ALLOW_FLAG = "--allow-changed-schedule"
@@ -76,8 +78,6 @@ def schedule_differs(saved_train: dict, current_train: dict, start_step: int = 0
     ``current_train`` than under ``saved_train`` (module docstring). Exact: the parameters are
     compared first, the steps one by one only when they differ (stopping at the first
     difference, normally the first step)."""
-    from ..engine.schedule import lr_at         # here: gridshard.engine imports this module
-
     old, new = _schedule_of(saved_train, current_train), _schedule_of(current_train, saved_train)
     if old == new:
         return False

@@ -20,7 +20,10 @@ Other modules call ``torch.distributed`` themselves, for work the ledger does no
   :func:`gridshard.comm.ledger.record`);
 * measuring the machine: :mod:`gridshard.planner.calibrate` and
   :mod:`gridshard.planner.calibrate_reference` time raw collectives (recording would only
-  add overhead to what they time).
+  add overhead to what they time);
+* questions to the process group, no communication: :mod:`gridshard.engine.job` and
+  :mod:`gridshard.engine.warmup` (whether it is up, its world size), :mod:`gridshard.device`
+  (its backend); :mod:`gridshard.launch` starts the workers (the elastic launcher).
 
 Each function here
 

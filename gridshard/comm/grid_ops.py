@@ -10,8 +10,6 @@ function                    forward                         backward
 ==========================  ==============================  ==============================
 ``gather_along(x, ax, d)``  all-gather along ``ax``, dim d  reduce-scatter along ``ax``
 ``reduce_scatter_along``    reduce-scatter along ``ax``     all-gather along ``ax``
-``sum_along(x, ax)``        all-reduce along ``ax``         all-reduce along ``ax``
-``reduce_by_batch(x, m)``   all-reduce along ``m.col``      identity
 ``split_batch(x, m, d)``    keep batch block i of dim d     all-gather on ``col``, then
                                                             all-reduce on ``row``
 ``gather_vector(v, ax)``    all-gather along ``ax`` (once  reduce-scatter along ``ax``
@@ -27,11 +25,6 @@ backpropagates through its own graph, so a rank's upstream gradient is the exact
   block on each member), so ∂L/∂x_k = Σ_members (∂L/∂y)[block k]: reduce-scatter.
   Used for biases and norm weights stored as out/q² shards.
 * ``reduce_scatter_along``: the adjoint of the above: all-gather.
-* ``sum_along``: a statistic summed over the row (e.g. Σx² over hidden blocks) that
-  every member then uses with its *own* block: the gradient of the sum is the sum
-  of the members' gradients: all-reduce both ways.
-* ``reduce_by_batch``: a value summed over batch blocks that every member then uses
-  *identically* (the loss): identity backward (Megatron's reduce).
 * ``gather_vector``: ``gather_along`` for a parameter vector (bias, norm weight), whose
   value does not change within an optimizer step: inside a :class:`GatheredVectors` window
   the gathered copy is reused (below), the backward is the same reduce-scatter.
@@ -48,18 +41,7 @@ import torch
 
 from ..errors import check_divisible
 from . import collectives as C
-from .dual_ops import gather_sequence, reduce_from_group, reduce_scatter_sequence
-
-
-class _SumAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return C.all_reduce(x, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return C.all_reduce(g, ctx.axis), None
+from .dual_ops import gather_sequence, reduce_scatter_sequence
 
 
 class _SplitBatch(torch.autograd.Function):
@@ -160,16 +142,6 @@ def reduce_scatter_along(x: torch.Tensor, axis, dim: int = 0) -> torch.Tensor:
         check_divisible(x.shape[dim], axis.size, f"size of dim {dim} of a {tuple(x.shape)} tensor",
                         f"the '{axis.name}' group size")
     return reduce_scatter_sequence(x, axis, dim)
-
-
-def sum_along(x: torch.Tensor, axis) -> torch.Tensor:
-    """Forward all-reduce along ``axis``; backward all-reduce (members use the sum differently)."""
-    return x if axis.size == 1 else _SumAlong.apply(x, axis)
-
-
-def reduce_by_batch(x: torch.Tensor, mesh) -> torch.Tensor:
-    """Sum over the q batch blocks (the column group); backward identity (e.g. the loss)."""
-    return reduce_from_group(x, mesh.col)
 
 
 def split_batch(x: torch.Tensor, mesh, dim: int = 0) -> torch.Tensor:

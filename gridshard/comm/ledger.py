@@ -176,7 +176,8 @@ def recording_paused():
 
 
 def ledger_of(axis) -> CommLedger:
-    """Where calls on ``axis`` are recorded: its mesh's ledger, else :func:`current_ledger`."""
+    """Where calls on ``axis`` are recorded: its mesh's ledger, else the current
+    one (the innermost :func:`use_ledger`, "Scope" in the module docstring)."""
     bound = getattr(axis, "ledger", None)
     return bound if bound is not None else _CURRENT.get()
 
@@ -187,12 +188,6 @@ def record(op: str, axis, payload_bytes: int, group_size: int | None = None) -> 
     :func:`ledger_of` the axis unless recording is paused. Returns the entry (async handles time
     their wait in it)."""
     return ledger_of(axis).add(op, axis.name, payload_bytes, axis.size if group_size is None else group_size)
-
-
-def current_ledger() -> CommLedger:
-    """The current ledger: where calls on an axis without a ledger of its own are written
-    (see "Scope" in the module docstring)."""
-    return _CURRENT.get()
 
 
 @contextmanager
@@ -206,7 +201,8 @@ def use_ledger(ledger: CommLedger):
 
 
 class _CurrentLedger:
-    """``LEDGER``: every attribute is that of :func:`current_ledger` at the time of use."""
+    """``LEDGER``: every attribute is that of the current ledger (the innermost :func:`use_ledger`'s,
+    else the default) at the time of use."""
 
     def __getattr__(self, name):
         return getattr(_CURRENT.get(), name)

@@ -154,7 +154,14 @@ class TrainSection(BaseModel):
                             "the run before its update, naming the step and the last finite checkpoint (exit 3) | "
                             "skip its update (a warning; counted in the metrics' skipped_steps; the learning-rate "
                             "schedule moves on). fp16's loss-scaler overflows are skipped as always")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32 | bf16 autocast | fp16 (GPU)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32 | bf16: parameters and gradients stored in bf16, fp32 master weights and AdamW "
+                            "moments sharded by the ZeRO stage, autocast | fp16 (GPU): fp32 parameters, autocast "
+                            "and loss scaling")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="with precision bf16: the data-parallel gradient reduction in fp32 (each bucket/unit "
+                            "cast before it) | bf16 (the bf16 gradients reduced, the result cast to fp32); "
+                            "precision fp32/fp16 reduce their fp32 gradients and accept only fp32")
     seed: int = Field(0, description="seeds the model initialisation and the batch order")
     log_interval: int = Field(10, description="steps between metrics lines")
     save_interval: int = Field(0, description="steps between checkpoints under RUN_DIR/checkpoints; 0 = only at "

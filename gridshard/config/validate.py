@@ -148,9 +148,8 @@ _IMAGE_DATA = ("digits", "images")
 def _vit_shapes(cfg: TrainConfig, m) -> None:
     """What a ViT needs of the layout beyond the shared rules: under sequence parallelism whole
     blocks of its 1 + (image/patch)² tokens (the shared rule, said in the ViT's terms), in 2D the
-    MLP width in q² blocks (the bias of intermediate.dense is a Linear2D bias); no pipeline stages,
-    selective recompute or compile yet."""
-    p, t = cfg.parallel, cfg.train
+    MLP width in q² blocks (the bias of intermediate.dense is a Linear2D bias)."""
+    p = cfg.parallel
     if p.sequence_parallel and p.tensor_mode == "1d" and m.seq_len % p.tensor:
         _fail("model.image_size/model.patch_size", (m.image_size, m.patch_size),
               f"sequence parallelism splits the ViT's 1 + (image_size/patch_size)² = {m.seq_len} tokens into "
@@ -160,10 +159,6 @@ def _vit_shapes(cfg: TrainConfig, m) -> None:
     if q and m.ffn_hidden % (q * q):
         _fail("model.ffn_hidden", m.ffn_hidden, f"in 2D the MLP's first bias is stored in q²={q * q} blocks",
               f"use a multiple of {q * q}")
-    for field, value, default in (("parallel.pipeline", p.pipeline, 1), ("train.recompute", t.recompute, "none"),
-                                  ("train.compile", t.compile, False)):
-        if value != default:
-            _fail(field, value, "model.kind=vit does not support it yet (docs/vision.md)", f"set {field}={default}")
     if cfg.data.kind not in _IMAGE_DATA:
         _fail("data.kind", cfg.data.kind, "model.kind=vit learns from labelled images", "use digits or images")
 
@@ -177,9 +172,9 @@ def _image_data(cfg: TrainConfig) -> None:
         _fail("data.path", d.path, "data.kind=images needs a folder with one subfolder of images per class",
               "set data.path")
     if d.kind == "images":
-        from ..data.images import image_classes
+        from ..data.images import verify_image_folder
 
-        image_classes(d.path)                          # a folder of non-empty class folders (names only)
+        verify_image_folder(d.path)                    # non-empty class folders, every file an image Pillow verifies
     if d.kind == "digits" and d.path is not None:
         _fail("data.path", d.path, "data.kind=digits is scikit-learn's bundled set and takes no path",
               "remove data.path, or use data.kind=images")
@@ -252,6 +247,10 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
     if t.precision == "fp16" and not cuda_available:
         _fail("train.precision", "fp16", "fp16 with loss scaling runs on CUDA GPUs only, and none is visible",
               "use train.precision=bf16 (autocast, works on CPU) or fp32")
+    if t.grad_reduce_dtype == "bf16" and t.precision != "bf16":
+        _fail("train.grad_reduce_dtype", "bf16", f"train.precision={t.precision} keeps fp32 parameters and "
+              "gradients; only bf16 storage (train.precision=bf16) has bf16 gradients to reduce",
+              "use train.grad_reduce_dtype=fp32, or train.precision=bf16")
     if t.recompute == "selective" and cfg.model.hf_config is not None:
         _fail("train.recompute", "selective", "selective recompute wraps the attention core and MLP activation of gridshard's "
               "own model; a Hugging Face model (model.hf_config) has its own attention and MLP code", "use train.recompute=full")

@@ -6,8 +6,11 @@ Digits: the 1797 8×8 grey images of ``sklearn.datasets.load_digits`` (values 0.
 classes), upscaled to ``model.image_size`` (bilinear) and normalised to x/16·2 − 1 ∈ [−1, 1].
 Image folder: ``data.path/<class>/<file>``, classes in sorted order (label = index), files in
 sorted order, each converted to grey (``channels: 1``) or RGB (3), resized to image_size
-(bilinear) and normalised to x/255·2 − 1. Either way the whole set is held as one float tensor
-[n, C, H, W] (small sets: the digits are 1.8 MB at 16×16).
+(bilinear) and normalised to x/255·2 − 1. The digits are held as one float tensor [n, C, H, W]
+(1.8 MB at 16×16); an image folder is an index of files (:class:`FolderImages`) and each data rank
+reads, at each step, only the files of its own rows. Before launch (config validation,
+:func:`verify_image_folder`) every file of the folder is checked: a non-image file or one Pillow
+cannot verify is refused by name, as are a missing folder, no class folders and an empty class.
 
 Split: a fixed permutation (numpy PCG64 seeded 0, independent of ``train.seed``) puts the last
 ⌈val_fraction·n⌉ of it (default 0.2) in validation, the rest in training — the same split at
@@ -51,14 +54,73 @@ def load_digits_tensor(image_size: int) -> tuple:
 
 def load_image_folder(path: str, image_size: int, channels: int) -> tuple:
     """(images [n, C, S, S] in [−1, 1], labels [n], class names) of a class-per-subfolder folder
-    (module docstring); a ConfigError names an unreadable file or an empty class."""
+    (module docstring), every file read now; a ConfigError names an unreadable file or an empty class."""
+    files, labels, classes = folder_index(path)
+    return FolderImages(files, image_size, channels)[torch.arange(len(files))], labels, classes
+
+
+def folder_index(path: str) -> tuple:
+    """(image files, labels [n], class names) of a class-per-subfolder folder, nothing read:
+    classes sorted (label = index), each class's files sorted."""
     classes = image_classes(path)
-    images, labels = [], []
+    files, labels = [], []
     for label, name in enumerate(classes):
-        for file in image_files(os.path.join(path, name)):
-            images.append(read_image(file, image_size, channels))
-            labels.append(label)
-    return torch.stack(images), torch.tensor(labels, dtype=torch.int64), classes
+        found = image_files(os.path.join(path, name))
+        files += found
+        labels += [label] * len(found)
+    return files, torch.tensor(labels, dtype=torch.int64), classes
+
+
+class FolderImages:
+    """An image folder's files, read when indexed: ``images[idx]`` reads the files ``idx`` names
+    and returns them stacked [len(idx), C, S, S] (:func:`read_image`). An :class:`ImagePlan` over
+    it reads, at each step, only this data rank's G/D rows of the global batch — no rank holds
+    the set, nor reads another rank's images (each file is decoded again in each epoch that
+    draws it: cheap for small images, and nothing accumulates in memory)."""
+
+    def __init__(self, files: list, image_size: int, channels: int):
+        self.files, self.image_size, self.channels = list(files), image_size, channels
+        self.reads = 0                              # files decoded so far (what the tests count)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        chosen = [self.files[int(i)] for i in idx]
+        self.reads += len(chosen)
+        return torch.stack([read_image(f, self.image_size, self.channels) for f in chosen])
+
+    def subset(self, idx) -> "FolderImages":
+        return FolderImages([self.files[int(i)] for i in idx], self.image_size, self.channels)
+
+
+def verify_image_folder(path: str) -> int:
+    """Before launch: ``path`` is a folder of non-empty class folders (:func:`image_classes`), no
+    class folder holds a file that is not an image (a suffix outside ``IMAGE_SUFFIXES``: named, as a
+    corrupt file is), and every image file opens with Pillow and passes ``Image.verify()`` (its
+    header and, for PNG, its chunk checksums; nothing is decoded). One ConfigError names the first
+    problem. Returns the number of images."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ConfigError("reading image files needs Pillow. Fix: pip install -e .[vision]") from None
+    n = 0
+    for name in image_classes(path):
+        folder = os.path.join(path, name)
+        others = sorted(f for f in os.listdir(folder) if not f.startswith(".") and not f.lower().endswith(
+            IMAGE_SUFFIXES) and os.path.isfile(os.path.join(folder, f)))
+        if others:
+            raise ConfigError(f"data.path: {os.path.join(folder, others[0])!r} is not an image file (suffix not in "
+                              f"{', '.join(IMAGE_SUFFIXES)}). Fix: remove it from the class folder, or convert it.")
+        for file in image_files(folder):
+            try:
+                with Image.open(file) as im:
+                    im.verify()
+            except Exception as e:                  # Pillow raises many types for a damaged file
+                raise ConfigError(f"{file!r} is not a readable image ({type(e).__name__}: {e}). Fix: remove or "
+                                  f"replace it.") from None
+            n += 1
+    return n
 
 
 def read_image(file: str, image_size: int, channels: int) -> torch.Tensor:
@@ -119,7 +181,8 @@ class ImagePlan:
         self.images, self.labels, self.seed, self.stream = images, labels, seed, stream
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rows = rank_rows(global_batch, data_size, data_rank)
-        self.tokens = images                       # the resident data (what the trainer's memory accounts)
+        # the resident data (what the trainer's memory accounts): a tensor, or a FolderImages (no bytes held)
+        self.tokens = images
 
     def global_indices(self, step: int) -> np.ndarray:
         """The G sample indices of global batch ``step``."""
@@ -148,17 +211,21 @@ def image_plans(cfg, data_size: int, data_rank: int) -> tuple:
             raise ConfigError(f"model.channels={m.channels} is invalid for data.kind=digits: the digits are grey. "
                               f"Fix: set model.channels: 1.")
         images, labels = load_digits_tensor(m.image_size)
-    else:
-        images, labels, _ = load_image_folder(d.path, m.image_size, m.channels)
+    else:                                          # read per rank and step (FolderImages)
+        files, labels, _ = folder_index(d.path)
+        images = FolderImages(files, m.image_size, m.channels)
     if int(labels.max()) >= m.num_classes:
         raise ConfigError(f"model.num_classes={m.num_classes} is too small: the data has {int(labels.max()) + 1} "
                           f"classes. Fix: set model.num_classes: {int(labels.max()) + 1}.")
     fraction = DEFAULT_VAL_FRACTION if d.val_fraction is None else d.val_fraction
     train_idx, val_idx = split_indices(len(labels), fraction)
+    def take(i):                                   # a share of the set: files stay unread
+        return images.subset(i) if isinstance(images, FolderImages) else images[i]
+
     idx = torch.from_numpy(train_idx)
-    plan = ImagePlan(images[idx], labels[idx], t.global_batch, t.micro_batch, data_size, data_rank, t.seed)
+    plan = ImagePlan(take(idx), labels[idx], t.global_batch, t.micro_batch, data_size, data_rank, t.seed)
     if not len(val_idx):
         return plan, None
     v = torch.from_numpy(val_idx)
-    return plan, ImagePlan(images[v], labels[v], t.global_batch, t.micro_batch, data_size, data_rank, t.seed,
+    return plan, ImagePlan(take(v), labels[v], t.global_batch, t.micro_batch, data_size, data_rank, t.seed,
                            stream=1)

@@ -17,7 +17,8 @@ is composed in this fixed order, each stage reading only what the ones before it
                              (seed, name, global index), or model.init_from into the whole blocks)
       4. recompute           train.recompute per decoder layer
       5. compile             train.compile: torch.compile per decoder layer
-      6. reducer             build_reducer(model, mesh.data, train.zero, bucket bytes)
+      6. reducer             build_reducer(model, mesh.data, train.zero, bucket bytes); bf16: fp32 masters,
+                             then the parameters stored in bf16
       7. optimizer           AdamW over reducer.optimizer_tensors() · Precision (train.precision)
       8. checkpointer        Checkpointer (own gloo group) · train.resume into model, optimizer, reducer
       ├─ micro-batch driver  P = 1: MicroBatchLoop; P > 1: PipelineSchedule (PipelineRunner, tied sync)
@@ -54,7 +55,7 @@ from ..zero.reducer import build_reducer
 from .memory_meter import rss_now
 from .warmup import start_warmup
 from .optim import build_optimizer
-from .precision import Precision, apply_math_modes
+from .precision import DTYPES, Precision, apply_math_modes
 from .step import MicroBatchLoop, PipelineSchedule, step_batch
 
 COMPOSITION_ORDER = ("model on meta", "stage split", "parallelize", "recompute", "compile", "reducer",
@@ -273,8 +274,11 @@ def _reducer(job: Job) -> None:
     what the optimizer steps, what the norm counts and what a checkpoint holds all come from it."""
     job.composed.append("reducer")
     p, t = job.cfg.parallel, job.cfg.train
+    # bf16: parameters stored in bf16 from here on, fp32 masters in the reducer (the one cast)
     job.reducer = build_reducer(job.model, job.mesh.data, t.zero, int(t.bucket_mb * 2**20),
-                                overlap=t.overlap_grad_reduce and p.pipeline == 1)
+                                overlap=t.overlap_grad_reduce and p.pipeline == 1,
+                                param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+                                grad_reduce_dtype=DTYPES[t.grad_reduce_dtype])
 
 
 def _optimizer(job: Job) -> None:

@@ -51,8 +51,26 @@ def device_peak_flops(device: torch.device, precision: str, tf32: bool = False,
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak: CUDA ``max_memory_allocated``; CPU the process's peak RSS
+    (:func:`process_peak_rss`)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    return process_peak_rss()
+
+
+def process_peak_rss() -> int:
+    """The peak resident set of this process's own memory, in bytes: Linux ``VmHWM`` of
+    ``/proc/self/status``, else ``getrusage``'s ``ru_maxrss``. Why not ``ru_maxrss`` on Linux: it
+    survives ``exec``, so a worker spawned (fork + exec) by a large process — a launcher, a test
+    session — starts with that process's resident size as its "peak"; ``VmHWM`` belongs to the
+    worker's own address space."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

@@ -1,9 +1,11 @@
 """Mixed precision: bf16 autocast (CPU and GPU), fp16 autocast with loss scaling (GPU).
 
 * ``fp32``: no autocast.
-* ``bf16``: ``torch.autocast(device, bfloat16)``; parameters, gradients and the
-  optimizer stay fp32 (bf16 has fp32's exponent range, so no loss scaling).
-* ``fp16``: ``torch.autocast(cuda, float16)`` plus ``torch.amp.GradScaler``: the loss
+* ``bf16``: ``torch.autocast(device, bfloat16)``; parameters and gradients stored in bf16,
+  fp32 master weights (and AdamW on them) owned by the gradient reducer
+  (:func:`gridshard.zero.reducer.build_reducer`, ``train.grad_reduce_dtype``); bf16 has fp32's
+  exponent range, so no loss scaling.
+* ``fp16``: fp32 parameters, ``torch.autocast(cuda, float16)`` plus ``torch.amp.GradScaler``: the loss
   is multiplied by S before backward, gradients are divided by S before clipping,
   and a step whose gradients hold inf/NaN is skipped (S halves; it doubles after
   ``growth_interval`` clean steps).

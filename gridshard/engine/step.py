@@ -59,7 +59,7 @@ from ..comm import collectives as C
 from ..device import batch_to_device
 from .clip import clip_gradients, global_grad_norm
 from .optim import set_lr
-from .schedule import lr_at
+from ..schedule import lr_at
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,9 @@ def accuracy_metrics(job) -> dict:
     """A classifier's (``parallel_context.objective == "classify"``, the ViT) ``accuracy`` and
     ``val_accuracy``: the share of right answers (argmax = label) over the first
     ``train.eval_batches`` global batches of the training data (batches 0, 1, … of the run's order,
-    the same every time) and of the validation data; {} for a language model. Forward only (P = 1),
-    the same values on every rank (all-reduces over data and, in 2D, along the grid column;
-    paused in the ledger)."""
+    the same every time) and of the validation data; {} for a language model. Forward only,
+    the same values on every rank (all-reduces over data and pipeline ranks and, in 2D, along the
+    grid column; paused in the ledger). P > 1: the pipeline's forward, counted at the last stage."""
     if job.context.objective != "classify":
         return {}
     out = {"accuracy": _accuracy(job, job.plan)}
@@ -220,6 +220,10 @@ def _accuracy(job, plan) -> float:
         for j in range(job.cfg.train.eval_batches):
             micro, n_valid = plan.step_batches(j)
             n += n_valid
+            if job.pipeline is not None:                # P > 1: counted at the last stage (its rank only)
+                count = lambda logits, y: correct_count(logits, y, ctx.mode, ctx.mesh)      # noqa: E731
+                hits += sum(c.double() for c in job.pipeline.evaluate(micro, job.device, measure=count))
+                continue
             for images, labels in micro:
                 images = batch_to_device(ctx.shard_tokens(images), job.device)
                 labels = batch_to_device(ctx.shard_tokens(labels), job.device)
@@ -227,6 +231,7 @@ def _accuracy(job, plan) -> float:
                     hits += correct_count(ctx.logits(job.model, images), labels, ctx.mode, ctx.mesh)
         job.reducer.free_all()                          # ZeRO-3: the root stays gathered after a forward
         hits = C.all_reduce(hits.reshape(1), job.mesh.data, inplace=True)
+        hits = C.all_reduce(hits, job.mesh.pipeline, inplace=True)      # P > 1: only the last stage counted
     return float(hits[0]) / n
 
 

@@ -117,17 +117,22 @@ class Trainer:
         or None for a model the memory model does not describe (a Hugging Face model, a ViT)."""
         if self.cfg.model.hf_config is not None or self.cfg.model.kind == "vit":
             return None
+        from ..parallel.rank_blocks import rank_parameter_blocks
         from ..theory.memory import predict_rank_memory
 
         p, t = self.cfg.parallel, self.cfg.train
         resident = [x for x in (tokens, val_tokens) if x is not None and not isinstance(x, np.memmap)]
+        ids = [int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None
+        stage = self.mesh.pipeline.rank                # the rank's blocks: its stages, first / last ends
+        blocks = rank_parameter_blocks(self.model_cfg, self.layout.mode, p.tensor, ids,
+                                       stage == 0, stage == p.pipeline - 1)
         return predict_rank_memory(
             self.model_cfg, mode=self.layout.mode, T=p.tensor, sequence_parallel=self.layout.sequence_parallel, data=p.data,
             data_rank=self.mesh.data.rank, zero=t.zero, recompute=t.recompute, micro_batch=t.micro_batch,
             seq_len=self.cfg.data.seq_len, n_microbatches=self.layout.micro_batches,
             pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
-            layer_ids=[int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None,
-            baseline_bytes=self.mem_baseline, precision=t.precision,
+            layer_ids=ids, baseline_bytes=self.mem_baseline, precision=t.precision, blocks=blocks,
+            grad_reduce_dtype=t.grad_reduce_dtype,
             extra_bytes=sum(int(getattr(x, "nbytes", 0)) for x in resident) if self.device.type == "cpu" else 0)
 
     # ---- checkpoints (resume and model.init_from are the composer's: gridshard.engine.job) ----

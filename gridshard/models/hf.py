@@ -1,8 +1,9 @@
 """Hugging Face Llama-family models (Llama, Mistral, Qwen2 layouts): build from a config,
 read their dimensions, and move weights by name.
 
-``transformers`` is optional (``pip install gridshard[hf]``); it is imported only here,
-inside the functions that need it. Nothing is downloaded: the architecture comes from a
+``transformers`` is optional (``pip install gridshard[hf]``); it is imported only inside the
+functions that need it (here, :mod:`gridshard.models.hf_stages` for its causal mask and
+:mod:`gridshard.models.vit` for ``ViTConfig``), never at module level. Nothing is downloaded: the architecture comes from a
 local ``config.json``.
 
 Names: gridshard's :class:`gridshard.models.Transformer` uses Hugging Face's module names

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from .llama import _recomputed
 
 
 @dataclass
@@ -74,6 +75,11 @@ class ViTConfig:
     def kv_heads(self) -> int:
         """Multi-head attention: every query head has its own key/value head."""
         return self.heads
+
+    @property
+    def tie_embeddings(self) -> bool:
+        """No output layer shares the input's weight (what the pipeline's tied-weight sync reads)."""
+        return False
 
     @property
     def vocab_size(self) -> int:
@@ -146,11 +152,26 @@ class ViTSelfAttention(nn.Module):
         self.key = nn.Linear(cfg.hidden, cfg.hidden)
         self.value = nn.Linear(cfg.hidden, cfg.hidden)
 
+    #: recompute the attention core (softmax attention) in backward (``train.recompute: selective``,
+    #: :mod:`gridshard.parallel.recompute`); off unless :meth:`recompute_core_in_backward` turns it on
+    recompute_core: bool = False
+
+    def recompute_core_in_backward(self) -> None:
+        """Keep only q, k, v (the projections' outputs) for backward and run the core again there
+        (non-reentrant ``torch.utils.checkpoint``): SDPA's own saved tensors (its output, the
+        log-sum-exp) are not kept. Part of selective recompute; no collective is inside."""
+        self.recompute_core = True
+
+    @staticmethod
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Full (non-causal) softmax attention: [b, H, s, d] → [b, H, s, d]."""
+        return F.scaled_dot_product_attention(q, k, v)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.query, self.key, self.value))
-        o = F.scaled_dot_product_attention(q, k, v)
+        o = _recomputed(self.core, q, k, v) if self.recompute_core else self.core(q, k, v)
         return o.transpose(1, 2).reshape(b, s, -1)
 
 
@@ -184,7 +205,17 @@ class ViTOutput(nn.Module):
 
 class ViTLayer(nn.Module):
     """Pre-norm block: x + attention(layernorm_before(x)), then + mlp(layernorm_after(x)),
-    mlp = output.dense(gelu(intermediate.dense(·))) (exact GELU, Hugging Face's ``"gelu"``)."""
+    mlp = output.dense(gelu(intermediate.dense(·))) (exact GELU, Hugging Face's ``"gelu"``).
+
+    Kept for backward by the MLP: u = intermediate.dense(·) (GELU's input) and gelu(u)
+    (output.dense's input), two f-wide tensors; with :meth:`recompute_activation_in_backward`
+    the same two — GELU keeps u and output.dense keeps gelu(u) either way, so rebuilding gelu(u)
+    from u in backward saves no tensor here, unlike SwiGLU's silu(g) — but the activation runs
+    in its own checkpoint region as the Llama's does, so ``selective`` means the same regions for
+    both families (attention core + MLP activation)."""
+
+    #: recompute gelu(u) in backward (``train.recompute: selective``); off by default
+    recompute_activation: bool = False
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
@@ -194,9 +225,15 @@ class ViTLayer(nn.Module):
         self.intermediate = ViTIntermediate(cfg)
         self.output = ViTOutput(cfg)
 
+    def recompute_activation_in_backward(self) -> None:
+        """Compute gelu(u) again in backward from u = intermediate.dense(·) (no collective)."""
+        self.recompute_activation = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.layernorm_before(x))
-        return x + self.output.dense(F.gelu(self.intermediate.dense(self.layernorm_after(x))))
+        u = self.intermediate.dense(self.layernorm_after(x))
+        act = _recomputed(F.gelu, u) if self.recompute_activation else F.gelu(u)
+        return x + self.output.dense(act)
 
 
 class ViTEncoder(nn.Module):
@@ -244,9 +281,26 @@ class VisionTransformer(nn.Module):
                 laws[name] = ("normal", self.cfg.init_std)
         return laws
 
-    # the forward in pieces, as the Llama's (embed → layers → head)
+    # The forward in pieces, as the Llama's (embed → layer_inputs → run_layer → head): what a
+    # pipeline stage runs of it (gridshard.pipeline.split.ViTRankModel, stage_module.StageModule).
     def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """images [b, C, H, W] → hidden states [b, s, h] (under autocast in the compute dtype:
+        the convolution's output dtype, which the class token and positions are cast to)."""
         return self.vit.embeddings(images)
+
+    @staticmethod
+    def hidden_dtype(compute: torch.dtype) -> torch.dtype:
+        """The dtype of the hidden states between layers (and pipeline stages): the compute dtype."""
+        return compute
+
+    def layer_inputs(self, x: torch.Tensor, seq_len: int) -> tuple:
+        """What an encoder layer reads besides the hidden states: nothing (learned positions are
+        added once, in ``embed``; attention is unmasked)."""
+        return ()
+
+    @staticmethod
+    def run_layer(layer: nn.Module, x: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        return layer(x, *inputs)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final LayerNorm and the classifier on the class token: hidden states → logits [b, K]."""
@@ -254,8 +308,9 @@ class VisionTransformer(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.embed(images)
+        inputs = self.layer_inputs(x, x.shape[1])
         for layer in self.vit.encoder.layer:
-            x = layer(x)
+            x = self.run_layer(layer, x, inputs)
         return self.head(x)
 
 

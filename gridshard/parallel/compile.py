@@ -1,6 +1,7 @@
 """``train.compile``: ``torch.compile`` of each decoder layer's forward.
 
-Each decoder layer (``layers.N`` / ``model.layers.N``, the units recompute and ZeRO use) has
+Each decoder layer (``layers.N`` / ``model.layers.N`` / a ViT's ``vit.encoder.layer.N``, the units
+recompute and ZeRO use: :mod:`gridshard.parallel.decoder_layers`) has
 its ``forward`` replaced by ``torch.compile(forward)``; the module itself stays as it is, so
 parameter names, state dicts, checkpoints, forward hooks (ZeRO-3's release and regather) and
 recompute (whose hooks recompute the forward the call ran, here the compiled one, whether

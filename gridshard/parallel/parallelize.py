@@ -26,7 +26,6 @@ The model is modified in place and returned.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -290,15 +289,3 @@ def _install_sequence_scatter(model: nn.Module, name: str, mesh) -> None:
         return args, {**kwargs, key: scatter_to_group(kwargs[key], axis, 1)}
 
     target.register_forward_pre_hook(split, with_kwargs=True)
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Global parameter count of a laid-out model, from its layouts (tied weights once)."""
-    from .context import context_of
-
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += math.prod(context_of(model).layouts[name].canonical())
-    return total

@@ -25,7 +25,10 @@
   Per layer that is the log-sum-exp (N·H_r·4 bytes) and one f-wide tensor (silu(g)) less than
   ``none`` (:func:`gridshard.theory.memory.layer_saved_bytes`). Both regions run on the rank's
   own heads / MLP columns with no collective, so nothing is communicated again. (gridshard's
-  model; a Hugging Face model takes ``full``.)
+  model; a Hugging Face model takes ``full``.) The ViT (:mod:`gridshard.models.vit`) has the same
+  two regions: its attention core (full softmax attention, q, k, v kept; on the math SDPA
+  backend its s×s probabilities are not kept) and its GELU, recomputed from its input u —
+  which GELU and output.dense keep anyway (u and gelu(u)), so the MLP region saves no bytes there.
 
 All three give exactly the same gradients as ``none`` (the recomputation repeats deterministic
 ops under the same autocast state; no dropout), which ``tests/test_recompute.py`` checks bit for
@@ -54,6 +57,11 @@ from ..errors import LayoutError
 from .decoder_layers import decoder_layers
 
 MODES = ("none", "full", "selective")
+
+#: what ``selective`` turns on, in any module that has it: the attention core
+#: (:class:`gridshard.models.llama.Attention`, :class:`gridshard.models.vit.ViTSelfAttention`) and
+#: the MLP activation (:class:`gridshard.models.llama.SwiGLUMLP`, :class:`gridshard.models.vit.ViTLayer`)
+SELECTIVE_SWITCHES = ("recompute_core_in_backward", "recompute_activation_in_backward")
 
 
 def _arguments_after_fn() -> list:
@@ -112,17 +120,13 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
             checkpoint_module(module)
             count += 1
     elif mode == "selective":
-        from ..models.llama import Attention, SwiGLUMLP
-
         for module in model.modules():
-            if isinstance(module, Attention):
-                module.recompute_core_in_backward()
-                count += 1
-            elif isinstance(module, SwiGLUMLP):
-                module.recompute_activation_in_backward()
-                count += 1
+            for switch in SELECTIVE_SWITCHES:
+                if callable(getattr(module, switch, None)):
+                    getattr(module, switch)()
+                    count += 1
         if count == 0:
             raise LayoutError(f"train.recompute=selective recomputes the attention core and MLP activation of "
-                              f"gridshard's model, and this {type(model).__name__} has neither. "
+                              f"gridshard's models, and this {type(model).__name__} has neither. "
                               f"Fix: train.recompute=full.")
     return count

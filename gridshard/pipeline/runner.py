@@ -38,7 +38,6 @@ import torch
 from ..device import batch_to_device
 from ..errors import ConfigError
 from ..job_layout import StageSplit, TensorMode
-from ..nn.sharding import mesh_coords
 from ..parallel.parallelize import model_dims
 from .meter import StageMeter
 from .stage_module import StageModule
@@ -76,20 +75,21 @@ class PipelineRunner:
         hidden_dtype = getattr(rank_model, "hidden_dtype", lambda compute: torch.float32)(precision.dtype)
         act = torch.empty(local_activation_shape(ctx.mode, ctx.sequence_parallel, T, micro_batch, seq_len,
                                                  hidden), dtype=hidden_dtype, device="meta", requires_grad=True)
-        tokens = torch.empty((micro_local, seq_len), dtype=torch.long, device="meta")
+        tokens = rank_model.stage_input_meta(micro_local, seq_len)
         self.meter = StageMeter(mesh.pipeline if mesh.ledger is not None else ctx.mesh.pipeline,
                                 rank_model.parameters(), device)
         self.modules, stages = [], []
         for s in self.stage_indices:
             first, last = s == 0, s == S - 1
             module = StageModule(rank_model, ids[s], first, last, seq_len)
-            out = self._logits_meta(rank_model, micro_local, seq_len, mesh) if last else act
+            out = rank_model.stage_output_meta(micro_local, seq_len, mesh) if last else act
             stages.append(PipelineStage(module, s, S, device, input_args=(tokens if first else act,),
                                         output_args=(out,), group=mesh.pipeline.group))
             self.meter.attach(stages[-1])
             self.modules.append(module)
         self.weight = 0.0
         self.sums: list = []
+        self.measure = None                  # evaluate(measure=…): what the last stage sums instead of the loss
         if schedule in ("interleaved_1f1b", "zero_bubble"):
             cls = ScheduleInterleaved1F1B if schedule == "interleaved_1f1b" else ScheduleInterleavedZeroBubble
             self.schedule = cls(stages, n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
@@ -103,16 +103,8 @@ class PipelineRunner:
         else:
             raise ConfigError(f"parallel.pipeline_schedule={schedule!r} is not one of {SCHEDULES}.")
 
-    @staticmethod
-    def _logits_meta(rank_model, micro_local, seq_len, mesh):
-        spec = rank_model.parallel_context.layouts["lm_head.weight"]
-        _, sizes = mesh_coords(mesh)
-        local = spec.local_shape(sizes)
-        vocab_local = local[1] if spec.transposed else local[0]
-        return torch.empty((micro_local, seq_len, vocab_local), device="meta", requires_grad=True)
-
     def _loss_fn(self, logits, targets):
-        loss_sum = self.loss(logits, targets)
+        loss_sum = (self.measure or self.loss)(logits, targets)
         self.sums.append(loss_sum.detach())
         return self.precision.scale(loss_sum * self.weight)
 
@@ -133,10 +125,18 @@ class PipelineRunner:
             self.schedule.step(*args, **kwargs)
         return self.sums
 
-    def evaluate(self, micro: list, device) -> list:
+    def evaluate(self, micro: list, device, measure=None) -> list:
         """Forward only (the schedule's ``eval``): the loss sums of ``micro`` on the rank with
-        the last stage, else an empty list."""
-        self.weight, self.sums = 1.0, []
+        the last stage, else an empty list; with ``measure(logits, targets) -> tensor`` (called by
+        every tensor rank of the last stage, in micro-batch order) its values instead of the
+        loss sums (a classifier's right answers: :func:`gridshard.engine.step.accuracy_metrics`)."""
+        self.weight, self.sums, self.measure = 1.0, [], measure
+        try:
+            return self._evaluate(micro, device)
+        finally:
+            self.measure = None
+
+    def _evaluate(self, micro: list, device) -> list:
         shard = self.ctx.shard_tokens
         args = (torch.cat([shard(t) for t, _ in micro]).to(device),) if self.has_first else ()
         kwargs = {"target": torch.cat([shard(y) for _, y in micro]).to(device), "losses": []} \

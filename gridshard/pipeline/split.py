@@ -21,7 +21,9 @@ embedding weight (the head's weight); its gradient is summed with the first stag
 A stage runs the model family's own forward pieces — ``embed``, ``layer_inputs``,
 ``run_layer``, ``head`` — which are also what the single-device forward is composed of
 (:meth:`gridshard.models.Transformer.forward`; Hugging Face Llama:
-:class:`gridshard.models.hf_stages.LlamaStagePieces`), so there is one description of the
+:class:`gridshard.models.hf_stages.LlamaStagePieces`; the ViT:
+:meth:`gridshard.models.vit.VisionTransformer.forward`, its layers ``vit.encoder.layer.N``, stage 0
+fed images and the last stage giving class logits), so there is one description of the
 forward (:class:`gridshard.pipeline.stage_module.StageModule`).
 """
 from __future__ import annotations
@@ -29,10 +31,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from ..models.hf_stages import LlamaStagePieces, check_stageable
 from ..models.llama import Transformer
+from ..models.vit import VisionTransformer
+from ..nn.sharding import mesh_coords
 
 
 def _put(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -49,18 +54,21 @@ class _RankPart(nn.Module):
     """The modules of the plain model that one pipeline rank holds, under their single-device
     names, taken from the plain model (not copied). A family names its modules: ``EMBEDDING``
     (the token embedding), ``LAYERS`` (the decoder layers' list), ``EVERY_STAGE`` (modules every
-    stage calls, e.g. a rotary embedding), ``HEAD`` (final norm and LM head)."""
+    stage calls, e.g. a rotary embedding), ``HEAD`` (final norm and LM head), ``OUTPUT`` (the output
+    layer, whose weight a tied embedding shares), and says what a first stage reads and a last
+    stage gives (:meth:`stage_input_meta`, :meth:`stage_output_meta`)."""
 
     EMBEDDING: str
     LAYERS: str
     EVERY_STAGE: tuple = ()
     HEAD: tuple
+    OUTPUT: str = "lm_head"                  # the output layer (its weight may be the embedding's)
 
     def __init__(self, plain, layer_ids: Sequence[int], has_first: bool, has_last: bool):
         super().__init__()
         self.has_first, self.has_last = has_first, has_last
         embedding = plain.get_submodule(self.EMBEDDING)
-        tied = plain.get_submodule("lm_head").weight is embedding.weight
+        tied = plain.get_submodule(self.OUTPUT).weight is getattr(embedding, "weight", None)
         if has_first or (has_last and tied):
             _put(self, self.EMBEDDING, embedding)
         layers = plain.get_submodule(self.LAYERS)
@@ -81,6 +89,19 @@ class _RankPart(nn.Module):
         """The modules stage (``layer_ids``, ``first``, ``last``) calls: its parameters, no other stage's."""
         names = ((self.EMBEDDING,) if first else ()) + self.EVERY_STAGE + (self.HEAD if last else ())
         return [self.get_submodule(n) for n in names] + [self.decoder_layer(i) for i in layer_ids]
+
+    def stage_input_meta(self, micro_local: int, seq_len: int) -> torch.Tensor:
+        """The first stage's input per micro-batch on this rank (meta): tokens [b', s]."""
+        return torch.empty((micro_local, seq_len), dtype=torch.long, device="meta")
+
+    def stage_output_meta(self, micro_local: int, seq_len: int, mesh) -> torch.Tensor:
+        """The last stage's output per micro-batch on this rank (meta): this rank's logits
+        block [b', s, V_local] (V_local from the output layer's layout)."""
+        spec = self.parallel_context.layouts[self.OUTPUT + ".weight"]
+        _, sizes = mesh_coords(mesh)
+        local = spec.local_shape(sizes)
+        vocab_local = local[1] if spec.transposed else local[0]
+        return torch.empty((micro_local, seq_len, vocab_local), device="meta", requires_grad=True)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline rank's model runs through its stages (gridshard.pipeline.StageModule)")
@@ -121,3 +142,43 @@ class HFRankModel(LlamaStagePieces, _RankPart):
         from ..parallel.plan import HF_LLAMA_PLAN
 
         return replace(HF_LLAMA_PLAN, sequence_scatter="embedding")
+
+
+class ViTRankModel(_RankPart):
+    """gridshard's :class:`~gridshard.models.vit.VisionTransformer`: its parts on this rank under
+    Hugging Face ``ViTForImageClassification`` names (stage 0: ``vit.embeddings``; the last stage:
+    ``vit.layernorm`` and ``classifier``), its forward pieces. The first stage reads images
+    [b', C, H, W]; the last stage's output is the logits [b', K], whole on every tensor rank
+    (1D: ``Classifier1D``; 2D: grid row i's batch block)."""
+
+    EMBEDDING, LAYERS, HEAD, OUTPUT = "vit.embeddings", "vit.encoder.layer", ("vit.layernorm", "classifier"), \
+        "classifier"
+    embed, layer_inputs, head = VisionTransformer.embed, VisionTransformer.layer_inputs, VisionTransformer.head
+    run_layer = staticmethod(VisionTransformer.run_layer)
+    hidden_dtype = staticmethod(VisionTransformer.hidden_dtype)
+
+    def __init__(self, plain, layer_ids: Sequence[int], has_first: bool, has_last: bool):
+        super().__init__(plain, layer_ids, has_first, has_last)
+        self.cfg = plain.cfg
+        self.holds_layer_0 = 0 in layer_ids
+
+    def init_laws(self) -> dict:
+        """The single-device model's laws for the parameters held here (same names)."""
+        return VisionTransformer.init_laws(self)
+
+    def layout_plan(self):
+        """:data:`VIT_PLAN`; under sequence parallelism the residual stream is cut at layer 0's
+        input, so a rank without layer 0 receives its input already cut and installs no cut
+        (``sequence_scatter="embedding"``: the ViT's embedding is replicated whatever the flag)."""
+        from ..parallel.plan import VIT_PLAN
+
+        return VIT_PLAN if self.holds_layer_0 else replace(VIT_PLAN, sequence_scatter="embedding")
+
+    def stage_input_meta(self, micro_local: int, seq_len: int) -> torch.Tensor:
+        """Images [b', C, H, W] (fp32, as the data gives them)."""
+        c = self.cfg
+        return torch.empty((micro_local, c.channels, c.image_size, c.image_size), device="meta")
+
+    def stage_output_meta(self, micro_local: int, seq_len: int, mesh) -> torch.Tensor:
+        """Logits [b', K], whole on every tensor rank."""
+        return torch.empty((micro_local, self.cfg.num_classes), device="meta", requires_grad=True)

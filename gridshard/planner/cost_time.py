@@ -192,15 +192,6 @@ def tensor_comm_2d(cfg, layout: Layout, seq: int, layers: int, first: bool, last
     return [tp2d.total(p) for p in parts]
 
 
-def tensor_calls_per_layer(cfg, layout: Layout, seq: int) -> int:
-    """Tensor-parallel collectives of one decoder layer in one micro-batch's forward and
-    backward (:func:`tensor_comm_1d` / :func:`tensor_comm_2d` of one middle layer)."""
-    if layout.tensor <= 1 or not layout.mode.splits_weights:
-        return 0
-    comm = tensor_comm_1d if layout.mode.is_1d else tensor_comm_2d
-    return sum(sum(v.calls.values()) for v in comm(cfg, layout, seq, 1, False, False))
-
-
 def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
     """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step."""
     D = layout.data
@@ -516,7 +507,7 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     return RankCost(latency, busy)
 
 
-__all__ = ["StepTime", "RankCost", "step_time", "tensor_calls_per_layer", "rank_cost", "node_step",
+__all__ = ["StepTime", "RankCost", "step_time", "rank_cost", "node_step",
            "microbatch_flops", "stage_crossings", "comm_cpu_seconds", "tensor_comm_1d", "tensor_comm_2d",
            "recompute2d_comm", "data_comm", "comm_seconds", "call_seconds", "trainer_bookkeeping", "link_levels",
            "gemm_flops"]

@@ -72,7 +72,6 @@ from typing import Optional
 from ..errors import ConfigError
 
 HARDWARE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send")
 GIB = 1 << 30
 
 
@@ -243,4 +242,4 @@ def load_hardware(name_or_path) -> Hardware:
     return hardware_from_dict(raw)
 
 
-__all__ = ["Hardware", "LinkCost", "load_hardware", "hardware_from_dict", "builtin_hardware", "COLLECTIVES", "GIB"]
+__all__ = ["Hardware", "LinkCost", "load_hardware", "hardware_from_dict", "builtin_hardware", "GIB"]

@@ -207,10 +207,11 @@ class WorkerGroup:
         _GROUPS.pop(self.world_size, None) if _GROUPS.get(self.world_size) is self else None
 
 
-def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, **kwargs):
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return per-rank results."""
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, fresh: bool = False, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return per-rank results.
+    ``fresh``: on new worker processes (e.g. to measure a peak RSS that no earlier test raised)."""
     group = _GROUPS.get(world_size)
-    if group is None or not group.alive():
+    if group is None or not group.alive() or fresh:
         if group is not None:
             group.close(force=True)
         group = _GROUPS[world_size] = WorkerGroup(world_size)

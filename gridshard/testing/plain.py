@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.utils import skip_init  # no RNG draws at construction: see the init contract
 
-__all__ = ["plain_linear", "plain_embedding", "plain_lm_head", "plain_norm"]
+__all__ = ["plain_linear", "plain_embedding", "plain_lm_head"]
 
 
 def plain_linear(in_features: int, out_features: int, bias: bool, init_std: float) -> nn.Linear:
@@ -60,8 +60,3 @@ def plain_lm_head(hidden: int, vocab: int, init_std: float, tied: Optional[nn.Em
         with torch.no_grad():
             head.weight.normal_(0.0, init_std)
     return head
-
-
-def plain_norm(hidden: int, eps: float) -> nn.RMSNorm:
-    """``nn.RMSNorm`` with weight ones (no RNG draws)."""
-    return nn.RMSNorm(hidden, eps=eps)

@@ -2,8 +2,8 @@
 
 Arithmetic over shapes (no process groups, no tensors). The shapes of a rank's parameter
 blocks are not described here: they are read from the layouts of the model laid out on the
-meta device (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`, which
-:func:`predict_rank_memory` calls when not handed the blocks). The planner and the trainer's
+meta device (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`) and handed to
+:func:`predict_rank_memory` by its caller (``theory`` imports no model code). The planner and the trainer's
 ``predicted_mem_bytes`` call these functions; ``tests/test_memory_model.py`` asserts them
 against the tensors a real laid-out model holds.
 
@@ -18,15 +18,30 @@ pipeline rank holds only its stages' parameters). ZeRO lays each *unit* u (a dec
 or the root: embedding, final norm, head) out in one flat buffer of L_u = D·ceil(n_u/D)
 elements, n_u = Σ_{p∈u} n (:mod:`gridshard.theory.zero`), and data rank r owns the chunk
 C_u = L_u/D of it, s_u = ``unit_shard_numel`` of which are parameter elements (not padding).
-What a rank holds after ``optimizer.step`` and before ``zero_grad``, all fp32 (bf16/fp16
-runs autocast with fp32 parameters, gradients and AdamW state: the same 16 bytes per
-parameter as the seed's estimate)::
+What a rank holds after ``optimizer.step`` and before ``zero_grad``. fp32 and fp16 runs (fp16:
+fp32 parameters, autocast and loss scaling) keep everything fp32, 16 bytes per parameter::
 
     stage   params      grads             optimizer (exp_avg + exp_avg_sq)   comm buffers
     0       4n          4n                8n                                  —
     1       4·ΣL_u      4·ΣL_u (buffer)   8·Σs_u                              4·ΣC_u  (the reduced chunk)
     2       4·ΣL_u      4·ΣC_u (chunk)    8·Σs_u                              —
     3       4·ΣC_u      4·ΣC_u            8·Σs_u                              —   (+ transient below)
+
+bf16 runs (``param_bytes`` = 2: parameters and their gradient buffers in bf16, fp32 master
+weights owned by the reducer, :mod:`gridshard.zero`) — the ZeRO paper's 16Ψ / 2Ψ+2Ψ+12Ψ/D /
+2Ψ+14Ψ/D / 16Ψ/D, except that our reduced gradient chunk (the sharded accumulator) is fp32:
++4Ψ/D at ZeRO-1, +2Ψ/D at ZeRO-2/3 (``tests/test_bf16_storage.py``)::
+
+    stage   params (bf16 + fp32 master)   grads                    optimizer   comm buffers
+    0       2n + 4n                       2n (bf16 buffer)         8n          —   (+ 4n step transient: the
+                                                                                    fp32 master gradient, sync → step)
+    1       2·ΣL_u + 4·ΣC_u               2·ΣL_u (bf16 buffer)     8·Σs_u      4·ΣC_u (fp32 reduced chunk)
+    2       2·ΣL_u + 4·ΣC_u               4·ΣC_u (fp32 chunk)      8·Σs_u      —
+    3       2·ΣC_u + 4·ΣC_u               4·ΣC_u (fp32 chunk)      8·Σs_u      —   (+ transient below, 2-byte)
+
+Per parameter at ZeRO-0: 2 + 2 + 4 + 8 = 16 bytes (Ψ = n); ZeRO-1: 2 + 2 + (4 + 8 + 4)/D;
+ZeRO-2: 2 + (4 + 8 + 4)/D; ZeRO-3: (2 + 4 + 8 + 4)/D — the fp32 reduced chunk (4/D) is the
+fp32 main-grad of Megatron's distributed optimizer, sharded.
 
 (ZeRO ≥ 1: the parameters are views into the units' buffers, padding included; the
 gradient buffer of ZeRO-2/3 is freed once reduced.) Plus AdamW's ``step`` counter, a 0-dim
@@ -42,7 +57,8 @@ unused k, v rows behind q's view: K·(n_k + n_v) extra gradient elements per lay
 (``ParamBlock.grad_extra``). ZeRO ≥ 1 accumulates every gradient into its unit's buffer, so
 no such extra stays.
 
-ZeRO-3 *transient*: a unit is gathered straight into its parameter buffer (L_u elements,
+ZeRO-3 *transient* (4 → ``param_bytes`` under bf16): a unit is gathered straight into its
+parameter buffer (L_u elements,
 the parameters are views of it, no separate gather output); in forward and backward a decoder
 layer is gathered while the next one's gather is in flight (prefetch: two consecutive layers
 ℓ, ℓ' at once), and the *root* unit stays gathered from forward to the end of backward::
@@ -60,6 +76,11 @@ micro-batch; without it every buffer lives from the first backward to the last
 
     A = 1 or sharded:  4·(L_root + L_(1) + L_(2) + L_(3))  (three largest layers)
     otherwise:         4·Σ_u L_u
+
+Under bf16 the buffers are 2-byte; with ``grad_reduce_dtype`` fp32 each unit in flight also
+holds its fp32 cast (4·L_u, the reduce-scatter's input) — bounded by the same units, at every
+ZeRO ≥ 1 stage: + 4·(L_root + L_(1) + L_(2) + L_(3)); with bf16 reduce a 2-byte output chunk
+per unit in flight: + 2·(L_root + L_(1) + L_(2) + L_(3))/D (an upper bound, not asserted).
 
 2. Activations (:func:`activation_bytes`)
 =========================================
@@ -169,7 +190,9 @@ activations of up to min(A, P − i) micro-batches under 1F1B, all A under GPipe
 torch and gloo footprint, i.e. peak RSS on CPU) + model state + comm buffers + ZeRO-3
 transient + activations of the micro-batches in flight (with what is held once) + the logits
 workspace (the e-byte logits and their fp32 upcast / gradient, N_r·V_r·(e + 4), alive around
-the loss) — a sum of maxima,
+the loss) + what of the step transient (bf16 ZeRO-0's fp32 master gradient, alive from the
+reduction to the step, when the activations, workspace and backward transients are freed)
+exceeds those — a sum of maxima,
 so an upper estimate; ``margin`` is stated separately (default 10 % of the modelled part)
 for allocator slack.
 """
@@ -256,13 +279,16 @@ def _grid_side(T: int) -> int:
 class ModelState:
     """Bytes one rank holds for parameters, gradients and optimizer state (module docstring §1).
     ``comm_buffers``: persistent ZeRO-1 reduce-scatter output; ``transient``: ZeRO-3's
-    gathered parameters during forward/backward (not held at the end of a step)."""
+    gathered parameters during forward/backward (not held at the end of a step);
+    ``step_transient``: what exists only from the reduction to the end of the optimizer step,
+    after the backward freed the activations (bf16 ZeRO-0's fp32 master gradient)."""
 
     params: int
     grads: int
     optimizer: int
     comm_buffers: int = 0
     transient: int = 0
+    step_transient: int = 0
 
     @property
     def held(self) -> int:
@@ -271,7 +297,7 @@ class ModelState:
 
     @property
     def peak(self) -> int:
-        return self.held + self.transient
+        return self.held + max(self.transient, self.step_transient)
 
 
 def zero_units(blocks: Sequence) -> dict:
@@ -293,20 +319,30 @@ def _stepped_in_chunk(bs: list, data: int, data_rank: int) -> int:
     return count
 
 
+def param_element_bytes(precision: str) -> int:
+    """Bytes of a stored parameter (and gradient) element under ``train.precision``: 2 under bf16
+    (bf16 storage, fp32 masters), 4 under fp32 and fp16 (fp16 keeps fp32 parameters)."""
+    return 2 if precision == "bf16" else FP32
+
+
 def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank: int = 0,
-                      step_counters: bool = True) -> ModelState:
-    """Model-state bytes of one rank for its parameter blocks (module docstring §1, fp32).
+                      step_counters: bool = True, param_bytes: int = FP32) -> ModelState:
+    """Model-state bytes of one rank for its parameter blocks (module docstring §1).
 
     ``blocks``: :class:`ParamBlock` s or (local shape, decoder layer or None) pairs, each unit's
     in its parameter order; ``zero`` ∈ {0, 1, 2, 3}; ``data`` = D; ``data_rank`` which chunk this
-    rank owns; ``step_counters`` counts AdamW's 4-byte ``step`` tensor per stepped parameter.
+    rank owns; ``step_counters`` counts AdamW's 4-byte ``step`` tensor per stepped parameter;
+    ``param_bytes``: 4 (fp32 storage) or 2 (bf16 storage with fp32 masters, :func:`param_element_bytes`).
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     blocks = _as_blocks(blocks)
-    n = sum(b.numel for b in blocks)
+    n, p = sum(b.numel for b in blocks), param_bytes
+    mixed = p < FP32
     if zero == 0:
         counters = STEP_COUNTER_BYTES * sum(1 for b in blocks if b.numel) if step_counters else 0
+        if mixed:      # the persistent bf16 buffer holds every gradient: no autograd buffer stays behind
+            return ModelState(p * n + FP32 * n, p * n, ADAM_STATES * FP32 * n + counters, step_transient=FP32 * n)
         return ModelState(FP32 * n, FP32 * sum(b.numel + b.grad_extra for b in blocks),
                           ADAM_STATES * FP32 * n + counters)
     D, units = data, zero_units(blocks)
@@ -315,28 +351,37 @@ def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank:
     s = sum(unit_shard_numel([b.numel for b in bs], D, data_rank) for bs in units.values())
     counters = STEP_COUNTER_BYTES * sum(_stepped_in_chunk(bs, D, data_rank) for bs in units.values())
     opt = ADAM_STATES * FP32 * s + (counters if step_counters else 0)
+    master = FP32 * C if mixed else 0
     if zero == 1:
-        return ModelState(FP32 * sum(L.values()), FP32 * sum(L.values()), opt, comm_buffers=FP32 * C)
+        return ModelState(p * sum(L.values()) + master, p * sum(L.values()), opt, comm_buffers=FP32 * C)
     if zero == 2:
-        return ModelState(FP32 * sum(L.values()), FP32 * C, opt)
+        return ModelState(p * sum(L.values()) + master, FP32 * C, opt)
     layers = [v for u, v in L.items() if u != "root"]
     pairs = [a + b for a, b in zip(layers, layers[1:])] or layers
-    transient = FP32 * L.get("root", 0) + FP32 * max(pairs, default=0)
-    return ModelState(FP32 * C, FP32 * C, opt, transient=transient)
+    transient = p * L.get("root", 0) + p * max(pairs, default=0)
+    return ModelState(p * C + master, FP32 * C, opt, transient=transient)
 
 
 def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batches: int = 1,
-                            sharded_accumulation: bool = True) -> int:
-    """Gradient buffers alive during a ZeRO-2/3 backward (module docstring §1); 0 for ZeRO-0/1,
-    whose full gradients are already in the held state. ``sharded_accumulation``: every
-    micro-batch is reduce-scattered (P = 1 with overlap)."""
-    if zero < 2:
+                            sharded_accumulation: bool = True, param_bytes: int = FP32,
+                            reduce_bytes: int = FP32) -> int:
+    """Gradient buffers alive during a ZeRO-2/3 backward (module docstring §1); for ZeRO-0/1,
+    whose full gradients are already in the held state, 0 — under bf16 storage (``param_bytes``
+    2) plus, at ZeRO ≥ 1, what the reduction of the units in flight adds in ``reduce_bytes``.
+    ``sharded_accumulation``: every micro-batch is reduce-scattered (P = 1 with overlap)."""
+    if zero == 0:
         return 0
     L = {u: unit_padded_numel([b.numel for b in bs], data) for u, bs in zero_units(blocks).items()}
-    if micro_batches > 1 and not sharded_accumulation:
-        return FP32 * sum(L.values())
     layers = sorted((v for u, v in L.items() if u != "root"), reverse=True)
-    return FP32 * (L.get("root", 0) + sum(layers[:3]))
+    in_flight = L.get("root", 0) + sum(layers[:3])
+    cast = 0
+    if param_bytes < FP32:     # the fp32 cast of each unit in flight, or its bf16 output chunk
+        cast = FP32 * in_flight if reduce_bytes >= FP32 else param_bytes * in_flight // data
+    if zero < 2:
+        return cast
+    if micro_batches > 1 and not sharded_accumulation:
+        return param_bytes * sum(L.values()) + cast
+    return param_bytes * in_flight + cast
 
 
 # ---------------------------------------------------------------------------------------
@@ -551,7 +596,8 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                         seq_len: int = 128, n_microbatches: int = 1, pipeline: int = 1, pipeline_rank: int = 0,
                         schedule: str = "1f1b", layer_ids: Optional[Iterable[int]] = None,
                         baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
-                        blocks: Optional[Sequence] = None, precision: str = "fp32") -> RankMemory:
+                        blocks: Sequence, precision: str = "fp32",
+                        grad_reduce_dtype: str = "fp32") -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
     (:attr:`ActivationBytes.per_microbatch` × :func:`gridshard.theory.pipeline.peak_in_flight`; one
@@ -565,34 +611,38 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     Pipeline: one stage per rank (``pipeline_rank`` = stage), ``layer_ids`` its layers
     (default: the pipeline's own split, :class:`gridshard.job_layout.StageSplit`); the first
     stage holds the embedding, the last the final norm, head and loss. ``blocks``: the rank's
-    :class:`ParamBlock` s when the caller has them (the planner's memo), else read from a model
-    laid out on the meta device (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`)."""
+    :class:`ParamBlock` s, read by the caller from a model laid out on the meta device
+    (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`, or the planner's memo of it).
+    ``precision`` bf16 also means bf16 parameter storage with fp32 masters (model state,
+    :func:`param_element_bytes`; no autocast weight copies); ``grad_reduce_dtype``
+    (``train.grad_reduce_dtype``) prices the ZeRO reduction's transient."""
     P = pipeline
     if layer_ids is None:
         layer_ids = StageSplit.of(cfg.layers, P).rank_layer_ids(pipeline_rank) if P > 1 else range(cfg.layers)
     layer_ids = list(layer_ids)
     first, last = pipeline_rank == 0, pipeline_rank == P - 1
-    if blocks is None:
-        from ..parallel.rank_blocks import rank_parameter_blocks     # lazy: parallel builds on theory
-
-        blocks = rank_parameter_blocks(cfg, mode, T, layer_ids, has_embedding=first, has_head=last)
-    state = model_state_bytes(blocks, zero, data, data_rank)
+    pb = param_element_bytes(precision)               # bf16: bf16 storage, fp32 masters, no weight copies
+    state = model_state_bytes(blocks, zero, data, data_rank, param_bytes=pb)
     acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
-                            has_embedding=first, has_head=last, precision=precision)
+                            has_embedding=first, has_head=last, precision=precision, param_bytes=pb)
     in_flight = peak_in_flight(pipeline_rank, P, n_microbatches, schedule) if P > 1 else 1
     workspace = logits_workspace_bytes(cfg, micro_batch, seq_len, mode, T, precision) if last else 0
+    backward = state.transient + zero_gradient_transient(
+        blocks, zero, data, n_microbatches, sharded_accumulation=P == 1, param_bytes=pb,
+        reduce_bytes=param_element_bytes(grad_reduce_dtype))
+    freed = acts.per_microbatch * in_flight + workspace + backward      # gone when the step's transient exists
     return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
                       optimizer=state.optimizer,
                       activations=acts.per_microbatch * in_flight + acts.held_once + workspace,
                       comm_buffers=state.comm_buffers,
-                      transient=state.transient + zero_gradient_transient(blocks, zero, data, n_microbatches,
-                                                                          sharded_accumulation=P == 1),
+                      transient=backward + max(0, state.step_transient - freed),
                       margin_fraction=margin_fraction,
                       details={"activation_per_microbatch": acts.per_microbatch, "in_flight": in_flight,
                                "logits_workspace": workspace, "per_layer": acts.per_layer})
 
 
 __all__ = ["ParamBlock", "kv_replica_grad_extra", "ModelState", "model_state_bytes", "zero_gradient_transient",
+           "param_element_bytes",
            "zero_units",
            "ActivationBytes", "activation_bytes", "activation_element_bytes", "layer_saved_bytes", "norm_saved_bytes",
            "weight_copy_bytes", "embedding_saved_bytes",

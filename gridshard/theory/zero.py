@@ -52,6 +52,11 @@ element), S_u = L_u:
 
 Clipping adds one 8-byte all-reduce over data (the shards' sum of squares).
 
+Bytes per element: fp32 runs b = 4 for both. bf16 storage (``train.precision: bf16``): the
+all-gathers move bf16 parameters, b_gather = 2; the reduce-scatters move
+``train.grad_reduce_dtype``'s elements, b = 4 (fp32: each unit's bf16 gradient buffer cast to
+fp32 first) or 2 (bf16).
+
 **Model state** per stage (what each rank holds, and ZeRO-3's transient gathered layer):
 :func:`gridshard.theory.memory.model_state_bytes`.
 """
@@ -63,24 +68,28 @@ from . import CommVolume
 
 
 def zero_step_comm(layer_units: list, root_unit: int, data: int, stage: int, micro_batches: int = 1,
-                   bytes_per_elem: int = 4, sharded_accumulation: bool = False) -> CommVolume:
+                   bytes_per_elem: int = 4, sharded_accumulation: bool = False,
+                   gather_bytes: int = None) -> CommVolume:
     """One step's ZeRO collectives over the data axis (module docstring). ``layer_units``: S_u
     of each decoder-layer unit on this rank; ``root_unit``: S_root (0 if none);
-    ``sharded_accumulation``: ZeRO-2/3 reduce-scatter every micro-batch."""
+    ``sharded_accumulation``: ZeRO-2/3 reduce-scatter every micro-batch; ``bytes_per_elem``: of
+    the reduce-scatters; ``gather_bytes``: of the all-gathers (default ``bytes_per_elem``; 2 under
+    bf16 storage)."""
     vol = CommVolume(data)
+    g = bytes_per_elem if gather_bytes is None else gather_bytes
     units = list(layer_units) + ([root_unit] if root_unit else [])
     reductions = micro_batches if sharded_accumulation and stage >= 2 else 1
     if stage in (1, 2):
         for s in units:
             vol.add("reduce_scatter", s * bytes_per_elem, calls=reductions)
-            vol.add("all_gather", s * bytes_per_elem)
+            vol.add("all_gather", s * g)
     elif stage == 3:
         for s in units:
             vol.add("reduce_scatter", s * bytes_per_elem, calls=reductions)
         for s in layer_units:
-            vol.add("all_gather", s * bytes_per_elem, calls=2 * micro_batches)
+            vol.add("all_gather", s * g, calls=2 * micro_batches)
         if root_unit:
-            vol.add("all_gather", root_unit * bytes_per_elem)
+            vol.add("all_gather", root_unit * g)
     else:
         raise ValueError(f"zero_step_comm: stage {stage} is not 1, 2 or 3 (ZeRO-0: training.dp_gradient_allreduce)")
     return vol

@@ -3,7 +3,7 @@ all-reduce of :class:`gridshard.zero.grad_buffer.DataParallelGradSync` when ``tr
 (both are :class:`gridshard.zero.reducer.GradReducer`).
 
 Units and their flat buffers. Parameters are grouped into *units*: one per decoder layer
-(``layers.N`` / ``model.layers.N``) and one *root* unit with everything else (embedding,
+(``layers.N`` / ``model.layers.N`` / ``vit.encoder.layer.N``: :mod:`gridshard.parallel.decoder_layers`) and one *root* unit with everything else (embedding,
 final norm, head; a tied weight once). Each unit lays its parameters end to end in
 persistent flat buffers of L_u = D·ceil(n_u/D) elements (:class:`~.flat_layout.FlatLayout`,
 :mod:`gridshard.theory.zero`), set up once at construction:
@@ -23,7 +23,7 @@ chunk (ZeRO-1/2: of the parameter buffer itself), whose ``.grad`` is the same sl
 reduced chunk; parameters with no element in the chunk are not stepped here. AdamW is
 element-wise, so stepping element ranges is exactly a step of the whole model.
 
-Stages (what each data rank keeps between steps, fp32; :func:`gridshard.theory.memory.
+Stages (what each data rank keeps between steps, fp32 runs; :func:`gridshard.theory.memory.
 model_state_bytes`):
 
 ====  ========================  ================================  ======================
@@ -33,6 +33,15 @@ ZeRO  parameters                gradients                         AdamW moments
 2     buffer (full)             reduced chunk (buffer freed)      chunk
 3     chunk (buffer freed)      reduced chunk (buffer freed)      chunk
 ====  ========================  ================================  ======================
+
+bf16 storage (``param_dtype`` bf16, ``train.precision: bf16``): the parameter and gradient
+buffers (and ZeRO-3's parameter chunk) are bf16; each unit also holds its *master chunk* [C_u]
+fp32, copied from the fp32 values before the parameters are cast — that is what the optimizer
+steps (its ``.grad`` the fp32 reduced chunk, as before). ``grad_reduce_dtype`` fp32: each
+reduce-scatter's input is an fp32 cast of the bf16 gradient buffer (alive while in flight);
+bf16: the bf16 buffer is reduce-scattered into a bf16 chunk, cast into (or added to) the fp32
+reduced chunk. :meth:`after_step` first copies each master chunk into the bf16 parameter chunk,
+so the all-gathers (and ZeRO-3's gathers) move bf16.
 
 One step, ``A`` micro-batches:
 
@@ -138,7 +147,10 @@ class Unit:
     stepped: list = field(default_factory=list)     # SteppedTensor per parameter with elements in the chunk
     ready: int = 0                                  # gradients accumulated in the current backward
     pending: object = None                          # PendingCollective of the reduce-scatter in flight
-    scratch: Optional[torch.Tensor] = None          # [C]: a later micro-batch's reduce-scatter output
+    scratch: Optional[torch.Tensor] = None          # [C]: a reduce-scatter output added (or copied) into reduced
+    scratch_first: bool = False                     # the scratch holds the step's first reduction: copied
+    master: Optional[torch.Tensor] = None           # [C] fp32: bf16 storage's master chunk (what is stepped)
+    send: Optional[torch.Tensor] = None             # [L] fp32: the cast gradient buffer in flight (fp32 reduce)
     reductions: int = 0                             # reduce-scatters issued this step
     unreduced: bool = False                         # the gradient buffer holds gradients not yet reduced
     grads_live: bool = True                         # the gradient buffer has its storage
@@ -170,10 +182,14 @@ class ZeroDataParallel:
     ``data_axis`` (module docstring). ``overlap``: issue each unit's reduce-scatter in the last
     backward as soon as its gradients are complete."""
 
-    def __init__(self, model: nn.Module, data_axis, stage: int, overlap: bool = True):
+    def __init__(self, model: nn.Module, data_axis, stage: int, overlap: bool = True,
+                 param_dtype: torch.dtype = torch.float32, grad_reduce_dtype: torch.dtype = torch.float32):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroDataParallel: stage {stage} is not 1, 2 or 3")
         self.model, self.axis, self.stage = model, data_axis, stage
+        self.param_dtype = param_dtype                 # bf16: fp32 master chunks (module docstring)
+        self.mixed = param_dtype != torch.float32
+        self.reduce_fp32 = not self.mixed or grad_reduce_dtype == torch.float32
         self.overlap = overlap and data_axis.size > 1
         # ZeRO-2/3 with overlap: reduce-scatter every micro-batch into the sharded accumulator
         self.sharded_accumulation = stage >= 2 and self.overlap
@@ -225,20 +241,26 @@ class ZeroDataParallel:
         what this rank steps (module docstring)."""
         D, first = self.axis.size, u.params[0]
         u.layout = FlatLayout.of([p.numel() for p in u.params], D)
-        new = lambda n: torch.zeros(n, dtype=first.dtype, device=first.device)     # noqa: E731
-        u.param_buffer = new(u.layout.padded)
+        new = lambda n, dtype=first.dtype: torch.zeros(n, dtype=dtype, device=first.device)     # noqa: E731
+        values = new(u.layout.padded)
         shapes = [p.shape for p in u.params]
-        for p, view in zip(u.params, u.layout.views(u.param_buffer, shapes)):
+        for p, view in zip(u.params, u.layout.views(values, shapes)):
             view.copy_(p.detach())
-            p.data = view
         lo, hi = u.layout.chunk(self.axis.rank)
+        if self.mixed:                                 # the fp32 values → the master chunk, then bf16 storage
+            u.master = values[lo:hi].clone()
+            values = values.to(self.param_dtype)
+        u.param_buffer = values
+        for p, view in zip(u.params, u.layout.views(u.param_buffer, shapes)):
+            p.data = view
         u.param_chunk = u.param_buffer[lo:hi].clone() if self.stage == 3 else u.param_buffer[lo:hi]
-        u.grad_buffer = new(u.layout.padded)
+        u.grad_buffer = new(u.layout.padded, u.param_buffer.dtype)
         u.grad_views = u.layout.views(u.grad_buffer, shapes)
-        u.reduced = new(hi - lo)
+        u.reduced = new(hi - lo, torch.float32)
+        stepped = u.master if self.mixed else u.param_chunk
         for name, p, off, (a, b) in zip(u.names, u.params, u.layout.offsets, u.layout.owned(self.axis.rank)):
             if b > a:
-                u.stepped.append(SteppedTensor(name, p, u.param_chunk[off + a - lo:off + b - lo], (a, b)))
+                u.stepped.append(SteppedTensor(name, p, stepped[off + a - lo:off + b - lo], (a, b)))
         if self.stage == 1:
             self._attach_grads(u)
         else:                                          # allocated when the unit's first backward starts
@@ -375,10 +397,14 @@ class ZeroDataParallel:
         micro-batch's (sharded accumulation) into a scratch chunk added to it when done."""
         if not u.grads_live:                           # no gradient reached the unit this step
             self._ensure_grad_buffer(u)
+        send = u.grad_buffer
+        if self.mixed and self.reduce_fp32:            # bf16 storage, fp32 reduce: a transient fp32 cast
+            send = u.send = u.grad_buffer.float()
         out = u.reduced
-        if u.reductions:
-            out = u.scratch = torch.empty_like(u.reduced)
-        u.pending = C.reduce_scatter_flat(u.grad_buffer, self.axis, async_op=True, out=out)
+        if u.reductions or send.dtype != out.dtype:
+            out = u.scratch = torch.empty(out.numel(), dtype=send.dtype, device=out.device)
+            u.scratch_first = not u.reductions
+        u.pending = C.reduce_scatter_flat(send, self.axis, async_op=True, out=out)
         u.reductions, u.unreduced = u.reductions + 1, False
         if self.stage >= 2:
             for p in u.params:
@@ -391,9 +417,9 @@ class ZeroDataParallel:
         """Wait for unit ``u``'s reduce-scatter; add a later micro-batch's into the reduced chunk
         (ZeRO-2/3: free the gradient buffer)."""
         u.pending.wait()
-        u.pending = None
+        u.pending, u.send = None, None
         if u.scratch is not None:
-            u.reduced.add_(u.scratch)
+            (u.reduced.copy_ if u.scratch_first else u.reduced.add_)(u.scratch)
             u.scratch = None
         if self.stage >= 2:
             u.grad_buffer.untyped_storage().resize_(0)
@@ -426,7 +452,12 @@ class ZeroDataParallel:
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """ZeRO-1/2: all-gather every unit's updated chunk into its parameter buffer, in place."""
+        """bf16 storage: copy every master chunk into the bf16 parameter chunk (ZeRO-1/2: this
+        rank's chunk of the parameter buffer; ZeRO-3: the parameter chunk). ZeRO-1/2: all-gather
+        every unit's updated chunk into its parameter buffer, in place."""
+        if self.mixed:
+            for u in self.units:
+                u.param_chunk.copy_(u.master)
         if self.stage == 3 or self.axis.size == 1:
             return
         pending = [C.all_gather_into(u.param_buffer, u.param_chunk, self.axis, async_op=True) for u in self.units]
@@ -466,6 +497,7 @@ class ZeroDataParallel:
         ZeRO-3 parameter chunks, gradient buffers with no ``.grad`` attached), for memory
         accounting; stepped tensors and their gradients are views into these."""
         out = [u.reduced for u in self.units] + [u.grad_buffer for u in self.units]
+        out += [u.master for u in self.units] if self.mixed else []
         return out + ([u.param_chunk for u in self.units] if self.stage == 3 else [])
 
 

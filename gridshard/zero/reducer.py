@@ -104,17 +104,34 @@ class GradReducer(Protocol):
         """Buffers the reducer holds beyond parameters, gradients and optimizer state."""
 
 
-def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, overlap: bool) -> GradReducer:
+def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, overlap: bool,
+                  param_dtype: torch.dtype = torch.float32,
+                  grad_reduce_dtype: torch.dtype = torch.float32) -> GradReducer:
     """The reducer of ``train.zero`` = ``zero`` for ``model`` (laid out by :func:`gridshard.parallelize`)
     over ``data_axis``; registered as ``model.grad_reducer`` (:func:`gridshard.parallel.state_dict.
-    gathered_state_dict` gathers through it). ``overlap``: reduce during the last backward."""
+    gathered_state_dict` gathers through it). ``overlap``: reduce during the last backward.
+
+    ``param_dtype`` bf16 (``train.precision: bf16``): the reducer copies the fp32 values into its
+    fp32 masters (ZeRO-0: whole; ZeRO ≥ 1: this rank's chunks), then stores every floating
+    parameter of ``model`` in bf16 — the one cast of the run; what it steps is the masters, and
+    :meth:`GradReducer.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
+    gradients are reduced in (``train.grad_reduce_dtype``)."""
     if zero == 0:
         from .grad_buffer import DataParallelGradSync
 
-        return DataParallelGradSync(model, data_axis, bucket_bytes, overlap=overlap)
-    from .data_parallel import ZeroDataParallel
+        reducer = DataParallelGradSync(model, data_axis, bucket_bytes, overlap=overlap, param_dtype=param_dtype,
+                                       grad_reduce_dtype=grad_reduce_dtype)
+    else:
+        from .data_parallel import ZeroDataParallel
 
-    return ZeroDataParallel(model, data_axis, zero, overlap=overlap)
+        reducer = ZeroDataParallel(model, data_axis, zero, overlap=overlap, param_dtype=param_dtype,
+                                   grad_reduce_dtype=grad_reduce_dtype)
+    if param_dtype != torch.float32:                   # parameters without a gradient (frozen) too
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point() and p.dtype != param_dtype:
+                    p.data = p.data.to(param_dtype)
+    return reducer
 
 
 def whole_parameters(model: nn.Module) -> Iterator[SteppedTensor]:

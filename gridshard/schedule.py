@@ -5,6 +5,10 @@ For optimizer step k = 0, 1, … (W warm-up steps, decay ending at step K)::
     lr(k) = lr · (k+1)/W                                   k < W
     lr(k) = min_lr + ½(lr − min_lr)(1 + cos(π·p)),          p = min(1, (k−W)/max(1, K−W))
     lr(k) = lr                                              schedule = constant, k ≥ W
+
+One function read by the step (``engine/step.py``) and by the resume rules
+(``checkpoint/resume.py``, which refuse a config that changes the rate of a step still to run);
+it imports nothing, so both read it without an import cycle.
 """
 from __future__ import annotations
 

@@ -1,0 +1,48 @@
+"""The import graph of the package (``scripts/import_graph.py``, read with ``ast``, nothing imported).
+
+* no cycle between parts, lazy (function-level) imports included: every lazy import could be
+  made eager without a cycle, so none exists to break one;
+* ``theory`` is arithmetic: it imports no layer, model or layout code (``nn``, ``models``,
+  ``parallel``); ``schedule`` imports nothing;
+* docs/architecture.md holds the graph as it is: the block between its ``import_graph`` markers
+  is the output of ``scripts/import_graph.py --markdown``.
+"""
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "gridshard")
+
+
+def _import_graph():
+    spec = importlib.util.spec_from_file_location("import_graph", os.path.join(ROOT, "scripts", "import_graph.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_cycle_between_parts_lazy_imports_included():
+    g = _import_graph()
+    parts, eager, lazy = g.graph(PACKAGE)
+    both = {p: eager[p] | lazy[p] for p in parts}
+    cycles = [c for c in g.strongly_connected(parts, both) if len(c) > 1]
+    assert cycles == [], f"import cycles between parts: {cycles}"
+    assert g.strongly_connected(["a", "b", "c"], {"a": {"b"}, "b": {"a"}}) == [["a", "b"], ["c"]]  # it finds one
+
+
+def test_theory_and_schedule_import_no_model_code():
+    g = _import_graph()
+    _, eager, lazy = g.graph(PACKAGE)
+    assert not (eager["theory"] | lazy["theory"]) & {"nn", "models", "parallel", "engine", "pipeline", "zero"}
+    assert not eager["schedule"] | lazy["schedule"]
+
+
+def test_architecture_page_holds_the_graph():
+    block = _import_graph().markdown(PACKAGE)
+    page = open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8").read()
+    begin, end = "<!-- import_graph:begin -->\n", "\n<!-- import_graph:end -->"
+    assert begin in page and end in page, "docs/architecture.md lost its import_graph markers"
+    held = page[page.index(begin) + len(begin):page.index(end)]
+    assert held == block, ("docs/architecture.md's import graph is not the package's. Fix: paste the output of "
+                           "`python scripts/import_graph.py --markdown` between its import_graph markers "
+                           "and update the text around it")
