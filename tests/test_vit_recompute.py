@@ -14,6 +14,8 @@ from gridshard.parallel import gathered_state_dict  # noqa: E402
 from gridshard.parallel.decoder_layers import decoder_layers  # noqa: E402
 from gridshard.testing import run_on_ranks  # noqa: E402
 
+from .test_recompute import _saved_bytes  # noqa: E402  (images and labels go through the same path)
+
 # 12×12 images in 4×4 patches: 10 tokens (sequence parallelism at T=2); hidden 32 = 8·q² (2D, q=2)
 CFG = {"model": {"kind": "vit", "image_size": 12, "patch_size": 4, "channels": 1, "num_classes": 10, "hidden": 32,
                  "layers": 2, "heads": 4, "ffn_hidden": 64},
@@ -25,26 +27,6 @@ CFG = {"model": {"kind": "vit", "image_size": 12, "patch_size": 4, "channels": 1
 def _cfg(D, T, mode, sp, **train):
     return {**CFG, "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
             "train": {**CFG["train"], **train}}
-
-
-def _saved_bytes(trainer):
-    """Bytes autograd keeps for backward over one micro-batch's forward (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    seen, total = set(), [0]
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
-        return t
-
-    micro, _ = trainer.plan.step_batches(0)
-    images, labels = (trainer.context.shard_tokens(x) for x in micro[0])
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = trainer.context.model_loss(trainer.model, images, labels, reduction="sum")
-    del loss
-    return total[0]
 
 
 def _body(cfg):
