@@ -242,3 +242,23 @@ def test_plot_draws_accuracy_only_for_a_classifier(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({**rec, "step": 2, "val_loss": 1.9, "accuracy": 0.5, "val_accuracy": 0.4}) + "\n")
     assert os.path.isfile([p for p in plot_run(str(tmp_path)) if p.endswith("accuracy.png")][0])
+
+
+def test_vit_flops_per_token_counts_what_the_model_computes():
+    """MFU's FLOPs for a ViT (theory.training.vit_flops_per_token, what the trainer reports) equal
+    torch's own count of one forward + backward (matmuls, the patch convolution, attention)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gridshard.engine.trainer import model_flops_per_token
+    from gridshard.models.vit import VisionTransformer, vit_config
+
+    mc = vit_config({"image_size": 16, "patch_size": 4, "channels": 3, "num_classes": 5, "hidden": 32,
+                     "layers": 2, "heads": 4, "ffn_hidden": 48})
+    model, b = VisionTransformer(mc), 3
+    images = torch.randn(b, 3, 16, 16)
+    # the math attention kernel is made of matmuls the counter sees (CPU's flash kernel has no FLOP rule)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(images).sum().backward()
+    per_token = model_flops_per_token("vit", mc, mc.seq_len)
+    assert counter.get_total_flops() == pytest.approx(per_token * b * mc.seq_len, rel=1e-9)

@@ -41,6 +41,22 @@ def flops_per_token(vocab: int, hidden: int, layers: int, ffn: int, seq_len: int
     return 6.0 * matmul_params(vocab, hidden, layers, ffn, kv_hidden) + 12.0 * layers * seq_len * hidden
 
 
+def vit_flops_per_token(hidden: int, layers: int, ffn: int, seq_len: int, patch_elems: int, classes: int) -> float:
+    """A Vision Transformer's training FLOPs (forward + backward) per token, counted as
+    :func:`flops_per_token` counts a decoder's (matmuls and attention; norms and activations
+    left out)::
+
+        6·L·(4h² + 2h·f) + 12·L·s·h + (4·C·P²·h·(s − 1) + 6·K·h) / s
+
+    per layer q, k, v, o (4h²) and the two GELU MLP matrices (2h·f); non-causal attention
+    (QKᵀ and AV over all s tokens); the patch projection (``patch_elems`` = C·P² inputs) on the
+    s − 1 patch tokens, forward and weight gradient only (the images need no gradient: 4, not 6);
+    the classifier (K·h) once per image, on the class token."""
+    h, s = hidden, seq_len
+    per_layer = 6 * (4 * h * h + 2 * h * ffn) + 12 * s * h
+    return layers * per_layer + (4 * patch_elems * h * (s - 1) + 6 * classes * h) / s
+
+
 def mfu(flops_token: float, tokens_per_s: float, peak_flops: float | None, devices: int) -> float | None:
     """Model FLOPs utilisation, or None when the device peak is unknown (CPU)."""
     if not peak_flops:
