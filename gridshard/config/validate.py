@@ -150,7 +150,8 @@ def _vit_shapes(cfg: TrainConfig, m) -> None:
     blocks of its 1 + (image/patch)² tokens (the shared rule, said in the ViT's terms), in 2D the
     MLP width in q² blocks (the bias of intermediate.dense is a Linear2D bias)."""
     p = cfg.parallel
-    if p.sequence_parallel and p.tensor_mode == "1d" and m.seq_len % p.tensor:
+    sp = TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(p.sequence_parallel, p.tensor)
+    if sp and m.seq_len % p.tensor:
         _fail("model.image_size/model.patch_size", (m.image_size, m.patch_size),
               f"sequence parallelism splits the ViT's 1 + (image_size/patch_size)² = {m.seq_len} tokens into "
               f"tensor={p.tensor} blocks", "choose sizes whose token count is a multiple of the tensor size "
