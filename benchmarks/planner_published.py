@@ -19,10 +19,13 @@ source counts per step:
 * Llama 3 405B (Dubey et al. 2024, *The Llama 3 Herd of Models*, Table 4): 8192 H100s,
   TP 8, PP 16, DP 64, s = 8192, 16 M tokens per batch, 430 TFLOP/s per GPU (43 % bf16 MFU).
   The paper's MFU is model FLOPs, so published tokens/s = n·X / (our model FLOPs per token,
-  :func:`gridshard.theory.training.flops_per_token`). Modelled with TP + SP, ZeRO-1
-  (optimizer state sharded over data; the paper shards more, which changes memory, not the
-  step), no recompute, 1F1B on the even split with one layer less on the first and last
-  stage (the paper's 126-layer split).
+  :func:`gridshard.theory.training.flops_per_token`). Modelled with TP + SP, ZeRO-2 (the
+  paper's FSDP shards optimizer state and gradients over data, parameters stay whole between
+  forward and backward), no recompute (the paper: "without activation checkpointing"), 1F1B
+  on the even split with one layer less on the first and last stage (the paper's 126-layer
+  split; its interleaved schedule holds more micro-batches, not fewer), and once more with
+  our ``selective`` recompute, whose saved bytes equal the paper's accounting
+  (``--breakdown``).
 
 Which schedule each Narayanan run used is not in Table 1; each row is priced with 1F1B and,
 where the layers allow it, the interleaved schedule with 2 virtual stages, and both are shown.
@@ -30,7 +33,8 @@ Memory is not the question here (``evaluate(..., price_too_large=True)``): the "
 says whether the planner's memory model accepts the published layout.
 
 Run: ``python benchmarks/planner_published.py`` (about a minute; prints a Markdown table,
-quoted in docs/planner.md).
+quoted in docs/planner.md); ``--breakdown``: the 405B rank's predicted bytes term by term next
+to the published accounting (:func:`breakdown`, also quoted there).
 """
 from __future__ import annotations
 
@@ -105,7 +109,9 @@ RUNS = [
     _gpt("529.6B", 20480, 105, 128, 8, 35, 2520, 2520, 163),
     _gpt("1T", 25600, 128, 160, 8, 64, 3072, 3072, 163),
     PublishedRun(LLAMA3, "405B", 16384, 126, 128, 8, 53248, 128256, 8192, 2048, 64, 16, 8, 430, "h100",
-                 recompute="none", sequence_parallel=True, zero=1, stage_layers=(7,) + (8,) * 14 + (7,)),
+                 recompute="none", sequence_parallel=True, zero=2, stage_layers=(7,) + (8,) * 14 + (7,)),
+    PublishedRun(LLAMA3, "405B, selective", 16384, 126, 128, 8, 53248, 128256, 8192, 2048, 64, 16, 8, 430, "h100",
+                 recompute="selective", sequence_parallel=True, zero=2, stage_layers=(7,) + (8,) * 14 + (7,)),
 ]
 
 
@@ -134,7 +140,126 @@ def ratio(run: PublishedRun, cand) -> float:
     return cand.tokens_per_s / run.published_tokens_per_s(fpt)
 
 
+GIB = 2 ** 30
+
+
+def published_layer_tensors(mc, T: int, tokens: int, e: int = 2) -> dict:
+    """Korthikanti et al. 2022's activation accounting (Sec. 4.1: every op keeps the inputs its
+    backward reads, TP + SP, e-byte activations) applied to a Llama block as Megatron runs it:
+    flash attention (no s×s scores, its fp32 log-sum-exp instead), no dropout, SwiGLU fused as
+    Megatron's ``bias_swiglu`` (keeps the fc1 output g|u and its product, recomputes silu(g)),
+    norm input and output (a sequence block under SP). Name → bytes per rank, our names
+    (:func:`gridshard.theory.memory.layer_saved_tensors`) where the tensor is the same."""
+    block, f = tokens * mc.hidden // T * e, tokens * mc.ffn_hidden // T * e
+    kv = tokens * max(mc.kv_heads // T, 1) * mc.head_dim * e
+    norm = 2 * block                                     # input, and output (the next matmul's input)
+    return {"attn_norm (x, rstd, y)": norm, "q": block, "k": kv, "v": kv, "attention output": block,
+            "lse": tokens * mc.heads // T * 4, "mlp_norm (x, rstd, y)": norm, "gate g": f, "up u": f,
+            "silu(g)·u": f}
+
+
+def _state_terms(mc, run: PublishedRun, rank: int, counts: list) -> dict:
+    """Model state of pipeline rank ``rank`` by term (bf16 storage, ZeRO ``run.zero`` over D):
+    bf16 parameters, fp32 masters, gradients, Adam moments (+ step counters), ZeRO-1's reduced chunk."""
+    from gridshard.planner.memo import rank_blocks
+    from gridshard.theory.memory import model_state_bytes, zero_units
+    from gridshard.theory.zero import unit_padded_numel
+
+    ids = [i for i in range(sum(counts[:rank]), sum(counts[:rank + 1]))]
+    blocks = rank_blocks(mc, "1d", run.T, ids, rank == 0, rank == run.P - 1)
+    st = model_state_bytes(blocks, run.zero, run.D, 0, param_bytes=2)
+    padded = sum(unit_padded_numel([b.numel for b in bs], run.D) for bs in zero_units(blocks).values())
+    masters = 4 * padded // run.D if run.zero else 4 * padded
+    return {"params (bf16)": st.params - masters, "fp32 masters": masters, "grads": st.grads,
+            "Adam moments + step counters": st.optimizer, "ZeRO-1 reduced chunk": st.comm_buffers,
+            "Ψ (rank parameters)": sum(b.numel for b in blocks)}
+
+
+def breakdown(run: PublishedRun = None) -> None:
+    """Term by term: what the planner predicts for ``run`` (the Llama 3 405B recipe by default) at
+    recompute none and selective, next to the published accounting (docs/planner.md, "Llama 3
+    405B")."""
+    from gridshard.theory.memory import layer_saved_tensors
+
+    run = run or next(r for r in RUNS if r.source == LLAMA3)
+    mc = load_config(None, run.overrides()).model.resolve()
+    N = run.seq
+    ours = {rc: layer_saved_tensors(mc, "1d", run.T, True, N, rc, e=2) for rc in ("none", "selective")}
+    pub = published_layer_tensors(mc, run.T, N)
+    print(f"### {run.name}: one decoder layer's saved activations per rank (MB), b 1, s {N}, T {run.T} + SP, bf16\n")
+    print("| tensor | ours, none | ours, selective | published accounting |\n|---|---|---|---|")
+    for k in dict.fromkeys([*ours["none"], *pub]):
+        cells = [f"{d[k] / 1e6:.1f}" if k in d else "–" for d in (ours["none"], ours["selective"], pub)]
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    tot = [sum(d.values()) for d in (ours["none"], ours["selective"], pub)]
+    print("| **per layer** | " + " | ".join(f"**{t / 1e6:.1f}**" for t in tot) + " |")
+    print(f"| ÷ (s·b·h/T bytes, Korthikanti's unit; GPT: 34) | "
+          + " | ".join(f"{t / (N * mc.hidden / run.T):.1f}" for t in tot) + " |\n")
+    for rc in ("none", "selective"):
+        _rank_table(run, mc, rc, sum(pub.values()))
+
+
+def _rank_rows(run: PublishedRun, mc, rank: int, m, counts: list) -> tuple:
+    """(rows of (term, bytes) adding up to ``m.total_with_margin``, Ψ) of pipeline rank ``rank``."""
+    from gridshard.theory.memory import activation_bytes
+
+    layers = counts[rank] if counts else mc.layers // run.P
+    first, last, k = rank == 0, rank == run.P - 1, m.details["in_flight"]
+    acts = activation_bytes(mc, 1, run.seq, "1d", run.T, run.sequence_parallel, m.details.get("recompute", "none"),
+                            layers, first, last, "bf16", param_bytes=2)
+    st = _state_terms(mc, run, rank, counts)
+    psi = st.pop("Ψ (rank parameters)")
+    rows = [*st.items(), ("micro-batches in flight × decoder layers", None),
+            ("activations: decoder layers", k * acts.decoder), ("activations: embedding (ids, masks)", k * acts.embedding),
+            ("activations: final norm, head, loss (fp32 softmax)", k * (acts.final_norm + acts.head_and_loss)),
+            ("activations held once (RoPE tables)", acts.held_once),
+            ("logits workspace (bf16 logits + fp32 upcast)", m.details["logits_workspace"]),
+            ("pipeline stage buffers (A inputs and output gradients received, outputs kept)",
+             m.details["stage_buffers"]),
+            ("backward transient (ZeRO gradient buffers, gathers)", m.transient),
+            ("reserved (hardware file)", m.baseline), (f"margin ({m.margin_fraction:.0%} of modelled)", m.margin)]
+    assert sum(v for _, v in rows if v is not None) == m.total_with_margin, "the rows are every term"
+    return [(t, f"{k} × {layers}" if v is None else v) for t, v in rows], psi, layers
+
+
+def _rank_table(run: PublishedRun, mc, recompute: str, pub_layer: int) -> None:
+    """Every priced pipeline rank's predicted bytes by term (GiB), with the published accounting of
+    the busiest."""
+    import dataclasses
+
+    from gridshard.planner.cost_memory import rank_memories
+
+    r2 = dataclasses.replace(run, recompute=recompute)
+    c, hw = price(r2), load_hardware(run.hardware)
+    cfg = load_config(None, r2.overrides())
+    layout = c.layout
+    mems = rank_memories(mc, layout, run.seq, run.global_batch, hw.reserved_bytes, hw.margin_fraction, "bf16")
+    counts = list(run.stage_layers or [])
+    for m in mems.values():
+        m.details["recompute"] = recompute
+    table = {r: _rank_rows(r2, mc, r, m, counts) for r, m in mems.items()}
+    print(f"### recompute {recompute}, ZeRO-{run.zero}, A = {cfg.train.global_batch // run.D} micro-batches: "
+          f"the ranks the planner prices (GiB; worst: rank {c.memory_rank})\n")
+    print("| term | " + " | ".join(f"rank {r}" for r in table) + " |\n|---|" + "---|" * len(table))
+    names = [t for t, _ in table[c.memory_rank][0]]
+    for i, name in enumerate(names):
+        cells = [v if isinstance(v, str) else f"{v / GIB:.2f}" for v in (table[r][0][i][1] for r in table)]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(f"| **total with margin** (device {hw.device_memory_bytes / GIB:.2f}) | "
+          + " | ".join(f"**{m.total_with_margin / GIB:.2f}**" for m in mems.values()) + " |")
+    _, psi, layers = table[c.memory_rank]
+    k = mems[c.memory_rank].details["in_flight"]
+    published_state = 2 * psi + 14 * psi // run.D if run.zero >= 2 else 4 * psi + 12 * psi // run.D
+    pub_acts = k * layers * pub_layer
+    print(f"\npublished accounting for rank {c.memory_rank}: model state (ZeRO paper, Ψ = {psi / 1e9:.2f} B) "
+          f"{published_state / GIB:.2f} GiB + activations {k} × {layers} × {pub_layer / 1e6:.0f} MB = "
+          f"{pub_acts / GIB:.2f} GiB → {(published_state + pub_acts) / GIB:.2f} GiB, nothing reserved, no margin\n")
+
+
 def main() -> None:
+    if "--breakdown" in sys.argv[1:]:
+        breakdown()
+        return
     print("| source | model | GPUs | D P T | schedule | published TFLOP/s/GPU | predicted step s | "
           "predicted ÷ published tokens/s | fits (predicted GiB) |")
     print("|---|---|---|---|---|---|---|---|---|")

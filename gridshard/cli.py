@@ -28,12 +28,18 @@ written, "stopped at step N; checkpoint ...", no traceback; a second Ctrl-C stop
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import signal
 import sys
 import time
+import traceback
 
 import click
 
+from ._stop import ENV as STOP_ENV
 from .errors import ConfigError
 
 EXIT_CONFIG = 2
@@ -51,6 +57,26 @@ def _split_args(args):
     return (configs[0] if configs else None), overrides
 
 
+@contextlib.contextmanager
+def _refused_as(prefix: str = "error: "):
+    """A ConfigError inside becomes one line ``prefix + message`` on stderr and exit status 2."""
+    try:
+        yield
+    except ConfigError as e:
+        click.echo(f"{prefix}{e}", err=True)
+        sys.exit(EXIT_CONFIG)
+
+
+def _owns_run_dir(launched: bool) -> bool:
+    """The process that speaks for the job and takes the run-directory lock (gridshard/run_lock.py):
+    the local launcher, or rank 0 under torchrun (one per job, also across nodes)."""
+    return not launched or os.environ.get("RANK") == "0"
+
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
 def default_run_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
@@ -61,9 +87,7 @@ def restart_config(resolved, run_dir: str):
     ``resolved``: the launcher's :class:`gridshard.engine.job.ResolvedConfig`."""
     from .checkpoint import checkpoints_root, read_latest
 
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
-        return resolved
-    if read_latest(checkpoints_root(run_dir)) is None:
+    if not _restarted() or read_latest(checkpoints_root(run_dir)) is None:
         return resolved
     return resolved.with_train(resume="auto")
 
@@ -74,12 +98,9 @@ def _worker(resolved, run_dir: str, progress: bool):
     (:class:`gridshard.engine.job.ResolvedConfig`), used as it is — not loaded again."""
     import torch.distributed as dist
 
+    from .engine.control import Heartbeat, TrainingStopped, install_stop_handler
     from .engine.trainer import train as run_training
     from .mesh import init_distributed
-
-    import signal
-
-    from .engine.control import Heartbeat, TrainingStopped, install_stop_handler
 
     rank = int(os.environ.get("RANK", "0"))
     # Ctrl-C (SIGINT from the terminal, forwarded once more by the launcher): finish the step, all
@@ -115,8 +136,6 @@ def write_rank_log(run_dir: str, rank: int, error: BaseException) -> None:
     one line), then the full traceback. Never raises: when the log cannot be written (a full
     or read-only disk — often the very error being logged) the cause line goes to stderr
     instead, and :func:`failure_message` says where to look."""
-    import traceback
-
     cause = " ".join(f"{type(error).__name__}: {error}".split())
     try:
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
@@ -196,7 +215,7 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, allow_changed_s
         resolved, run_dir, memory_line = _resolve_for_launch(args, nproc, run_dir, resume, max_restarts, overwrite,
                                                              allow_changed_schedule, check, launched)
     except ConfigError as e:
-        if not launched or os.environ.get("RANK") == "0":      # under torchrun: one message, from rank 0
+        if _owns_run_dir(launched):      # under torchrun: one message, from rank 0
             click.echo(f"config error: {e}", err=True)
         sys.exit(EXIT_CONFIG)
     if check:
@@ -206,7 +225,7 @@ def train(args, nproc, run_dir, resume, max_restarts, overwrite, allow_changed_s
         click.echo(f"# ok for {resolved.world_size} process(es)")
         click.echo(f"# {memory_line}")
         return
-    if not launched or os.environ.get("RANK") == "0":
+    if _owns_run_dir(launched):
         click.echo(f"gridshard: {memory_line}")        # stdout, like the summary: stderr is for trouble
     if launched:
         _train_as_worker(resolved, run_dir, not no_progress)
@@ -247,7 +266,7 @@ def _resolve_for_launch(args, nproc, run_dir, resume, max_restarts, overwrite, a
     _check_resume(cfg, run_dir, launched)
     if not check:       # every check is above: from here on the run directory is created and locked
         _claim_run_dir(run_dir, cfg, overwrite, launched)
-    if not check and (not launched or os.environ.get("RANK") == "0"):
+    if not check and _owns_run_dir(launched):
         _copy_tokenizer(cfg, run_dir)
     return ResolvedConfig(cfg, world, cuda), run_dir, memory_line
 
@@ -258,15 +277,11 @@ def _world_size(launched: bool, nproc, source, overrides) -> int:
     from .device import check_ranks_per_node
     from .launch import launcher_world_size
 
-    if launched:
-        world = launcher_world_size()
-    elif nproc is not None:
-        world = nproc
-        if world < 1:
-            raise ConfigError(f"--nproc={world} is invalid: at least one worker is needed. Fix: --nproc 1 or more.")
-    else:
-        world = load_config(source, overrides).world_size
-    backend = load_config(source, overrides).parallel.backend
+    if not launched and nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc={nproc} is invalid: at least one worker is needed. Fix: --nproc 1 or more.")
+    cfg = load_config(source, overrides)
+    world = launcher_world_size() if launched else nproc if nproc is not None else cfg.world_size
+    backend = cfg.parallel.backend
     if launched:
         check_ranks_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", world)), backend, "--nproc-per-node")
     else:
@@ -296,7 +311,7 @@ def _train_local_workers(resolved, run_dir: str, progress: bool, max_restarts: i
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .engine.control import StallWatchdog, clear_heartbeats
+    from .engine.control import StallWatchdog, clear_heartbeats, stalled_ranks
     from .launch import launch_local
 
     t0 = time.perf_counter()
@@ -313,7 +328,7 @@ def _train_local_workers(resolved, run_dir: str, progress: bool, max_restarts: i
                                    for f in e.failures.values()):
             click.echo(stopped_message(run_dir, aborted=interrupts.count > 1), err=True)
             sys.exit(EXIT_INTERRUPTED)
-        stalled = watchdog.killed or _stalled(run_dir, world, timeout_s)
+        stalled = watchdog.killed or stalled_ranks(run_dir, world, timeout_s)
         click.echo(failure_message(e, run_dir, stalled=stalled, timeout_s=timeout_s), err=True)
         sys.exit(EXIT_FAILED if stalled or not any(f.exitcode == EXIT_WORKER_ERROR for f in e.failures.values())
                  else EXIT_WORKER_ERROR)
@@ -341,33 +356,23 @@ class _LauncherInterrupts:
         self._previous = {}
 
     def __enter__(self):
-        import signal
-
-        from ._stop import ENV
-
-        self._env = os.environ.get(ENV)
-        os.environ[ENV] = "1"                 # the workers spawned from here (gridshard/_stop.py)
-
+        self._env = os.environ.get(STOP_ENV)
+        os.environ[STOP_ENV] = "1"                 # the workers spawned from here (gridshard/_stop.py)
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
-        import signal
-
-        from ._stop import ENV
-
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._env is None:
-            os.environ.pop(ENV, None)
+            os.environ.pop(STOP_ENV, None)
         else:
-            os.environ[ENV] = self._env
+            os.environ[STOP_ENV] = self._env
         return False
 
     def _handle(self, signum, frame):
         import multiprocessing
-        import signal
 
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -389,12 +394,6 @@ def _signal_quietly(pid: int, sig) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _stalled(run_dir: str, world: int, timeout_s: float) -> list:
-    from .engine.control import stalled_ranks
-
-    return stalled_ranks(run_dir, world, timeout_s)
 
 
 def _check_local_processes(world: int, asked: bool, backend: str = "auto") -> None:
@@ -423,16 +422,6 @@ def _check_local_processes(world: int, asked: bool, backend: str = "auto") -> No
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "logs", "tb")
 
 
-def _owns_run_dir(launched: bool) -> bool:
-    """Whether this process takes the run-directory lock (gridshard/run_lock.py): the local
-    launcher, or rank 0 under torchrun (one holder per job, also across nodes)."""
-    return not launched or os.environ.get("RANK") == "0"
-
-
-def _restarted() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-
-
 def _check_not_live(run_dir: str, overwrite: bool, launched: bool) -> None:
     """Refuse a run directory whose lock a live run holds (:mod:`gridshard.run_lock`), naming
     its PID and host; ``--overwrite`` included. Looked at by the process that would take the lock
@@ -454,19 +443,29 @@ def _check_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool) -> None:
     check has passed."""
     from .fsutil import cannot_create
 
-    continuing = cfg.train.resume != "never" or _restarted()
     if overwrite and cfg.train.resume != "never":
         raise ConfigError("--overwrite and --resume/train.resume were both given: one starts over, the other "
                           "continues. Fix: pass one of them.")
     _check_not_live(run_dir, overwrite, launched)
-    previous = [x for x in RUN_OUTPUTS if os.path.exists(os.path.join(run_dir, x))]
-    if previous and not continuing and not overwrite:
-        raise ConfigError(f"run directory {run_dir!r} already holds a run ({', '.join(previous)}). Fix: "
-                          f"--resume latest to continue it, --overwrite to start over, or another --run-dir.")
+    _check_no_earlier_run(run_dir, cfg, overwrite)
     why = cannot_create(run_dir)
     if why is not None:
-        raise ConfigError(f"run directory {run_dir!r} is not writable ({why}). Fix: choose a --run-dir you "
-                          f"can write.")
+        raise _not_writable(run_dir, why)
+
+
+def _continuing(cfg) -> bool:
+    return cfg.train.resume != "never" or _restarted()
+
+
+def _check_no_earlier_run(run_dir: str, cfg, overwrite: bool) -> None:
+    previous = [x for x in RUN_OUTPUTS if os.path.exists(os.path.join(run_dir, x))]
+    if previous and not _continuing(cfg) and not overwrite:
+        raise ConfigError(f"run directory {run_dir!r} already holds a run ({', '.join(previous)}). Fix: "
+                          f"--resume latest to continue it, --overwrite to start over, or another --run-dir.")
+
+
+def _not_writable(run_dir: str, why: str) -> ConfigError:
+    return ConfigError(f"run directory {run_dir!r} is not writable ({why}). Fix: choose a --run-dir you can write.")
 
 
 # how long an elastic restart's rank 0 waits for the lock its dead predecessor held (the agent
@@ -481,16 +480,13 @@ def _claim_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool):
     run's outputs under the lock. The lock is taken before anything in the directory is created
     or removed; if it is refused (a run that started since the check), the folders created for it
     are removed again. Returns the lock (None for ranks other than the owner)."""
-    import shutil
-
     from .fsutil import make_dirs, remove_made
     from .run_lock import acquire
 
     try:
         created = make_dirs(run_dir)
     except OSError as e:
-        raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}). Fix: choose a --run-dir you "
-                          f"can write.") from None
+        raise _not_writable(run_dir, e.strerror) from None
     if not _owns_run_dir(launched):
         return None
     try:
@@ -500,18 +496,16 @@ def _claim_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool):
         raise
     except OSError as e:
         remove_made(created)
-        raise ConfigError(f"run directory {run_dir!r} is not writable ({e.strerror}). Fix: choose a --run-dir you "
-                          f"can write.") from None
-    continuing = cfg.train.resume != "never" or _restarted()
-    previous = [x for x in RUN_OUTPUTS if os.path.exists(os.path.join(run_dir, x))]
-    if previous and not continuing and not overwrite:      # a run that began and ended since the check
+        raise _not_writable(run_dir, e.strerror) from None
+    try:
+        _check_no_earlier_run(run_dir, cfg, overwrite)      # a run that began and ended since the check
+    except ConfigError:
         lock.release()
-        raise ConfigError(f"run directory {run_dir!r} already holds a run ({', '.join(previous)}). Fix: "
-                          f"--resume latest to continue it, --overwrite to start over, or another --run-dir.")
+        raise
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
         ctx.call_on_close(lock.release)
-    if overwrite and not continuing:
+    if overwrite and not _continuing(cfg):
         for name in RUN_OUTPUTS:
             path = os.path.join(run_dir, name)
             if os.path.isdir(path) and not os.path.islink(path):
@@ -524,8 +518,6 @@ def _claim_run_dir(run_dir: str, cfg, overwrite: bool, launched: bool):
 def _copy_tokenizer(cfg, run_dir: str) -> None:
     """``RUN_DIR/tokenizer/``: the prepared folder's meta.json and tokenizer.json, so that
     ``gridshard generate RUN_DIR`` decodes even after the data folder moves."""
-    import shutil
-
     if cfg.data.kind != "prepared":
         return
     dest = os.path.join(run_dir, "tokenizer")
@@ -568,8 +560,6 @@ def _check_resume(cfg, run_dir: str, launched: bool = False) -> None:
 
 
 def _last_logged_step(run_dir: str):
-    import json
-
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             return json.loads(f.read().splitlines()[-1])["step"]
@@ -694,15 +684,12 @@ def plan(args, gpus, nodes, hardware, top, as_json, write, explain_flag, calibra
     """
     from .planner.command import run_calibrate, run_plan
 
-    try:
+    with _refused_as("gridshard plan: "):
         source, overrides = _split_args(args)
         if calibrate_flag:
             run_calibrate(nproc, out, overrides)          # parallel.backend=... picks the backend
             return
         run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag)
-    except ConfigError as e:
-        click.echo(f"gridshard plan: {e}", err=True)
-        sys.exit(EXIT_CONFIG)
 
 
 @main.command()
@@ -716,11 +703,8 @@ def export(ckpt_dir, fmt, out_dir):
     from .checkpoint import resolve_checkpoint
     from .checkpoint.hf_io import export_hf
 
-    try:
+    with _refused_as():
         paths = export_hf(resolve_checkpoint(ckpt_dir, None), out_dir)
-    except ConfigError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_CONFIG)
     for p in paths:
         click.echo(p)
 
@@ -732,11 +716,8 @@ def plot(run_dir, out):
     """Write loss.png and throughput.png for RUN_DIR (from its metrics.jsonl)."""
     from .plot import plot_run
 
-    try:
+    with _refused_as():
         paths = plot_run(run_dir, out)
-    except ConfigError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_CONFIG)
     for p in paths:
         click.echo(p)
 
@@ -753,11 +734,8 @@ def generate(path, prompt, max_new_tokens, temperature, top_k, seed):
     CKPT_DIR, in one process whatever layout trained it; prints the prompt and its continuation."""
     from .generate import generate_text
 
-    try:
+    with _refused_as():                          # a CheckpointError is a ConfigError
         prompt, text, folder, step = generate_text(path, prompt, max_new_tokens, temperature, top_k, seed)
-    except ConfigError as e:                          # a CheckpointError is one
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_CONFIG)
     click.echo(f"# {folder} (step {step}), temperature {temperature}, top-k {top_k}, seed {seed}", err=True)
     click.echo(prompt + text)
 
@@ -771,11 +749,8 @@ def predict(path, images, top):
     checkpoint) or CKPT_DIR, in one process whatever layout trained it (docs/vision.md)."""
     from .predict import predict_images
 
-    try:
+    with _refused_as():                          # a CheckpointError is a ConfigError
         folder, step, rows = predict_images(path, list(images), top)
-    except ConfigError as e:                          # a CheckpointError is one
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_CONFIG)
     click.echo(f"# {folder} (step {step})", err=True)
     for image, best in rows:
         click.echo(f"{image}: " + ", ".join(f"{name} {p:.3f}" for name, p in best))
@@ -807,7 +782,7 @@ def prepare_data(inputs, out, train_tokenizer, vocab_size, tokenizer_file, use_b
     `gridshard train data.kind=prepared data.path=OUT` (the vocabulary size comes from OUT)."""
     from .data.prepare import prepare_data as run
 
-    try:
+    with _refused_as():
         chosen = [name for name, on in (("--train-tokenizer", train_tokenizer), ("--tokenizer", tokenizer_file),
                                         ("--bytes", use_bytes)) if on]
         if len(chosen) > 1:
@@ -821,9 +796,6 @@ def prepare_data(inputs, out, train_tokenizer, vocab_size, tokenizer_file, use_b
         kind = "train" if train_tokenizer else tokenizer_file or "bytes"
         meta = run(inputs, out, kind, vocab_size, val_fraction, workers, tokenizer_bytes=tokenizer_bytes,
                    progress=not no_progress, overwrite=overwrite)
-    except ConfigError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(EXIT_CONFIG)
     mb = meta["input_bytes"] / 1e6
     rss = meta["peak_rss_bytes"]
     (a, b), (c, d) = meta["split"]["train"], meta["split"]["val"]

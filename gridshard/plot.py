@@ -46,39 +46,32 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list:
     os.makedirs(out_dir, exist_ok=True)
     steps = [r["step"] for r in recs]
     paths = [_panels(plt, recs, run_dir, os.path.join(out_dir, "metrics.png"))]
-    for key, ylabel, name in (("loss", "loss (nats/token)", "loss.png"),
-                              ("tokens_per_s", "tokens / s (global)", "throughput.png")):
-        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-        ax.plot(steps, [_num(r.get(key)) for r in recs], marker="o", markersize=3)
-        ax.set_xlim(left=0)
-        if key == "tokens_per_s":
-            ax.set_ylim(bottom=0)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: {key}")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = os.path.join(out_dir, name)
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
-    evals = [r for r in recs if r.get("accuracy") is not None]
+    for key, ylabel, name, ylim in (("loss", "loss (nats/token)", "loss.png", {}),
+                                    ("tokens_per_s", "tokens / s (global)", "throughput.png", {"bottom": 0})):
+        paths.append(_single(plt, run_dir, os.path.join(out_dir, name), key, ylabel, ylim,
+                             [(steps, [_num(r.get(key)) for r in recs], None)]))
+    evals = [r for r in recs if r.get("accuracy") is not None]     # a classifier's evaluation steps, on 0–1
     if evals:
-        paths.append(_accuracy(plt, evals, run_dir, os.path.join(out_dir, "accuracy.png")))
+        paths.append(_single(plt, run_dir, os.path.join(out_dir, "accuracy.png"), "accuracy", "accuracy",
+                             {"bottom": 0, "top": 1},
+                             [([r["step"] for r in evals], [_num(r.get(key)) for r in evals], label)
+                              for key, label in (("accuracy", "train"), ("val_accuracy", "validation"))]))
     return paths
 
 
-def _accuracy(plt, evals: list, run_dir: str, path: str) -> str:
-    """``accuracy`` and ``val_accuracy`` of the evaluation records against the step, on 0–1."""
+def _single(plt, run_dir: str, path: str, key: str, ylabel: str, ylim: dict, series: list) -> str:
+    """One panel of ``series`` [(steps, values, label or None)] against the step, saved to ``path``."""
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    for key, label in (("accuracy", "train"), ("val_accuracy", "validation")):
-        ax.plot([r["step"] for r in evals], [_num(r.get(key)) for r in evals], marker="o", markersize=3, label=label)
+    for xs, ys, label in series:
+        ax.plot(xs, ys, marker="o", markersize=3, label=label)
     ax.set_xlim(left=0)
-    ax.set_ylim(0, 1)
+    if ylim:
+        ax.set_ylim(**ylim)
     ax.set_xlabel("step")
-    ax.set_ylabel("accuracy")
-    ax.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: accuracy")
-    ax.legend()
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: {key}")
+    if any(label for _, _, label in series):
+        ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

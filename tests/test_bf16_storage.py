@@ -58,7 +58,7 @@ def _want(trainer, stage: int, reduce_bytes: int) -> tuple:
     D, r = trainer.mesh.data.size, trainer.mesh.data.rank
     if stage == 0:
         blocks = [(tuple(p.shape), None) for p in trainer.params]
-        vol = dp_gradient_allreduce(trainer.reducer.bucket_elems(), D, reduce_bytes)
+        vol = dp_gradient_allreduce([u.layout.padded for u in trainer.reducer.units], D, reduce_bytes)
         comm = {"all_reduce": (vol.count("all_reduce"), vol.payload_bytes("all_reduce")),
                 "all_gather": (0, 0), "reduce_scatter": (0, 0)}
     else:
@@ -153,13 +153,14 @@ def test_bf16_checkpoints_hold_fp32_masters_and_reshard(tmp_path):
 
 
 def test_bf16_model_state_is_the_zero_papers_bytes_per_parameter():
-    """Ψ parameters in units D divides: 16Ψ (ZeRO-0, + the 4Ψ fp32 master gradient at the step),
+    """Ψ parameters in units D divides: 16Ψ (ZeRO-0, + 2Ψ at the step: the 4Ψ fp32 master gradient
+    replaces the 2Ψ bf16 buffer),
     2Ψ + 2Ψ + 16Ψ/D (ZeRO-1: master, moments and the fp32 reduced chunk sharded), 2Ψ + 16Ψ/D
     (ZeRO-2: the paper's 2Ψ + 14Ψ/D with an fp32 gradient shard), 18Ψ/D (ZeRO-3: + the bf16 chunk)."""
     D, blocks = 4, [((64, 64), 0), ((64,), 0), ((64, 64), 1), ((64,), 1), ((128, 64), None)]
     psi = sum(math.prod(s) for s, _ in blocks)
     z0 = model_state_bytes(blocks, 0, step_counters=False, param_bytes=2)
-    assert (z0.held, z0.step_transient, z0.peak) == (16 * psi, 4 * psi, 20 * psi)
+    assert (z0.held, z0.step_transient, z0.peak) == (16 * psi, 2 * psi, 18 * psi)
     held = [model_state_bytes(blocks, z, D, step_counters=False, param_bytes=2).held for z in (1, 2, 3)]
     assert held == [4 * psi + 16 * psi // D, 2 * psi + 16 * psi // D, 18 * psi // D]
 

@@ -7,8 +7,9 @@ inside, and the loss is fp32; without autocast nothing changes.
   sizes; on an fp32 input it *is* ``F.rms_norm`` (bit for bit);
 * the model under CPU bf16 autocast: every decoder layer's output, every norm's output and
   the logits are bf16, the RoPE tables come from the cache in bf16, the loss is fp32;
-* a short bf16 training run of the tiny model follows the fp32 loss curve (the longer check,
-  100 steps at (1,1,none) and (2,2,1d+SP), is quoted in docs/memory.md).
+* a short bf16 training run of the tiny model follows the fp32 loss curve (100 steps at
+  (4,1,none) and (2,2,1d+SP): ``benchmarks/bench_bf16_curve.py``, ``tests/test_bf16_curve.py``,
+  docs/memory.md "bf16 against fp32").
 """
 import pytest
 import torch

@@ -262,3 +262,46 @@ def test_zero_backward_gradient_transient_by_hand():
     assert M.zero_gradient_transient(wide, 2, 2) == 4 * (4 + 3 * 8)
     # ZeRO-3 gathers: the root and two consecutive layers (one computing, the next prefetched)
     assert M.model_state_bytes(blocks, zero=3, data=2).transient == 4 * 14 + 4 * (20 + 12)
+
+
+def test_pipeline_reduction_cast_counts_after_the_backward():
+    """bf16 storage, ZeRO-1, fp32 reduce: each unit in flight is cast to fp32 for its reduce-scatter
+    (4·(L_root + three largest layers)). Without a pipeline that happens in the last backward, on
+    top of the activations; with one (the reducer is not armed) in sync(), after the schedule's
+    backward freed them: only what exceeds the freed activations counts."""
+    cfg = tiny_config()
+    blocks = rank_parameter_blocks(cfg, layer_ids=[0], has_head=False)
+    cast = M.zero_reduce_cast_bytes(blocks, 1, 2, param_bytes=2, reduce_bytes=4)
+    units = M.zero_units(blocks)
+    from gridshard.theory.zero import unit_padded_numel
+    L = {u: unit_padded_numel([b.numel for b in bs], 2) for u, bs in units.items()}
+    assert cast == 4 * (L["root"] + L[0]) and M.zero_reduce_cast_bytes(blocks, 1, 2, 2, 2) == 2 * sum(L.values()) // 2
+    kw = dict(data=2, zero=1, micro_batch=2, seq_len=8, n_microbatches=4, precision="bf16", blocks=blocks)
+    alone = M.predict_rank_memory(cfg, **kw)
+    assert alone.transient == cast
+    piped = M.predict_rank_memory(cfg, pipeline=2, pipeline_rank=0, layer_ids=[0], **kw)
+    held_once = M.activation_bytes(cfg, 2, 8, layers=1, has_head=False, precision="bf16", param_bytes=2).held_once
+    freed = piped.activations - held_once
+    assert piped.transient == max(0, cast - freed)
+    small = M.predict_rank_memory(cfg, pipeline=2, pipeline_rank=0, layer_ids=[0], **{**kw, "seq_len": 1,
+                                                                                       "micro_batch": 1})
+    assert 0 < small.transient < cast                      # a cast larger than the freed activations shows
+
+
+def test_pipeline_stage_buffers_by_hand():
+    """torch's PipelineStage keeps one input and one output-gradient receive buffer per micro-batch
+    and each in-flight micro-batch's output (theory.pipeline "Stage buffers"): with A = 8, B the
+    boundary block, stage 0 of 2 (1F1B, 2 in flight) holds (A + 2)·B, stage 1 (A − 1)·B."""
+    from gridshard.theory.pipeline import boundary_bytes, stage_buffer_bytes
+
+    cfg = tiny_config()
+    B = boundary_bytes("none", False, 1, 2, 8, cfg.hidden)
+    assert B == 2 * 8 * cfg.hidden * 4
+    assert stage_buffer_bytes(True, False, 8, 2, B) == 10 * B and stage_buffer_bytes(False, True, 8, 1, B) == 7 * B
+    assert stage_buffer_bytes(False, False, 8, 3, B) == (5 + 11) * B
+    for rank, (ids, first, last) in enumerate(PIPELINE_RANKS):
+        blocks = rank_parameter_blocks(cfg, layer_ids=list(ids), has_embedding=first, has_head=last)
+        pred = M.predict_rank_memory(cfg, micro_batch=2, seq_len=8, n_microbatches=8, pipeline=2, pipeline_rank=rank,
+                                     layer_ids=ids, blocks=blocks)
+        assert pred.comm_buffers == M.model_state_bytes(blocks).comm_buffers + (10 * B if first else 7 * B)
+        assert pred.details["stage_buffers"] == (10 * B if first else 7 * B)

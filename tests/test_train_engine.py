@@ -42,7 +42,7 @@ def _ledger_body(cfg):
         filled += b
     led = trainer.ledger
     return (led.count("all_reduce", "data"), led.payload_bytes("all_reduce", "data"),
-            steps * buckets, len(trainer.reducer.buckets), sum(p.numel() for p in trainer.params))
+            steps * buckets, len(trainer.reducer.units), sum(p.numel() for p in trainer.params))
 
 
 @pytest.mark.parametrize("par", [{"data": 2}, {"data": 2, "tensor": 2, "tensor_mode": "1d"}],
@@ -69,11 +69,11 @@ def _overlap_body(cfg):
         sync.arm()
         ctx = trainer.context
         ctx.model_loss(trainer.model, ctx.shard_tokens(tokens), ctx.shard_tokens(targets)).backward()
-        issued_in_backward = len(sync._pending)
+        issued_in_backward = sum(u.reductions for u in sync.units)
         sync.sync()
         grads[overlap] = [p.grad.clone() for p in trainer.params]
         if overlap:
-            assert issued_in_backward == len(sync.buckets) > 2, (issued_in_backward, len(sync.buckets))
+            assert issued_in_backward == len(sync.units) > 2, (issued_in_backward, len(sync.units))
         else:
             assert issued_in_backward == 0
     return all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))

@@ -176,9 +176,15 @@ def _write_folder(root, sizes):
             Image.new("RGB", (w, h), color=(40 * k, 100, 200)).save(root / cls / f"{k}.png")
 
 
-def test_image_folder_is_read_resized_and_labelled_by_class(tmp_path):
-    from gridshard.data.images import load_image_folder
+def load_image_folder(path, image_size, channels):
+    """(images [n, C, S, S], labels [n], class names) of a class-per-subfolder folder, every file read."""
+    from gridshard.data.images import FolderImages, folder_index
 
+    files, labels, classes = folder_index(path)
+    return FolderImages(files, image_size, channels)[torch.arange(len(files))], labels, classes
+
+
+def test_image_folder_is_read_resized_and_labelled_by_class(tmp_path):
     _write_folder(tmp_path, {"cat": (20, 10), "dog": (7, 9)})          # mixed sizes: each is resized
     images, labels, classes = load_image_folder(str(tmp_path), 12, 3)
     assert classes == ["cat", "dog"] and labels.tolist() == [0, 0, 0, 1, 1, 1]
@@ -186,8 +192,6 @@ def test_image_folder_is_read_resized_and_labelled_by_class(tmp_path):
 
 
 def test_image_folder_problems_are_one_clear_message(tmp_path):
-    from gridshard.data.images import load_image_folder
-
     _write_folder(tmp_path, {"cat": (8, 8)})
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ConfigError, match="class folder 'empty' holds no image"):
@@ -211,7 +215,7 @@ def test_image_folder_problems_are_one_clear_message(tmp_path):
 def test_each_data_rank_reads_only_its_share_of_an_image_folder(tmp_path):
     """Data rank d of D decodes, per step, exactly the files of its G/D rows; the ranks' files
     are disjoint and together the global batch, the same images the whole-set plan gives."""
-    from gridshard.data.images import folder_index, image_plans, load_image_folder
+    from gridshard.data.images import folder_index, image_plans
 
     _write_folder(tmp_path, {"a": (8, 8), "b": (9, 7), "c": (5, 5)})              # 9 images
     cfg = _resolve(2, data={"kind": "images", "path": str(tmp_path), "val_fraction": 0.25},

@@ -100,7 +100,7 @@ def _stages_body(cfg):
             want_comm["all_reduce"] = (1, 8) if D > 1 else (0, 0)     # the shards' squared norm
         else:
             numel = sum(p.numel() for p in trainer.params)
-            want_comm = {"all_reduce": (len(trainer.reducer.buckets), 4 * numel), "all_gather": (0, 0),
+            want_comm = {"all_reduce": (len(trainer.reducer.units), 4 * numel), "all_gather": (0, 0),
                          "reduce_scatter": (0, 0)}
         out[stage] = (losses, [h["grad_norm"] for h in trainer.history], held, want_state, per_step, want_comm)
     return out

@@ -106,8 +106,8 @@ def _stepped(model: torch.nn.Module, reducer) -> list:
 
 def _stepped_blocks(model: torch.nn.Module, reducer, prefix: str, tensor_of, writing: bool) -> dict:
     """key → :class:`CanonicalBlock` of ``tensor_of(stepped)`` (the stepped tensor, or one of its
-    AdamW moments; None: skipped) for every tensor ``reducer`` (:class:`gridshard.zero.reducer.
-    GradReducer`) steps — the parameter itself, or under ZeRO its element range, as ≤ 3 boxes of
+    AdamW moments; None: skipped) for every tensor ``reducer`` (:class:`gridshard.zero.
+    ZeroDataParallel`) steps — the parameter itself, or under ZeRO its element range, as ≤ 3 boxes of
     the parameter's layout narrowed further —, without one every parameter (tied weights under
     their first name). fqn = ``prefix(name)``."""
     ctx, out = model.parallel_context, {}

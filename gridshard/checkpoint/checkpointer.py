@@ -139,7 +139,7 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, meta: dict, blocking: bool = False, reducer=None) -> None:
         """Checkpoint ``step``: stage this rank's blocks, then write and publish them in the
         background (``blocking``: wait for it). ``meta``: the JSON fields of ``meta.json``.
-        ``reducer``: the run's :class:`gridshard.zero.reducer.GradReducer` (blocks are what it steps)."""
+        ``reducer``: the run's :class:`gridshard.zero.ZeroDataParallel` (blocks are what it steps)."""
         if self.root is None:
             return
         self.wait()

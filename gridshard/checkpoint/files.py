@@ -144,9 +144,9 @@ def resolve_checkpoint(spec: str, run_dir: Optional[str]) -> str:
                           f"RUN_DIR/checkpoints/step_N folder or the run directory that holds checkpoints/.")
 
 
-def _sha256(path: str) -> str:
+def _sha256(path: str, nofollow: bool = False) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with _open_nofollow(path) if nofollow else open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -160,24 +160,19 @@ def write_json(path: str, obj) -> None:
         os.fsync(f.fileno())
 
 
-def describe_files(folder: str, prefix: str = "") -> dict:
-    """name → {bytes, sha256} of the files in ``folder`` whose name starts with ``prefix``."""
-    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
+def describe_files(folder: str, prefix: str = "", known: Optional[dict] = None) -> dict:
+    """name → {bytes, sha256} of the files in ``folder`` (but the manifest) whose name starts
+    with ``prefix``; ``known``: entries already computed, the rest are hashed here."""
+    known = known or {}
+    return {name: known.get(name) or {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
             for name in sorted(os.listdir(folder))
-            if name.startswith(prefix) and name != MANIFEST and os.path.isfile(os.path.join(folder, name))}
+            if name.startswith(prefix) and name != MANIFEST and os.path.isfile(path := os.path.join(folder, name))}
 
 
 def write_manifest(folder: str, known: Optional[dict] = None) -> dict:
     """Size and sha256 of every file in ``folder`` (except the manifest), written last.
-    ``known``: entries already computed (each rank hashes the chunk files it wrote), the
-    rest are hashed here."""
-    known = known or {}
-    files = {}
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        if name != MANIFEST and os.path.isfile(path):
-            files[name] = known.get(name) or {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-    manifest = {"format": FORMAT, "files": files}
+    ``known``: entries already computed (each rank hashes the chunk files it wrote)."""
+    manifest = {"format": FORMAT, "files": describe_files(folder, known=known)}
     write_json(os.path.join(folder, MANIFEST), manifest)
     return manifest
 
@@ -250,14 +245,6 @@ def _open_nofollow(path: str):
     return os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
 
 
-def _sha256_nofollow(path: str) -> str:
-    h = hashlib.sha256()
-    with _open_nofollow(path) as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check_folder(folder: str) -> None:
     """``folder`` is a real folder (not a symbolic link) and no entry in it is a symbolic link
     or anything but a plain file: so every read of a checkpoint stays inside its folder.
@@ -325,7 +312,7 @@ def _verify(folder: str, hash_share: tuple) -> dict:
 
         try:
             with ThreadPoolExecutor(max_workers=min(8, len(mine), os.cpu_count() or 1)) as pool:
-                digests = list(pool.map(lambda n: _sha256_nofollow(os.path.join(folder, n)), mine))
+                digests = list(pool.map(lambda n: _sha256(os.path.join(folder, n), nofollow=True), mine))
         except OSError as e:
             raise Refused(f"a file cannot be read ({e.strerror})") from None
         for name, digest in zip(mine, digests):
@@ -334,11 +321,16 @@ def _verify(folder: str, hash_share: tuple) -> dict:
     return manifest
 
 
-def read_manifest(folder: str) -> dict:
+def _refused(check, folder: str, *args):
+    """``check(folder, *args)`` with a :class:`Refused` raised as :func:`refusal`'s CheckpointError."""
     try:
-        return _read_manifest(folder)
+        return check(folder, *args)
     except Refused as r:
         raise refusal(folder, r.what, r.fix) from None
+
+
+def read_manifest(folder: str) -> dict:
+    return _refused(_read_manifest, folder)
 
 
 def verify_checkpoint(folder: str, hash_share: tuple = (0, 1)) -> dict:
@@ -354,10 +346,7 @@ def verify_checkpoint(folder: str, hash_share: tuple = (0, 1)) -> dict:
     rewrite the manifest too. What keeps a hostile checkpoint from running code is that
     nothing in it is unpickled beyond the allow-list and only tensors are loaded
     (:mod:`gridshard.checkpoint.reader`)."""
-    try:
-        return _verify(folder, hash_share)
-    except Refused as r:
-        raise refusal(folder, r.what, r.fix) from None
+    return _refused(_verify, folder, hash_share)
 
 
 def _read_meta(folder: str) -> dict:
@@ -395,10 +384,7 @@ def _read_meta(folder: str) -> dict:
 def read_meta(folder: str) -> dict:
     """``meta.json`` of a checkpoint (JSON; the fields readers use type-checked): CheckpointError
     otherwise. The complete check of a checkpoint is :func:`gridshard.checkpoint.reader.open_checkpoint`."""
-    try:
-        return _read_meta(folder)
-    except Refused as r:
-        raise refusal(folder, r.what, r.fix) from None
+    return _refused(_read_meta, folder)
 
 
 def update_latest(root: str, name: str) -> None:
@@ -527,12 +513,11 @@ class SafeMetadataReader(FileSystemReader):
     :mod:`gridshard.checkpoint.reader`, which checks the rest before loading."""
 
     def read_metadata(self, *args, **kwargs):
+        return self._with_load_id(_refused(read_dcp_metadata, str(self.path)))
+
+    def _with_load_id(self, metadata):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        try:
-            metadata = read_dcp_metadata(str(self.path))
-        except Refused as r:
-            raise refusal(str(self.path), r.what, r.fix) from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -218,8 +218,12 @@ class _TensorOnlyPlanner(BlockLoadPlanner):
     DCP's default ``load_bytes`` is ``torch.load(weights_only=False)``."""
 
     def load_bytes(self, read_item, value) -> None:
-        raise F.CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is not a tensor; gridshard loads "
-                                f"tensors only. Fix: use a checkpoint written by gridshard.")
+        raise _not_a_tensor(read_item.dest_index.fqn)
+
+
+def _not_a_tensor(fqn) -> F.CheckpointError:
+    return F.CheckpointError(f"checkpoint entry {fqn!r} is not a tensor; gridshard loads tensors only. Fix: use a "
+                             f"checkpoint written by gridshard.")
 
 
 class _CheckedReader(F.SafeMetadataReader):
@@ -233,20 +237,14 @@ class _CheckedReader(F.SafeMetadataReader):
         self._metadata = checked.metadata
 
     def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(self._metadata, "storage_meta", None) is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
+        return self._with_load_id(self._metadata)
 
     def read_data(self, plan, planner):
         from torch.distributed.checkpoint.planner import LoadItemType
 
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
-                raise F.CheckpointError(f"checkpoint entry {item.dest_index.fqn!r} is not a tensor; gridshard loads "
-                                        f"tensors only. Fix: use a checkpoint written by gridshard.")
+                raise _not_a_tensor(item.dest_index.fqn)
         return super().read_data(plan, planner)
 
 

@@ -132,6 +132,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _as_requested(x: torch.Tensor, async_op: bool):
+    """A result with nothing to wait for (an axis of size 1): ``x``, or a handle already done."""
+    return PendingCollective(None, x, None) if async_op else x
+
+
+def _issue(call, entry, result: torch.Tensor, async_op: bool, device):
+    """Run the process-group call ``call(async_op)``: with ``async_op`` return a
+    :class:`PendingCollective` whose ``wait()`` is timed into ``entry``; otherwise time the
+    call itself and return ``result``."""
+    if async_op:
+        return PendingCollective(call(True), result, entry)
+    with entry.owner.timed(entry, device):
+        call(False)
+    return result
+
+
 @_eager
 def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False, inplace: bool = False):
     """Sum (or max) ``x`` over ``axis``; returns a new contiguous tensor (``x`` itself with
@@ -139,17 +155,14 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = Fa
     docstring). The ledger entry is the same either way (payload ``x``'s bytes). With
     ``async_op`` returns a :class:`PendingCollective`; the ledger times only the wait."""
     if axis.size == 1:
-        return PendingCollective(None, x, None) if async_op else x
+        return _as_requested(x, async_op)
     if inplace and not x.is_contiguous():
         raise ValueError("all_reduce(inplace=True) needs a contiguous tensor")
     out = x if inplace else x.clone(memory_format=torch.contiguous_format)
     entry = record("all_reduce", axis, _nbytes(out))
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    if async_op:
-        return PendingCollective(dist.all_reduce(out, op=red, group=axis.group, async_op=True), out, entry)
-    with entry.owner.timed(entry, out.device):
-        dist.all_reduce(out, op=red, group=axis.group)
-    return out
+    return _issue(lambda a: dist.all_reduce(out, op=red, group=axis.group, async_op=a), entry, out, async_op,
+                  out.device)
 
 
 @_eager
@@ -165,7 +178,7 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = Fals
     then contiguous). With ``async_op`` (an outermost ``dim`` only) a
     :class:`PendingCollective` is returned (its ``wait()`` gives the gathered tensor)."""
     if axis.size == 1:
-        return PendingCollective(None, x, None) if async_op else x
+        return _as_requested(x, async_op)
     n = axis.size
     dim = dim % x.dim()
     lead = x.movedim(dim, 0)
@@ -175,14 +188,9 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = Fals
     src = lead if outermost else x.contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     entry = record("all_gather", axis, _nbytes(out))
-    if async_op:
-        return PendingCollective(_all_gather_flat(out, src, group=axis.group, async_op=True), out.movedim(0, dim),
-                                 entry)
-    with entry.owner.timed(entry, x.device):
-        _all_gather_flat(out, src, group=axis.group)
-    if outermost:
-        return out.movedim(0, dim)
-    return torch.cat(out.chunk(n, 0), dim=dim)
+    result = _issue(lambda a: _all_gather_flat(out, src, group=axis.group, async_op=a), entry, out.movedim(0, dim),
+                    async_op, x.device)
+    return result if outermost else torch.cat(out.chunk(n, 0), dim=dim)     # async: outermost only
 
 
 @_eager
@@ -194,15 +202,11 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bo
     if axis.size == 1:
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
-        return PendingCollective(None, out, None) if async_op else out
+        return _as_requested(out, async_op)
     if out.numel() != axis.size * x.numel():
         raise ValueError(f"all_gather_into: out has {out.numel()} elements, not {axis.size}·{x.numel()}")
     entry = record("all_gather", axis, _nbytes(out))
-    if async_op:
-        return PendingCollective(_all_gather_flat(out, x, group=axis.group, async_op=True), out, entry)
-    with entry.owner.timed(entry, out.device):
-        _all_gather_flat(out, x, group=axis.group)
-    return out
+    return _issue(lambda a: _all_gather_flat(out, x, group=axis.group, async_op=a), entry, out, async_op, out.device)
 
 
 @_eager
@@ -215,7 +219,7 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = 
     a contiguous buffer (one copy of the input) and the block is contiguous. With
     ``async_op`` a :class:`PendingCollective` is returned (its ``wait()`` gives the block)."""
     if axis.size == 1:
-        return PendingCollective(None, x, None) if async_op else x
+        return _as_requested(x, async_op)
     n = axis.size
     dim = dim % x.dim()
     if x.shape[dim] % n:
@@ -232,11 +236,8 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = 
         src = torch.stack(x.chunk(n, dim=dim), dim=0).contiguous().view(n * block_shape[0], *block_shape[1:])
         result = out
     entry = record("reduce_scatter", axis, _nbytes(x))
-    if async_op:
-        return PendingCollective(_reduce_scatter_flat(out, src, group=axis.group, async_op=True), result, entry)
-    with entry.owner.timed(entry, x.device):
-        _reduce_scatter_flat(out, src, group=axis.group)
-    return result
+    return _issue(lambda a: _reduce_scatter_flat(out, src, group=axis.group, async_op=a), entry, result, async_op,
+                  x.device)
 
 
 @_eager
@@ -248,18 +249,14 @@ def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False, out
     if axis.size == 1:
         if out is not None:
             x = out.copy_(x)
-        return PendingCollective(None, x, None) if async_op else x
+        return _as_requested(x, async_op)
     n = axis.size
     if x.dim() != 1 or x.numel() % n:
         raise ValueError(f"reduce_scatter_flat: needs a 1-dim buffer of a multiple of {n} elements, got {tuple(x.shape)}")
     if out is None:
         out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
     entry = record("reduce_scatter", axis, _nbytes(x))
-    if async_op:
-        return PendingCollective(_reduce_scatter_flat(out, x, group=axis.group, async_op=True), out, entry)
-    with entry.owner.timed(entry, x.device):
-        _reduce_scatter_flat(out, x, group=axis.group)
-    return out
+    return _issue(lambda a: _reduce_scatter_flat(out, x, group=axis.group, async_op=a), entry, out, async_op, x.device)
 
 
 class PendingCollective:
@@ -284,15 +281,11 @@ def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
     ``async_op`` a :class:`PendingCollective` is returned; otherwise the tensor.
     """
     if axis.size == 1:
-        return PendingCollective(None, x, None) if async_op else x
+        return _as_requested(x, async_op)
     x = x.contiguous()
     entry = record("broadcast", axis, _nbytes(x))
-    if async_op:
-        work = dist.broadcast(x, src=axis.global_rank(src), group=axis.group, async_op=True)
-        return PendingCollective(work, x, entry)
-    with entry.owner.timed(entry, x.device):
-        dist.broadcast(x, src=axis.global_rank(src), group=axis.group)
-    return x
+    return _issue(lambda a: dist.broadcast(x, src=axis.global_rank(src), group=axis.group, async_op=a), entry, x,
+                  async_op, x.device)
 
 
 @_eager
@@ -306,12 +299,8 @@ def reduce(x: torch.Tensor, axis: Axis, dst: int, async_op: bool = False):
     ``async_op`` a :class:`PendingCollective` is returned.
     """
     if axis.size == 1:
-        return PendingCollective(None, x, None) if async_op else x
+        return _as_requested(x, async_op)
     out = x.clone(memory_format=torch.contiguous_format)
     entry = record("reduce", axis, _nbytes(out))
-    if async_op:
-        work = dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
-        return PendingCollective(work, out, entry)
-    with entry.owner.timed(entry, out.device):
-        dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group)
-    return out
+    return _issue(lambda a: dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group,
+                                        async_op=a), entry, out, async_op, out.device)

@@ -83,48 +83,28 @@ class _ReduceFromGroup(torch.autograd.Function):
         return g, None
 
 
-class _ScatterToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim):
+def _dual(name: str, forward: str, backward: str):
+    """The autograd Function ``name``: y = forward(x, axis, dim), ∂L/∂x = backward(∂L/∂y, axis, dim),
+    each ``"split"`` (:func:`_split`) or a collective of :mod:`gridshard.comm.collectives`, looked up
+    at call time."""
+
+    def op(which: str):
+        return _split if which == "split" else getattr(C, which)
+
+    def fwd(ctx, x, axis, dim):
         ctx.axis, ctx.dim = axis, dim
-        return _split(x, axis, dim)
+        return op(forward)(x, axis, dim)
 
-    @staticmethod
-    def backward(ctx, g):
-        return C.all_gather(g, ctx.axis, ctx.dim), None, None
+    def bwd(ctx, g):
+        return op(backward)(g, ctx.axis, ctx.dim), None, None
 
-
-class _GatherFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return C.all_gather(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split(g, ctx.axis, ctx.dim), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return C.all_gather(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return C.reduce_scatter(g, ctx.axis, ctx.dim), None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return C.reduce_scatter(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return C.all_gather(g, ctx.axis, ctx.dim), None, None
+_ScatterToGroup = _dual("_ScatterToGroup", "split", "all_gather")
+_GatherFromGroup = _dual("_GatherFromGroup", "all_gather", "split")
+_GatherSequence = _dual("_GatherSequence", "all_gather", "reduce_scatter")
+_ReduceScatterSequence = _dual("_ReduceScatterSequence", "reduce_scatter", "all_gather")
 
 
 class _ReduceScatterSequenceBias(torch.autograd.Function):

@@ -241,22 +241,20 @@ def summa_ab_parts(a: torch.Tensor, parts, mesh, overlap: bool = True) -> torch.
     → [m/q, Σ n_k/q]: the communication of one product of width Σ n_k, without keeping the
     joined weight between forward and backward."""
     row, col = _grid(mesh)
-    if torch.is_autocast_enabled(a.device.type):
-        dtype = torch.get_autocast_dtype(a.device.type)
-        a, parts = a.to(dtype), [p.to(dtype) for p in parts]
+    a, *parts = _autocast_operands(a, *parts)
     return _SummaABParts.apply(a, row, col, overlap, *parts)
 
 
-def _autocast_operands(a: torch.Tensor, b: torch.Tensor):
-    """Inside ``torch.autocast``, cast both operands to the autocast dtype, as autocast does
+def _autocast_operands(a: torch.Tensor, *others: torch.Tensor):
+    """Inside ``torch.autocast``, cast the operands to the autocast dtype, as autocast does
     for a matmul: a bf16 activation then meets a bf16 copy of an fp32 weight (the in-place
     ``addmm_`` of :func:`_ab` is not autocast and would reject mixed dtypes), the panels
     travel in the low precision, and the casts carry the gradients back to fp32."""
     dev = a.device.type
     if not torch.is_autocast_enabled(dev):
-        return a, b
+        return (a, *others)
     dtype = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (a, b))
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (a, *others))
 
 
 def _grid(mesh):

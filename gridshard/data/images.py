@@ -52,13 +52,6 @@ def load_digits_tensor(image_size: int) -> tuple:
     return x * 2 - 1, torch.from_numpy(digits.target.astype(np.int64))
 
 
-def load_image_folder(path: str, image_size: int, channels: int) -> tuple:
-    """(images [n, C, S, S] in [−1, 1], labels [n], class names) of a class-per-subfolder folder
-    (module docstring), every file read now; a ConfigError names an unreadable file or an empty class."""
-    files, labels, classes = folder_index(path)
-    return FolderImages(files, image_size, channels)[torch.arange(len(files))], labels, classes
-
-
 def folder_index(path: str) -> tuple:
     """(image files, labels [n], class names) of a class-per-subfolder folder, nothing read:
     classes sorted (label = index), each class's files sorted."""
@@ -100,10 +93,7 @@ def verify_image_folder(path: str) -> int:
     corrupt file is), and every image file opens with Pillow and passes ``Image.verify()`` (its
     header and, for PNG, its chunk checksums; nothing is decoded). One ConfigError names the first
     problem. Returns the number of images."""
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ConfigError("reading image files needs Pillow. Fix: pip install -e .[vision]") from None
+    Image = _pillow()
     n = 0
     for name in image_classes(path):
         folder = os.path.join(path, name)
@@ -123,13 +113,18 @@ def verify_image_folder(path: str) -> int:
     return n
 
 
+def _pillow():
+    try:
+        import PIL.Image
+    except ImportError:
+        raise ConfigError("reading image files needs Pillow. Fix: pip install -e .[vision]") from None
+    return PIL.Image
+
+
 def read_image(file: str, image_size: int, channels: int) -> torch.Tensor:
     """One image file as the model reads it: [C, S, S] in [−1, 1], grey (C = 1) or RGB (3), resized
     (bilinear) to S = image_size (module docstring); a ConfigError names an unreadable file."""
-    try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError:
-        raise ConfigError("reading image files needs Pillow. Fix: pip install -e .[vision]") from None
+    Image = _pillow()
     mode = {1: "L", 3: "RGB"}.get(channels)
     if mode is None:
         raise ConfigError(f"model.channels={channels} is invalid for image files: they are read as grey (1) or RGB "
@@ -138,7 +133,7 @@ def read_image(file: str, image_size: int, channels: int) -> torch.Tensor:
         with Image.open(file) as im:
             im = im.convert(mode).resize((image_size, image_size), Image.BILINEAR)
             pixels = torch.from_numpy(np.asarray(im, dtype=np.float32).copy())
-    except (OSError, UnidentifiedImageError) as e:
+    except (OSError, Image.UnidentifiedImageError) as e:
         raise ConfigError(f"{file!r} is not a readable image ({e}). Fix: remove or replace it.") from None
     x = pixels.reshape(image_size, image_size, channels).permute(2, 0, 1)
     return (x / 255.0 * 2 - 1).contiguous()

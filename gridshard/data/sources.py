@@ -140,18 +140,16 @@ def _cut(n: int, data) -> Optional[int]:
 def split_sizes(data) -> tuple:
     """(training tokens, validation tokens or 0) of the config's data section, from file sizes
     and metadata only (for validation before anything is read)."""
-    if data.kind == "prepared":
-        from .prepare import read_meta
-
-        n = read_meta(data.path)["n_tokens"]
-    else:
-        n = source_size_tokens(data.kind, data.path, data.token_dtype, data.max_bytes)
-    if data.val_path is not None:
+    def size(path):
         if data.kind == "prepared":
             from .prepare import read_meta
 
-            return n, read_meta(data.val_path)["n_tokens"]
-        return n, source_size_tokens(data.kind, data.val_path, data.token_dtype, data.max_bytes)
+            return read_meta(path)["n_tokens"]
+        return source_size_tokens(data.kind, path, data.token_dtype, data.max_bytes)
+
+    n = size(data.path)
+    if data.val_path is not None:
+        return n, size(data.val_path)
     cut = _cut(n, data)
     return (n, 0) if cut is None else (cut, n - cut)
 

@@ -101,7 +101,7 @@ class Job:
     params: list = field(default_factory=list)        # trainable parameters, in name order
     param_specs: list = field(default_factory=list)   # their layouts (ctx.layouts)
     faults: Optional[FaultPlan] = None
-    reducer: Any = None                      # gridshard.zero.reducer.GradReducer
+    reducer: Any = None                      # gridshard.zero.ZeroDataParallel (any ZeRO stage)
     optimizer: Any = None
     precision: Optional[Precision] = None
     checkpointer: Optional[Checkpointer] = None

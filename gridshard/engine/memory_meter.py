@@ -5,6 +5,8 @@ These are the measurements :mod:`gridshard.theory.memory` is checked against.
 * :func:`rss_now`: the process's resident set size now (Linux ``/proc/self/statm``; falls back
   to the peak RSS elsewhere). The trainer reads it just before building the model: the
   baseline of ``predicted_mem_bytes``.
+* :func:`process_peak_rss`: the process's own peak resident set (Linux ``VmHWM``), the CPU
+  peak every part of the package reports.
 * :class:`SavedTensorMeter`: a context manager around a forward that counts the bytes autograd
   keeps for backward, through ``torch.autograd.graph.saved_tensors_hooks``: every packed
   tensor's *storage* is counted once (views share it), parameters (and any storage passed
@@ -24,13 +26,32 @@ import torch
 
 
 def rss_now() -> int:
-    """Resident set size of this process in bytes."""
+    """Resident set size of this process in bytes (where ``/proc`` is missing: the peak,
+    :func:`process_peak_rss`)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(rss if sys.platform == "darwin" else rss * 1024)
+        return process_peak_rss()
+
+
+def process_peak_rss() -> int:
+    """The peak resident set of this process's own memory, in bytes: Linux ``VmHWM`` of
+    ``/proc/self/status``, else ``getrusage``'s ``ru_maxrss``. Why not ``ru_maxrss`` on Linux: it
+    survives ``exec``, so a worker spawned (fork + exec) by a large process — a launcher, a test
+    session — starts with that process's resident size as its "peak"; ``VmHWM`` belongs to the
+    worker's own address space. The one peak-RSS reading of the package: the trainer's
+    ``peak_mem_bytes`` on CPU (:func:`gridshard.engine.metrics.peak_memory_bytes`) and the
+    planner's calibration floor read it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def _storage_key(t: torch.Tensor):

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import sys
 from typing import Optional
 
 import torch
 
 from ..peak_flops import peak_flops_of
+from .memory_meter import process_peak_rss
+
 
 def device_peak_flops(device: torch.device, precision: str, tf32: bool = False,
                       override: Optional[float] = None) -> Optional[float]:
@@ -56,23 +56,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return process_peak_rss()
-
-
-def process_peak_rss() -> int:
-    """The peak resident set of this process's own memory, in bytes: Linux ``VmHWM`` of
-    ``/proc/self/status``, else ``getrusage``'s ``ru_maxrss``. Why not ``ru_maxrss`` on Linux: it
-    survives ``exec``, so a worker spawned (fork + exec) by a large process — a launcher, a test
-    session — starts with that process's resident size as its "peak"; ``VmHWM`` belongs to the
-    worker's own address space."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def interval_memory_peaks(device: torch.device) -> tuple:

@@ -16,16 +16,6 @@ from ..job_layout import TensorMode
 REFERENCE_STEPS = 16
 
 
-def _peak_bytes(torch, device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
 def alternating_step_times(trainers: list, steps: int, warmup: int = 2) -> list:
     """Seconds of each trainer's step k, the trainers taking turns step by step in the same
     processes (a barrier before and after each step, so every rank times the same step);
@@ -86,16 +76,15 @@ def trainer_reference(world: int) -> tuple:
     the floor), then every trainer in the same processes, taking turns step by step so that a
     change of machine load hits them all alike (the fits difference them); medians over the
     rounds: ``{key: {layers: seconds}}``."""
-    import torch
-
     from ..engine import Trainer
+    from ..engine.metrics import peak_memory_bytes
 
     runs = reference_runs(world)
     key0, kwargs0, counts0 = runs[0]
     plain = [Trainer(reference_config(world, layers, **kwargs0), progress=False) for layers in counts0]
     alternating_step_times(plain, 3, warmup=3)
     modelled = sum(tr.predicted_mem.modelled for tr in plain if tr.predicted_mem is not None)
-    floor = _peak_bytes(torch, plain[0].device)
+    floor = peak_memory_bytes(plain[0].device)
     trainers = dict(zip([(key0, layers) for layers in counts0], plain))
     for key, kwargs, counts in runs[1:]:
         for layers in counts:

@@ -23,7 +23,9 @@ with 2·(P − r − 1) + (V − 1)·P + 1 forward chunks of 1/V of its layers b
 backward (Narayanan et al. 2021's interleaved schedule), so it holds about
 ⌈(2·(P − r − 1) + (V − 1)·P + 1) / V⌉ micro-batches of its layers (at most A) instead of
 min(A, P − r); :func:`interleaved_in_flight` gives the count and the planner adds the
-difference × the rank's activation bytes per micro-batch.
+difference × the rank's activation bytes per micro-batch; each of its V − 1 further stages is
+a middle stage, with its own receive buffers for the A micro-batches' inputs and output gradients
+(:func:`gridshard.theory.pipeline.stage_buffer_bytes`): + (V − 1)·2·A·B in comm buffers.
 
 Precision: activations are priced in the run's compute dtype (``precision``: e = 2 bytes under
 bf16/fp16, with the fp32 parts the memory model states: norm statistics, log-sum-exp, the loss's
@@ -36,6 +38,7 @@ import math
 
 from ..job_layout import StageSplit, micro_batches_per_step
 from ..theory.memory import predict_rank_memory
+from ..theory.pipeline import boundary_bytes
 from .layouts import Layout
 from .memo import rank_blocks
 
@@ -62,13 +65,22 @@ def ranks_to_check(layer_ids: list) -> list:
 
 def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,
                   margin_fraction: float = 0.10, precision: str = "fp32"):
-    """(worst RankMemory, pipeline rank it belongs to) of ``layout`` (module docstring). Not
-    memoised: a search prices each layout's memory once (measured: no repeated call in
-    ``plan`` of configs/llama_7b.yaml on 64 GPUs)."""
+    """(worst RankMemory, pipeline rank it belongs to) of ``layout`` (module docstring): the largest
+    of :func:`rank_memories` (the lowest rank on a tie). Not memoised: a search prices each
+    layout's memory once (measured: no repeated call in ``plan`` of configs/llama_7b.yaml on 64 GPUs)."""
+    mems = rank_memories(model_cfg, layout, seq_len, global_batch, baseline_bytes, margin_fraction, precision)
+    r = max(mems, key=lambda k: (mems[k].total_with_margin, -k))
+    return mems[r], r
+
+
+def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,
+                  margin_fraction: float = 0.10, precision: str = "fp32") -> dict:
+    """Pipeline rank → its RankMemory, for the ranks that can be the largest (:func:`ranks_to_check`;
+    rank 0 without a pipeline), interleaving adapted as the module docstring says."""
     P, V = layout.pipeline, layout.virtual_stages
     A = micro_batches_per_step(global_batch, layout.micro_batch, layout.data)
     per_rank = stage_layers_of_rank(model_cfg.layers, P, V, layout.stage_layers) if P > 1 else [None]
-    worst = None
+    out = {}
     for r in ranks_to_check(per_rank) if P > 1 else [0]:
         mem = predict_rank_memory(
             model_cfg, mode=layout.tensor_mode, T=layout.tensor, sequence_parallel=layout.sequence_parallel,
@@ -78,13 +90,15 @@ def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
             margin_fraction=float(margin_fraction), precision=precision,
             blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1))
         if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
-            extra = interleaved_in_flight(r, P, V, A) - mem.details["in_flight"]
-            if extra > 0:
-                mem = dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
-                                          details={**mem.details, "in_flight": mem.details["in_flight"] + extra})
-        if worst is None or mem.total_with_margin > worst[0].total_with_margin:
-            worst = (mem, r)
-    return worst
+            extra = max(0, interleaved_in_flight(r, P, V, A) - mem.details["in_flight"])
+            buffers = (V - 1) * 2 * A * boundary_bytes(layout.tensor_mode, layout.sequence_parallel, layout.tensor,
+                                                       layout.micro_batch, seq_len, model_cfg.hidden, precision)
+            mem = dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
+                                      comm_buffers=mem.comm_buffers + buffers,
+                                      details={**mem.details, "in_flight": mem.details["in_flight"] + extra,
+                                               "stage_buffers": mem.details["stage_buffers"] + buffers})
+        out[r] = mem
+    return out
 
 
-__all__ = ["layout_memory", "stage_layers_of_rank", "ranks_to_check", "interleaved_in_flight"]
+__all__ = ["layout_memory", "rank_memories", "stage_layers_of_rank", "ranks_to_check", "interleaved_in_flight"]

@@ -33,8 +33,9 @@ weights owned by the reducer, :mod:`gridshard.zero`) — the ZeRO paper's 16Ψ /
 +4Ψ/D at ZeRO-1, +2Ψ/D at ZeRO-2/3 (``tests/test_bf16_storage.py``)::
 
     stage   params (bf16 + fp32 master)   grads                    optimizer   comm buffers
-    0       2n + 4n                       2n (bf16 buffer)         8n          —   (+ 4n step transient: the
-                                                                                    fp32 master gradient, sync → step)
+    0       2n + 4n                       2n (bf16 buffer)         8n          —   (+ 2n step transient: the
+                                                                                    fp32 master gradient, sync → step,
+                                                                                    less the bf16 buffer it replaces)
     1       2·ΣL_u + 4·ΣC_u               2·ΣL_u (bf16 buffer)     8·Σs_u      4·ΣC_u (fp32 reduced chunk)
     2       2·ΣL_u + 4·ΣC_u               4·ΣC_u (fp32 chunk)      8·Σs_u      —
     3       2·ΣC_u + 4·ΣC_u               4·ΣC_u (fp32 chunk)      8·Σs_u      —   (+ transient below, 2-byte)
@@ -192,7 +193,11 @@ transient + activations of the micro-batches in flight (with what is held once) 
 workspace (the e-byte logits and their fp32 upcast / gradient, N_r·V_r·(e + 4), alive around
 the loss) + what of the step transient (bf16 ZeRO-0's fp32 master gradient, alive from the
 reduction to the step, when the activations, workspace and backward transients are freed)
-exceeds those — a sum of maxima,
+exceeds those — and, with a pipeline (P > 1: the reducer is not armed in the schedule's
+backward, it reduces every unit in ``sync()`` afterwards), what of ZeRO ≥ 1's reduction cast
+(:func:`zero_reduce_cast_bytes`) exceeds the freed activations and workspace; with a pipeline
+also the stage's receive buffers and kept outputs (:func:`gridshard.theory.pipeline.stage_buffer_bytes`,
+in ``comm_buffers``) — a sum of maxima,
 so an upper estimate; ``margin`` is stated separately (default 10 % of the modelled part)
 for allocator slack.
 """
@@ -204,7 +209,7 @@ from typing import Iterable, Optional, Sequence
 
 from ..job_layout import StageSplit, TensorMode
 from .zero import chunk_range, unit_padded_numel, unit_shard_numel
-from .pipeline import DTYPE_BYTES, peak_in_flight
+from .pipeline import DTYPE_BYTES, boundary_bytes, peak_in_flight, stage_buffer_bytes
 from .vocab import padded_vocab_size
 
 FP32 = 4
@@ -342,7 +347,7 @@ def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank:
     if zero == 0:
         counters = STEP_COUNTER_BYTES * sum(1 for b in blocks if b.numel) if step_counters else 0
         if mixed:      # the persistent bf16 buffer holds every gradient: no autograd buffer stays behind
-            return ModelState(p * n + FP32 * n, p * n, ADAM_STATES * FP32 * n + counters, step_transient=FP32 * n)
+            return ModelState(p * n + FP32 * n, p * n, ADAM_STATES * FP32 * n + counters, step_transient=(FP32 - p) * n)
         return ModelState(FP32 * n, FP32 * sum(b.numel + b.grad_extra for b in blocks),
                           ADAM_STATES * FP32 * n + counters)
     D, units = data, zero_units(blocks)
@@ -362,6 +367,23 @@ def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank:
     return ModelState(p * C + master, FP32 * C, opt, transient=transient)
 
 
+def _units_padded(blocks: Sequence, data: int) -> dict:
+    """L_u of every ZeRO unit of ``blocks`` (module docstring §1)."""
+    return {u: unit_padded_numel([b.numel for b in bs], data) for u, bs in zero_units(blocks).items()}
+
+
+def zero_reduce_cast_bytes(blocks: Sequence, zero: int, data: int, param_bytes: int = FP32,
+                           reduce_bytes: int = FP32) -> int:
+    """What reducing the units in flight adds under bf16 storage at ZeRO ≥ 1 (module docstring
+    §1): each one's fp32 cast, 4·(L_root + L_(1) + L_(2) + L_(3)) with ``reduce_bytes`` 4, or its
+    2-byte output chunk, 2·(…)/D, with 2; 0 at ZeRO-0 or with fp32 storage."""
+    if zero == 0 or param_bytes >= FP32:
+        return 0
+    L = _units_padded(blocks, data)
+    in_flight = L.get("root", 0) + sum(sorted((v for u, v in L.items() if u != "root"), reverse=True)[:3])
+    return FP32 * in_flight if reduce_bytes >= FP32 else param_bytes * in_flight // data
+
+
 def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batches: int = 1,
                             sharded_accumulation: bool = True, param_bytes: int = FP32,
                             reduce_bytes: int = FP32) -> int:
@@ -371,12 +393,10 @@ def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batche
     ``sharded_accumulation``: every micro-batch is reduce-scattered (P = 1 with overlap)."""
     if zero == 0:
         return 0
-    L = {u: unit_padded_numel([b.numel for b in bs], data) for u, bs in zero_units(blocks).items()}
+    L = _units_padded(blocks, data)
     layers = sorted((v for u, v in L.items() if u != "root"), reverse=True)
     in_flight = L.get("root", 0) + sum(layers[:3])
-    cast = 0
-    if param_bytes < FP32:     # the fp32 cast of each unit in flight, or its bf16 output chunk
-        cast = FP32 * in_flight if reduce_bytes >= FP32 else param_bytes * in_flight // data
+    cast = zero_reduce_cast_bytes(blocks, zero, data, param_bytes, reduce_bytes)
     if zero < 2:
         return cast
     if micro_batches > 1 and not sharded_accumulation:
@@ -465,23 +485,32 @@ def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: in
     return r.residual * e + x_hat + (r.residual // h) * FP32 + consumer_input
 
 
+def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, recompute: str = "none",
+                        e: int = FP32) -> dict:
+    """What one decoder layer keeps for backward, tensor by tensor (module docstring §2): name →
+    bytes, in forward order; the two norms as one entry each (:func:`norm_saved_bytes`). Under
+    ``selective`` q, k, v are the core's inputs (before RoPE, same sizes) and ``lse`` and
+    ``silu(g)`` are absent; ``full`` keeps the layer input only."""
+    r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
+    if recompute == "full":
+        return {"input": r.residual * e}
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    n, d, f = r.token_rows, cfg.head_dim, r.token_rows * r.ffn * e
+    norm = norm_saved_bytes(cfg, mode, T, sequence_parallel, tokens, e)
+    out = {"attn_norm (x, rstd, y)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
+           "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e, "lse": n * r.heads * FP32,
+           "mlp_norm (x, rstd, y)": norm, "gate g": f, "silu(g)": f, "up u": f, "silu(g)·u": f}
+    if recompute == "selective":               # the core's log-sum-exp and silu(g) are recomputed
+        del out["lse"], out["silu(g)"]
+    return out
+
+
 def layer_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, recompute: str = "none",
                       e: int = FP32) -> int:
     """Bytes one decoder layer keeps for backward, activations only (module docstring §2; the
-    weight copies of autocast are :func:`weight_copy_bytes`)."""
-    r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
-    if recompute == "full":
-        return r.residual * e
-    d = cfg.head_dim
-    norms = 2 * norm_saved_bytes(cfg, mode, T, sequence_parallel, tokens, e)
-    attention = r.token_rows * d * (2 * r.heads + 2 * r.kv_heads) * e
-    logsumexp = r.token_rows * r.heads * FP32
-    mlp = 4 * r.token_rows * r.ffn * e
-    if recompute == "selective":               # the core's log-sum-exp and silu(g) are recomputed
-        logsumexp, mlp = 0, 3 * r.token_rows * r.ffn * e
-    elif recompute != "none":
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    return norms + attention + logsumexp + mlp
+    weight copies of autocast are :func:`weight_copy_bytes`): the sum of :func:`layer_saved_tensors`."""
+    return sum(layer_saved_tensors(cfg, mode, T, sequence_parallel, tokens, recompute, e).values())
 
 
 def weight_copy_bytes(cfg, mode: str, T: int, layers: int, has_head: bool, recompute: str = "none",
@@ -606,11 +635,14 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     ``precision`` (``train.precision``) + the logits workspace +
     ``extra_bytes`` (other resident bytes the caller knows of and the baseline missed, e.g.
     token arrays loaded after it was measured). No data-parallel gradient copy: ZeRO-0 all-reduces its persistent
-    gradient buffer in place (:mod:`gridshard.zero.grad_buffer`).
+    gradient buffer in place (:mod:`gridshard.zero.data_parallel`).
 
     Pipeline: one stage per rank (``pipeline_rank`` = stage), ``layer_ids`` its layers
     (default: the pipeline's own split, :class:`gridshard.job_layout.StageSplit`); the first
-    stage holds the embedding, the last the final norm, head and loss. ``blocks``: the rank's
+    stage holds the embedding, the last the final norm, head and loss; the stage's receive buffers
+    and kept outputs (:func:`gridshard.theory.pipeline.stage_buffer_bytes`) count as comm buffers,
+    and the ZeRO reduction (not armed in a pipeline's backward: ``sync()`` after it) counts after
+    the activations are freed, as the step transient does (module docstring §3). ``blocks``: the rank's
     :class:`ParamBlock` s, read by the caller from a model laid out on the meta device
     (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`, or the planner's memo of it).
     ``precision`` bf16 also means bf16 parameter storage with fp32 masters (model state,
@@ -627,23 +659,30 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                             has_embedding=first, has_head=last, precision=precision, param_bytes=pb)
     in_flight = peak_in_flight(pipeline_rank, P, n_microbatches, schedule) if P > 1 else 1
     workspace = logits_workspace_bytes(cfg, micro_batch, seq_len, mode, T, precision) if last else 0
+    stage_buffers = 0 if P == 1 else stage_buffer_bytes(first, last, n_microbatches, in_flight, boundary_bytes(
+        mode, sequence_parallel, T, micro_batch, seq_len, cfg.hidden, precision))
+    rb = param_element_bytes(grad_reduce_dtype)
+    # P > 1: the reducer is not armed, it reduces in sync() once the schedule's backward freed the activations
+    late = zero_reduce_cast_bytes(blocks, zero, data, pb, rb) if P > 1 else 0
     backward = state.transient + zero_gradient_transient(
-        blocks, zero, data, n_microbatches, sharded_accumulation=P == 1, param_bytes=pb,
-        reduce_bytes=param_element_bytes(grad_reduce_dtype))
-    freed = acts.per_microbatch * in_flight + workspace + backward      # gone when the step's transient exists
+        blocks, zero, data, n_microbatches, sharded_accumulation=P == 1, param_bytes=pb, reduce_bytes=rb) - late
+    freed = acts.per_microbatch * in_flight + workspace      # gone when the step's (or late reduction's) transient exists
     return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
                       optimizer=state.optimizer,
                       activations=acts.per_microbatch * in_flight + acts.held_once + workspace,
-                      comm_buffers=state.comm_buffers,
-                      transient=backward + max(0, state.step_transient - freed),
+                      comm_buffers=state.comm_buffers + stage_buffers,
+                      transient=backward + max(0, state.step_transient + late - freed),
                       margin_fraction=margin_fraction,
                       details={"activation_per_microbatch": acts.per_microbatch, "in_flight": in_flight,
-                               "logits_workspace": workspace, "per_layer": acts.per_layer})
+                               "logits_workspace": workspace, "per_layer": acts.per_layer,
+                               "stage_buffers": stage_buffers})
 
 
 __all__ = ["ParamBlock", "kv_replica_grad_extra", "ModelState", "model_state_bytes", "zero_gradient_transient",
+           "zero_reduce_cast_bytes",
            "param_element_bytes",
            "zero_units",
-           "ActivationBytes", "activation_bytes", "activation_element_bytes", "layer_saved_bytes", "norm_saved_bytes",
+           "ActivationBytes", "activation_bytes", "activation_element_bytes", "layer_saved_bytes",
+           "layer_saved_tensors", "norm_saved_bytes",
            "weight_copy_bytes", "embedding_saved_bytes",
            "head_and_loss_saved_bytes", "logits_workspace_bytes", "RankMemory", "predict_rank_memory"]

@@ -29,6 +29,17 @@ per rank shrinks the idle slots V-fold: (P−1)/(V·A+P−1) (Narayanan et al. 2
 **Activations in flight.** GPipe runs all A forwards before any backward: stage i holds A
 micro-batches' activations at its peak. 1F1B starts backward as soon as the last stage has
 a loss: stage i holds at most min(A, P−i) (:func:`peak_in_flight`).
+
+**Stage buffers** (:func:`stage_buffer_bytes`). ``torch.distributed.pipelining.PipelineStage``
+allocates, when the schedule first runs, one receive buffer per micro-batch for the stage's
+input (every stage but the first) and one for the gradient of its output (every stage but the
+last), B = :func:`boundary_bytes` each, and keeps them; it also keeps each micro-batch's stage
+output from its forward to its backward (``fwd_cache``; Megatron frees that storage once sent).
+The input buffer of a micro-batch in flight is the tensor the stage's first layer keeps (counted
+with the activations), so a stage holds beyond its activations, with A micro-batches of which
+``in_flight`` are in flight::
+
+    [not first]·(A − in_flight)·B + [not last]·(A + in_flight)·B
 """
 from __future__ import annotations
 
@@ -65,3 +76,10 @@ def peak_in_flight(stage: int, P: int, n_microbatches: int, schedule: str = "1f1
     if schedule == "gpipe":
         return n_microbatches
     return min(n_microbatches, P - stage)
+
+
+def stage_buffer_bytes(first: bool, last: bool, n_microbatches: int, in_flight: int, per_boundary: int) -> int:
+    """Bytes a pipeline stage holds in receive buffers and kept stage outputs beyond its
+    activations (module docstring, "Stage buffers")."""
+    A = n_microbatches
+    return (0 if first else (A - in_flight) * per_boundary) + (0 if last else (A + in_flight) * per_boundary)

@@ -1,66 +1,88 @@
-"""ZeRO-1/2/3 data parallelism over ``mesh.data``: the reduction that replaces the plain
-all-reduce of :class:`gridshard.zero.grad_buffer.DataParallelGradSync` when ``train.zero ≥ 1``
-(both are :class:`gridshard.zero.reducer.GradReducer`).
+"""Data parallelism over ``mesh.data`` at every ZeRO stage: one class, :class:`ZeroDataParallel`,
+the stage a number it reads in a few named places (:mod:`gridshard.zero.reducer` has the table).
 
-Units and their flat buffers. Parameters are grouped into *units*: one per decoder layer
-(``layers.N`` / ``model.layers.N`` / ``vit.encoder.layer.N``: :mod:`gridshard.parallel.decoder_layers`) and one *root* unit with everything else (embedding,
-final norm, head; a tied weight once). Each unit lays its parameters end to end in
-persistent flat buffers of L_u = D·ceil(n_u/D) elements (:class:`~.flat_layout.FlatLayout`,
+Units and their flat buffers. Parameters are grouped into *units*, reduced (and at ZeRO-3
+gathered and freed) together:
+
+* ZeRO-0: *buckets* — consecutive trainable parameters of one (dtype, device), at most
+  ``bucket_bytes`` of reduced gradient each (:func:`gridshard.theory.training.bucket_partition`);
+* ZeRO-1/2/3: one unit per decoder layer (``layers.N`` / ``model.layers.N`` /
+  ``vit.encoder.layer.N``: :mod:`gridshard.parallel.decoder_layers`) and one *root* unit with
+  everything else (embedding, final norm, head; a tied weight once).
+
+Each unit lays its parameters end to end in persistent flat buffers of L_u elements, padded to
+a multiple of the unit's parts — D at ZeRO ≥ 1, whose data ranks own equal chunks, 1 at
+ZeRO-0, whose every rank owns everything (:class:`~.flat_layout.FlatLayout`,
 :mod:`gridshard.theory.zero`), set up once at construction:
 
 * the *parameter buffer*: every parameter is a view of its slice (``p.data = buf[off:off+n]
   .view(shape)``, FSDP1's flat parameter);
-* the *gradient buffer*: every ``.grad`` is a view of its slice (as ZeRO-0's buckets), so
-  autograd accumulates micro-batches straight into it;
-* the *reduced chunk* [C_u = L_u/D]: this rank's chunk of the gradient buffer after the
-  reduce-scatter, ÷ D;
+* the *gradient buffer*: every ``.grad`` is a view of its slice, so autograd accumulates
+  micro-batches straight into it (``grad += new``); :meth:`zero_grad` zeroes it in place and
+  re-attaches any view something else replaced (``optimizer.zero_grad(set_to_none=True)``);
+* the *reduced chunk* [C_u = L_u/parts]: this rank's chunk of the summed gradient, ÷ D —
+  ZeRO ≥ 1: a reduce-scatter's output; ZeRO-0: the gradient buffer itself, all-reduced in place;
 * ZeRO-3: the *parameter chunk* [C_u]: this rank's chunk of the parameters, which lives on
   while the parameter buffer's storage is freed.
 
-Data rank r owns elements ``[r·C_u, (r+1)·C_u)`` of each unit. What the optimizer steps, per
-parameter, is the part of that chunk inside the parameter — a 1-dim view of the parameter
-chunk (ZeRO-1/2: of the parameter buffer itself), whose ``.grad`` is the same slice of the
-reduced chunk; parameters with no element in the chunk are not stepped here. AdamW is
-element-wise, so stepping element ranges is exactly a step of the whole model.
+Data rank r owns elements ``[r·C_u, (r+1)·C_u)`` of each unit (ZeRO-0: all of them). What the
+optimizer steps (:class:`~.reducer.SteppedTensor`) is, per parameter, the part of that chunk
+inside it: ZeRO ≥ 1 a 1-dim view of the parameter chunk (ZeRO-1/2: of the parameter buffer
+itself), whose ``.grad`` is the same slice of the reduced chunk; parameters with no element in
+the chunk are not stepped here. AdamW is element-wise, so stepping element ranges is exactly a
+step of the whole model. ZeRO-0 steps each parameter whole.
 
-Stages (what each data rank keeps between steps, fp32 runs; :func:`gridshard.theory.memory.
-model_state_bytes`):
+Per rank between steps (fp32 runs; :func:`gridshard.theory.memory.model_state_bytes`):
 
 ====  ========================  ================================  ======================
 ZeRO  parameters                gradients                         AdamW moments
 ====  ========================  ================================  ======================
+0     buffer (full)             buffer (full) = reduced            full
 1     buffer (full)             buffer (full) + reduced chunk     chunk
 2     buffer (full)             reduced chunk (buffer freed)      chunk
 3     chunk (buffer freed)      reduced chunk (buffer freed)      chunk
 ====  ========================  ================================  ======================
 
+At ZeRO-0 with D = 1 in fp32 nothing is reduced, so there is no gradient buffer: the gradients
+are autograd's own (no zeroing pass, no in-place add on the first micro-batch; :meth:`zero_grad`
+drops them, as a plain loop does) and :meth:`sync` only gives a parameter without a gradient zeros.
+
 bf16 storage (``param_dtype`` bf16, ``train.precision: bf16``): the parameter and gradient
 buffers (and ZeRO-3's parameter chunk) are bf16; each unit also holds its *master chunk* [C_u]
-fp32, copied from the fp32 values before the parameters are cast — that is what the optimizer
-steps (its ``.grad`` the fp32 reduced chunk, as before). ``grad_reduce_dtype`` fp32: each
-reduce-scatter's input is an fp32 cast of the bf16 gradient buffer (alive while in flight);
-bf16: the bf16 buffer is reduce-scattered into a bf16 chunk, cast into (or added to) the fp32
-reduced chunk. :meth:`after_step` first copies each master chunk into the bf16 parameter chunk,
-so the all-gathers (and ZeRO-3's gathers) move bf16.
+fp32 (ZeRO-0: the whole unit), copied from the fp32 values before the parameters are cast —
+that is what the optimizer steps, its ``.grad`` the fp32 reduced chunk. ``grad_reduce_dtype``
+fp32: ZeRO-0 casts each bucket into its fp32 reduced buffer and all-reduces that in place;
+ZeRO ≥ 1 reduce-scatters an fp32 cast of the gradient buffer (alive while in flight). bf16: the
+bf16 buffer is reduced (all-reduced in place; reduce-scattered into a bf16 chunk) and cast into
+(or added to) the fp32 reduced chunk. ZeRO-0's reduced buffer exists from the reduction to
+:meth:`after_step`, and a bucket's bf16 gradient buffer is freed as soon as the bucket is in it
+(given its storage back, for the next step, in :meth:`after_step`): per parameter between steps
+2 (param) + 2 (grad) + 4 (master) + 8 (moments) = 16 bytes, from the reduction to the step
+2 + 4 + 4 (reduced) + 8 = 18. :meth:`after_step` first copies each master chunk into the bf16
+parameter chunk, so the all-gathers (and ZeRO-3's gathers) move bf16.
 
 One step, ``A`` micro-batches:
 
 1. backward of every micro-batch accumulates into the gradient buffers (ZeRO-2/3 allocate a
    unit's buffer — ``untyped_storage().resize_`` and zero — when its backward starts: a hook
    on each parameter's gradient runs before autograd accumulates it);
-2. the moment a unit's gradients are complete (a post-accumulate-grad hook counts them), one
-   asynchronous ``reduce_scatter`` of its gradient buffer into its reduced chunk is issued —
-   no packing, the chunks are contiguous — in the last micro-batch's backward (ZeRO-1), in
-   *every* micro-batch's (ZeRO-2/3: *sharded accumulation*, a later micro-batch's result is
-   added into the chunk, so no full gradient survives between micro-batches); without
-   ``overlap`` (a pipeline, or ``train.overlap_grad_reduce=false``) once, after the last
-   backward. At most ``MAX_IN_FLIGHT`` are outstanding: launching another first waits for
-   the oldest. ZeRO-2/3 free a gradient buffer's storage once its reduce-scatter is done (a
-   new gradient for the unit first finishes a reduce-scatter still in flight);
-3. :meth:`sync` waits for the rest, divides by D (the sum over data ranks and micro-batches →
-   the mean) and hands each stepped tensor its slice of the reduced chunk as ``.grad``;
-4. clipping and AdamW act on the stepped tensors (the norm counts each element once: sum of
-   squares over tensor *and* data ranks);
+2. the moment a unit's gradients are complete (a post-accumulate-grad hook counts them), its
+   reduction is issued asynchronously — ZeRO-0 one in-place ``all_reduce`` of the bucket,
+   ZeRO ≥ 1 one ``reduce_scatter`` of the unit's gradient buffer into its reduced chunk; no
+   packing, buffers and chunks are contiguous — in the last micro-batch's backward (ZeRO-0/1,
+   after :meth:`arm`), in *every* micro-batch's (ZeRO-2/3: *sharded accumulation*, a later
+   micro-batch's result is added into the chunk, so no full gradient survives between
+   micro-batches); without ``overlap`` (a pipeline, or ``train.overlap_grad_reduce=false``)
+   once, after the last backward. ZeRO ≥ 1 keep at most ``MAX_IN_FLIGHT`` outstanding
+   (launching another first waits for the oldest) and free a gradient buffer's storage once
+   its reduce-scatter is done (ZeRO-2/3; a new gradient for the unit first finishes a
+   reduce-scatter still in flight). Every data rank runs the same graph, so the units
+   complete, and their collectives are issued, in the same order on every rank;
+3. :meth:`sync` issues what is still pending, waits for the rest, divides by D (the sum over
+   data ranks and micro-batches → the mean) and hands each stepped tensor its slice of the
+   reduced chunk as ``.grad``;
+4. clipping and AdamW act on the stepped tensors (ZeRO ≥ 1: the norm counts each element once,
+   sum of squares over tensor *and* data ranks: ``norm_axis``);
 5. :meth:`after_step` (ZeRO-1/2): one in-place ``all_gather`` per unit of the parameter
    buffer from this rank's chunk of it (all issued, then all waited for) — the parameters
    are views, nothing to unpack.
@@ -87,15 +109,19 @@ and the values are those without prefetch (``tests/test_zero.py``); only the ord
 the computation changes.
 
 Communication per step and rank (payloads as the ledger records them, S_u = L_u elements,
-4 bytes each; :func:`gridshard.theory.zero.zero_step_comm`):
+4 bytes each):
 
+* ZeRO-0: one all-reduce of each bucket (:func:`gridshard.theory.training.dp_gradient_allreduce`);
 * ZeRO-1/2: one reduce-scatter of S_u (ZeRO-2 with sharded accumulation: one per micro-batch)
   and one all-gather of S_u per unit — on a ring (D−1)/D·S_u each, together the wire bytes of
-  the all-reduce they replace (up to padding);
+  the all-reduce they replace (up to padding; :func:`gridshard.theory.zero.zero_step_comm`);
 * ZeRO-3: one reduce-scatter per unit (per micro-batch with sharded accumulation), two
-  all-gathers per decoder layer and micro-batch
-  (forward and backward) and one per step for the root unit — with one micro-batch 1.5× the
-  all-reduce's wire bytes.
+  all-gathers per decoder layer and micro-batch (forward and backward) and one per step for
+  the root unit — with one micro-batch 1.5× the all-reduce's wire bytes.
+
+Tensor-parallel partial gradients (``shard_spec.partial_grad_axes``, e.g. sequence-parallel
+norm weights) are already reduced inside their layers (:mod:`gridshard.nn.norm`); this module
+does not touch the tensor group.
 
 Why our own and not FSDP2 / ``ZeroRedundancyOptimizer``: (1) a shard here is a few *boxes of
 the canonical tensor* (an element range of a tensor-parallel block is a partial row, whole
@@ -123,16 +149,17 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..parallel.decoder_layers import decoder_layers
+from ..theory.training import bucket_partition
 from .flat_layout import FlatLayout
-from .reducer import SteppedTensor
+from .reducer import SteppedTensor, whole_parameters
 
-MAX_IN_FLIGHT = 2          # reduce-scatters outstanding in backward; the oldest is waited for beyond it
+MAX_IN_FLIGHT = 2          # ZeRO ≥ 1: reduce-scatters outstanding in backward; the oldest is waited for beyond it
 
 
 @dataclass
 class Unit:
-    """Parameters gathered, reduced and freed together (a decoder layer, or the root), and their
-    flat buffers (module docstring)."""
+    """Parameters reduced (and gathered, freed) together — a ZeRO-0 bucket, a decoder layer or the
+    root — and their flat buffers (module docstring)."""
 
     name: str
     names: list
@@ -140,18 +167,18 @@ class Unit:
     modules: list = field(default_factory=list)
     layout: Optional[FlatLayout] = None
     param_buffer: Optional[torch.Tensor] = None     # [L]: the parameters are views of it
-    param_chunk: Optional[torch.Tensor] = None      # [C]: this rank's chunk (ZeRO-1/2: a view of param_buffer)
+    param_chunk: Optional[torch.Tensor] = None      # [C]: this rank's chunk (ZeRO ≤ 2: a view of param_buffer)
     grad_buffer: Optional[torch.Tensor] = None      # [L]: the .grad are views of it
     grad_views: list = field(default_factory=list)
-    reduced: Optional[torch.Tensor] = None          # [C]: the reduced gradient chunk, ÷ D
+    reduced: Optional[torch.Tensor] = None          # [C]: the reduced gradient chunk, ÷ D (ZeRO-0 fp32: grad_buffer)
     stepped: list = field(default_factory=list)     # SteppedTensor per parameter with elements in the chunk
     ready: int = 0                                  # gradients accumulated in the current backward
-    pending: object = None                          # PendingCollective of the reduce-scatter in flight
+    pending: object = None                          # PendingCollective of the reduction in flight
     scratch: Optional[torch.Tensor] = None          # [C]: a reduce-scatter output added (or copied) into reduced
     scratch_first: bool = False                     # the scratch holds the step's first reduction: copied
     master: Optional[torch.Tensor] = None           # [C] fp32: bf16 storage's master chunk (what is stepped)
-    send: Optional[torch.Tensor] = None             # [L] fp32: the cast gradient buffer in flight (fp32 reduce)
-    reductions: int = 0                             # reduce-scatters issued this step
+    send: Optional[torch.Tensor] = None             # the tensor being reduced while in flight
+    reductions: int = 0                             # reductions issued this step
     unreduced: bool = False                         # the gradient buffer holds gradients not yet reduced
     grads_live: bool = True                         # the gradient buffer has its storage
     gathered: bool = True
@@ -178,14 +205,15 @@ class _RegatherInBackward(torch.autograd.Function):
 
 
 class ZeroDataParallel:
-    """ZeRO stage ``stage`` (1–3) of ``model`` (laid out by :func:`gridshard.parallelize`) over
-    ``data_axis`` (module docstring). ``overlap``: issue each unit's reduce-scatter in the last
-    backward as soon as its gradients are complete."""
+    """ZeRO stage ``stage`` (0–3) of ``model`` (laid out by :func:`gridshard.parallelize`) over
+    ``data_axis`` (a :class:`gridshard.mesh.Axis`; module docstring). ``bucket_bytes``: ZeRO-0's
+    bucket size. ``overlap``: issue each unit's reduction in the backward as soon as its
+    gradients are complete."""
 
-    def __init__(self, model: nn.Module, data_axis, stage: int, overlap: bool = True,
+    def __init__(self, model: nn.Module, data_axis, stage: int, bucket_bytes: int = 25 << 20, overlap: bool = True,
                  param_dtype: torch.dtype = torch.float32, grad_reduce_dtype: torch.dtype = torch.float32):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeroDataParallel: stage {stage} is not 1, 2 or 3")
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeroDataParallel: stage {stage} is not 0, 1, 2 or 3. Fix: set train.zero to one of them")
         self.model, self.axis, self.stage = model, data_axis, stage
         self.param_dtype = param_dtype                 # bf16: fp32 master chunks (module docstring)
         self.mixed = param_dtype != torch.float32
@@ -193,15 +221,20 @@ class ZeroDataParallel:
         self.overlap = overlap and data_axis.size > 1
         # ZeRO-2/3 with overlap: reduce-scatter every micro-batch into the sharded accumulator
         self.sharded_accumulation = stage >= 2 and self.overlap
-        self.units = self._build_units(model)
+        # ZeRO-0, D = 1, fp32: nothing to reduce, autograd's own gradients
+        self.persistent = stage > 0 or data_axis.size > 1 or self.mixed
+        self.parts, self.part = (data_axis.size, data_axis.rank) if stage else (1, 0)
+        self.max_in_flight = MAX_IN_FLIGHT if stage else None
+        self.units = self._build_units(model) if stage else self._bucket_units(model, bucket_bytes)
         # ZeRO-3 prefetch order: the root (embedding first), then the layers as the forward runs them
         self.gather_order = [u for u in self.units if u.name == "root"] + [u for u in self.units if u.name != "root"]
         self._armed = False
-        self._in_flight: list = []                     # units whose reduce-scatter is outstanding, oldest first
+        self._in_flight: list = []                     # units whose reduction is outstanding, oldest first
         for u in self.units:
             self._lay_out(u)
             for p in u.params:
-                p.register_post_accumulate_grad_hook(self._on_grad(u))
+                if self.overlap or stage == 3:
+                    p.register_post_accumulate_grad_hook(self._on_grad(u))
                 if stage >= 2:
                     p.register_hook(self._before_accumulate(u))
             self._free(u)                              # ZeRO-3: the chunk holds the values now
@@ -210,8 +243,22 @@ class ZeroDataParallel:
         model.grad_reducer = self                      # gathered_state_dict finds the shards through it
 
     # ---- construction ------------------------------------------------------------------
+    def _bucket_units(self, model, bucket_bytes: int) -> list:
+        """ZeRO-0: the trainable parameters by (dtype, device), in model order, cut into buckets of at
+        most ``bucket_bytes`` of what is reduced (fp32 under bf16 storage with an fp32 reduce)."""
+        groups: dict = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                groups.setdefault((p.dtype, p.device), []).append((name, p))
+        units = []
+        for (dtype, _), named in groups.items():
+            size = 4 if self.mixed and self.reduce_fp32 else (self.param_dtype if self.mixed else dtype).itemsize
+            for idx in bucket_partition([p.numel() for _, p in named], size, bucket_bytes):
+                units.append(Unit(f"bucket.{len(units)}", [named[i][0] for i in idx], [named[i][1] for i in idx]))
+        return units
+
     def _build_units(self, model) -> list:
-        """Decoder-layer units in model order, then the root unit; each parameter once."""
+        """ZeRO ≥ 1: decoder-layer units in model order, then the root unit; each parameter once."""
         seen, units = set(), []
 
         def take(unit, named):
@@ -229,7 +276,8 @@ class ZeroDataParallel:
         for u in units:
             if len({p.dtype for p in u.params}) > 1:
                 dtypes = sorted({str(p.dtype) for p in u.params})
-                raise ValueError(f"ZeRO: unit {u.name} mixes parameter dtypes {dtypes}; keep parameters in one dtype")
+                raise ValueError(f"ZeRO: unit {u.name} mixes parameter dtypes {dtypes}. "
+                                 "Fix: keep the parameters in one dtype")
             if u.name == "root":                       # modules that own root parameters directly
                 ids = {id(p) for p in u.params}
                 u.modules = [m for m in model.modules() if any(id(p) in ids for p in m.parameters(recurse=False))]
@@ -239,14 +287,13 @@ class ZeroDataParallel:
     def _lay_out(self, u: Unit) -> None:
         """Allocate ``u``'s buffers, make the parameters and gradients views of them and record
         what this rank steps (module docstring)."""
-        D, first = self.axis.size, u.params[0]
-        u.layout = FlatLayout.of([p.numel() for p in u.params], D)
+        first, shapes = u.params[0], [p.shape for p in u.params]
+        u.layout = FlatLayout.of([p.numel() for p in u.params], self.parts)
         new = lambda n, dtype=first.dtype: torch.zeros(n, dtype=dtype, device=first.device)     # noqa: E731
         values = new(u.layout.padded)
-        shapes = [p.shape for p in u.params]
         for p, view in zip(u.params, u.layout.views(values, shapes)):
             view.copy_(p.detach())
-        lo, hi = u.layout.chunk(self.axis.rank)
+        lo, hi = u.layout.chunk(self.part)
         if self.mixed:                                 # the fp32 values → the master chunk, then bf16 storage
             u.master = values[lo:hi].clone()
             values = values.to(self.param_dtype)
@@ -254,15 +301,23 @@ class ZeroDataParallel:
         for p, view in zip(u.params, u.layout.views(u.param_buffer, shapes)):
             p.data = view
         u.param_chunk = u.param_buffer[lo:hi].clone() if self.stage == 3 else u.param_buffer[lo:hi]
-        u.grad_buffer = new(u.layout.padded, u.param_buffer.dtype)
-        u.grad_views = u.layout.views(u.grad_buffer, shapes)
-        u.reduced = new(hi - lo, torch.float32)
+        u.grad_buffer = new(u.layout.padded if self.persistent else 0, u.param_buffer.dtype)
+        u.grad_views = u.layout.views(u.grad_buffer, shapes) if self.persistent else []
         stepped = u.master if self.mixed else u.param_chunk
-        for name, p, off, (a, b) in zip(u.names, u.params, u.layout.offsets, u.layout.owned(self.axis.rank)):
-            if b > a:
-                u.stepped.append(SteppedTensor(name, p, stepped[off + a - lo:off + b - lo], (a, b)))
-        if self.stage == 1:
-            self._attach_grads(u)
+        if self.stage:
+            u.reduced = new(hi - lo, torch.float32)
+            for name, p, off, (a, b) in zip(u.names, u.params, u.layout.offsets, u.layout.owned(self.part)):
+                if b > a:
+                    u.stepped.append(SteppedTensor(name, p, stepped[off + a - lo:off + b - lo], (a, b)))
+        else:                                          # whole parameters (bf16: their masters)
+            u.reduced = new(u.layout.padded, torch.float32) if self.mixed else u.grad_buffer
+            views = u.layout.views(stepped, shapes) if self.mixed else u.params
+            u.stepped = [SteppedTensor(name, p, v) for name, p, v in zip(u.names, u.params, views)]
+            if self.mixed:                             # storage from the reduction to after_step only
+                u.reduced.untyped_storage().resize_(0)
+        if self.stage <= 1:
+            if self.persistent:
+                self._attach_grads(u)
         else:                                          # allocated when the unit's first backward starts
             u.grad_buffer.untyped_storage().resize_(0)
             u.grads_live = False
@@ -292,12 +347,12 @@ class ZeroDataParallel:
     # ---- ZeRO-3 gather / free ----------------------------------------------------------------
     @torch.no_grad()
     def gather(self, u: Unit, ahead: int = 0) -> None:
-        """All-gather unit ``u``'s parameter chunks into its parameter buffer (no-op if gathered;
-        waited for if prefetched): every parameter, a view of the buffer, sees the whole values.
-        ``ahead`` = ±1 (with ``overlap``): then issue, asynchronously, the gather of the unit that
-        runs next — the next in forward (+1), the previous layer in backward (−1) — so it moves
-        while this one computes; at most one unit ahead (issue 27's prefetch; the same
-        collectives, in the same order on every rank, as without it)."""
+        """All-gather unit ``u``'s parameter chunks into its parameter buffer (no-op if gathered —
+        always, below ZeRO-3; waited for if prefetched): every parameter, a view of the buffer,
+        sees the whole values. ``ahead`` = ±1 (with ``overlap``): then issue, asynchronously,
+        the gather of the unit that runs next — the next in forward (+1), the previous layer in
+        backward (−1) — so it moves while this one computes; at most one unit ahead (issue 27's
+        prefetch; the same collectives, in the same order on every rank, as without it)."""
         fresh = u.prefetch is not None or not u.gathered          # this call starts a use of u
         if u.prefetch is not None:
             self._wait_prefetch(u)
@@ -341,7 +396,7 @@ class ZeroDataParallel:
             self.free_all()
 
     def free_all(self) -> None:
-        """ZeRO-3: free every gathered unit (e.g. the root after an evaluation)."""
+        """ZeRO-3: free every gathered unit (e.g. the root after an evaluation); no-op below."""
         for u in self.units:
             self._free(u)
 
@@ -393,10 +448,37 @@ class ZeroDataParallel:
 
     @torch.no_grad()
     def _launch(self, u: Unit) -> None:
-        """Reduce-scatter ``u``'s gradient buffer: the step's first into the reduced chunk, a later
-        micro-batch's (sharded accumulation) into a scratch chunk added to it when done."""
+        """Issue ``u``'s reduction (ZeRO-0: an all-reduce, ZeRO ≥ 1: a reduce-scatter) asynchronously."""
         if not u.grads_live:                           # no gradient reached the unit this step
             self._ensure_grad_buffer(u)
+        u.pending = self._all_reduce(u) if self.stage == 0 else self._reduce_scatter(u)
+        u.reductions, u.unreduced = u.reductions + 1, False
+        if self.stage >= 2:
+            for p in u.params:
+                p.grad = None                          # the buffer is freed once reduced
+        self._in_flight.append(u)
+        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
+            self._finish(self._in_flight.pop(0))
+
+    def _all_reduce(self, u: Unit):
+        """ZeRO-0: the bucket's in-place all-reduce — of the gradient buffer, or under bf16 storage
+        with an fp32 reduce of its fp32 cast in the reduced buffer."""
+        u.send = u.grad_buffer
+        if self.mixed and self.reduce_fp32:
+            u.send = self._cast_into_reduced(u)
+        return C.all_reduce(u.send, self.axis, async_op=True, inplace=True)
+
+    def _cast_into_reduced(self, u: Unit) -> torch.Tensor:
+        """ZeRO-0 under bf16 storage: the bucket's fp32 reduced buffer gets its storage and the
+        bf16 gradients, whose buffer is freed (what keeps the step at 18 bytes per parameter)."""
+        u.reduced.untyped_storage().resize_(u.reduced.numel() * u.reduced.element_size())
+        u.reduced.copy_(u.grad_buffer)
+        self._free_grad_buffer(u)
+        return u.reduced
+
+    def _reduce_scatter(self, u: Unit):
+        """ZeRO ≥ 1: reduce-scatter ``u``'s gradient buffer, the step's first into the reduced chunk,
+        a later micro-batch's (sharded accumulation) into a scratch chunk added to it when done."""
         send = u.grad_buffer
         if self.mixed and self.reduce_fp32:            # bf16 storage, fp32 reduce: a transient fp32 cast
             send = u.send = u.grad_buffer.float()
@@ -404,32 +486,39 @@ class ZeroDataParallel:
         if u.reductions or send.dtype != out.dtype:
             out = u.scratch = torch.empty(out.numel(), dtype=send.dtype, device=out.device)
             u.scratch_first = not u.reductions
-        u.pending = C.reduce_scatter_flat(send, self.axis, async_op=True, out=out)
-        u.reductions, u.unreduced = u.reductions + 1, False
-        if self.stage >= 2:
-            for p in u.params:
-                p.grad = None                          # the buffer is freed once reduced
-        self._in_flight.append(u)
-        while len(self._in_flight) > MAX_IN_FLIGHT:
-            self._finish(self._in_flight.pop(0))
+        return C.reduce_scatter_flat(send, self.axis, async_op=True, out=out)
+
+    def _free_grad_buffer(self, u: Unit) -> None:
+        """Release ``u``'s gradient buffer's storage (its ``.grad`` views dropped)."""
+        for p in u.params:
+            p.grad = None
+        u.grad_buffer.untyped_storage().resize_(0)
+        u.grads_live = False
 
     def _finish(self, u: Unit) -> None:
-        """Wait for unit ``u``'s reduce-scatter; add a later micro-batch's into the reduced chunk
-        (ZeRO-2/3: free the gradient buffer)."""
+        """Wait for unit ``u``'s reduction; ZeRO-0 bf16 reduce: cast it into the reduced buffer;
+        ZeRO ≥ 1: add a later micro-batch's into the reduced chunk (ZeRO-2/3: free the gradient buffer)."""
         u.pending.wait()
+        if u.send is u.grad_buffer and u.reduced is not u.grad_buffer:
+            self._cast_into_reduced(u)
         u.pending, u.send = None, None
         if u.scratch is not None:
             (u.reduced.copy_ if u.scratch_first else u.reduced.add_)(u.scratch)
             u.scratch = None
         if self.stage >= 2:
-            u.grad_buffer.untyped_storage().resize_(0)
-            u.grads_live = False
+            self._free_grad_buffer(u)
 
     @torch.no_grad()
     def sync(self) -> None:
         """Finish the step's reduction: every stepped tensor gets the data-parallel mean of its
-        elements' gradient (module docstring, step 3)."""
+        elements' gradient (module docstring, step 3; ZeRO-0 at D = 1 in fp32: a parameter without
+        a gradient gets zeros, as every parameter has one at D > 1, so AdamW steps it alike)."""
         self._armed = False
+        if not self.persistent:
+            for p in (p for u in self.units for p in u.params):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return
         for u in self.units:
             if u.pending is None and (u.unreduced or not u.reductions):
                 self._launch(u)
@@ -438,63 +527,96 @@ class ZeroDataParallel:
         for u in self.units:
             if self.axis.size > 1:
                 u.reduced.div_(self.axis.size)         # the sum over data ranks (and micro-batches) → mean
-            lo = u.layout.chunk(self.axis.rank)[0]
-            for s, off in zip(u.stepped, self._offsets_of(u)):
-                a, b = s.elements
-                s.tensor.grad = u.reduced[off + a - lo:off + b - lo]
+            self._hand_grads(u)
             u.ready = 0
         self.free_all()                                # ZeRO-3: the root, and any layer that got no gradient
 
-    def _offsets_of(self, u: Unit) -> list:
-        """The buffer offset of each stepped tensor's parameter, in ``u.stepped`` order."""
-        where = {id(p): off for p, off in zip(u.params, u.layout.offsets)}
-        return [where[id(s.param)] for s in u.stepped]
+    def _hand_grads(self, u: Unit) -> None:
+        """Each stepped tensor's ``.grad``: its slice of the reduced chunk (ZeRO-0 fp32: the
+        parameters' own ``.grad`` already are)."""
+        if self.stage:
+            lo = u.layout.chunk(self.part)[0]
+            where = {id(p): off for p, off in zip(u.params, u.layout.offsets)}
+            for s in u.stepped:
+                a, b = s.elements
+                s.tensor.grad = u.reduced[where[id(s.param)] + a - lo:where[id(s.param)] + b - lo]
+        elif self.mixed:
+            for s, g in zip(u.stepped, u.layout.views(u.reduced, [p.shape for p in u.params])):
+                s.tensor.grad = g
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """bf16 storage: copy every master chunk into the bf16 parameter chunk (ZeRO-1/2: this
-        rank's chunk of the parameter buffer; ZeRO-3: the parameter chunk). ZeRO-1/2: all-gather
+        """bf16 storage: copy every master chunk into the bf16 parameter chunk (ZeRO ≤ 2: this
+        rank's chunk of the parameter buffer; ZeRO-3: the parameter chunk); ZeRO-0 frees the
+        reduced buffers and gives the gradient buffers their storage back. ZeRO-1/2: all-gather
         every unit's updated chunk into its parameter buffer, in place."""
         if self.mixed:
             for u in self.units:
                 u.param_chunk.copy_(u.master)
-        if self.stage == 3 or self.axis.size == 1:
+            self._end_reduction()
+        if self.stage not in (1, 2) or self.axis.size == 1:
             return
         pending = [C.all_gather_into(u.param_buffer, u.param_chunk, self.axis, async_op=True) for u in self.units]
         for work in pending:
             work.wait()
 
+    def _end_reduction(self) -> None:
+        """ZeRO-0 under bf16 storage: free the reduced buffers and give the gradient buffers their
+        storage back (zeroed and re-attached by :meth:`zero_grad`); no-op once done."""
+        if self.stage or not self.mixed:
+            return
+        for u in self.units:
+            for s in u.stepped:
+                s.tensor.grad = None
+            u.reduced.untyped_storage().resize_(0)
+            if not u.grads_live:
+                u.grad_buffer.untyped_storage().resize_(u.nbytes)
+                u.grads_live = True
+
     def zero_grad(self) -> None:
-        """Zero the gradient buffers that have storage (ZeRO-1: all, persistent; ZeRO-2/3 get theirs
-        back, zeroed, when the unit's backward starts) and drop the stepped tensors' gradients."""
+        """Zero the gradient buffers that have storage (ZeRO-0/1: all, persistent; ZeRO-2/3 get
+        theirs back, zeroed, when the unit's backward starts) and drop the stepped tensors'
+        gradients (ZeRO-0, D = 1, fp32: drop autograd's gradients)."""
+        self._end_reduction()                          # a skipped step has no after_step
         for u in self.units:
             u.reductions, u.unreduced = 0, False
-            if u.grads_live:
+            if not self.persistent:
+                for p in u.params:
+                    p.grad = None
+            elif u.grads_live:
                 u.grad_buffer.zero_()
                 self._attach_grads(u)
             for s in u.stepped:
-                s.tensor.grad = None
+                if s.tensor is not s.param:
+                    s.tensor.grad = None
 
     # ---- what the optimizer, the norm and the checkpoint see -------------------------------
     @property
     def norm_axis(self):
-        """The norm of the stepped elements is summed over data ranks too (each element once)."""
-        return self.axis
+        """ZeRO ≥ 1: the norm of the stepped elements is summed over data ranks too (each element
+        once); ZeRO-0: None, every rank holds whole gradients."""
+        return self.axis if self.stage else None
 
     def stepped(self) -> list:
-        """Every :class:`SteppedTensor` (parameters with elements in this rank's chunks), units in order."""
-        return [s for u in self.units for s in u.stepped]
+        """Every :class:`SteppedTensor` (checkpoint blocks; tied weights once): ZeRO ≥ 1 the
+        parameters with elements in this rank's chunks, units in order; ZeRO-0 every parameter of
+        the model, frozen ones too, in model order."""
+        if self.stage:
+            return [s for u in self.units for s in u.stepped]
+        mine = {id(s.param): s for u in self.units for s in u.stepped}
+        return [mine.get(id(s.param), s) for s in whole_parameters(self.model)]
 
     def optimizer_tensors(self) -> list:
-        return [(s.name, s.tensor) for s in self.stepped()]
+        """(name, tensor) pairs the optimizer steps."""
+        return [(s.name, s.tensor) for u in self.units for s in u.stepped]
 
     def norm_tensors(self) -> list:
-        """(stepped tensor, its parameter) of every parameter with elements in this rank's chunks."""
-        return [(s.tensor, s.param) for s in self.stepped()]
+        """(stepped tensor, its parameter) pairs whose gradients the global norm and clipping act on."""
+        return [(s.tensor, s.param) for u in self.units for s in u.stepped]
 
     def memory_tensors(self) -> list:
-        """The buffers ZeRO holds beyond the parameters and their ``.grad`` (reduced chunks,
-        ZeRO-3 parameter chunks, gradient buffers with no ``.grad`` attached), for memory
+        """The buffers held beyond the parameters and their ``.grad`` (reduced chunks, gradient
+        buffers with no ``.grad`` attached, masters, ZeRO-3 parameter chunks), for memory
         accounting; stepped tensors and their gradients are views into these."""
         out = [u.reduced for u in self.units] + [u.grad_buffer for u in self.units]
         out += [u.master for u in self.units] if self.mixed else []

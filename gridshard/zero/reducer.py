@@ -1,16 +1,16 @@
-"""The gradient reducer: one protocol for every ZeRO stage, so the training step never asks
-which stage it runs.
+"""The gradient reducer: one class, :class:`gridshard.zero.data_parallel.ZeroDataParallel`, for
+every ZeRO stage, so the training step never asks which stage it runs; the stage is data read in
+a few named branches.
 
 A reducer owns everything that depends on how gradients are reduced over ``mesh.data``:
 
 =====================  ==========================================  ==========================================
-                       ZeRO-0 (:class:`~.grad_buffer.                ZeRO-1/2/3 (:class:`~.data_parallel.
-                       DataParallelGradSync`)                      ZeroDataParallel`)
+                       ZeRO-0                                      ZeRO-1/2/3
 =====================  ==========================================  ==========================================
-gradients              ``.grad`` = views into persistent flat       ``.grad`` = views into each unit's flat
-                       buckets, all-reduced in place, ÷ D           buffer, reduce-scattered into this rank's
-                                                                    chunk (÷ D)
-optimizer steps        the parameters                               each parameter's elements in the chunk
+units                  buckets of ≤ ``bucket_bytes``, one part     decoder layers + the root, D parts
+gradients              ``.grad`` = views into each unit's flat     the same, reduce-scattered into this
+                       buffer, all-reduced in place, ÷ D           rank's chunk (÷ D)
+optimizer steps        the parameters (bf16: their fp32 masters)   each parameter's elements in the chunk
 norm contributions     every parameter, summed over tensor          the chunks, summed over tensor *and* data
                        (and pipeline) ranks                         (and pipeline) ranks: ``norm_axis``
 checkpoint blocks      each parameter's canonical box               the box narrowed to the element range
@@ -33,14 +33,16 @@ parameter's name, the parameter, the tensor stepped and, for a ZeRO shard, the l
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
 
 from ..theory.zero import flat_range_boxes
+
+if TYPE_CHECKING:
+    from .data_parallel import ZeroDataParallel
 
 
 @dataclass(frozen=True)
@@ -68,45 +70,9 @@ class SteppedTensor:
                 for box, (lo, hi) in flat_range_boxes(self.param.shape, *self.elements)]
 
 
-class GradReducer(Protocol):
-    """The protocol both reducers implement (module docstring)."""
-
-    norm_axis: Optional[object]            # the data Axis when norm tensors are shards, else None
-
-    def arm(self) -> None:
-        """The next backward is the step's last: reduce each bucket/unit as soon as it is complete."""
-
-    def sync(self) -> None:
-        """Finish the reduction: every stepped tensor's ``.grad`` is its data-parallel mean."""
-
-    def zero_grad(self) -> None:
-        """Zero the gradients for the next step (persistent buffers are zeroed, not reallocated)."""
-
-    def after_step(self) -> None:
-        """After the optimizer step (and after a checkpoint is read): refresh replicated values."""
-
-    def free_all(self) -> None:
-        """Release parameters gathered only for a forward (ZeRO-3); no-op elsewhere."""
-
-    def gathered(self) -> contextlib.AbstractContextManager:
-        """Every parameter whole on every data rank inside the block (a collective under ZeRO-3)."""
-
-    def stepped(self) -> list:
-        """Every :class:`SteppedTensor` (checkpoint blocks; tied weights once)."""
-
-    def optimizer_tensors(self) -> list:
-        """(name, tensor) pairs the optimizer steps."""
-
-    def norm_tensors(self) -> list:
-        """(tensor, its parameter) pairs whose gradients the global norm and clipping act on."""
-
-    def memory_tensors(self) -> list:
-        """Buffers the reducer holds beyond parameters, gradients and optimizer state."""
-
-
 def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, overlap: bool,
                   param_dtype: torch.dtype = torch.float32,
-                  grad_reduce_dtype: torch.dtype = torch.float32) -> GradReducer:
+                  grad_reduce_dtype: torch.dtype = torch.float32) -> ZeroDataParallel:
     """The reducer of ``train.zero`` = ``zero`` for ``model`` (laid out by :func:`gridshard.parallelize`)
     over ``data_axis``; registered as ``model.grad_reducer`` (:func:`gridshard.parallel.state_dict.
     gathered_state_dict` gathers through it). ``overlap``: reduce during the last backward.
@@ -114,18 +80,12 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
     ``param_dtype`` bf16 (``train.precision: bf16``): the reducer copies the fp32 values into its
     fp32 masters (ZeRO-0: whole; ZeRO ≥ 1: this rank's chunks), then stores every floating
     parameter of ``model`` in bf16 — the one cast of the run; what it steps is the masters, and
-    :meth:`GradReducer.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
+    :meth:`~.data_parallel.ZeroDataParallel.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
     gradients are reduced in (``train.grad_reduce_dtype``)."""
-    if zero == 0:
-        from .grad_buffer import DataParallelGradSync
+    from .data_parallel import ZeroDataParallel
 
-        reducer = DataParallelGradSync(model, data_axis, bucket_bytes, overlap=overlap, param_dtype=param_dtype,
-                                       grad_reduce_dtype=grad_reduce_dtype)
-    else:
-        from .data_parallel import ZeroDataParallel
-
-        reducer = ZeroDataParallel(model, data_axis, zero, overlap=overlap, param_dtype=param_dtype,
-                                   grad_reduce_dtype=grad_reduce_dtype)
+    reducer = ZeroDataParallel(model, data_axis, zero, bucket_bytes, overlap=overlap, param_dtype=param_dtype,
+                               grad_reduce_dtype=grad_reduce_dtype)
     if param_dtype != torch.float32:                   # parameters without a gradient (frozen) too
         with torch.no_grad():
             for p in model.parameters():

@@ -1,0 +1,106 @@
+"""All-to-all context attention: sequence shards traded for head shards around attention.
+
+Before attention each of the C context ranks holds all H heads of its 2c tokens (chunks i and
+2C − 1 − i, :mod:`gridshard.context.sequence_split`). One all-to-all per tensor sends head group
+g (H/C heads) of those tokens to rank g, so rank g then holds H/C heads of the whole sequence of
+S = 2c·C tokens; the tokens are put back in sequence order, causal attention runs on the whole
+sequence for those heads (any kernel: here ``F.scaled_dot_product_attention``), and one more
+all-to-all returns each rank's tokens with all heads. Queries need H divisible by C, keys and
+values H_kv divisible by C (each rank then attends with H/C query heads over H_kv/C k/v heads,
+the same grouping as the whole model).
+
+The backward of an all-to-all is the inverse all-to-all, so the layer moves, per rank, in each
+direction: forward q, k, v in and the output back (4 calls), backward the same four in reverse.
+Payload per call = the rank's whole local tensor b·h·2c·d·bytes (the ledger's ``all_to_all``
+entries; (C − 1)/C of it leaves the rank).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..comm.ledger import record
+from .sequence_split import chunk_indices
+
+
+def _rank_to_sequence_order(C: int) -> list:
+    """For each global chunk, its position in the rank-ordered concatenation [r0: i, 2C−1−i | r1 …]."""
+    where = [0] * (2 * C)
+    for r in range(C):
+        first, second = chunk_indices(C, r)
+        where[first], where[second] = 2 * r, 2 * r + 1
+    return where
+
+
+def _exchange(x: torch.Tensor, axis, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """Cut ``x`` into C blocks along ``split_dim``, send block g to rank g, and concatenate the
+    blocks received (in rank order) along ``cat_dim``."""
+    C = axis.size
+    send = torch.stack(x.chunk(C, dim=split_dim)).contiguous()
+    recv = torch.empty_like(send)
+    record("all_to_all", axis, x.numel() * x.element_size())
+    dist.all_to_all_single(recv, send, group=axis.group)
+    return torch.cat(recv.unbind(0), dim=cat_dim)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """[b, h, 2c, d] (all heads, local tokens) → [b, h/C, S, d] (a head group, all tokens in order)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _to_sequence(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_heads(grad, ctx.axis), None
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """The inverse of :class:`_HeadsToSequence`."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _to_heads(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_sequence(grad, ctx.axis), None
+
+
+def _to_sequence(x, axis):
+    C = axis.size
+    y = _exchange(x, axis, split_dim=1, cat_dim=2)            # rank-ordered chunks
+    chunks = y.chunk(2 * C, dim=2)
+    return torch.cat([chunks[p] for p in _rank_to_sequence_order(C)], dim=2)
+
+
+def _to_heads(x, axis):
+    C = axis.size
+    chunks = x.chunk(2 * C, dim=2)
+    order = [None] * (2 * C)
+    for chunk, p in enumerate(_rank_to_sequence_order(C)):
+        order[p] = chunks[chunk]
+    return _exchange(torch.cat(order, dim=2), axis, split_dim=2, cat_dim=1)
+
+
+def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, scale=None) -> torch.Tensor:
+    """Causal attention over a sequence split on ``axis`` by trading sequence for heads (module doc).
+
+    ``q`` [b, H, 2c, d], ``k``/``v`` [b, H_kv, 2c, d] as for
+    :func:`gridshard.context.ring_attention.ring_attention`; returns this rank's [b, H, 2c, d]."""
+    C = axis.size
+    if C == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    for name, heads in (("query", q.shape[1]), ("k/v", k.shape[1])):
+        if heads % C:
+            raise ValueError(f"{heads} {name} heads are not divisible by the context size C = {C}: "
+                             f"context_mode all_to_all gives each context rank H/C heads. Fix: use "
+                             f"parallel.context_mode: ring, or a C that divides {heads}.")
+    qs, ks, vs = (_HeadsToSequence.apply(t, axis) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                         enable_gqa=qs.shape[1] != ks.shape[1])
+    return _SequenceToHeads.apply(out, axis)
