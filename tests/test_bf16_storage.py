@@ -8,6 +8,8 @@
 * Communication: the data axis's ledger equals the formulas with the reduce dtype's bytes
   (``train.grad_reduce_dtype``: fp32 → 4, bf16 → 2) and bf16 all-gathers (2).
 * (D=2, T=2, 1D+SP) trains in bf16 at ZeRO 1 and 3, within 1 % of fp32.
+* Gradient accumulation: ZeRO-0/1 sum the micro-batches in an fp32 accumulator (its bytes the
+  formula's), so with 4 micro-batches ZeRO-1 = ZeRO-2 bit for bit and ZeRO-0 within 2e-6.
 * Checkpoints hold the fp32 masters: a bf16 resume at the same layout is bit-exact, and the
   checkpoint resumes at another ZeRO stage and layout.
 """
@@ -25,7 +27,7 @@ from gridshard.engine import Trainer
 from gridshard.engine.memory_meter import model_state_tensor_bytes
 from gridshard.errors import ConfigError
 from gridshard.testing import run_on_ranks
-from gridshard.theory.memory import model_state_bytes
+from gridshard.theory.memory import model_state_bytes, zero_accumulator_bytes
 from gridshard.theory.training import dp_gradient_allreduce
 from gridshard.theory.zero import unit_padded_numel, zero_step_comm
 
@@ -115,6 +117,48 @@ def test_bf16_gradient_reduction_moves_bf16_bytes():
     _check(run_on_ranks(2, _stages_body, _cfg(2, steps=4, micro_batch=2), stages, "bf16", timeout=300), stages)
 
 
+def _accumulation_body(cfg, stages):
+    """Per stage (bf16, fp32 reduce): losses, gradient norms, held state and ledger with their
+    formulas (as ``_stages_body``), the most fp32 accumulator bytes alive at a micro-batch's
+    forward, the formula's, and whether every accumulator is consumed at the end."""
+    out = {}
+    for stage in stages:
+        trainer = Trainer({**cfg, "train": {**cfg["train"], "zero": stage, "precision": "bf16"}}, progress=False)
+        units, seen = trainer.reducer.units, []
+        live = lambda: sum(u.accum.untyped_storage().nbytes() for u in units if u.accum is not None)  # noqa: E731
+        trainer.model.register_forward_pre_hook(lambda *_: seen.append(live()))
+        losses = trainer.run()
+        want_state, want_comm = _want(trainer, stage, 4)
+        blocks = [(tuple(p.shape), i if u.name != "root" else None) for i, u in enumerate(units) for p in u.params]
+        A = cfg["train"]["global_batch"] // (trainer.mesh.data.size * cfg["train"]["micro_batch"])
+        want = zero_accumulator_bytes(blocks, stage, trainer.mesh.data.size, A, param_bytes=2)
+        # ZeRO-0's accumulator is its reduced buffer, freed in after_step
+        consumed = (stage == 0 or live() == 0) and not any(u.accumulated for u in units)
+        out[stage] = (losses, [h["grad_norm"] for h in trainer.history], held_model_state(trainer), want_state,
+                      _per_step(trainer), want_comm, max(seen), want, consumed)
+    return out
+
+
+def test_bf16_zero01_accumulate_micro_batches_in_fp32_as_zero2():
+    """Four micro-batches per data rank: ZeRO-0/1 add each earlier micro-batch's bf16 gradients
+    into an fp32 accumulator (+4 bytes per parameter until the reduction), as ZeRO-2 adds each
+    reduce-scatter into its fp32 chunk. ZeRO-1 = ZeRO-2 bit for bit (the same fp32 sums of bf16
+    gradients, reassociated: exact here); ZeRO-0 within 2e-6 (its all-reduce and whole-parameter
+    norm sum in another order). Before, ZeRO-0/1 summed in bf16: 1.4e-4 apart at step 2."""
+    stages = (0, 1, 2)
+    for out in run_on_ranks(2, _accumulation_body, _cfg(2, steps=2, global_batch=8), stages, timeout=300):
+        for stage in stages:
+            held, want_state, ledger, want_comm = out[stage][2:6]
+            assert held == want_state and ledger == want_comm, (stage, held, want_state, ledger, want_comm)
+        (l0, n0), (l1, n1), (l2, n2) = (out[z][:2] for z in stages)
+        assert (l1, n1) == (l2, n2), (l1, l2, n1, n2)
+        assert max(abs(a - b) for a, b in zip(l0 + n0, l2 + n2)) < 2e-6, (l0, l2, n0, n2)
+        for stage in (0, 1):
+            peak, want, consumed = out[stage][6:]
+            assert peak == want > 0 and consumed, (stage, peak, want, consumed)
+        assert out[2][6:8] == (0, 0)
+
+
 def _sp_body(cfg):
     fp32 = Trainer({**cfg, "train": {**cfg["train"], "zero": 1}}, progress=False).run()
     return fp32, [Trainer({**cfg, "train": {**cfg["train"], "zero": z, "precision": "bf16"}}, progress=False).run()
@@ -154,7 +198,7 @@ def test_bf16_checkpoints_hold_fp32_masters_and_reshard(tmp_path):
 
 def test_bf16_model_state_is_the_zero_papers_bytes_per_parameter():
     """Ψ parameters in units D divides: 16Ψ (ZeRO-0, + 2Ψ at the step: the 4Ψ fp32 master gradient
-    replaces the 2Ψ bf16 buffer),
+    replaces the 2Ψ bf16 buffer; + 4Ψ from the first of A > 1 micro-batches: the fp32 accumulator),
     2Ψ + 2Ψ + 16Ψ/D (ZeRO-1: master, moments and the fp32 reduced chunk sharded), 2Ψ + 16Ψ/D
     (ZeRO-2: the paper's 2Ψ + 14Ψ/D with an fp32 gradient shard), 18Ψ/D (ZeRO-3: + the bf16 chunk)."""
     D, blocks = 4, [((64, 64), 0), ((64,), 0), ((64, 64), 1), ((64,), 1), ((128, 64), None)]
@@ -163,6 +207,11 @@ def test_bf16_model_state_is_the_zero_papers_bytes_per_parameter():
     assert (z0.held, z0.step_transient, z0.peak) == (16 * psi, 2 * psi, 18 * psi)
     held = [model_state_bytes(blocks, z, D, step_counters=False, param_bytes=2).held for z in (1, 2, 3)]
     assert held == [4 * psi + 16 * psi // D, 2 * psi + 16 * psi // D, 18 * psi // D]
+    # A > 1 micro-batches: ZeRO-0/1 sum them in an fp32 accumulator, + 4Ψ until the reduction (Megatron's
+    # 2Ψ bf16 + 4Ψ fp32 main gradient); none with one micro-batch, at D = 1 or at ZeRO-2/3 (the chunk is it)
+    acc = [zero_accumulator_bytes(blocks, z, D, A, param_bytes=2) for z in range(4) for A in (1, 4)]
+    assert acc == [0, 4 * psi, 0, 4 * psi, 0, 0, 0, 0]
+    assert zero_accumulator_bytes(blocks, 0, 1, 4, param_bytes=2) == zero_accumulator_bytes(blocks, 0, D, 4) == 0
 
 
 def test_bf16_reduce_dtype_needs_bf16_storage():

@@ -278,7 +278,8 @@ def test_pipeline_reduction_cast_counts_after_the_backward():
     assert cast == 4 * (L["root"] + L[0]) and M.zero_reduce_cast_bytes(blocks, 1, 2, 2, 2) == 2 * sum(L.values()) // 2
     kw = dict(data=2, zero=1, micro_batch=2, seq_len=8, n_microbatches=4, precision="bf16", blocks=blocks)
     alone = M.predict_rank_memory(cfg, **kw)
-    assert alone.transient == cast
+    # P = 1, A = 4: the fp32 accumulator 4·ΣL_u is reduce-scattered itself (= the casts here: one layer)
+    assert alone.transient == M.zero_accumulator_bytes(blocks, 1, 2, 4, param_bytes=2) == cast
     piped = M.predict_rank_memory(cfg, pipeline=2, pipeline_rank=0, layer_ids=[0], **kw)
     held_once = M.activation_bytes(cfg, 2, 8, layers=1, has_head=False, precision="bf16", param_bytes=2).held_once
     freed = piped.activations - held_once

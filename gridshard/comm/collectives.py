@@ -190,7 +190,7 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = Fals
     entry = record("all_gather", axis, _nbytes(out))
     result = _issue(lambda a: _all_gather_flat(out, src, group=axis.group, async_op=a), entry, out.movedim(0, dim),
                     async_op, x.device)
-    return result if outermost else torch.cat(out.chunk(n, 0), dim=dim)     # async: outermost only
+    return result if outermost or async_op else torch.cat(out.chunk(n, 0), dim=dim)     # async: outermost only
 
 
 @_eager

@@ -44,30 +44,18 @@ def _exchange(x: torch.Tensor, axis, split_dim: int, cat_dim: int) -> torch.Tens
     return torch.cat(recv.unbind(0), dim=cat_dim)
 
 
-class _HeadsToSequence(torch.autograd.Function):
-    """[b, h, 2c, d] (all heads, local tokens) → [b, h/C, S, d] (a head group, all tokens in order)."""
+class _Trade(torch.autograd.Function):
+    """``to_sequence``: [b, h, 2c, d] (all heads, local tokens) → [b, h/C, S, d] (a head group, all
+    tokens in order); otherwise the inverse. The gradient of either is the other."""
 
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _to_sequence(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_heads(grad, ctx.axis), None
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    """The inverse of :class:`_HeadsToSequence`."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _to_heads(x, axis)
+    def forward(ctx, x, axis, to_sequence: bool):
+        ctx.axis, ctx.to_sequence = axis, to_sequence
+        return (_to_sequence if to_sequence else _to_heads)(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_sequence(grad, ctx.axis), None
+        return (_to_heads if ctx.to_sequence else _to_sequence)(grad, ctx.axis), None, None
 
 
 def _to_sequence(x, axis):
@@ -100,7 +88,7 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis
             raise ValueError(f"{heads} {name} heads are not divisible by the context size C = {C}: "
                              f"context_mode all_to_all gives each context rank H/C heads. Fix: use "
                              f"parallel.context_mode: ring, or a C that divides {heads}.")
-    qs, ks, vs = (_HeadsToSequence.apply(t, axis) for t in (q, k, v))
+    qs, ks, vs = (_Trade.apply(t, axis, True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                          enable_gqa=qs.shape[1] != ks.shape[1])
-    return _SequenceToHeads.apply(out, axis)
+    return _Trade.apply(out, axis, False)

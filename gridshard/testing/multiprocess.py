@@ -193,12 +193,16 @@ class WorkerGroup:
             self._fail(f"{fn.__qualname__} failed on rank(s) {sorted(errors)} of {self.world_size}", answered, errors)
         return [results[r] for r in range(self.world_size)]
 
-    def close(self, force: bool = False):
+    def request_stop(self):
+        """Ask every worker to leave its loop (they exit on their own; :meth:`close` waits)."""
         for q in self.task_qs:
             try:
                 q.put(None)
             except Exception:
                 pass
+
+    def close(self, force: bool = False):
+        self.request_stop()
         for p in self.procs:
             p.join(timeout=0.5 if force else 5)
             if p.is_alive():
@@ -219,7 +223,9 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, fresh: bool
 
 
 def shutdown_all():
-    """Stop every worker group."""
+    """Stop every worker group: all are asked first, so they wind down together."""
+    for g in list(_GROUPS.values()):
+        g.request_stop()
     for g in list(_GROUPS.values()):
         g.close()
     _GROUPS.clear()

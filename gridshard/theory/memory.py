@@ -35,7 +35,9 @@ weights owned by the reducer, :mod:`gridshard.zero`) — the ZeRO paper's 16Ψ /
     stage   params (bf16 + fp32 master)   grads                    optimizer   comm buffers
     0       2n + 4n                       2n (bf16 buffer)         8n          —   (+ 2n step transient: the
                                                                                     fp32 master gradient, sync → step,
-                                                                                    less the bf16 buffer it replaces)
+                                                                                    less the bf16 buffer it replaces;
+                                                                                    A > 1: + 4n from the first
+                                                                                    micro-batch, below)
     1       2·ΣL_u + 4·ΣC_u               2·ΣL_u (bf16 buffer)     8·Σs_u      4·ΣC_u (fp32 reduced chunk)
     2       2·ΣL_u + 4·ΣC_u               4·ΣC_u (fp32 chunk)      8·Σs_u      —
     3       2·ΣC_u + 4·ΣC_u               4·ΣC_u (fp32 chunk)      8·Σs_u      —   (+ transient below, 2-byte)
@@ -82,6 +84,13 @@ Under bf16 the buffers are 2-byte; with ``grad_reduce_dtype`` fp32 each unit in 
 holds its fp32 cast (4·L_u, the reduce-scatter's input) — bounded by the same units, at every
 ZeRO ≥ 1 stage: + 4·(L_root + L_(1) + L_(2) + L_(3)); with bf16 reduce a 2-byte output chunk
 per unit in flight: + 2·(L_root + L_(1) + L_(2) + L_(3))/D (an upper bound, not asserted).
+
+bf16 ZeRO-0/1 with A > 1 micro-batches (P = 1, D > 1, overlap: :func:`zero_accumulator_bytes`)
+sum the micro-batches in an fp32 *accumulator* (Megatron's fp32 main gradient, unsharded), alive
+from the first micro-batch's backward to the reduction: + 4n at ZeRO-0 (its fp32 reduced buffer,
+early: 20 bytes per parameter during the backward, the step's 18 within it), + 4·ΣL_u at ZeRO-1
+(reduce-scattered itself under an fp32 reduce, so no separate cast; with a bf16 reduce + the
+2-byte output chunks above). With A = 1 nothing is added.
 
 2. Activations (:func:`activation_bytes`)
 =========================================
@@ -384,13 +393,31 @@ def zero_reduce_cast_bytes(blocks: Sequence, zero: int, data: int, param_bytes: 
     return FP32 * in_flight if reduce_bytes >= FP32 else param_bytes * in_flight // data
 
 
+def zero_accumulator_bytes(blocks: Sequence, zero: int, data: int, micro_batches: int = 1,
+                           overlap: bool = True, param_bytes: int = FP32) -> int:
+    """bf16 storage at ZeRO-0/1 with ``micro_batches`` > 1 (P = 1, D > 1, ``overlap``): the fp32
+    accumulator each earlier micro-batch's bf16 gradients are added into (module docstring §1),
+    4 bytes per gradient element — ZeRO-0: 4n (its fp32 reduced buffer, allocated at the first
+    micro-batch instead of the reduction), ZeRO-1: 4·ΣL_u (freed unit by unit once reduced);
+    0 otherwise."""
+    if zero > 1 or param_bytes >= FP32 or micro_batches <= 1 or data <= 1 or not overlap:
+        return 0
+    return FP32 * (sum(b.numel for b in _as_blocks(blocks)) if zero == 0 else sum(_units_padded(blocks, data).values()))
+
+
 def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batches: int = 1,
                             sharded_accumulation: bool = True, param_bytes: int = FP32,
                             reduce_bytes: int = FP32) -> int:
     """Gradient buffers alive during a ZeRO-2/3 backward (module docstring §1); for ZeRO-0/1,
     whose full gradients are already in the held state, 0 — under bf16 storage (``param_bytes``
-    2) plus, at ZeRO ≥ 1, what the reduction of the units in flight adds in ``reduce_bytes``.
-    ``sharded_accumulation``: every micro-batch is reduce-scattered (P = 1 with overlap)."""
+    2) plus, at ZeRO ≥ 1, what the reduction of the units in flight adds in ``reduce_bytes``,
+    and with ``micro_batches`` > 1 at D > 1 the fp32 accumulator (:func:`zero_accumulator_bytes`).
+    ``sharded_accumulation``: every micro-batch is reduce-scattered (P = 1 with overlap; at
+    ZeRO-0/1 under bf16: accumulated in fp32)."""
+    accumulator = zero_accumulator_bytes(blocks, zero, data, micro_batches, sharded_accumulation, param_bytes)
+    if accumulator:                                    # ZeRO-1 fp32 reduce sends the accumulator itself: no cast
+        return accumulator + (zero_reduce_cast_bytes(blocks, zero, data, param_bytes, reduce_bytes)
+                              if zero == 1 and reduce_bytes < FP32 else 0)
     if zero == 0:
         return 0
     L = _units_padded(blocks, data)
@@ -667,11 +694,14 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     backward = state.transient + zero_gradient_transient(
         blocks, zero, data, n_microbatches, sharded_accumulation=P == 1, param_bytes=pb, reduce_bytes=rb) - late
     freed = acts.per_microbatch * in_flight + workspace      # gone when the step's (or late reduction's) transient exists
+    # bf16 ZeRO-0 accumulating in its fp32 reduced buffer: the step's 18 bytes/param are within the backward's 20
+    step = 0 if zero_accumulator_bytes(blocks, zero, data, n_microbatches, P == 1, pb) and zero == 0 \
+        else state.step_transient
     return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
                       optimizer=state.optimizer,
                       activations=acts.per_microbatch * in_flight + acts.held_once + workspace,
                       comm_buffers=state.comm_buffers + stage_buffers,
-                      transient=backward + max(0, state.step_transient + late - freed),
+                      transient=backward + max(0, step + late - freed),
                       margin_fraction=margin_fraction,
                       details={"activation_per_microbatch": acts.per_microbatch, "in_flight": in_flight,
                                "logits_workspace": workspace, "per_layer": acts.per_layer,
@@ -679,7 +709,7 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
 
 
 __all__ = ["ParamBlock", "kv_replica_grad_extra", "ModelState", "model_state_bytes", "zero_gradient_transient",
-           "zero_reduce_cast_bytes",
+           "zero_reduce_cast_bytes", "zero_accumulator_bytes",
            "param_element_bytes",
            "zero_units",
            "ActivationBytes", "activation_bytes", "activation_element_bytes", "layer_saved_bytes",

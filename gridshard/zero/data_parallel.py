@@ -61,9 +61,29 @@ bf16 buffer is reduced (all-reduced in place; reduce-scattered into a bf16 chunk
 2 + 4 + 4 (reduced) + 8 = 18. :meth:`after_step` first copies each master chunk into the bf16
 parameter chunk, so the all-gathers (and ZeRO-3's gathers) move bf16.
 
+bf16 storage with A > 1 micro-batches (ZeRO-0/1 with ``overlap``: P = 1, D > 1): the micro-batches
+are summed in fp32, as ZeRO-2/3's sharded accumulation and Megatron's fp32 main gradient do, not
+by autograd's ``grad += new`` in bf16. When a unit's gradients of a micro-batch before the last
+are complete (the post-accumulate-grad hooks count them; the reducer is not yet armed), they
+are added into the unit's fp32 *accumulator* [L_u] (the first one copied) and the bf16 gradient
+buffer is zeroed for the next micro-batch — ZeRO-0: the accumulator is the bucket's fp32 reduced
+buffer, given its storage at the first micro-batch instead of at the reduction; ZeRO-1: a
+separate [L_u] fp32 buffer, freed once reduced. The last micro-batch's reduction adds the bf16
+buffer into it and reduces the sum: with an fp32 reduce, ZeRO-0 all-reduces the reduced buffer
+in place, ZeRO-1 reduce-scatters the accumulator itself (no separate fp32 cast); with
+``grad_reduce_dtype`` bf16 the fp32 sum is cast once into the bf16 gradient buffer and that is
+reduced as with one micro-batch (one bf16 rounding of each rank's sum, where ZeRO-2/3 round each
+micro-batch's reduce-scatter). Per parameter during the backward of micro-batches 2..A: + 4 bytes
+(ZeRO-0: 2 + 2 + 4 + 4 + 8 = 20, then 18 from the reduction to the step;
+:func:`gridshard.theory.memory.zero_accumulator_bytes`). One micro-batch is unchanged (no
+accumulator, the same bytes and values). At D = 1 and without overlap (a pipeline,
+``train.overlap_grad_reduce=false``) no hook runs and every stage sums the micro-batches in its
+bf16 gradient buffer (ZeRO-2/3 too: no sharded accumulation there).
+
 One step, ``A`` micro-batches:
 
-1. backward of every micro-batch accumulates into the gradient buffers (ZeRO-2/3 allocate a
+1. backward of every micro-batch accumulates into the gradient buffers (bf16 ZeRO-0/1 with
+   A > 1: into the fp32 accumulator, above; ZeRO-2/3 allocate a
    unit's buffer — ``untyped_storage().resize_`` and zero — when its backward starts: a hook
    on each parameter's gradient runs before autograd accumulates it);
 2. the moment a unit's gradients are complete (a post-accumulate-grad hook counts them), its
@@ -183,6 +203,8 @@ class Unit:
     grads_live: bool = True                         # the gradient buffer has its storage
     gathered: bool = True
     prefetch: object = None                         # ZeRO-3: PendingCollective of a gather issued ahead
+    accum: Optional[torch.Tensor] = None            # [L] fp32: bf16 ZeRO-0/1's micro-batch sum (ZeRO-0: reduced)
+    accumulated: bool = False                       # accum holds earlier micro-batches' gradients of this step
 
     @property
     def nbytes(self) -> int:
@@ -221,6 +243,8 @@ class ZeroDataParallel:
         self.overlap = overlap and data_axis.size > 1
         # ZeRO-2/3 with overlap: reduce-scatter every micro-batch into the sharded accumulator
         self.sharded_accumulation = stage >= 2 and self.overlap
+        # ZeRO-0/1 under bf16 storage with overlap: add each earlier micro-batch into an fp32 accumulator
+        self.fp32_accumulation = stage <= 1 and self.mixed and self.overlap
         # ZeRO-0, D = 1, fp32: nothing to reduce, autograd's own gradients
         self.persistent = stage > 0 or data_axis.size > 1 or self.mixed
         self.parts, self.part = (data_axis.size, data_axis.rank) if stage else (1, 0)
@@ -313,8 +337,12 @@ class ZeroDataParallel:
             u.reduced = new(u.layout.padded, torch.float32) if self.mixed else u.grad_buffer
             views = u.layout.views(stepped, shapes) if self.mixed else u.params
             u.stepped = [SteppedTensor(name, p, v) for name, p, v in zip(u.names, u.params, views)]
-            if self.mixed:                             # storage from the reduction to after_step only
+            if self.mixed:                             # storage from the reduction (accumulation) to after_step only
                 u.reduced.untyped_storage().resize_(0)
+                u.accum = u.reduced
+        if self.stage == 1 and self.fp32_accumulation:     # storage from the first micro-batch to the reduction
+            u.accum = torch.empty(u.layout.padded, dtype=torch.float32, device=first.device)
+            u.accum.untyped_storage().resize_(0)
         if self.stage <= 1:
             if self.persistent:
                 self._attach_grads(u)
@@ -435,6 +463,8 @@ class ZeroDataParallel:
             u.ready = 0
             if (self._armed or self.sharded_accumulation) and u.pending is None:
                 self._launch(u)
+            elif self.fp32_accumulation and not self._armed:
+                self._accumulate(u)
             if self.stage == 3 and u.name != "root":
                 self._free(u)
         return on_grad_ready
@@ -445,6 +475,24 @@ class ZeroDataParallel:
             self._armed = True
             for u in self.units:
                 u.ready = 0
+
+    @torch.no_grad()
+    def _accumulate(self, u: Unit) -> None:
+        """bf16 storage, ZeRO-0/1, a micro-batch before the last: add ``u``'s bf16 gradients into its
+        fp32 accumulator (given its storage by the first) and zero the gradient buffer for the next."""
+        if u.accumulated:
+            u.accum.add_(u.grad_buffer)
+        else:
+            u.accum.untyped_storage().resize_(u.layout.padded * 4)
+            u.accum.copy_(u.grad_buffer)
+            u.accumulated = True
+        u.grad_buffer.zero_()
+
+    def _drop_accum(self, u: Unit) -> None:
+        """The accumulator is consumed: ZeRO-1 frees its storage (ZeRO-0's is the reduced buffer)."""
+        u.accumulated = False
+        if u.accum is not None and u.accum is not u.reduced:
+            u.accum.untyped_storage().resize_(0)
 
     @torch.no_grad()
     def _launch(self, u: Unit) -> None:
@@ -466,13 +514,20 @@ class ZeroDataParallel:
         u.send = u.grad_buffer
         if self.mixed and self.reduce_fp32:
             u.send = self._cast_into_reduced(u)
+        elif u.accumulated:                            # bf16 reduce: the fp32 sum of the micro-batches, cast once
+            u.grad_buffer.copy_(u.accum.add_(u.grad_buffer))
+            self._drop_accum(u)
         return C.all_reduce(u.send, self.axis, async_op=True, inplace=True)
 
     def _cast_into_reduced(self, u: Unit) -> torch.Tensor:
         """ZeRO-0 under bf16 storage: the bucket's fp32 reduced buffer gets its storage and the
         bf16 gradients, whose buffer is freed (what keeps the step at 18 bytes per parameter)."""
-        u.reduced.untyped_storage().resize_(u.reduced.numel() * u.reduced.element_size())
-        u.reduced.copy_(u.grad_buffer)
+        if u.accumulated:                              # the reduced buffer is the accumulator: the last micro-batch
+            u.reduced.add_(u.grad_buffer)
+            u.accumulated = False
+        else:
+            u.reduced.untyped_storage().resize_(u.reduced.numel() * u.reduced.element_size())
+            u.reduced.copy_(u.grad_buffer)
         self._free_grad_buffer(u)
         return u.reduced
 
@@ -480,7 +535,14 @@ class ZeroDataParallel:
         """ZeRO ≥ 1: reduce-scatter ``u``'s gradient buffer, the step's first into the reduced chunk,
         a later micro-batch's (sharded accumulation) into a scratch chunk added to it when done."""
         send = u.grad_buffer
-        if self.mixed and self.reduce_fp32:            # bf16 storage, fp32 reduce: a transient fp32 cast
+        if u.accumulated:                              # bf16 ZeRO-1, A > 1: the last micro-batch into the fp32 sum
+            u.accum.add_(u.grad_buffer)
+            if self.reduce_fp32:
+                send = u.send = u.accum                # reduced as it is, freed when done
+            else:                                      # cast once, reduced in bf16
+                u.grad_buffer.copy_(u.accum)
+                self._drop_accum(u)
+        elif self.mixed and self.reduce_fp32:          # bf16 storage, fp32 reduce: a transient fp32 cast
             send = u.send = u.grad_buffer.float()
         out = u.reduced
         if u.reductions or send.dtype != out.dtype:
@@ -501,6 +563,8 @@ class ZeroDataParallel:
         u.pending.wait()
         if u.send is u.grad_buffer and u.reduced is not u.grad_buffer:
             self._cast_into_reduced(u)
+        if u.send is not None and u.send is u.accum:
+            self._drop_accum(u)
         u.pending, u.send = None, None
         if u.scratch is not None:
             (u.reduced.copy_ if u.scratch_first else u.reduced.add_)(u.scratch)
@@ -580,6 +644,8 @@ class ZeroDataParallel:
         self._end_reduction()                          # a skipped step has no after_step
         for u in self.units:
             u.reductions, u.unreduced = 0, False
+            if u.accumulated:                          # a step abandoned before its reduction
+                self._drop_accum(u)
             if not self.persistent:
                 for p in u.params:
                     p.grad = None
@@ -620,6 +686,7 @@ class ZeroDataParallel:
         accounting; stepped tensors and their gradients are views into these."""
         out = [u.reduced for u in self.units] + [u.grad_buffer for u in self.units]
         out += [u.master for u in self.units] if self.mixed else []
+        out += [u.accum for u in self.units] if self.stage == 1 and self.fp32_accumulation else []
         return out + ([u.param_chunk for u in self.units] if self.stage == 3 else [])
 
 
