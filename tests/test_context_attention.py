@@ -49,13 +49,14 @@ def _case(mode, b, S, H, H_kv, d, seed):
         fwd = (ledger.count(op), ledger.payload_bytes(op))
         out.backward(shard_sequence(G, C, r, dim=2))
     total = (ledger.count(op), ledger.payload_bytes(op))
+    wire_ok = ledger.total("wire_bytes", op=op) == (total[1] if mode == "ring" else (C - 1) / C * total[1])
     theory = (ring_attention_sends if mode == "ring" else all_to_all_attention_volume)(C, b, S // C, H, H_kv, d, 4)
     bwd = (total[0] - fwd[0], total[1] - fwd[1])
     errs = {}
     for name, mine, want in (("out", out, ref), ("dq", q.grad, Q.grad), ("dk", k.grad, K.grad),
                              ("dv", v.grad, V.grad)):
         errs[name] = relative_error(mine, shard_sequence(want.detach(), C, r, dim=2))
-    return errs, fwd == theory["forward"], bwd == theory["backward"]
+    return errs, fwd == theory["forward"] and wire_ok, bwd == theory["backward"]
 
 
 @pytest.mark.parametrize("mode,H,H_kv", [("ring", 4, 2), ("ring", 2, 2), ("all_to_all", 8, 4)])

@@ -11,7 +11,8 @@ Each record is keyed by ``(op, axis)`` and accumulates
   all-gather + reduce-scatter of B bytes each count B.
 * ``wire_bytes``: what one rank sends on a ring (bandwidth-optimal) algorithm
   for a group of n ranks: all-reduce 2(n−1)/n·B, all-gather and reduce-scatter
-  (n−1)/n·B, broadcast and reduce (to one member) (n−1)/n·B (pipelined). This is the figure that sets the
+  (n−1)/n·B, broadcast and reduce (to one member) (n−1)/n·B (pipelined), all-to-all (n−1)/n·B (the
+  rank's own block stays). This is the figure that sets the
   bandwidth term of the time; it is what the planner uses.
 * ``seconds``: wall time spent inside the call (or waiting for an async call),
   only when timing is switched on (``LEDGER.timing = True``). On CUDA the timer
@@ -62,7 +63,7 @@ def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (n - 1) / n * payload_bytes
-    if op in ("all_gather", "reduce_scatter", "broadcast", "reduce"):
+    if op in ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"):
         return (n - 1) / n * payload_bytes
     return float(payload_bytes)
 
