@@ -193,7 +193,7 @@ def breakdown(run: PublishedRun = None) -> None:
         print(f"| {k} | " + " | ".join(cells) + " |")
     tot = [sum(d.values()) for d in (ours["none"], ours["selective"], pub)]
     print("| **per layer** | " + " | ".join(f"**{t / 1e6:.1f}**" for t in tot) + " |")
-    print(f"| ÷ (s·b·h/T bytes, Korthikanti's unit; GPT: 34) | "
+    print("| ÷ (s·b·h/T bytes, Korthikanti's unit; GPT: 34) | "
           + " | ".join(f"{t / (N * mc.hidden / run.T):.1f}" for t in tot) + " |\n")
     for rc in ("none", "selective"):
         _rank_table(run, mc, rc, sum(pub.values()))
