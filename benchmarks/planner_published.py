@@ -24,8 +24,8 @@ source counts per step:
   forward and backward), no recompute (the paper: "without activation checkpointing"), 1F1B
   on the even split with one layer less on the first and last stage (the paper's 126-layer
   split; its interleaved schedule holds more micro-batches, not fewer), and once more with
-  our ``selective`` recompute, whose saved bytes equal the paper's accounting
-  (``--breakdown``).
+  our ``selective`` recompute, whose saved bytes are the paper's accounting less the norm
+  outputs and the SwiGLU product, which it rebuilds in backward (``--breakdown``).
 
 Which schedule each Narayanan run used is not in Table 1; each row is priced with 1F1B and,
 where the layers allow it, the interleaved schedule with 2 virtual stages, and both are shown.
@@ -188,7 +188,7 @@ def breakdown(run: PublishedRun = None) -> None:
     pub = published_layer_tensors(mc, run.T, N)
     print(f"### {run.name}: one decoder layer's saved activations per rank (MB), b 1, s {N}, T {run.T} + SP, bf16\n")
     print("| tensor | ours, none | ours, selective | published accounting |\n|---|---|---|---|")
-    for k in dict.fromkeys([*ours["none"], *pub]):
+    for k in dict.fromkeys([*ours["none"], *ours["selective"], *pub]):
         cells = [f"{d[k] / 1e6:.1f}" if k in d else "–" for d in (ours["none"], ours["selective"], pub)]
         print(f"| {k} | " + " | ".join(cells) + " |")
     tot = [sum(d.values()) for d in (ours["none"], ours["selective"], pub)]

@@ -1,6 +1,6 @@
 """The job layout: every fact derived from a validated config, decided in one place.
 
-A job of G = D·P·T processes (data × pipeline × tensor) is described by a config whose
+A job of G = D·P·C·T processes (data × pipeline × context × tensor) is described by a config whose
 strings and flags imply further facts. They are derived here, once, and everything else
 reads them (as torchtitan's ``ParallelDims``):
 
@@ -17,6 +17,10 @@ ranks one head dim is split over  1d: T; 2d: q; none: 1 (``mode.head_split(T)``)
 local kv heads, kv replication    1d: K/T heads per rank when T divides K; one head shared by
                                   r = T/K ranks when K divides T; 2d: K/q (``mode.local_kv_heads``,
                                   ``mode.kv_replication``)
+context size, context mode       C = ``parallel.context`` ranks split every sequence (chunks i and
+                                  2C − 1 − i, :mod:`gridshard.context`); :class:`ContextMode`
+                                  (``ring`` | ``all_to_all``) says how attention crosses them
+                                  (``mode.check_heads``: all_to_all needs C | local heads)
 micro-batches per step            A = global_batch / (micro_batch·D) (:func:`micro_batches_per_step`)
 stage → layers                    S = P·V stages, decoder layers split by :func:`stage_layer_counts`,
                                   stage s on pipeline rank s mod P (:class:`StageSplit`)
@@ -143,6 +147,63 @@ class TensorMode(str, Enum):
         return (micro, seq, hidden)
 
 
+class ContextMode(str, Enum):
+    """How attention crosses the C context ranks that split a sequence (``parallel.context_mode``):
+    ``ring`` (k/v blocks travel around the ring, :mod:`gridshard.context.ring_attention`) or
+    ``all_to_all`` (sequence traded for heads, :mod:`gridshard.context.all_to_all`). Compares
+    equal to its config string."""
+
+    RING = "ring"
+    ALL_TO_ALL = "all_to_all"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value) -> "ContextMode":
+        """The mode named by a config string (or a mode); LayoutError for an unknown name."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = tuple(m.value for m in cls)
+            raise LayoutError(f"context_mode={value!r} is unknown: it must be one of {names}. Fix: use 'ring' "
+                              f"(any C) or 'all_to_all' (C divides the local heads).") from None
+
+    def check_heads(self, local_heads: int, local_kv_heads: int, C: int) -> None:
+        """LayoutError unless C divides this rank's query and k/v heads (all_to_all only: each
+        context rank then attends with H/C of them over the whole sequence)."""
+        if self is not ContextMode.ALL_TO_ALL or C == 1:
+            return
+        for name, n in (("query", local_heads), ("k/v", local_kv_heads)):
+            if n % C:
+                raise LayoutError(f"context_mode='all_to_all' with context={C}: a rank's {n} {name} heads (after "
+                                  f"the tensor split) are not divisible by C, and all_to_all gives each context "
+                                  f"rank 1/C of them. Fix: use context_mode='ring', or a context size among the "
+                                  f"divisors of {n}.")
+
+
+def check_context_sequence(seq_len: int, C: int, T: int = 1, sequence_parallel: bool = False) -> None:
+    """LayoutError unless the context split fits the sequence: S divisible by 2·C (2C equal
+    chunks, rank i holding chunks i and 2C − 1 − i), and under sequence parallelism (in effect)
+    a rank's 2c = S/C tokens divisible by T (they are split again over the tensor group)."""
+    if C == 1:
+        return
+    m = 2 * C
+    if seq_len % m:
+        lo, hi = max(m, seq_len // m * m), (seq_len // m + 1) * m
+        raise LayoutError(f"seq_len={seq_len} with context={C}: the load-balanced context split cuts a sequence "
+                          f"into 2·C = {m} equal chunks, so seq_len must be a multiple of {m}. Fix: use seq_len "
+                          f"{lo} or {hi}, or a smaller context size.")
+    if sequence_parallel and (seq_len // C) % T:
+        raise LayoutError(f"seq_len={seq_len} with context={C} and sequence parallelism on tensor={T}: a context "
+                          f"rank's {seq_len // C} tokens are split again into T blocks, so seq_len must be a "
+                          f"multiple of C·T = {C * T} (and of 2·C). Fix: use a seq_len that is a multiple of "
+                          f"{math.lcm(2 * C, C * T)}, or turn sequence_parallel off.")
+
+
 def micro_batches_per_step(global_batch: int, micro_batch: int, data: int) -> int:
     """A = global_batch / (micro_batch·D): the micro-batches each data rank runs per step."""
     return global_batch // (micro_batch * data)
@@ -241,6 +302,8 @@ class JobLayout:
     kv_heads: int
     zero: int
     recompute: str
+    context: int = 1                 # C: ranks one sequence is split over
+    context_mode: ContextMode = ContextMode.RING
 
     @classmethod
     def from_config(cls, cfg, model_cfg=None) -> "JobLayout":
@@ -253,11 +316,12 @@ class JobLayout:
                    sequence_parallel=mode.sequence_parallel_in_effect(p.sequence_parallel, p.tensor),
                    global_batch=t.global_batch, micro_batch=t.micro_batch, schedule=p.pipeline_schedule,
                    split=StageSplit.of(m.layers, p.pipeline, p.virtual_stages, p.stage_layers),
-                   kv_heads=m.kv_heads, zero=t.zero, recompute=t.recompute)
+                   kv_heads=m.kv_heads, zero=t.zero, recompute=t.recompute, context=p.context,
+                   context_mode=ContextMode.parse(p.context_mode))
 
     @property
     def world(self) -> int:
-        return self.data * self.pipeline * self.tensor
+        return self.data * self.pipeline * self.context * self.tensor
 
     @property
     def q(self) -> Optional[int]:
@@ -276,5 +340,5 @@ class JobLayout:
         return self.mode.kv_replication(self.kv_heads, self.tensor)
 
 
-__all__ = ["TensorMode", "JobLayout", "StageSplit", "micro_batches_per_step", "stage_layer_counts",
+__all__ = ["TensorMode", "ContextMode", "check_context_sequence", "JobLayout", "StageSplit", "micro_batches_per_step", "stage_layer_counts",
            "stage_layer_ids", "stages_of_rank"]

@@ -20,6 +20,17 @@ Naming of the 2D groups follows the SUMMA text, not the mesh dim:
 * ``col`` axis: the q ranks that share my grid column j (they differ in row i);
   it is the group along ``grid_row``. SUMMA broadcasts B's panels along it.
 
+Context parallelism (``parallel.context`` C > 1) adds a ``"context"`` dim between pipeline
+and tensor: shape ``(D, P, C, T)`` (2D: ``(D, P, C, q, q)``), so
+
+    global_rank = ((d * P + p) * C + c) * T + t
+
+and a context group is C ranks T apart. Parameters are replicated over context ranks as over
+data ranks, so gradients are reduced over the flattened ``data_context`` axis (D·C ranks,
+``DeviceMesh._flatten`` of data × context). At C = 1 no context dim is built: ``context`` is a
+size-1 axis without a group and ``data_context`` *is* ``data``, so a job without context
+parallelism is laid out exactly as before.
+
 All size checks happen in :func:`validate_layout`, before any process group is
 created, so a bad layout fails with a message instead of hanging.
 """
@@ -82,25 +93,30 @@ def factorizations(world_size: int, pipeline: Optional[int] = None, square_tenso
     return out
 
 
-def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tensor_mode: str = "1d") -> None:
-    """Check that ``data × pipeline × tensor == world_size`` and that the tensor mode fits.
+def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tensor_mode: str = "1d",
+                    context: int = 1) -> None:
+    """Check that ``data × pipeline × context × tensor == world_size`` and that the tensor mode fits.
 
     Raises :class:`LayoutError` naming the numbers, the rule and valid choices.
     Pure function: touches no process group.
     """
-    for name, v in (("data", data), ("pipeline", pipeline), ("tensor", tensor)):
+    for name, v in (("data", data), ("pipeline", pipeline), ("context", context), ("tensor", tensor)):
         if not isinstance(v, int) or v < 1:
             raise LayoutError(f"parallel.{name}={v!r} is invalid: every parallel size must be an integer >= 1.")
     mode = TensorMode.parse(tensor_mode)
     mode.check_tensor_size(tensor)
-    if data * pipeline * tensor != world_size:
-        valid = factorizations(world_size, pipeline if world_size % pipeline == 0 else None,
-                               square_tensor=mode.is_grid)
-        shown = ", ".join(f"(D={d}, P={p}, T={t})" for d, p, t in valid[:12])
+    if data * pipeline * context * tensor != world_size:
+        rest = world_size // context if world_size % context == 0 else world_size
+        valid = factorizations(rest, pipeline if rest % pipeline == 0 else None, square_tensor=mode.is_grid)
+        c = "" if context == 1 else f", C={context}" if rest != world_size else ", C=1"
+        shown = ", ".join(f"(D={d}, P={p}{c}, T={t})" for d, p, t in valid[:12])
+        sizes, product = (f"{data}×{pipeline}×{tensor}", data * pipeline * tensor) if context == 1 else \
+            (f"{data}×{pipeline}×{context}×{tensor}", data * pipeline * context * tensor)
+        names = "data×pipeline×tensor" if context == 1 else "data×pipeline×context×tensor"
         raise LayoutError(
-            f"data×pipeline×tensor = {data}×{pipeline}×{tensor} = {data * pipeline * tensor} but the world "
+            f"{names} = {sizes} = {product} but the world "
             f"size is {world_size}: the product of the parallel sizes must equal the number of processes. "
-            f"Fix: choose one of {shown}, or launch {data * pipeline * tensor} processes."
+            f"Fix: choose one of {shown}, or launch {product} processes."
         )
 
 
@@ -166,25 +182,36 @@ def _axis(mesh: DeviceMesh, dim: Optional[str], name: Optional[str] = None, ledg
 
 
 class ParallelMesh:
-    """The (data, pipeline, tensor) layout of this job, with one :class:`Axis` per dim.
+    """The (data, pipeline[, context], tensor) layout of this job, with one :class:`Axis` per dim.
 
     Build with :func:`build_mesh`. Attributes:
 
     * ``data``, ``pipeline``, ``tensor``: axes; ``tensor`` is the flattened grid in 2D.
+    * ``context`` (size C; no group at C = 1) and ``data_context`` (data × context flattened, the
+      reducer's axis; ``data`` itself at C = 1), ``context_size`` C (module docstring).
     * ``tensor_mode``: the :class:`gridshard.job_layout.TensorMode` (``none``, ``1d`` or ``2d``).
     * 2D only: ``q`` (grid side), ``grid_row``/``grid_col`` (my coordinates), and
       ``row``/``col`` axes (see the module docstring for which ranks they hold).
     """
 
     def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str,
-                 flat_tensor_mesh: Optional[DeviceMesh] = None, ledger=None):
+                 flat_tensor_mesh: Optional[DeviceMesh] = None, ledger=None, context: int = 1,
+                 flat_data_context_mesh: Optional[DeviceMesh] = None):
         self.device_mesh = device_mesh
         self.flat_tensor_mesh = flat_tensor_mesh
+        self.flat_data_context_mesh = flat_data_context_mesh
         self.sizes = (data, pipeline, tensor)
+        self.context_size = context
         self.tensor_mode = TensorMode.parse(tensor_mode)
         self.ledger = ledger
         self.data = _axis(device_mesh, "data", ledger=ledger)
         self.pipeline = _axis(device_mesh, "pipeline", ledger=ledger)
+        if context > 1:            # module docstring: a context dim only when C > 1
+            self.context = _axis(device_mesh, "context", ledger=ledger)
+            self.data_context = _axis(flat_data_context_mesh, None, "data_context", ledger)
+        else:
+            self.context = Axis("context", 1, 0, (dist.get_rank(),), None, ledger)
+            self.data_context = self.data
         # 2D: the flattened grid, kept from _flatten (slicing it from the root by name is deprecated)
         self.tensor = _axis(flat_tensor_mesh, None, "tensor", ledger) if flat_tensor_mesh is not None \
             else _axis(device_mesh, "tensor", ledger=ledger)
@@ -198,11 +225,12 @@ class ParallelMesh:
 
     @property
     def world_size(self) -> int:
-        return self.sizes[0] * self.sizes[1] * self.sizes[2]
+        return self.sizes[0] * self.sizes[1] * self.sizes[2] * self.context_size
 
     def groups(self) -> list:
         """The distinct process groups of this rank's axes (size-1 axes have none)."""
         axes = [self.data, self.pipeline, self.tensor] + ([self.row, self.col] if self.tensor_mode.is_grid else [])
+        axes += [self.context, self.data_context] if self.context_size > 1 else []
         out = []
         for g in (a.group for a in axes):
             if g is not None and all(g is not h for h in out):
@@ -211,11 +239,12 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         d, p, t = self.sizes
-        return f"ParallelMesh(D={d}, P={p}, T={t}, mode={self.tensor_mode!r}, rank={dist.get_rank()})"
+        c = f", C={self.context_size}" if self.context_size > 1 else ""
+        return f"ParallelMesh(D={d}, P={p}{c}, T={t}, mode={self.tensor_mode!r}, rank={dist.get_rank()})"
 
 
 def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None,
-               ledger=None) -> ParallelMesh:
+               ledger=None, context: int = 1) -> ParallelMesh:
     """Validate the layout, then build (or reuse, :func:`layout_mesh`) the mesh for it.
 
     ``tensor_mode`` defaults to ``"none"`` for T=1 and ``"1d"`` otherwise.
@@ -223,20 +252,23 @@ def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: O
     Calling this repeatedly creates no new process groups: without ``ledger`` the same
     :class:`ParallelMesh` comes back; with one, a mesh over the same device meshes whose axes
     record into it. ``ledger``: a :class:`gridshard.comm.CommLedger` that records this mesh's
-    collectives (a job's own; default: the current ledger, ``gridshard.LEDGER``).
+    collectives (a job's own; default: the current ledger, ``gridshard.LEDGER``). ``context``:
+    C, the ranks one sequence is split over (module docstring).
     """
     tensor_mode = TensorMode.parse(tensor_mode if tensor_mode is not None else "none" if tensor == 1 else "1d")
     if not dist.is_initialized():
         raise LayoutError("build_mesh() needs an initialised process group: call gridshard.init_distributed() first.")
-    validate_layout(dist.get_world_size(), data, pipeline, tensor, tensor_mode)
-    mesh = layout_mesh(dist.group.WORLD, data, pipeline, tensor, tensor_mode)
+    validate_layout(dist.get_world_size(), data, pipeline, tensor, tensor_mode, context)
+    mesh = layout_mesh(dist.group.WORLD, data, pipeline, tensor, tensor_mode, context)
     if ledger is None:
         return mesh
-    return ParallelMesh(mesh.device_mesh, data, pipeline, tensor, tensor_mode, mesh.flat_tensor_mesh, ledger)
+    return ParallelMesh(mesh.device_mesh, data, pipeline, tensor, tensor_mode, mesh.flat_tensor_mesh, ledger,
+                        context, mesh.flat_data_context_mesh)
 
 
 @functools.lru_cache(maxsize=32)
-def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode: TensorMode) -> ParallelMesh:
+def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode: TensorMode,
+                context: int = 1) -> ParallelMesh:
     """The :class:`ParallelMesh` (recording into the current ledger) of a validated layout of
     ``world_group``, over a new DeviceMesh (and, in 2D, its flattened tensor mesh).
 
@@ -247,15 +279,18 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     order, so the memo's hits and evictions are the same on every rank. The new groups wait as
     long as ``world_group`` (:func:`set_collective_timeout`), not torch's default for new groups."""
     device_type = "cuda" if dist.get_backend(world_group) == "nccl" else "cpu"
+    outer, outer_names = ((data, pipeline, context), ("data", "pipeline", "context")) if context > 1 \
+        else ((data, pipeline), ("data", "pipeline"))
     if tensor_mode.is_grid:
         q = tensor_mode.grid_side(tensor)
-        dm = init_device_mesh(device_type, (data, pipeline, q, q),
-                              mesh_dim_names=("data", "pipeline", "grid_row", "grid_col"))
+        dm = init_device_mesh(device_type, outer + (q, q), mesh_dim_names=outer_names + ("grid_row", "grid_col"))
         flat = dm["grid_row", "grid_col"]._flatten("tensor")
     else:
-        dm = init_device_mesh(device_type, (data, pipeline, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
+        dm = init_device_mesh(device_type, outer + (tensor,), mesh_dim_names=outer_names + ("tensor",))
         flat = None
-    mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat)
+    flat_dc = dm["data", "context"]._flatten("data_context") if context > 1 else None
+    mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, context=context,
+                        flat_data_context_mesh=flat_dc)
     world_timeout = group_timeout_s(world_group)
     if world_timeout is not None:
         set_collective_timeout(mesh.groups(), world_timeout)
@@ -301,13 +336,16 @@ class ShapeMesh:
     runs a collective. ``tensor_rank`` t = i·q + j in 2D, as on a real mesh."""
 
     def __init__(self, data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None,
-                 tensor_rank: int = 0):
+                 tensor_rank: int = 0, context: int = 1, context_rank: int = 0):
         self.tensor_mode = TensorMode.parse(tensor_mode if tensor_mode is not None else "none" if tensor == 1
                                             else "1d")
         self.tensor_mode.check_tensor_size(tensor)
         self.sizes = (data, pipeline, tensor)
         self.ledger = None
         self.data, self.pipeline = _shape_axis("data", data, 0), _shape_axis("pipeline", pipeline, 0)
+        self.context_size = context
+        self.context = _shape_axis("context", context, context_rank)
+        self.data_context = _shape_axis("data_context", data * context, context_rank) if context > 1 else self.data
         self.tensor = _shape_axis("tensor", tensor, tensor_rank)
         self.q = self.tensor_mode.grid_side(tensor)
         if self.tensor_mode.is_grid:
@@ -317,7 +355,7 @@ class ShapeMesh:
 
     @property
     def world_size(self) -> int:
-        return self.sizes[0] * self.sizes[1] * self.sizes[2]
+        return self.sizes[0] * self.sizes[1] * self.sizes[2] * self.context_size
 
     def __repr__(self) -> str:
         d, p, t = self.sizes

@@ -118,4 +118,5 @@ def test_public_names():
     for name in ("build_job", "train_step"):
         assert name in gridshard.__all__ and (getattr(gridshard, name).__doc__ or "").strip()
     assert list(inspect.signature(gridshard.parallelize).parameters) == [
-        "model", "mesh", "plan", "sequence_parallel", "seed", "device", "summa_overlap", "overlap_input_grad"]
+        "model", "mesh", "plan", "sequence_parallel", "seed", "device", "summa_overlap", "overlap_input_grad",
+        "context_mode"]

@@ -110,7 +110,7 @@ def _fp16_stub(on_nonfinite):
     one = SimpleNamespace(size=1)
     stub = Trainer.__new__(Trainer)
     stub.precision, stub.device, stub.rank = Precision("fp16", torch.device("cpu")), torch.device("cpu"), 0
-    stub.mesh, stub.ledger = SimpleNamespace(data=one, pipeline=one), CommLedger()
+    stub.mesh, stub.ledger = SimpleNamespace(data=one, data_context=one, pipeline=one), CommLedger()
     stub.cfg = SimpleNamespace(train=SimpleNamespace(on_nonfinite=on_nonfinite, lr=1e-3, grad_clip=1.0))
     stub.checkpointer, stub.resume_from, stub.skipped_steps, stub.skipped_recent = None, None, 0, set()
     return stub

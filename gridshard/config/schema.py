@@ -25,13 +25,18 @@ _STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 class ParallelSection(BaseModel):
-    """Device layout: D·P·T must equal the number of processes."""
+    """Device layout: D·P·C·T must equal the number of processes."""
 
     model_config = _STRICT
     data: int = Field(1, description="data-parallel replicas D")
     tensor: int = Field(1, description="tensor-parallel ranks T (q² in 2d)")
     tensor_mode: Literal["none", "1d", "2d"] = Field("none", description="none | 1d (Megatron) | 2d (SUMMA)")
     sequence_parallel: bool = Field(False, description="1d only: split the residual stream along the sequence")
+    context: int = Field(1, description="context-parallel ranks C: every sequence split into 2C chunks, rank i "
+                                        "holding chunks i and 2C-1-i (docs/context.md)")
+    context_mode: Literal["ring", "all_to_all"] = Field(
+        "ring", description="how attention crosses the context ranks: ring (k/v blocks travel, any C) | "
+                            "all_to_all (sequence traded for heads; C divides the local heads)")
     pipeline: int = Field(1, description="pipeline ranks P (layers split into P·virtual_stages stages)")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
         "1f1b", description="gpipe | 1f1b | interleaved_1f1b | zero_bubble (the last two: virtual_stages ≥ 2)")
@@ -168,7 +173,7 @@ class TrainSection(BaseModel):
                                               "the end of the run")
     recompute: Literal["none", "full", "selective"] = Field(
         "none", description="activation recompute: none | full (every decoder layer) | selective (attention core + MLP "
-                        "activation)")
+                        "activation recomputed; norm outputs and silu(g)·u rebuilt in backward)")
     compile: bool = Field(False, description="torch.compile each decoder layer's forward (collectives stay "
                                              "eager between compiled pieces; same losses as eager)")
     compile_timeout_s: float = Field(900.0, description="with compile: the collective timeout until the first step "
@@ -224,7 +229,7 @@ class TrainConfig(BaseModel):
     @property
     def world_size(self) -> int:
         p = self.parallel
-        return p.data * p.pipeline * p.tensor
+        return p.data * p.pipeline * p.context * p.tensor
 
     def resolved(self) -> dict:
         """Plain dict with the model fields spelled out (what ``RUN_DIR/config.yaml`` holds);

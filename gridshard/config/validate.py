@@ -3,8 +3,11 @@
 Order of checks (the first failure is raised as one :class:`ConfigError`):
 
 1. positive sizes;
-2. layout: D·P·T == world size, T == 1 for ``none``, T = q² for ``2d``
+2. layout: D·P·C·T == world size, T == 1 for ``none``, T = q² for ``2d``
    (:func:`gridshard.mesh.validate_layout`); sequence parallelism only in ``1d`` with T > 1;
+   context parallelism (C > 1): seq_len a multiple of 2·C (and of C·T under sequence
+   parallelism), all_to_all with C dividing the local heads, and only the compositions built
+   (:func:`_context`);
 3. batch: global_batch % (micro_batch·D) == 0 (the accumulation count is
    global_batch / (micro_batch·D)); pipeline: every stage ≥ 1 layer, enough micro-batches
    for the schedule, virtual stages only with interleaved 1F1B, gridshard's model only;
@@ -26,7 +29,7 @@ config with every field spelled out.
 from __future__ import annotations
 
 from ..errors import ConfigError, LayoutError
-from ..job_layout import StageSplit, TensorMode, micro_batches_per_step
+from ..job_layout import ContextMode, StageSplit, TensorMode, check_context_sequence, micro_batches_per_step
 from ..mesh import validate_layout
 from ..nn.shape_rules import model_shape_rules
 from .schema import TrainConfig
@@ -67,13 +70,51 @@ def _positive(cfg: TrainConfig):
 def _layout(cfg: TrainConfig, world_size: int):
     p = cfg.parallel
     try:
-        validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode)
+        validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode, p.context)
     except LayoutError as e:
         raise ConfigError(f"parallel section: {e} (world size {world_size} = --nproc or WORLD_SIZE)") from None
     if p.sequence_parallel and not TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(True, p.tensor):
         _fail("parallel.sequence_parallel", True,
               f"sequence parallelism splits the 1d tensor group's activations, but tensor_mode={p.tensor_mode!r} "
               f"and tensor={p.tensor}", "set parallel.sequence_parallel=false, or tensor_mode=1d with tensor>1")
+
+
+def _context_refusals(cfg: TrainConfig) -> list:
+    """(field, value, why) of every composition context parallelism is not built for yet."""
+    p, t = cfg.parallel, cfg.train
+    return [(f, v, why) for f, v, why, refused in (
+        ("model.hf_config", cfg.model.hf_config, "a Hugging Face Llama's attention is its own code",
+         cfg.model.hf_config is not None),
+        ("model.kind", cfg.model.kind, "it splits a language model's token sequence", cfg.model.kind != "llama"),
+        ("train.compile", t.compile, "compiled layers around the ring's sends are not tested yet", t.compile),
+        ("parallel.pipeline_schedule", p.pipeline_schedule, "zero_bubble runs a layer's backward in two passes, "
+         "which may run the ring's backward, sends included, twice", p.pipeline > 1 and
+         p.pipeline_schedule == "zero_bubble"),
+    ) if refused]
+
+
+def _context(cfg: TrainConfig):
+    """Context parallelism (C > 1): only the compositions built (gridshard's Llama, any tensor mode,
+    pipeline schedules but zero_bubble, not compiled), the sequence split
+    (:func:`gridshard.job_layout.check_context_sequence`) and all_to_all's heads
+    (:meth:`gridshard.job_layout.ContextMode.check_heads`)."""
+    p = cfg.parallel
+    if p.context == 1:
+        return
+    for field, value, why in _context_refusals(cfg):
+        _fail(field, value, f"parallel.context={p.context} splits every sequence over {p.context} ranks, but {why} "
+              f"(supported: gridshard's Llama with tensor_mode none, 1d (± sequence_parallel) or 2d, any data "
+              f"parallelism and ZeRO stage, pipeline schedules other than zero_bubble, not compiled)",
+              "set parallel.context=1, or change this field")
+    mode = TensorMode.parse(p.tensor_mode)
+    m = cfg.model.resolve()
+    try:
+        check_context_sequence(cfg.data.seq_len, p.context, p.tensor,
+                               mode.sequence_parallel_in_effect(p.sequence_parallel, p.tensor))
+        ContextMode.parse(p.context_mode).check_heads(m.heads // mode.head_split(p.tensor),
+                                                      mode.local_kv_heads(m.kv_heads, p.tensor), p.context)
+    except LayoutError as e:
+        raise ConfigError(f"parallel section: {e}") from None
 
 
 def _batch(cfg: TrainConfig):
@@ -281,6 +322,7 @@ def validate_config(cfg: TrainConfig, world_size: int, cuda_available: bool = Fa
     """Raise :class:`ConfigError` on the first broken rule (module docstring); return ``cfg``."""
     _positive(cfg)
     _layout(cfg, world_size)
+    _context(cfg)
     _batch(cfg)
     _pipeline(cfg)
     _shapes(cfg)

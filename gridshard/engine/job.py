@@ -17,7 +17,7 @@ is composed in this fixed order, each stage reading only what the ones before it
                              (seed, name, global index), or model.init_from into the whole blocks)
       4. recompute           train.recompute per decoder layer
       5. compile             train.compile: torch.compile per decoder layer
-      6. reducer             build_reducer(model, mesh.data, train.zero, bucket bytes); bf16: fp32 masters,
+      6. reducer             build_reducer(model, mesh.data_context, train.zero, bucket bytes); bf16: fp32 masters,
                              then the parameters stored in bf16
       7. optimizer           AdamW over reducer.optimizer_tensors() · Precision (train.precision)
       8. checkpointer        Checkpointer (own gloo group) · train.resume into model, optimizer, reducer
@@ -192,7 +192,7 @@ def _frame(config, overrides, run_dir) -> Job:
     p, model_cfg = cfg.parallel, cfg.model.resolve()
     math_modes = apply_math_modes(cfg.train.precision, cfg.train.tf32, cfg.train.deterministic, device)
     ledger = CommLedger()                      # this job's collectives only (its mesh records here)
-    mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=ledger)
+    mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=ledger, context=p.context)
     return Job(cfg=cfg, layout=JobLayout.from_config(cfg, model_cfg), model_cfg=model_cfg, device=device,
                rank=rank, run_dir=run_dir, resume_from=resume_from, layout_changes=changes, ledger=ledger,
                mesh=mesh, mem_baseline=rss_now() if device.type == "cpu" else 0, math_modes=math_modes,
@@ -229,7 +229,8 @@ def _parallelize(job: Job, plain) -> None:
     job.model = parallelize(plain, job.mesh, sequence_parallel=p.sequence_parallel, seed=t.seed,
                             device=job.device, summa_overlap=p.summa_overlap,
                             # zero bubble defers the weight pass: nothing to overlap dx's collective with
-                            overlap_input_grad=p.overlap_input_grad and p.pipeline_schedule != "zero_bubble")
+                            overlap_input_grad=p.overlap_input_grad and p.pipeline_schedule != "zero_bubble",
+                            context_mode=job.layout.context_mode)
     job.context = context_of(job.model)
     named = [(n, q) for n, q in job.model.named_parameters() if q.requires_grad]
     job.params = [q for _, q in named]
@@ -275,7 +276,9 @@ def _reducer(job: Job) -> None:
     job.composed.append("reducer")
     p, t = job.cfg.parallel, job.cfg.train
     # bf16: parameters stored in bf16 from here on, fp32 masters in the reducer (the one cast)
-    job.reducer = build_reducer(job.model, job.mesh.data, t.zero, int(t.bucket_mb * 2**20),
+    # parameters are replicated over data and context ranks: reduced over both (mesh.data_context,
+    # which is mesh.data itself at C = 1)
+    job.reducer = build_reducer(job.model, job.mesh.data_context, t.zero, int(t.bucket_mb * 2**20),
                                 overlap=t.overlap_grad_reduce and p.pipeline == 1,
                                 param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
                                 grad_reduce_dtype=DTYPES[t.grad_reduce_dtype])
@@ -339,7 +342,7 @@ def _driver(job: Job) -> None:
         job.tied = TiedEmbeddingSync(job.model, job.mesh, job.model_cfg.tie_embeddings)
         job.pipeline = PipelineRunner(
             job.model, job.mesh, schedule=p.pipeline_schedule, split=job.layout.split, micro_batch=t.micro_batch,
-            n_microbatches=job.layout.micro_batches, seq_len=job.cfg.data.seq_len,
+            n_microbatches=job.layout.micro_batches, seq_len=job.cfg.data.seq_len // p.context,   # a rank's tokens
             loss=lambda logits, targets: job.context.loss(logits, targets, job.ignore_index, reduction="sum"),
             precision=job.precision, device=job.device)
         job.driver = PipelineSchedule(job.pipeline, job.tied, job.device)

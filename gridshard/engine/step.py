@@ -18,6 +18,12 @@ One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
     skip_update(k, ‖g‖, loss sums) ? drop the gradients :
         clip to train.grad_clip; AdamW step (ZeRO: on this rank's chunk, then ZeRO-1/2 all-gather them)
 
+Context parallelism (C > 1 context ranks per data rank): each context rank's L_da covers only
+its chunks of the micro-batch's sequences, parameters are replicated over data × context, and the
+reducer averages over those D·C ranks (``mesh.data_context``); rank (d, c) backpropagates
+(D·C/N)·Σ_a L_dca, so the mean over D·C ranks is again (1/N) Σ ∇L — D below stands for D·C.
+The loss shares, evaluation sums and N are summed over ``data_context`` the same way.
+
 Normalisation. The step's loss is the mean over the valid targets (``data.ignore_token``
 masks the others) of the whole global batch, L = (1/N) Σ_{d,a} L_da, and its gradient
 g = (1/N) Σ_{d,a} ∇L_da. Rank d backpropagates (D/N) Σ_a L_da, so its gradient is
@@ -158,7 +164,7 @@ def train_step(job, batch: StepBatch, skip_update: Optional[Callable] = None) ->
         warnings.warn(f"step {batch.step + 1}: every target of the global batch is data.ignore_token="
                       f"{job.cfg.data.ignore_token}; the step's gradient is zero and its loss is "
                       f"reported as null", RuntimeWarning, stacklevel=3)
-    weight = job.mesh.data.size / n_valid if n_valid else 0.0      # D/N
+    weight = job.mesh.data_context.size / n_valid if n_valid else 0.0      # D·C/N (C = 1: D/N)
     with job.context.vector_cache.window():            # parameters are fixed until the optimizer step
         sums = job.driver.forward_backward(batch.micro, weight)
     job.reducer.sync()
@@ -192,7 +198,7 @@ def global_losses(job, results: List[tuple]) -> list:
     (one all-reduce over data and one over pipeline ranks, paused in the ledger); None for a
     step without valid targets (N = 0). The same list on every rank."""
     with job.ledger.paused():
-        vec = C.all_reduce(torch.stack([x for x, _ in results]).double(), job.mesh.data, inplace=True)
+        vec = C.all_reduce(torch.stack([x for x, _ in results]).double(), job.mesh.data_context, inplace=True)
         vec = C.all_reduce(vec, job.mesh.pipeline, inplace=True)        # only the last stage holds losses
     return [None if n == 0 else x for x, (_, n) in zip(vec.cpu().tolist(), results)]
 
@@ -255,7 +261,7 @@ def evaluate(job) -> Optional[float]:
                 total += loss_sum.double()
     job.reducer.free_all()                             # ZeRO-3: the root stays gathered after a forward
     with job.ledger.paused():
-        total = C.all_reduce(total.reshape(1), job.mesh.data, inplace=True)
+        total = C.all_reduce(total.reshape(1), job.mesh.data_context, inplace=True)
         total = C.all_reduce(total, job.mesh.pipeline, inplace=True)        # only the last stage holds sums
     if job.warmup is not None:                         # train.compile: the no-grad graphs are compiled too
         job.warmup.done("eval")

@@ -124,8 +124,8 @@ class Trainer:
     def _predict_memory(self, tokens, val_tokens):
         """This rank's predicted peak bytes (:func:`gridshard.theory.memory.predict_rank_memory`),
         or None for a model the memory model does not describe (a Hugging Face model, a ViT)."""
-        if self.cfg.model.hf_config is not None or self.cfg.model.kind == "vit":
-            return None
+        if self.cfg.model.hf_config is not None or self.cfg.model.kind == "vit" or self.cfg.parallel.context > 1:
+            return None                                # the memory model has no context term yet
         from ..parallel.rank_blocks import rank_parameter_blocks
         from ..theory.memory import predict_rank_memory
 
@@ -152,7 +152,8 @@ class Trainer:
         meta = {"tokens": step * t.global_batch * self.cfg.data.seq_len, "samples": step * t.global_batch,
                 "loss_scaler": scaler.state_dict() if scaler is not None else None,
                 "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor, "tensor_mode": p.tensor_mode,
-                           "sequence_parallel": p.sequence_parallel},
+                           "sequence_parallel": p.sequence_parallel, "context": p.context,
+                           "context_mode": p.context_mode},
                 "config": self.cfg.resolved(), "saved_unix_time": time.time()}
         self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking, reducer=self.reducer)
 
@@ -202,7 +203,7 @@ class Trainer:
         bad = bool(sums) and not bool(torch.isfinite(torch.stack(sums)).all())
         flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
         with self.ledger.paused():
-            flag = C.all_reduce(flag, self.mesh.data, op="max", inplace=True)
+            flag = C.all_reduce(flag, self.mesh.data_context, op="max", inplace=True)
             flag = C.all_reduce(flag, self.mesh.pipeline, op="max", inplace=True)
         return bool(flag[0] > 0)
 

@@ -106,8 +106,21 @@ class Attention(nn.Module):
     def recompute_core_in_backward(self) -> None:
         """Keep only the core's inputs (q, k, v before RoPE; the shared cos, sin) for backward and
         run the core again there (non-reentrant ``torch.utils.checkpoint``): part of selective
-        recompute. No collective is inside."""
+        recompute. No collective is inside, except under context parallelism: there the ring's
+        sends (or the all-to-alls) of :attr:`context_attention` run again, on every context rank
+        in the same order."""
         self.recompute_core = True
+
+    #: context parallelism (``parallel.context`` C > 1): causal attention of this rank's 2c tokens
+    #: over the whole sequence split on the context axis, ``attend(q, k, v)`` (ring or all-to-all,
+    #: :mod:`gridshard.context`), set by :meth:`attend_over_context`; None: plain causal SDPA
+    context_attention = None
+
+    def attend_over_context(self, attend) -> None:
+        """Attend with ``attend(q, k, v) -> o`` ([b, H, 2c, d] after RoPE, this rank's chunks of a
+        sequence split over the context axis) instead of causal SDPA on the local tokens
+        (``gridshard.parallelize`` on a mesh with a context axis)."""
+        self.context_attention = attend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
@@ -116,10 +129,13 @@ class Attention(nn.Module):
         o = _recomputed(self.core, q, k, v, cos, sin) if self.recompute_core else self.core(q, k, v, cos, sin)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
-    @staticmethod
-    def core(q, k, v, cos, sin) -> torch.Tensor:
-        """RoPE on q, k and causal softmax attention: [b, H, s, d] → [b, H, s, d]."""
+    def core(self, q, k, v, cos, sin) -> torch.Tensor:
+        """RoPE on q, k and causal softmax attention: [b, H, s, d] → [b, H, s, d] (cos, sin: the
+        tables at the tokens' global positions; under context parallelism the attention crosses
+        the context axis, :attr:`context_attention`)."""
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.context_attention is not None:
+            return self.context_attention(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -135,10 +151,15 @@ class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) · up(x)). Kept for backward: gate's output g (for SiLU), silu(g) and
     up's output u (for the product), and the product (down's input): four f-wide tensors; with
     :meth:`recompute_activation_in_backward`, g and u (the recomputed region's inputs) and the
-    product, three — silu(g) is rebuilt from g in backward."""
+    product, three — silu(g) is rebuilt from g in backward; with :meth:`rebuild_output_in_backward`
+    as well, two: down keeps the recipe (g, u) of the product, not the product
+    (:mod:`gridshard.nn.rebuild`)."""
 
     #: recompute silu(g)·u in backward (``train.recompute: selective``); off by default
     recompute_activation: bool = False
+    #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` the product is offered to
+    #: (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
+    rebuild = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -150,6 +171,10 @@ class SwiGLUMLP(nn.Module):
         """Keep g and u, not silu(g), and compute silu(g)·u again in backward (no collective)."""
         self.recompute_activation = True
 
+    def rebuild_output_in_backward(self, region) -> None:
+        """Offer silu(g)·u to ``region`` with its recipe (g, u): down_proj keeps that, not the product."""
+        self.rebuild = region
+
     @staticmethod
     def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
@@ -157,6 +182,8 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         act = _recomputed(self.activation, gate, up) if self.recompute_activation else self.activation(gate, up)
+        if self.rebuild is not None:
+            self.rebuild.offer(act, self.activation, gate, up)
         return self.down_proj(act)
 
 
@@ -220,12 +247,24 @@ class Transformer(nn.Module):
         computes in ``compute``: that dtype itself (module docstring, "Precision")."""
         return compute
 
+    #: (C, context rank) of the tokens this model sees; (1, 0): whole sequences (:meth:`split_sequence`)
+    context_split: tuple = (1, 0)
+
+    def split_sequence(self, context_size: int, context_rank: int) -> None:
+        """Context parallelism: this model sees context rank ``context_rank``'s 2c tokens of every
+        sequence (chunks i and 2C − 1 − i), so RoPE reads the tables at their global positions
+        (:func:`gridshard.context.sequence_split.global_positions`; set by ``gridshard.parallelize``)."""
+        self.context_split = (context_size, context_rank)
+
     def layer_inputs(self, x: torch.Tensor, seq_len: int) -> tuple:
         """What every decoder layer reads besides the hidden states: the RoPE tables (cos, sin)
         [s, d] of the whole sequence (``seq_len``; under sequence parallelism ``x`` holds a block)
         in x's dtype, built (in fp32) on the first call for this length, device and dtype and
-        reused (``self.rope_cache``): one pair per model, shared by every layer and micro-batch."""
-        return self.rope_cache.get(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype)
+        reused (``self.rope_cache``): one pair per model, shared by every layer and micro-batch.
+        Under context parallelism ``seq_len`` = 2c is this rank's part and the rows are those of
+        its tokens' global positions (:meth:`split_sequence`)."""
+        return self.rope_cache.get(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype,
+                                   context=self.context_split)
 
     @staticmethod
     def run_layer(layer: nn.Module, x: torch.Tensor, inputs: tuple) -> torch.Tensor:

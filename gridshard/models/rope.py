@@ -1,6 +1,8 @@
 """Rotary position embedding (rotate-half form) on [b, heads, s, head_dim] tensors."""
 import torch
 
+from ..context.sequence_split import global_positions
+
 TABLE_DTYPE = torch.float32
 
 
@@ -34,12 +36,20 @@ class RopeTableCache:
     def __init__(self):
         self.tables: dict = {}
 
-    def get(self, seq_len: int, head_dim: int, theta: float, device, dtype: torch.dtype = TABLE_DTYPE) -> tuple:
+    def get(self, seq_len: int, head_dim: int, theta: float, device, dtype: torch.dtype = TABLE_DTYPE,
+            context: tuple = (1, 0)) -> tuple:
+        """``context`` = (C, rank): the ``seq_len`` = 2c tokens are context rank ``rank``'s chunks of
+        a sequence of C·seq_len tokens, and the rows are the tables' at their global positions
+        (:func:`gridshard.context.sequence_split.global_positions`); (1, 0): positions 0 … s − 1."""
         device = torch.device(device) if device is not None else torch.device("cpu")
-        key = (seq_len, head_dim, float(theta), device, dtype)
+        key = (seq_len, head_dim, float(theta), device, tuple(context), dtype)
         hit = self.tables.get(key)
         if hit is None:
+            C, rank = context
             with torch.inference_mode(False), torch.no_grad():
-                cos, sin = rope_tables(seq_len, head_dim, theta, device=device)
+                cos, sin = rope_tables(seq_len * C, head_dim, theta, device=device)
+                if C > 1:
+                    at = global_positions(seq_len, C, rank, device=device)
+                    cos, sin = cos[at], sin[at]
                 hit = self.tables[key] = (cos.to(dtype), sin.to(dtype))
         return hit

@@ -35,6 +35,7 @@ rebuilds x̂ in backward, as a fused RMSNorm kernel does::
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,7 @@ from torch import nn
 from ..comm.dual_ops import copy_to_group
 from ..errors import LayoutError
 from ..job_layout import TensorMode
+from .rebuild import RebuildRegion, offer_to
 from .sharding import ShardSpec, set_spec
 
 
@@ -51,11 +53,11 @@ class _LowPrecisionRMSNorm(torch.autograd.Function):
     saves x and rstd [.., 1] (fp32), not x̂."""
 
     @staticmethod
-    def forward(ctx, x, w, eps):
+    def forward(ctx, x, w, eps, region=None):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, rstd, w)
-        return (xf * rstd * w.float()).to(x.dtype)
+        return offer_to(region, _scale_low(x, rstd, w), _scale_low, x, rstd, w)
 
     @staticmethod
     def backward(ctx, g):
@@ -64,14 +66,29 @@ class _LowPrecisionRMSNorm(torch.autograd.Function):
         gw = g.float() * w.float()
         dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
         dw = (g.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(w.dtype), None
+        return dx.to(x.dtype), dw.to(w.dtype), None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _scale_low(x, rstd, w):
+    """y = (x_f·rstd·w_f) in x's dtype: the bf16/fp16 norm's output, also its rebuild recipe."""
+    return (x.float() * rstd * w.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             region: Optional[RebuildRegion] = None) -> torch.Tensor:
     """RMSNorm over the last dim in fp32 arithmetic, returned in x's dtype (module docstring,
-    "Precision"): ``F.rms_norm`` for fp32 x, :class:`_LowPrecisionRMSNorm` for bf16/fp16 x."""
+    "Precision"): ``F.rms_norm`` for fp32 x, :class:`_LowPrecisionRMSNorm` for bf16/fp16 x.
+
+    ``region`` (:mod:`gridshard.nn.rebuild`, selective recompute) accepting offers: y is offered
+    with its recipe — bf16/fp16 (x, rstd, w), kept by the norm's backward; fp32 y = x̂·w, computed
+    as ``F.rms_norm``'s CPU decomposition (pow, mean, add, rsqrt, mul, mul: the same values and
+    gradients bit for bit, and the same kept x, rstd, x̂) so that x̂ is at hand."""
     if x.dtype in (torch.bfloat16, torch.float16):
-        return _LowPrecisionRMSNorm.apply(x, weight, eps)
+        offer = region if region is not None and region.accepting() else None
+        return _LowPrecisionRMSNorm.apply(x, weight, eps, offer)
+    if region is not None and region.accepting():
+        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return offer_to(region, xhat * weight, torch.mul, xhat, weight)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -98,12 +115,20 @@ class RMSNorm(nn.Module):
         spec = ShardSpec((hidden,), (), partial_grad_axes=("tensor",) if self.sequence_parallel else ())
         self.weight = set_spec(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), spec)
 
+    #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` this norm offers its output
+    #: to (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
+    rebuild: Optional[RebuildRegion] = None
+
+    def rebuild_output_in_backward(self, region: RebuildRegion) -> None:
+        """Offer y to ``region``: a consumer keeps its recipe, not y (:func:`rms_norm`)."""
+        self.rebuild = region
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = copy_to_group(self.weight, self.axis) if self.sequence_parallel else self.weight
         if x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
             # sequence-first storage (SP): normalise the contiguous [s, b, h] view, keep the layout
-            return rms_norm(x.transpose(0, 1), w, self.eps).transpose(0, 1)
-        return rms_norm(x, w, self.eps)
+            return rms_norm(x.transpose(0, 1), w, self.eps, self.rebuild).transpose(0, 1)
+        return rms_norm(x, w, self.eps, self.rebuild)
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

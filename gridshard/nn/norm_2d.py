@@ -24,25 +24,28 @@ backward per rank: x (or x̂) [b/q, s, h/q] and r [b/q, s, 1].
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from ..comm import collectives as C
 from ..errors import ShapeError, check_divisible
 from .linear_2d import bias_spec_2d, gather_vector_2d
+from .rebuild import RebuildRegion, offer_to
 from .sharding import sharded_parameter
 
 
 class _RMSNorm2DFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, row, hidden, eps):
+    def forward(ctx, x, w, row, hidden, eps, region=None):
         # in fp32 (a no-op for fp32 x); a bf16/fp16 x (autocast) is kept in its dtype, y returned in it
         xf = x.float()
         ss = C.all_reduce(xf.pow(2).sum(-1, keepdim=True), row, inplace=True)
         r = torch.rsqrt(ss / hidden + eps)
         ctx.save_for_backward(x, r, w)
         ctx.row, ctx.hidden = row, hidden
-        return (xf * r * w).to(x.dtype)
+        return offer_to(region, _scale(x, r, w), _scale, x, r, w)
 
     @staticmethod
     def backward(ctx, g):
@@ -52,7 +55,13 @@ class _RMSNorm2DFn(torch.autograd.Function):
         dot = C.all_reduce((gw * xf).sum(-1, keepdim=True), ctx.row, inplace=True)
         dx = r * gw - xf * (r.pow(3) * dot / ctx.hidden)
         dw = (g.float() * xf * r).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(w.dtype), None, None, None
+        return dx.to(x.dtype), dw.to(w.dtype), None, None, None, None
+
+
+def _scale(x, r, w):
+    """y = (x_f·r·w) in x's dtype: the output of :class:`_RMSNorm2DFn` and its rebuild recipe
+    (x, r and the gathered w are kept by its backward; no collective: r is the reduced one)."""
+    return (x.float() * r * w).to(x.dtype)
 
 
 class _LayerNorm2DFn(torch.autograd.Function):
@@ -110,10 +119,19 @@ class RMSNorm2D(_Norm2DBase):
         super().__init__(hidden, mesh, eps, vector_cache)
         self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype, device)
 
+    #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` the output is offered to
+    #: (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
+    rebuild: Optional[RebuildRegion] = None
+
+    def rebuild_output_in_backward(self, region: RebuildRegion) -> None:
+        """Offer y to ``region`` with its recipe (x, r, w): a consumer (SUMMA) keeps that, not y."""
+        self.rebuild = region
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
         w = gather_vector_2d(self.weight, self.mesh, cache=self.vector_cache)
-        return _RMSNorm2DFn.apply(x, w, self.mesh.row, self.hidden, self.eps)
+        region = self.rebuild if self.rebuild is not None and self.rebuild.accepting() else None
+        return _RMSNorm2DFn.apply(x, w, self.mesh.row, self.hidden, self.eps, region)
 
 
 class LayerNorm2D(_Norm2DBase):

@@ -23,6 +23,11 @@ tensor rank, with ℓ_i the per-token cross-entropy:
 * ``"sum"``: Σ ℓ_i; 0 with a zero gradient when N = 0. The trainer uses this one and
   divides by the global valid count of the step itself (:mod:`gridshard.engine.trainer`).
 
+Context parallelism (a mesh with C > 1 context ranks): ``shard_tokens`` gives each context rank
+its two chunks of every sequence ([b, 2c]), and the loss covers those tokens only: "sum" is the
+rank's share of the sequence's sum, "mean" its own tokens' mean (the trainer sums over context
+ranks, :mod:`gridshard.engine.step`).
+
 ``layouts`` maps every parameter name (tied names included) to its
 :class:`gridshard.nn.sharding.ShardSpec`: the one description of where each block sits in
 the canonical global tensor, read by gradient clipping, the optimizer, parameter
@@ -36,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.grid_ops import GatheredVectors
+from ..context import shard_sequence
 from ..errors import LayoutError, ShapeError, check_divisible
 from ..job_layout import TensorMode
 from ..nn.classification_loss import classification_loss
@@ -64,7 +70,12 @@ class ParallelContext:
         self.mode = TensorMode.parse(self.mode)
 
     def shard_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Global tokens or targets [b, s] → what this rank feeds the model / the loss."""
+        """Global tokens or targets [b, s] → what this rank feeds the model / the loss: 2D, the grid
+        row's block of rows; context parallelism (C > 1), the context rank's chunks i and 2C − 1 − i
+        of every sequence, [b, 2c] (:func:`gridshard.context.shard_sequence`)."""
+        context = self.mesh.context
+        if context.size > 1:
+            tokens = shard_sequence(tokens, context.size, context.rank, dim=1).contiguous()
         if not self.mode.is_grid:
             return tokens
         q = self.mesh.q

@@ -19,13 +19,18 @@ Steps, all local to the rank (no collective runs before the first forward):
    attention module's local kv-group ratio (``plan.kv_group_attr``, Hugging Face's), and
    (sequence parallelism with a model that needs the full sequence at its embedding) the
    sequence split at ``plan.sequence_scatter``;
-4. materialise this rank's blocks (:mod:`gridshard.parallel.materialize`) on ``device``;
-5. attach a :class:`ParallelContext` with every parameter's layout.
+4. context parallelism (a mesh with ``context`` C > 1, gridshard's Llama only): every attention
+   module attends over the context axis (``context_mode``: ring or all-to-all,
+   :mod:`gridshard.context`) and RoPE reads the global positions of the rank's two chunks
+   (:func:`_split_sequence`); parameters are not split over C;
+5. materialise this rank's blocks (:mod:`gridshard.parallel.materialize`) on ``device``;
+6. attach a :class:`ParallelContext` with every parameter's layout.
 
 The model is modified in place and returned.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,7 +39,9 @@ from torch import nn
 
 from ..comm.dual_ops import scatter_to_group
 from ..comm.grid_ops import GatheredVectors
+from ..context import all_to_all_attention, ring_attention
 from ..errors import LayoutError
+from ..job_layout import ContextMode
 from ..nn.shape_rules import layout_rules
 from ..nn.sharding import get_spec, mesh_coords
 from .context import ParallelContext
@@ -172,7 +179,7 @@ def _rebuild_meta_buffers(model: nn.Module) -> None:
 
 def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence_parallel: bool = False,
                 seed: int = 0, device=None, summa_overlap: bool = True,
-                overlap_input_grad: bool = True) -> nn.Module:
+                overlap_input_grad: bool = True, context_mode: str = "ring") -> nn.Module:
     """Lay ``model`` (a plain single-device module, built on ``meta`` or with real weights) out
     on ``mesh`` (:func:`gridshard.build_mesh`) for its tensor mode; returns the same module.
 
@@ -182,7 +189,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     :func:`gridshard.device.rank_device`: ``cuda:LOCAL_RANK`` under nccl, the CPU under gloo); ``summa_overlap`` (2D) double-buffered async SUMMA
     broadcasts, or blocking ones when False; ``overlap_input_grad`` (1D) each column
     layer's input-gradient collective overlapped with its weight-gradient GEMM
-    (:mod:`gridshard.comm.input_grad_overlap`), or issued after it when False.
+    (:mod:`gridshard.comm.input_grad_overlap`), or issued after it when False;
+    ``context_mode`` (a mesh with a context axis of C > 1) ``ring`` or ``all_to_all``.
     """
     from ..mesh import default_device
 
@@ -195,6 +203,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     sp = mode.sequence_parallel_in_effect(sequence_parallel, T)
     check_layout(dims, mesh, sequence_parallel)
     planned = _check_covered(model, plan, mode, sp)
+    if mesh.context.size > 1:
+        _split_sequence(model, dims, mesh, ContextMode.parse(context_mode))
 
     laws = init_laws(model)
     sources = dict(model.named_parameters(remove_duplicate=False))
@@ -223,6 +233,26 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     model.parallel_context = ParallelContext(mesh, mode, sp, dims.vocab, dims.hf, layouts, vector_cache,
                                              objective=dims.objective)
     return model
+
+
+def _split_sequence(model: nn.Module, dims: ModelDims, mesh, context_mode: ContextMode) -> None:
+    """Context parallelism: the model sees context rank i's chunks i and 2C − 1 − i of every
+    sequence, so its RoPE reads their global positions and each attention module attends over the
+    context axis (ring or all-to-all). LayoutError, before any collective, for a model other than
+    gridshard's Llama (whole, or a pipeline rank's part of it: ``split_sequence``) or all-to-all
+    heads that C does not divide."""
+    from ..models.llama import Attention
+
+    axis, mode, T = mesh.context, mesh.tensor_mode, mesh.tensor.size
+    if dims.hf or dims.objective != "next_token" or not callable(getattr(model, "split_sequence", None)):
+        raise LayoutError(f"parallelize: context={axis.size} splits sequences for gridshard's Llama (Transformer) "
+                          f"only, not a {type(model).__name__}. Fix: use context=1 for this model.")
+    context_mode.check_heads(dims.heads // mode.head_split(T), mode.local_kv_heads(dims.kv_heads, T), axis.size)
+    attention = ring_attention if context_mode is ContextMode.RING else all_to_all_attention
+    model.split_sequence(axis.size, axis.rank)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attend_over_context(functools.partial(attention, axis=axis))
 
 
 def _swap_planned(model: nn.Module, planned: dict, build, mode) -> None:

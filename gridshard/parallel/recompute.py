@@ -19,20 +19,32 @@
     rotated q, k, v, its output and the log-sum-exp; an unfused softmax would keep its s×s
     probabilities here). The core's output stays kept by ``o_proj`` (its input).
   - **MLP activation** (:meth:`gridshard.models.llama.SwiGLUMLP.activation`, silu(g)·u) —
-    kept: g = gate(x) and u = up(x); recomputed: silu(g). The product stays kept by
-    ``down_proj`` (its input).
+    kept: g = gate(x) and u = up(x); recomputed: silu(g). The product is ``down_proj``'s input,
+    rebuilt (below).
 
-  Per layer that is the log-sum-exp (N·H_r·4 bytes) and one f-wide tensor (silu(g)) less than
-  ``none`` (:func:`gridshard.theory.memory.layer_saved_bytes`). Both regions run on the rank's
-  own heads / MLP columns with no collective, so nothing is communicated again. (gridshard's
-  model; a Hugging Face model takes ``full``.) The ViT (:mod:`gridshard.models.vit`) has the same
-  two regions: its attention core (full softmax attention, q, k, v kept; on the math SDPA
-  backend its s×s probabilities are not kept) and its GELU, recomputed from its input u —
-  which GELU and output.dense keep anyway (u and gelu(u)), so the MLP region saves no bytes there.
+  - **rebuildable saved tensors** (:mod:`gridshard.nn.rebuild`, :func:`rebuild_module`) — the
+    outputs of both RMSNorms, which q|k|v and gate|up keep for their weight gradients, and the
+    product silu(g)·u, which ``down_proj`` keeps, are not kept: the consumers keep recipes over
+    tensors kept anyway (x̂ and w, or x, rstd and w; g and u) and backward rebuilds them, bit for
+    bit, with one or two pointwise ops.
 
-All three give exactly the same gradients as ``none`` (the recomputation repeats deterministic
-ops under the same autocast state; no dropout), which ``tests/test_recompute.py`` checks bit for
-bit in fp32.
+  Per layer that is the log-sum-exp (N·H_r·4 bytes), two f-wide tensors (silu(g) and the
+  product) and the two norm outputs (R·e each) less than ``none``
+  (:func:`gridshard.theory.memory.layer_saved_bytes`). All of it runs on the rank's own heads /
+  MLP columns / blocks with no collective and no matmul, so nothing is communicated again —
+  except under context parallelism (``parallel.context`` > 1), where the recomputed attention
+  core runs its ring sends (or all-to-alls) again in backward, on every context rank in the same
+  order (:mod:`gridshard.context`).
+  (gridshard's Llama; a Hugging Face model takes ``full``.) The ViT (:mod:`gridshard.models.vit`)
+  has the same two regions and no rebuilt tensors (its LayerNorm and GELU offer nothing): its
+  attention core (full softmax attention, q, k, v kept; on the math SDPA backend its s×s
+  probabilities are not kept) and its GELU, recomputed from its input u — which GELU and
+  output.dense keep anyway (u and gelu(u)), so the MLP region saves no bytes there.
+
+All three give exactly the same gradients as ``none`` (the recomputation and the rebuilds repeat
+deterministic ops under the same autocast state; no dropout), which ``tests/test_recompute.py``
+checks bit for bit in fp32 (and, with data parallelism, ZeRO-3, pipeline stages, in bf16: marked
+``wide``). Under ``train.compile`` the rebuild offers nothing (:mod:`gridshard.nn.rebuild`).
 
 How ``full`` is installed: nothing of the module is replaced (its ``forward`` stays its class's,
 parameter names and state dicts are unchanged). A forward pre-hook opens PyTorch's non-reentrant
@@ -54,6 +66,7 @@ from torch.utils.checkpoint import (_DEFAULT_DETERMINISM_MODE, _checkpoint_witho
                                     noop_context_fn)
 
 from ..errors import LayoutError
+from ..nn.rebuild import RebuildRegion
 from .decoder_layers import decoder_layers
 
 MODES = ("none", "full", "selective")
@@ -110,6 +123,27 @@ def checkpoint_module(module: nn.Module) -> None:
     module.register_forward_hook(close_region, prepend=True, always_call=True)
 
 
+#: what offers its output to a decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` under
+#: ``selective``: the RMSNorms (:class:`gridshard.nn.norm.RMSNorm`, :class:`gridshard.nn.norm_2d.RMSNorm2D`)
+#: and the SwiGLU MLP (:class:`gridshard.models.llama.SwiGLUMLP`)
+REBUILD_SWITCH = "rebuild_output_in_backward"
+
+
+def rebuild_module(module: nn.Module) -> int:
+    """Open a :class:`RebuildRegion` around every call of ``module`` (a forward pre-hook opens it,
+    a forward hook registered first closes it, also when the forward raises) and let each
+    submodule that can offer its output do so; returns how many offer (0: nothing installed)."""
+    region = RebuildRegion()
+    producers = [m for m in module.modules() if callable(getattr(m, REBUILD_SWITCH, None))]
+    if not producers:
+        return 0
+    for m in producers:
+        getattr(m, REBUILD_SWITCH)(region)
+    module.register_forward_pre_hook(lambda mod, args: region.open(), prepend=True)
+    module.register_forward_hook(lambda mod, args, out: region.close(), prepend=True, always_call=True)
+    return len(producers)
+
+
 def apply_recompute(model: nn.Module, mode: str) -> int:
     """Install ``mode`` on a (laid-out or plain) model; returns how many modules it wraps."""
     if mode not in MODES:
@@ -129,4 +163,6 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
             raise LayoutError(f"train.recompute=selective recomputes the attention core and MLP activation of "
                               f"gridshard's models, and this {type(model).__name__} has neither. "
                               f"Fix: train.recompute=full.")
+        for _, module in decoder_layers(model):
+            rebuild_module(module)
     return count

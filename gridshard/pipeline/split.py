@@ -112,6 +112,7 @@ class RankModel(_RankPart):
 
     EMBEDDING, LAYERS, HEAD = "embed_tokens", "layers", ("norm", "lm_head")
     embed, layer_inputs, head = Transformer.embed, Transformer.layer_inputs, Transformer.head
+    context_split, split_sequence = Transformer.context_split, Transformer.split_sequence     # RoPE positions
     run_layer, hidden_dtype = staticmethod(Transformer.run_layer), staticmethod(Transformer.hidden_dtype)
 
     def __init__(self, plain, layer_ids: Sequence[int], has_first: bool, has_last: bool):

@@ -170,6 +170,8 @@ def check_memory(cfg, world: int, budget: MemoryBudget) -> str:
         return "predicted peak memory per rank: not modelled for a Hugging Face architecture (model.hf_config)"
     if cfg.model.kind == "vit":
         return "predicted peak memory per rank: not modelled for a Vision Transformer (model.kind: vit) yet"
+    if cfg.parallel.context > 1:
+        return "predicted peak memory per rank: not modelled for context parallelism (parallel.context > 1) yet"
     mem, rank = predicted_peak(cfg, budget)
     where = f" (pipeline rank {rank})" if cfg.parallel.pipeline > 1 else ""
     line = (f"predicted peak memory per rank: {gib(mem.total)}{where} ({_parts(mem)}); usable "

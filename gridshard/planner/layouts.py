@@ -63,8 +63,10 @@ class Layout:
         return TensorMode.parse(self.tensor_mode)
 
     def parallel_section(self) -> dict:
-        """The ``parallel:`` keys (``stage_layers`` None for the default split)."""
-        return {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor, "tensor_mode": self.tensor_mode,
+        """The ``parallel:`` keys (``stage_layers`` None for the default split; ``context`` 1: the planner
+        does not enumerate context parallelism yet, docs/context.md)."""
+        return {"data": self.data, "pipeline": self.pipeline, "context": 1, "tensor": self.tensor,
+                "tensor_mode": self.tensor_mode,
                 "sequence_parallel": self.sequence_parallel, "pipeline_schedule": self.pipeline_schedule,
                 "virtual_stages": self.virtual_stages,
                 "stage_layers": None if self.stage_layers is None else list(self.stage_layers)}

@@ -142,12 +142,18 @@ Per layer, recompute ``none``::
          = 2R·e + N_r·4 + h/q·4         2D, any precision
 
 ``selective`` (:mod:`gridshard.parallel.recompute`: the attention core and the MLP activation
-are non-reentrant checkpoints): the core keeps its inputs — q, k, v before RoPE (same sizes as
+are non-reentrant checkpoints, and the norm outputs and the product silu(g)·u are *rebuilt*,
+:mod:`gridshard.nn.rebuild`): the core keeps its inputs — q, k, v before RoPE (same sizes as
 after) and the shared cos/sin — instead of its activations, and its output stays kept by
-o_proj; the MLP region keeps g and u, and the product stays kept by down: the layer saves the
-log-sum-exp N_r·H_r·4 and silu(g) N_r·f_r·e less::
+o_proj; the MLP region keeps g and u; the consumers of the two norm outputs (q|k|v, gate|up)
+and of the product (down) keep recipes over tensors kept anyway (x̂ and w, or x, rstd and w;
+g and u), not the tensors. The layer saves the log-sum-exp N_r·H_r·4, silu(g) and the product
+(2·N_r·f_r·e) and the two norm outputs (2·R·e) less::
 
-    2·norm + N_r·d·(2·H_r + 2·K_r)·e + 3·N_r·f_r·e
+    2·norm_r + N_r·d·(2·H_r + 2·K_r)·e + 2·N_r·f_r·e
+    norm_r = norm − R·e            (x, x̂, rstd fp32; x, rstd bf16/fp16; 2D: x, the rms, the w block)
+
+The final norm (before the head) is outside the decoder layers and keeps y in every mode.
 
 ``full``: each decoder layer keeps only its input, R·e (+ the shared cos/sin).
 
@@ -170,11 +176,13 @@ s·b·h/t bytes (terms in 1/h and 1/d dropped)::
 
                  bf16 / fp16 (e = 2)     fp32 (e = 4)     Korthikanti (2-byte)
     none         37.3                    82.7              34 + 5·a·s/h
-    selective    32                      72                34
+    selective    22.7                    53.3              34
     full         2                       4                 2
 
 ``docs/memory.md`` itemises the difference term by term (the s² term of an unfused softmax,
-SwiGLU's f-wide tensors with f = 8h/3 against GELU's 4h, no dropout masks, fp32's x̂).
+SwiGLU's f-wide tensors with f = 8h/3 against GELU's 4h, no dropout masks, fp32's x̂; under
+``selective`` Megatron keeps the norm outputs and the GELU input and output, which we rebuild
+or do not have: 22.7 against 34).
 
 Outside the layers (first / last pipeline stage):
 
@@ -499,16 +507,18 @@ def activation_element_bytes(precision: str) -> int:
     return DTYPE_BYTES[precision]
 
 
-def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, e: int = FP32) -> int:
+def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, e: int = FP32,
+                     rebuilt: bool = False) -> int:
     """One RMSNorm and the input its consumer keeps (module docstring §2, ``norm``): x, the fp32
-    rstd and y, plus x̂ for fp32 (``F.rms_norm`` decomposed) outside 2D."""
+    rstd and y, plus x̂ for fp32 (``F.rms_norm`` decomposed) outside 2D. ``rebuilt`` (a decoder
+    layer's norm under ``selective``, :mod:`gridshard.nn.rebuild`): y is not kept."""
     r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
     h = cfg.hidden
+    consumer_input = 0 if rebuilt else r.residual * e   # y itself (under SP its sequence block, re-gathered)
     if TensorMode.parse(mode).is_grid:
         q = _grid_side(T)
-        return 2 * r.residual * e + r.token_rows * FP32 + (h // q) * FP32
+        return r.residual * e + consumer_input + r.token_rows * FP32 + (h // q) * FP32
     x_hat = r.residual * e if e == FP32 else 0       # bf16/fp16: rebuilt in backward (nn.norm.rms_norm)
-    consumer_input = r.residual * e            # y itself (under SP its sequence block, re-gathered in backward)
     return r.residual * e + x_hat + (r.residual // h) * FP32 + consumer_input
 
 
@@ -516,21 +526,24 @@ def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens:
                         e: int = FP32) -> dict:
     """What one decoder layer keeps for backward, tensor by tensor (module docstring §2): name →
     bytes, in forward order; the two norms as one entry each (:func:`norm_saved_bytes`). Under
-    ``selective`` q, k, v are the core's inputs (before RoPE, same sizes) and ``lse`` and
-    ``silu(g)`` are absent; ``full`` keeps the layer input only."""
+    ``selective`` q, k, v are the core's inputs (before RoPE, same sizes), ``lse``, ``silu(g)``
+    and ``silu(g)·u`` are absent and the norms keep x and rstd (+ x̂ in fp32) but not y (rebuilt
+    in backward, :mod:`gridshard.nn.rebuild`); ``full`` keeps the layer input only."""
     r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
     if recompute == "full":
         return {"input": r.residual * e}
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     n, d, f = r.token_rows, cfg.head_dim, r.token_rows * r.ffn * e
+    if recompute == "selective":    # the core's log-sum-exp and silu(g) recomputed, y and silu(g)·u rebuilt
+        norm = norm_saved_bytes(cfg, mode, T, sequence_parallel, tokens, e, rebuilt=True)
+        return {"attn_norm (x, rstd)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
+                "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e,
+                "mlp_norm (x, rstd)": norm, "gate g": f, "up u": f}
     norm = norm_saved_bytes(cfg, mode, T, sequence_parallel, tokens, e)
-    out = {"attn_norm (x, rstd, y)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
-           "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e, "lse": n * r.heads * FP32,
-           "mlp_norm (x, rstd, y)": norm, "gate g": f, "silu(g)": f, "up u": f, "silu(g)·u": f}
-    if recompute == "selective":               # the core's log-sum-exp and silu(g) are recomputed
-        del out["lse"], out["silu(g)"]
-    return out
+    return {"attn_norm (x, rstd, y)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
+            "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e, "lse": n * r.heads * FP32,
+            "mlp_norm (x, rstd, y)": norm, "gate g": f, "silu(g)": f, "up u": f, "silu(g)·u": f}
 
 
 def layer_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, recompute: str = "none",
