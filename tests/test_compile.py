@@ -1,6 +1,7 @@
 """``train.compile``: each decoder layer's forward under ``torch.compile`` gives the eager
 run's losses (relative 1e-5) and parameters, on one device and with 1D tensor parallelism
-(whose collectives are graph breaks that run eagerly: the ledger's calls are unchanged)."""
+(whose collectives are graph breaks that run eagerly: the ledger's calls are unchanged), and
+(wide) with context parallelism at C = 2, ring and all-to-all, gridshard's and a Hugging Face Llama."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,3 +42,34 @@ def test_compiled_layers_train_like_eager(layout):
         rel = float((compiled[1][k] - v).norm() / v.norm())
         assert rel <= 1e-4, (k, rel)                  # as the layout-equivalence tests
     assert compiled[2] == eager[2]                 # the same collectives, in number, as eager
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("model,mode", [("llama", "ring"), ("llama", "all_to_all"), ("hf", "ring")])
+def test_compiled_layers_train_like_eager_at_context_2(model, mode, tmp_path):
+    """Context parallelism (C = 2, grouped-query attention; gridshard's Llama, and a Hugging Face
+    Llama whose attention reaches the ring through transformers' attention interface): the ring's
+    isend/irecv (or the all-to-alls) and their ledger records are graph breaks that run eagerly, as
+    the tensor-parallel collectives; the compiled run gives eager's losses (1e-5 relative) and the
+    same collectives."""
+    import json
+
+    spec = {"preset": None, "vocab_size": 256, "hidden": 64, "layers": 2, "heads": 8, "kv_heads": 4,
+            "ffn_hidden": 128, "max_seq_len": 32}
+    if model == "hf":
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({"model_type": "llama", "vocab_size": 259, "hidden_size": 64,
+                                    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
+                                    "num_key_value_heads": 4, "max_position_embeddings": 32}))
+        spec = {"hf_config": str(path)}
+    cfgs = [{**BASE, "model": spec, "parallel": {"data": 1, "context": 2, "context_mode": mode},
+             "train": {**BASE["train"], "compile": c}} for c in (False, True)]
+    eager, compiled = (run_on_ranks(2, _body, cfg, timeout=600)[0] for cfg in cfgs)
+    rel = max(abs(a - b) / abs(a) for a, b in zip(eager[0], compiled[0]))
+    print(f"C2 {model} {mode}: compiled vs eager loss {rel:.1e}")
+    assert rel <= 1e-5, (eager[0], compiled[0])
+    assert len(eager[0]) == len(compiled[0]) == BASE["train"]["steps"]
+    for k, v in eager[1].items():
+        rel = float((compiled[1][k] - v).norm() / v.norm())
+        assert rel <= 1e-4, (k, rel)
+    assert compiled[2] == eager[2] and any(k[1] == "context" for k in eager[2])

@@ -309,3 +309,75 @@ def test_pipeline_stage_buffers_by_hand():
                                      layer_ids=ids, blocks=blocks)
         assert pred.comm_buffers == M.model_state_bytes(blocks).comm_buffers + (10 * B if first else 7 * B)
         assert pred.details["stage_buffers"] == (10 * B if first else 7 * B)
+
+
+# ---- context parallelism: the activation term at C > 1 (issue 25) -----------------------------
+CONTEXT_SEQ = 16                                      # 2C = 4 chunks of 4 tokens
+
+
+def _measure_context(mode):
+    """On each of 2 context ranks: saved-for-backward bytes of one forward per (precision, recompute)."""
+    from gridshard import build_mesh, parallelize
+    from gridshard.engine.memory_meter import SavedTensorMeter
+    from gridshard.models import ModelConfig, Transformer
+    from gridshard.parallel.recompute import apply_recompute
+
+    cfg = ModelConfig(vocab_size=97, hidden=64, layers=1, heads=4, kv_heads=2, ffn_hidden=96, max_seq_len=CONTEXT_SEQ)
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (2, CONTEXT_SEQ), generator=g) for _ in range(2))
+    out = {}
+    for precision, recompute in [(p, r) for p in PRECISIONS for r in ("none", "selective", "full")]:
+        with torch.device("meta"):
+            plain = Transformer(cfg)
+        model = parallelize(plain, build_mesh(1, 1, 1, "none", context=2), seed=0, device="cpu", context_mode=mode)
+        apply_recompute(model, recompute)
+        ctx = model.parallel_context
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+        with SavedTensorMeter(exclude=model.parameters()) as meter, autocast:
+            loss = ctx.model_loss(model, ctx.shard_tokens(tokens), ctx.shard_tokens(targets), reduction="sum")
+        loss.backward()                              # every context rank takes part in the backward
+        out[precision, recompute] = meter.bytes
+    return out, cfg
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+def test_context_saved_activation_bytes_equal_the_formula(mode):
+    """One decoder layer (GQA: 4 query heads over 2 k/v heads) on C = 2 context ranks, ring and
+    all-to-all: the bytes autograd saves equal :func:`activation_bytes` with ``context=2`` exactly,
+    for recompute none / selective / full, fp32 and bf16 autocast (the C > 1 term included)."""
+    for rank, (got, cfg) in enumerate(run_on_ranks(2, _measure_context, mode)):
+        for (precision, recompute), measured_bytes in got.items():
+            formula = M.activation_bytes(cfg, 2, CONTEXT_SEQ, recompute=recompute, precision=precision,
+                                         context=2).total
+            assert measured_bytes == formula, (mode, rank, precision, recompute, measured_bytes, formula)
+
+
+def test_context_term_by_hand():
+    """The C > 1 layer: the rank's S/C tokens, plus the o_proj input copy n·H·d·e under recompute none."""
+    from gridshard.theory.context import context_attention_saved_bytes
+
+    cfg = tiny_config()
+    one = M.layer_saved_bytes(cfg, "none", 1, False, 2 * 8, "none", 4)
+    assert M.layer_saved_bytes(cfg, "none", 1, False, 2 * 8, "none", 4, context=4) == one + 2 * 8 * 4 * 16 * 4
+    assert context_attention_saved_bytes(4, 16, 4, 16, 2, "selective") == 0
+    a1, a4 = M.activation_bytes(cfg, 2, 32), M.activation_bytes(cfg, 2, 32, context=4)
+    assert a4.rope_tables * 4 == a1.rope_tables and a4.per_layer == one + 2 * 8 * 4 * 16 * 4
+
+
+def test_live_bytes_meter_counts_new_storages_until_freed():
+    """:class:`gridshard.testing.live_bytes.LiveBytesMeter` (the peak the context benchmark reports):
+    a new storage counts from its operator until freed; views, in-place results and tensors made
+    before the block do not count."""
+    from gridshard.testing.live_bytes import LiveBytesMeter
+
+    x, mib = torch.ones(256, 1024), 1 << 20
+    with LiveBytesMeter() as m:
+        a = x * 2
+        b = a + 1
+        assert m.live == 2 * mib
+        del a
+        v, t = b.view(-1), x.t()
+        b.add_(1)
+        assert m.live == mib
+        del b, v, t
+    assert (m.peak, m.live) == (2 * mib, 0)

@@ -605,3 +605,67 @@ def test_llama3_405b_published_layout_term_by_term():
         if fits:
             assert 60 * 2**30 < m.total_with_margin < 64 * 2**30 < device       # 61.9 GiB of 74.5 usable
     assert 2 * psi + 14 * psi / run.D + 15 * 8 * published < device
+
+
+# ---- context parallelism (issue 25) ---------------------------------------------------------
+LONG_7B = ["model.preset=7b", "model.max_seq_len=131072", "data.seq_len=131072", "train.global_batch=64",
+           "train.precision=bf16"]
+
+
+def test_context_sizes_enumerated():
+    """C: divisors of N up to the bound that split the sequence into 2C chunks, both modes; ZeRO
+    stages at D = 1 when C > 1 (the reducer shards over D·C); pipelines only under 1f1b."""
+    from gridshard.planner.layouts import contexts
+
+    assert contexts(64, 131072) == [(1, "ring")] + [(c, m) for c in (2, 4, 8) for m in ("ring", "all_to_all")]
+    assert contexts(8, 12, max_context=8) == [(1, "ring"), (2, "ring"), (2, "all_to_all")]   # 12 % 8, 12 % 16
+    got = list(enumerate_layouts(4, 4, recompute=("none",), micro_batches=[1], seq_len=64, max_context=4))
+    assert {(x.context, x.context_mode) for x in got} == {(1, "ring"), (2, "ring"), (2, "all_to_all"), (4, "ring"),
+                                                         (4, "all_to_all")}
+    assert all(x.data * x.pipeline * x.context * x.tensor == 4 for x in got)
+    assert {x.zero for x in got if x.context == 4} == {0, 1, 2, 3}
+    assert {x.pipeline_schedule for x in got if x.context > 1 and x.pipeline > 1} == {"1f1b"}
+    assert list(enumerate_layouts(4, 4, micro_batches=[1])) == \
+        [x for x in enumerate_layouts(4, 4, micro_batches=[1], seq_len=64, max_context=1)]
+
+
+def test_context_memory_and_time_terms():
+    """At C > 1 the planner's memory is predict_rank_memory with data = D·C and the context; compute
+    divides by C; the ring's sends equal theory.context's and hide under the attention compute."""
+    from gridshard.planner.cost_time import context_comm
+    from gridshard.theory.context import ring_attention_sends
+    from gridshard.theory.memory import predict_rank_memory
+
+    cfg = load_config(None, LONG_7B)
+    mc, hw = cfg.model.resolve(), load_hardware("h100")
+    lay = Layout(4, 1, 4, "1d", True, 1, "none", 1, context=4, context_mode="ring")
+    c = evaluate(cfg, lay, hw, 64, 8)
+    want = predict_rank_memory(mc, mode="1d", T=4, sequence_parallel=True, data=16, zero=1, micro_batch=1,
+                               seq_len=131072, n_microbatches=16, baseline_bytes=hw.reserved_bytes,
+                               margin_fraction=hw.margin_fraction, precision="bf16", context=4,
+                               blocks=rank_parameter_blocks(mc, "1d", 4))
+    assert c.memory.total == want.total and c.feasible
+    c1 = evaluate(cfg, Layout(16, 1, 4, "1d", True, 1, "none", 1), hw, 64, 8, price_too_large=True)
+    assert not c1.feasible                                                  # C = 1 at rc=none does not fit
+    flops = lambda x: x.step.details["flops_per_microbatch"] * x.step.details["micro_batches"]  # noqa: E731
+    assert flops(c) == pytest.approx(flops(c1), rel=1e-12)                  # the same work per rank and step
+    ring, a2a = context_comm(mc, lay, 131072, 32, "bf16")
+    sends = ring_attention_sends(4, 1, 32768, 32 // 4, 32 // 4, 128, 2)
+    assert a2a is None and ring.payload["send"] == 32 * (sends["forward"][1] + sends["backward"][1])
+    assert c.step.context_comm_s == 0.0                                     # hidden under the attention compute
+
+
+def test_7b_at_131072_on_64_h100_chooses_context_parallelism():
+    """Issue 25: a 7B model at sequence length 131072 on 64 H100 (8 nodes of 8), bf16, global batch
+    64 sequences: the planner proposes C > 1, it fits, and --explain says why (C = 1 needs full
+    recompute to fit, and is slower). ZeRO-1 and micro-batch 1 only, to stay fast."""
+    from gridshard.planner.report import explain
+
+    r = plan(None, 64, hardware="h100", overrides=LONG_7B, zero_stages=(1,), max_micro_batch=1)
+    best = r.best
+    assert best.layout.context > 1 and best.feasible
+    assert best.memory.total_with_margin <= r.hardware.device_memory_bytes
+    text = explain(r)
+    assert f"why C = {best.layout.context}" in text and "the fastest C = 1 layout" in text
+    plain = next(c for c in r.candidates if c.layout.context == 1)
+    assert plain.layout.recompute == "full" and plain.predicted_step_s > 1.1 * best.predicted_step_s

@@ -81,12 +81,17 @@ def _layout(cfg: TrainConfig, world_size: int):
 
 def _context_refusals(cfg: TrainConfig) -> list:
     """(field, value, why) of every composition context parallelism is not built for yet."""
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
+    sliding = None
+    if cfg.model.hf_config is not None:
+        from ..models.hf import read_hf_json
+        from ..models.hf_stages import sliding_window_in_effect
+
+        sliding = sliding_window_in_effect(read_hf_json(cfg.model.hf_config))
     return [(f, v, why) for f, v, why, refused in (
-        ("model.hf_config", cfg.model.hf_config, "a Hugging Face Llama's attention is its own code",
-         cfg.model.hf_config is not None),
+        ("model.hf_config", cfg.model.hf_config, f"its layers attend through a sliding window ({sliding} tokens), "
+         f"and the context attention is plain causal", sliding is not None),
         ("model.kind", cfg.model.kind, "it splits a language model's token sequence", cfg.model.kind != "llama"),
-        ("train.compile", t.compile, "compiled layers around the ring's sends are not tested yet", t.compile),
         ("parallel.pipeline_schedule", p.pipeline_schedule, "zero_bubble runs a layer's backward in two passes, "
          "which may run the ring's backward, sends included, twice", p.pipeline > 1 and
          p.pipeline_schedule == "zero_bubble"),
@@ -94,17 +99,17 @@ def _context_refusals(cfg: TrainConfig) -> list:
 
 
 def _context(cfg: TrainConfig):
-    """Context parallelism (C > 1): only the compositions built (gridshard's Llama, any tensor mode,
-    pipeline schedules but zero_bubble, not compiled), the sequence split
-    (:func:`gridshard.job_layout.check_context_sequence`) and all_to_all's heads
+    """Context parallelism (C > 1): only the compositions built (gridshard's or Hugging Face's Llama
+    without a sliding window, any tensor mode, pipeline schedules but zero_bubble, compiled or not),
+    the sequence split (:func:`gridshard.job_layout.check_context_sequence`) and all_to_all's heads
     (:meth:`gridshard.job_layout.ContextMode.check_heads`)."""
     p = cfg.parallel
     if p.context == 1:
         return
     for field, value, why in _context_refusals(cfg):
         _fail(field, value, f"parallel.context={p.context} splits every sequence over {p.context} ranks, but {why} "
-              f"(supported: gridshard's Llama with tensor_mode none, 1d (± sequence_parallel) or 2d, any data "
-              f"parallelism and ZeRO stage, pipeline schedules other than zero_bubble, not compiled)",
+              f"(supported: gridshard's or a Hugging Face Llama with tensor_mode none, 1d (± sequence_parallel) or "
+              f"2d, any data parallelism and ZeRO stage, pipeline schedules other than zero_bubble, compiled or not)",
               "set parallel.context=1, or change this field")
     mode = TensorMode.parse(p.tensor_mode)
     m = cfg.model.resolve()

@@ -22,20 +22,27 @@ Two partials over disjoint key sets combine exactly into the attention over thei
 
 so after the ring every row holds softmax over all its allowed keys, exactly.
 
+**The block product** is a fused attention kernel that returns the log-sum-exp
+(:func:`gridshard.context.blocks.block_kernel`: PyTorch's flash-attention op on the CPU, flash or
+memory-efficient attention on CUDA): it tiles the scores, so no c × c score matrix is ever held.
+Diagonal blocks call it with ``is_causal=True``, full blocks with ``False``. Partial outputs and
+log-sum-exps are merged in fp32; the output is saved in the inputs' dtype (the kernels' backward
+reads it in that dtype).
+
 **Backward** (the flash-attention gradient per block, with the saved final O and ℓ):
 with D = rowsum(dO ∘ O), P = exp(s − ℓ), dV_b = Pᵀ·dO, dP = dO·V_bᵀ, dS = P ∘ (dP − D),
-dQ += dS·K_b·scale and dK_b = dSᵀ·Q·scale. The k/v blocks ring again; their gradients (fp32
-accumulators) travel with them and one last shift takes each home: C − 1 k/v sends and C gradient
-sends per rank.
+dQ += dS·K_b·scale and dK_b = dSᵀ·Q·scale — the kernels' own backward, called per block with the
+*merged* O and ℓ in place of the block's. dQ and the k/v gradients accumulate in fp32. The k/v
+blocks ring again; their gradients travel with them and one last shift takes each home: C − 1
+k/v sends and C gradient sends per rank.
 
-Communication per rank and layer (:func:`gridshard.theory.context.ring_attention_volume`): forward
+Communication per rank and layer (:func:`gridshard.theory.context.ring_attention_sends`): forward
 C − 1 sends of one k/v block, backward C − 1 k/v sends and C sends of the fp32 k/v gradient.
 
 Why hand-written: PyTorch's ring attention (``torch.distributed.tensor.experimental``) is a
 private, experimental API that patches ``scaled_dot_product_attention`` process-wide and has no
 CPU kernel path; this one is a plain autograd function over a gridshard axis, recorded in the
-ledger, and the block product is exact fp32 math (a fused kernel that returns the log-sum-exp can
-replace :func:`_block_forward` on GPUs without changing the ring).
+ledger, on the kernels above on both CPU and CUDA.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.ledger import record
+from .blocks import block_kernel
 from .sequence_split import chunk_indices
 
 FULL, CAUSAL = "full", "causal"
@@ -55,26 +63,6 @@ def _relation(q_chunk: int, k_chunk: int) -> Optional[str]:
     if k_chunk < q_chunk:
         return FULL
     return CAUSAL if k_chunk == q_chunk else None
-
-
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """k/v heads repeated for grouped-query attention: head h reads k/v head h // groups."""
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
-
-
-def _scores(q, k, scale, how):
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if how == CAUSAL:
-        m = s.shape[-1]
-        s = s.masked_fill(torch.ones(m, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-def _block_forward(q, k, v, scale, how):
-    """Partial output and log-sum-exp of one block (fp32)."""
-    s = _scores(q, k, scale, how)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
 class _Ring:
@@ -120,69 +108,54 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis, scale):
         C, r = axis.size, axis.rank
-        groups = q.shape[1] // k.shape[1]
-        qf = q.float().chunk(2, dim=2)
+        kernel = block_kernel(q)
+        qs = q.chunk(2, dim=2)
         kv = torch.stack([k, v])
-        out = [torch.zeros_like(x) for x in qf]
-        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device) for x in qf]
+        out = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in qs]
+        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device) for x in qs]
         ring = _Ring(axis) if C > 1 else None
         for j in range(C):
             pending = ring.start(kv) if j < C - 1 else None
-            src = (r - j) % C
-            ks, vs = (_expand(t.float(), groups).chunk(2, dim=2) for t in kv)
-            for qi, ki, how in _pairs(C, r, src):
-                o_b, l_b = _block_forward(qf[qi], ks[ki], vs[ki], scale, how)
+            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for qi, ki, how in _pairs(C, r, (r - j) % C):
+                o_b, l_b = kernel.forward(qs[qi], ks[ki], vs[ki], scale, how == CAUSAL)
                 new = torch.logaddexp(lse[qi], l_b)
                 out[qi] = out[qi] * torch.exp(lse[qi] - new).unsqueeze(-1) + o_b * torch.exp(l_b - new).unsqueeze(-1)
                 lse[qi] = new
             if pending is not None:
                 kv = ring.wait(pending)
-        o, l = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, o, l)
+        o = torch.cat(out, dim=2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
         ctx.axis, ctx.scale = axis, scale
-        return o.to(q.dtype)
+        return o
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
         axis, scale = ctx.axis, ctx.scale
         C, r = axis.size, axis.rank
-        groups = q.shape[1] // k.shape[1]
-        dO = grad_out.float()
-        delta = (dO * o).sum(-1)
-        qf, dOs = q.float().chunk(2, dim=2), dO.chunk(2, dim=2)
-        lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
-        dq = [torch.zeros_like(x) for x in qf]
+        kernel = block_kernel(q)
+        c = q.shape[2] // 2
+        qs, dOs, os_ = (t.chunk(2, dim=2) for t in (q, grad_out.to(q.dtype).contiguous(), o))
+        lses = [x.contiguous() for x in lse.chunk(2, dim=2)]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         ring = _Ring(axis) if C > 1 else None
         for j in range(C):
             pending = ring.start(kv) if j < C - 1 else None
-            src = (r - j) % C
-            ks, vs = (_expand(t.float(), groups).chunk(2, dim=2) for t in kv)
-            dks = [torch.zeros_like(x) for x in ks]
-            dvs = [torch.zeros_like(x) for x in vs]
-            for qi, ki, how in _pairs(C, r, src):
-                p = torch.exp(_scores(qf[qi], ks[ki], scale, how) - lses[qi].unsqueeze(-1))
-                dvs[ki] += torch.matmul(p.transpose(-1, -2), dOs[qi])
-                ds = p * (torch.matmul(dOs[qi], vs[ki].transpose(-1, -2)) - deltas[qi].unsqueeze(-1))
-                dq[qi] += torch.matmul(ds, ks[ki]) * scale
-                dks[ki] += torch.matmul(ds.transpose(-1, -2), qf[qi]) * scale
-            dkv += torch.stack([_fold(torch.cat(dks, dim=2), groups), _fold(torch.cat(dvs, dim=2), groups)])
+            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for qi, ki, how in _pairs(C, r, (r - j) % C):
+                dq_b, dk_b, dv_b = kernel.backward(dOs[qi], qs[qi], ks[ki], vs[ki], os_[qi], lses[qi], scale,
+                                                   how == CAUSAL)
+                dq[:, :, qi * c:(qi + 1) * c] += dq_b
+                dkv[0, :, :, ki * c:(ki + 1) * c] += dk_b
+                dkv[1, :, :, ki * c:(ki + 1) * c] += dv_b
             if ring is not None:
                 dkv = ring.wait(ring.start(dkv, tag=1))       # the gradients travel with their block
             if pending is not None:
                 kv = ring.wait(pending)
-        dq = torch.cat(dq, dim=2).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
-
-
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """Gradient of :func:`_expand`: the query heads' k/v gradients summed onto their k/v head."""
-    if groups == 1:
-        return grad
-    b, h, n, d = grad.shape
-    return grad.view(b, h // groups, groups, n, d).sum(2)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, scale: Optional[float] = None):

@@ -123,9 +123,10 @@ class Trainer:
 
     def _predict_memory(self, tokens, val_tokens):
         """This rank's predicted peak bytes (:func:`gridshard.theory.memory.predict_rank_memory`),
-        or None for a model the memory model does not describe (a Hugging Face model, a ViT)."""
-        if self.cfg.model.hf_config is not None or self.cfg.model.kind == "vit" or self.cfg.parallel.context > 1:
-            return None                                # the memory model has no context term yet
+        or None for a model the memory model does not describe (a Hugging Face model, a ViT). At C > 1
+        ZeRO shards over data × context: the model state is that of D·C data ranks."""
+        if self.cfg.model.hf_config is not None or self.cfg.model.kind == "vit":
+            return None
         from ..parallel.rank_blocks import rank_parameter_blocks
         from ..theory.memory import predict_rank_memory
 
@@ -136,12 +137,12 @@ class Trainer:
         blocks = rank_parameter_blocks(self.model_cfg, self.layout.mode, p.tensor, ids,
                                        stage == 0, stage == p.pipeline - 1)
         return predict_rank_memory(
-            self.model_cfg, mode=self.layout.mode, T=p.tensor, sequence_parallel=self.layout.sequence_parallel, data=p.data,
-            data_rank=self.mesh.data.rank, zero=t.zero, recompute=t.recompute, micro_batch=t.micro_batch,
+            self.model_cfg, mode=self.layout.mode, T=p.tensor, sequence_parallel=self.layout.sequence_parallel,
+            data=p.data * p.context, data_rank=self.mesh.data_context.rank, zero=t.zero, recompute=t.recompute, micro_batch=t.micro_batch,
             seq_len=self.cfg.data.seq_len, n_microbatches=self.layout.micro_batches,
             pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
             layer_ids=ids, baseline_bytes=self.mem_baseline, precision=t.precision, blocks=blocks,
-            grad_reduce_dtype=t.grad_reduce_dtype,
+            grad_reduce_dtype=t.grad_reduce_dtype, context=p.context, context_mode=p.context_mode,
             extra_bytes=sum(int(getattr(x, "nbytes", 0)) for x in resident) if self.device.type == "cpu" else 0)
 
     # ---- checkpoints (resume and model.init_from are the composer's: gridshard.engine.job) ----

@@ -13,6 +13,10 @@ shape, so moving weights either way is the rename :func:`hf_to_gridshard_name` /
 :func:`gridshard_to_hf_name`, never a reshape. Weights are read into a laid-out model by
 :func:`gridshard.checkpoint.hf_io.load_hf_blocks` (``model.init_from``) and written by
 ``gridshard export`` (:func:`export_hf_state_dict`).
+
+Context parallelism (``parallel.context`` C > 1): :func:`attend_over_context` makes the attention
+modules attend through gridshard's ring or all-to-all (transformers' attention interface, no mask
+built), and :func:`position_ids` gives the rotary embedding the chunks' global positions.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import json
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LayoutError
 from .llama import ModelConfig
 
 
@@ -97,3 +101,69 @@ def export_hf_state_dict(state: dict) -> dict:
     """A canonical gridshard state dict (e.g. :func:`gridshard.gathered_state_dict`) under
     Hugging Face names, ready for ``safetensors.torch.save_file``."""
     return {gridshard_to_hf_name(k): v.contiguous() for k, v in state.items()}
+
+
+# ---- context parallelism (``parallel.context`` C > 1) -------------------------------------
+#: the name gridshard's context attention is registered under in transformers' attention interface.
+#: The mask interface does not know it, so ``create_causal_mask`` returns None on this path: no
+#: s×s mask is built for the local chunks (whose positions are not contiguous); the context
+#: attention is causal by global position itself.
+CONTEXT_ATTENTION = "gridshard_context"
+
+
+def _context_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                       **_):
+    """transformers' attention-interface call → ``module.context_attention(q, k, v, scale=scaling)``.
+
+    ``query`` [b, H, 2c, d], ``key``/``value`` [b, H_kv, 2c, d] (after RoPE at global positions) are
+    this context rank's chunks; the result is the rank's rows of softmax(q·kᵀ·scaling + causal
+    mask by global position)·v over the whole sequence, returned as Hugging Face's attention
+    functions do: ([b, 2c, H, d], no weights)."""
+    attend = getattr(module, "context_attention", None)
+    if attend is None or attention_mask is not None or dropout or sliding_window is not None:
+        raise LayoutError(f"{type(module).__name__} attends over the context axis only as gridshard.parallelize "
+                          f"installs it: plain causal, no mask given (got {type(attention_mask).__name__}), no "
+                          f"sliding window (got {sliding_window}), attention_dropout 0 (got {dropout}). Fix: call the "
+                          f"model with input_ids and position_ids only; attention_dropout: 0.0 and no sliding window "
+                          f"in the config.json.")
+    return attend(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
+
+
+def attend_over_context(model, attention_modules, attend) -> None:
+    """Every module of ``attention_modules`` (a Hugging Face Llama's ``self_attn``) attends with
+    ``attend(q, k, v, scale=)`` (ring or all-to-all over the context axis) through
+    :data:`CONTEXT_ATTENTION`, which ``model.config`` selects. The registration is a fixed
+    function under a fixed name (idempotent); what a module attends with is its own attribute.
+    LayoutError, before any collective, for a config with a sliding window in effect or attention
+    dropout."""
+    from .hf_stages import sliding_window_in_effect
+
+    _need_transformers()
+    from transformers import AttentionInterface
+
+    sliding = sliding_window_in_effect(model.config.to_dict())
+    if sliding is not None:
+        raise LayoutError(f"parallelize: a {type(model).__name__} with sliding_window={sliding} attends through a "
+                          f"sliding window, and the context attention is plain causal. Fix: context=1, or "
+                          f"sliding_window: null in the config.json.")
+    dropout = getattr(model.config, "attention_dropout", 0.0)
+    if dropout:
+        raise LayoutError(f"parallelize: a {type(model).__name__} with attention_dropout={dropout}: the context "
+                          f"attention has no dropout. Fix: context=1, or attention_dropout: 0.0 in the config.json.")
+    AttentionInterface.register(CONTEXT_ATTENTION, _context_attention)
+    model.config._attn_implementation = CONTEXT_ATTENTION
+    for module in attention_modules:
+        module.context_attention = attend
+
+
+def position_ids(local_len: int, context: tuple, device) -> torch.Tensor:
+    """[1, s] position ids of the tokens a Hugging Face model sees: 0 … s − 1, or under context
+    parallelism (``context`` = (C, rank), C > 1) the global positions of the rank's two chunks
+    (:func:`gridshard.context.sequence_split.global_positions`), from which its rotary embedding
+    computes cos and sin."""
+    from ..context.sequence_split import global_positions
+
+    C, rank = context
+    if C == 1:
+        return torch.arange(local_len, device=device).unsqueeze(0)
+    return global_positions(local_len, C, rank, device=device).unsqueeze(0)

@@ -15,7 +15,9 @@ with no cache, no padding mask and no given positions) is, on tokens [b, s]::
 names (``model.embed_tokens``, ``model.rotary_emb``, ``model.layers.N``, ``model.norm``,
 ``lm_head``): a pipeline stage calls exactly the modules and arguments the single-device
 forward does. Positions and the mask are those of the whole sequence (``seq_len``), since a
-stage's input may be a block of it (sequence parallelism) or arrive from another stage.
+stage's input may be a block of it (sequence parallelism) or arrive from another stage. Under
+context parallelism (``split_sequence``) the positions are the rank's two chunks' global ones and
+the mask is None (:data:`gridshard.models.hf.CONTEXT_ATTENTION` is causal by global position).
 ``tests/test_hf_pipeline.py`` checks that the pieces composed over a whole model give Hugging
 Face's own logits bit for bit, and that pipelined runs equal one process.
 
@@ -31,11 +33,21 @@ from torch import nn
 from ..errors import ConfigError
 
 
+def sliding_window_in_effect(fields: dict):
+    """The sliding window some layer of this Hugging Face config (``config.json``'s fields, or
+    ``config.to_dict()``) attends through (Mistral's ``sliding_window``, Qwen2's with
+    ``use_sliding_window``), or None: every layer attends with the plain causal mask."""
+    model_type, sliding = fields.get("model_type", "llama"), fields.get("sliding_window")
+    if sliding is not None and (model_type == "mistral" or fields.get("use_sliding_window", False)):
+        return sliding
+    return None
+
+
 def check_stageable(fields: dict) -> None:
     """ConfigError unless every layer of this Hugging Face config (``config.json``'s fields, or
     ``config.to_dict()``) attends with the plain causal mask."""
-    model_type, sliding = fields.get("model_type", "llama"), fields.get("sliding_window")
-    if sliding is not None and (model_type == "mistral" or fields.get("use_sliding_window", False)):
+    model_type, sliding = fields.get("model_type", "llama"), sliding_window_in_effect(fields)
+    if sliding is not None:
         raise ConfigError(f"model.hf_config: model_type={model_type!r} with sliding_window={sliding} attends through "
                           f"a sliding-window mask, and gridshard's pipeline stages run the plain causal mask of "
                           f"Llama's forward. Fix: parallel.pipeline=1, or sliding_window: null in the config.json.")
@@ -49,9 +61,21 @@ class LlamaStagePieces:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
 
+    #: (C, context rank) of the tokens these pieces see; (1, 0): whole sequences (:meth:`split_sequence`)
+    context_split: tuple = (1, 0)
+
+    def split_sequence(self, context_size: int, context_rank: int) -> None:
+        """Context parallelism: the pieces see context rank ``context_rank``'s 2c tokens of every
+        sequence, so the positions are their global ones (set by ``gridshard.parallelize``)."""
+        self.context_split = (context_size, context_rank)
+
     def layer_inputs(self, x: torch.Tensor, seq_len: int) -> dict:
-        """The decoder layers' keyword arguments for a whole sequence of ``seq_len`` positions."""
-        position_ids = torch.arange(seq_len, device=x.device).unsqueeze(0)
+        """The decoder layers' keyword arguments for a whole sequence of ``seq_len`` positions
+        (under context parallelism: the rank's 2c tokens at their global positions, and no mask,
+        :data:`gridshard.models.hf.CONTEXT_ATTENTION`)."""
+        from .hf import position_ids as hf_position_ids
+
+        position_ids = hf_position_ids(seq_len, self.context_split, x.device)
         try:
             from transformers.masking_utils import create_causal_mask
         except ImportError:        # transformers < 4.53: no mask given means SDPA's is_causal path there

@@ -83,9 +83,16 @@ class ParallelContext:
         return tokens.chunk(q, 0)[self.mesh.grid_row].contiguous()
 
     def logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's logits for this rank's tokens."""
+        """This rank's logits for this rank's tokens (a Hugging Face model under context
+        parallelism is given their global positions: :func:`gridshard.models.hf.position_ids`)."""
         if self.hf:
-            return model(input_ids=tokens, use_cache=False).logits
+            context = self.mesh.context
+            if context.size == 1:
+                return model(input_ids=tokens, use_cache=False).logits
+            from ..models.hf import position_ids
+
+            positions = position_ids(tokens.shape[-1], (context.size, context.rank), tokens.device)
+            return model(input_ids=tokens, position_ids=positions, use_cache=False).logits
         return model(tokens)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,

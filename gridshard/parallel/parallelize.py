@@ -19,7 +19,7 @@ Steps, all local to the rank (no collective runs before the first forward):
    attention module's local kv-group ratio (``plan.kv_group_attr``, Hugging Face's), and
    (sequence parallelism with a model that needs the full sequence at its embedding) the
    sequence split at ``plan.sequence_scatter``;
-4. context parallelism (a mesh with ``context`` C > 1, gridshard's Llama only): every attention
+4. context parallelism (a mesh with ``context`` C > 1, gridshard's or Hugging Face's Llama): every attention
    module attends over the context axis (``context_mode``: ring or all-to-all,
    :mod:`gridshard.context`) and RoPE reads the global positions of the rank's two chunks
    (:func:`_split_sequence`); parameters are not split over C;
@@ -204,7 +204,7 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     check_layout(dims, mesh, sequence_parallel)
     planned = _check_covered(model, plan, mode, sp)
     if mesh.context.size > 1:
-        _split_sequence(model, dims, mesh, ContextMode.parse(context_mode))
+        _split_sequence(model, dims, mesh, ContextMode.parse(context_mode), plan)
 
     laws = init_laws(model)
     sources = dict(model.named_parameters(remove_duplicate=False))
@@ -235,24 +235,40 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     return model
 
 
-def _split_sequence(model: nn.Module, dims: ModelDims, mesh, context_mode: ContextMode) -> None:
+def _split_sequence(model: nn.Module, dims: ModelDims, mesh, context_mode: ContextMode, plan: Plan) -> None:
     """Context parallelism: the model sees context rank i's chunks i and 2C − 1 − i of every
-    sequence, so its RoPE reads their global positions and each attention module attends over the
-    context axis (ring or all-to-all). LayoutError, before any collective, for a model other than
-    gridshard's Llama (whole, or a pipeline rank's part of it: ``split_sequence``) or all-to-all
-    heads that C does not divide."""
+    sequence, so its rotary embedding reads their global positions and each attention module
+    attends over the context axis (ring or all-to-all). gridshard's Llama: ``split_sequence`` (RoPE
+    rows) and ``Attention.attend_over_context``. A Hugging Face Llama: the plan's attention modules
+    attend through :data:`gridshard.models.hf.CONTEXT_ATTENTION` (no mask built), and the positions
+    reach its rotary embedding as ``position_ids`` (:meth:`ParallelContext.logits`; a pipeline
+    rank's pieces: ``split_sequence``). LayoutError, before any collective, for another model or
+    all-to-all heads that C does not divide."""
     from ..models.llama import Attention
 
     axis, mode, T = mesh.context, mesh.tensor_mode, mesh.tensor.size
-    if dims.hf or dims.objective != "next_token" or not callable(getattr(model, "split_sequence", None)):
-        raise LayoutError(f"parallelize: context={axis.size} splits sequences for gridshard's Llama (Transformer) "
-                          f"only, not a {type(model).__name__}. Fix: use context=1 for this model.")
+    splits = callable(getattr(model, "split_sequence", None))
+    if dims.objective != "next_token" or not (dims.hf or splits):
+        raise LayoutError(f"parallelize: context={axis.size} splits sequences for a Llama (gridshard's Transformer "
+                          f"or Hugging Face's), not a {type(model).__name__}. Fix: use context=1 for this model.")
     context_mode.check_heads(dims.heads // mode.head_split(T), mode.local_kv_heads(dims.kv_heads, T), axis.size)
-    attention = ring_attention if context_mode is ContextMode.RING else all_to_all_attention
-    model.split_sequence(axis.size, axis.rank)
+    attend = functools.partial(ring_attention if context_mode is ContextMode.RING else all_to_all_attention,
+                               axis=axis)
+    if splits:
+        model.split_sequence(axis.size, axis.rank)
+    if dims.hf:
+        from ..models.hf import attend_over_context
+
+        modules = [m for n, m in model.named_modules() if plan.is_attention(n)]
+        if not modules:
+            raise LayoutError(f"parallelize: context={axis.size} needs the attention modules, and the plan's attention "
+                              f"patterns {plan.attention} match none of this {type(model).__name__}. Fix: set the "
+                              f"plan's attention to the self-attention modules' names.")
+        attend_over_context(model, modules, attend)
+        return
     for module in model.modules():
         if isinstance(module, Attention):
-            module.attend_over_context(functools.partial(attention, axis=axis))
+            module.attend_over_context(attend)
 
 
 def _swap_planned(model: nn.Module, planned: dict, build, mode) -> None:

@@ -27,6 +27,10 @@ difference × the rank's activation bytes per micro-batch; each of its V − 1 f
 a middle stage, with its own receive buffers for the A micro-batches' inputs and output gradients
 (:func:`gridshard.theory.pipeline.stage_buffer_bytes`): + (V − 1)·2·A·B in comm buffers.
 
+Context parallelism (``layout.context`` C > 1): ZeRO shards over data × context, so the rank is
+data rank 0 of D·C; the activations, logits and stage buffers hold the rank's S/C tokens of each
+sequence, with the attention's C > 1 terms (:func:`gridshard.theory.memory.predict_rank_memory`).
+
 Precision: activations are priced in the run's compute dtype (``precision``: e = 2 bytes under
 bf16/fp16, with the fp32 parts the memory model states: norm statistics, log-sum-exp, the loss's
 softmax, and autocast's bf16 copies of the fp32 weights), as the trainer's prediction does.
@@ -84,15 +88,16 @@ def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
     for r in ranks_to_check(per_rank) if P > 1 else [0]:
         mem = predict_rank_memory(
             model_cfg, mode=layout.tensor_mode, T=layout.tensor, sequence_parallel=layout.sequence_parallel,
-            data=layout.data, data_rank=0, zero=layout.zero, recompute=layout.recompute,
+            data=layout.data * layout.context, data_rank=0, zero=layout.zero, recompute=layout.recompute,
             micro_batch=layout.micro_batch, seq_len=seq_len, n_microbatches=A, pipeline=P, pipeline_rank=r,
             schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=int(baseline_bytes),
             margin_fraction=float(margin_fraction), precision=precision,
-            blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1))
+            context=layout.context, context_mode=layout.context_mode, blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1))
         if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
             extra = max(0, interleaved_in_flight(r, P, V, A) - mem.details["in_flight"])
             buffers = (V - 1) * 2 * A * boundary_bytes(layout.tensor_mode, layout.sequence_parallel, layout.tensor,
-                                                       layout.micro_batch, seq_len, model_cfg.hidden, precision)
+                                                       layout.micro_batch, seq_len // layout.context,
+                                                       model_cfg.hidden, precision)
             mem = dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
                                       comm_buffers=mem.comm_buffers + buffers,
                                       details={**mem.details, "in_flight": mem.details["in_flight"] + extra,

@@ -112,6 +112,7 @@ from dataclasses import dataclass, field
 from ..comm.ledger import ring_wire_bytes
 from ..job_layout import micro_batches_per_step
 from ..theory import CommVolume, tp1d, tp2d
+from ..theory import context as ctx_theory
 from ..theory.pipeline import boundary_bytes, bubble_fraction
 from ..theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token
 from ..theory.zero import unit_padded_numel, zero_step_comm
@@ -136,16 +137,18 @@ class StepTime:
     optimizer_s: float
     overhead_s: float
     details: dict = field(default_factory=dict)
+    context_comm_s: float = 0.0  # exposed ring sends / all-to-alls (C > 1)
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.tensor_comm_s + self.pipeline_comm_s + self.data_comm_s + self.bubble_s
-                + self.optimizer_s + self.overhead_s)
+                + self.optimizer_s + self.overhead_s + self.context_comm_s)
 
     def as_dict(self) -> dict:
         return {"compute_s": self.compute_s, "tensor_comm_s": self.tensor_comm_s,
                 "pipeline_comm_s": self.pipeline_comm_s, "data_comm_s": self.data_comm_s, "bubble_s": self.bubble_s,
-                "optimizer_s": self.optimizer_s, "overhead_s": self.overhead_s, "total_s": self.total_s}
+                "optimizer_s": self.optimizer_s, "overhead_s": self.overhead_s, "context_comm_s": self.context_comm_s,
+                "total_s": self.total_s}
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,8 +196,9 @@ def tensor_comm_2d(cfg, layout: Layout, seq: int, layers: int, first: bool, last
 
 
 def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
-    """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step."""
-    D = layout.data
+    """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step
+    (over data × context: D·C ranks)."""
+    D = layout.data * layout.context
     blocks = rank_blocks(cfg, layout.tensor_mode, layout.tensor, layer_ids, first, last)
     if D == 1:
         return None, None, 1
@@ -263,28 +267,28 @@ def trainer_bookkeeping(hw: Hardware, layout: Layout, level: str, stop_agreement
     steps ``_gather_rank_stats`` (all-gather of 4 float64 per rank over the world) and
     ``_global_losses`` (all-reduce of the pending steps' float64 losses over data, then
     pipeline), ÷ ``log_interval``."""
-    world = layout.data * layout.pipeline * layout.tensor
+    world = layout.world
     every = call_seconds(hw, level, "all_reduce", 4, world, skew=skew) if stop_agreement else 0.0
     n = max(1, log_interval)
     at_log = (call_seconds(hw, level, "all_gather", 32 * world, world)
-              + call_seconds(hw, level, "all_reduce", 8 * n, layout.data)
+              + call_seconds(hw, level, "all_reduce", 8 * n, layout.data * layout.context)
               + call_seconds(hw, level, "all_reduce", 8 * n, layout.pipeline))
     return every, at_log / n
 
 
 def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
-    """Which link each mesh dim uses: mesh order (data, pipeline, tensor), tensor innermost,
-    ``devices_per_node`` consecutive ranks per node."""
-    world = layout.data * layout.pipeline * layout.tensor
+    """Which link each mesh dim uses: mesh order (data, pipeline, context, tensor), tensor innermost,
+    ``devices_per_node`` consecutive ranks per node; the data reduction runs over data × context."""
+    world, CT = layout.world, layout.context * layout.tensor
     per_node = max(1, world // max(1, nodes))
     inside = lambda span: "intra" if span <= per_node else "inter"  # noqa: E731
-    return {"tensor": inside(layout.tensor), "pipeline": inside(layout.tensor * layout.pipeline),
-            "data": inside(world)}
+    return {"tensor": inside(layout.tensor), "context": inside(CT), "pipeline": inside(CT * layout.pipeline),
+            "data": inside(world if layout.data > 1 else CT)}
 
 
 def gemm_flops(cfg, layout: Layout, seq: int) -> float:
     """FLOPs of one of the rank's gate|up GEMMs (the module docstring's G)."""
-    N, h, f = layout.micro_batch * seq, cfg.hidden, cfg.ffn_hidden
+    N, h, f = layout.micro_batch * seq // layout.context, cfg.hidden, cfg.ffn_hidden
     if layout.mode.is_grid:
         q = layout.mode.grid_side(layout.tensor)
         return 2.0 * N * h * f / q ** 3
@@ -304,7 +308,8 @@ class RankCost:
 def _mean_steps(steps: list, scale: float) -> StepTime:
     """Component-wise mean of ``steps`` × ``scale``."""
     n = len(steps)
-    keys = ("compute_s", "tensor_comm_s", "pipeline_comm_s", "data_comm_s", "bubble_s", "optimizer_s", "overhead_s")
+    keys = ("compute_s", "tensor_comm_s", "pipeline_comm_s", "data_comm_s", "bubble_s", "optimizer_s", "overhead_s",
+            "context_comm_s")
     return StepTime(**{k: scale * sum(getattr(t, k) for t in steps) / n for k in keys})
 
 
@@ -331,7 +336,7 @@ def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
               bucket_mb: float = 25.0, stop_agreement: bool = False, log_interval: int = 1) -> StepTime:
     """Predicted step time of the rank holding ``layer_ids`` (default all layers), module
     docstring; :func:`node_step` of this one rank's :func:`rank_cost`."""
-    world = layout.data * layout.pipeline * layout.tensor
+    world = layout.world
     cost = rank_cost(cfg, layout, hw, seq_len=seq_len, global_batch=global_batch, precision=precision, nodes=nodes,
                      layer_ids=layer_ids, first=first, last=last, activation_bytes=activation_bytes,
                      bucket_mb=bucket_mb, stop_agreement=stop_agreement, log_interval=log_interval)
@@ -352,7 +357,7 @@ class _Pricing:
 
 
 def _pricing(layout: Layout, hw: Hardware, nodes: int) -> _Pricing:
-    world = layout.data * layout.pipeline * layout.tensor
+    world = layout.world
     ranks_per_node = max(1, world // max(1, nodes))
     throughput_node = hw.oversubscribed(ranks_per_node)
     return _Pricing(hw, link_levels(layout, hw, nodes), 1.0 if throughput_node else hw.contention(ranks_per_node),
@@ -361,7 +366,8 @@ def _pricing(layout: Layout, hw: Hardware, nodes: int) -> _Pricing:
 
 def microbatch_flops(cfg, layout: Layout, seq: int, layers: int, last: bool) -> float:
     """F of the module docstring: one micro-batch's FLOPs on a rank with ``layers`` decoder
-    layers (+ the head when ``last``), with the recompute's extra forward."""
+    layers (+ the head when ``last``), with the recompute's extra forward; at C > 1 the rank's S/C
+    tokens of each sequence, each attending over the whole sequence (÷ C)."""
     m, T, kvh = layout.micro_batch, layout.tensor, cfg.kv_heads * cfg.head_dim
     f_layer = flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, seq, kvh)
     f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, cfg.ffn_hidden, seq, kvh)
@@ -371,7 +377,7 @@ def microbatch_flops(cfg, layout: Layout, seq: int, layers: int, last: bool) -> 
     elif layout.recompute == "selective":
         core = f_layer - flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, 0, kvh)
         flops += m * seq * layers * core / (3 * T)
-    return flops
+    return flops / layout.context
 
 
 def _compute_mb(cfg, layout: Layout, hw: Hardware, seq: int, layers: int, last: bool, precision: str,
@@ -397,6 +403,41 @@ def _tensor_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, first: 
     level = pr.levels["tensor"]
     return (comm_seconds(vols, hw, level, pr.skew) + around * pr.stretch,
             comm_cpu_seconds(vols, hw, level) + around)
+
+
+def context_comm(cfg, layout: Layout, seq: int, layers: int, precision: str) -> tuple:
+    """(ring sends CommVolume, all-to-all CommVolume) of one micro-batch's ``layers`` attention
+    layers at C > 1 (:mod:`gridshard.theory.context`: the rank's heads after the tensor split, its
+    2c = S/C tokens; 2D: its m/q sequences); (None, None) at C = 1."""
+    C, T, mode = layout.context, layout.tensor, layout.mode
+    if C == 1:
+        return None, None
+    e = 2 if precision in ("bf16", "fp16") else FP32
+    m = layout.micro_batch // (mode.grid_side(T) if mode.is_grid else 1)
+    H, K = cfg.heads // mode.head_split(T), mode.local_kv_heads(cfg.kv_heads, T)
+    if layout.context_mode == "all_to_all":
+        vol = ctx_theory.all_to_all_attention_volume(C, m, seq // C, H, K, cfg.head_dim, e)
+        return None, CommVolume(C).add("all_to_all", vol["forward"][1], 2 * vol["forward"][0] * layers)
+    kv = ctx_theory.ring_block_bytes(m, seq // C, K, cfg.head_dim, e)       # forward and backward: C − 1 each
+    dkv = ctx_theory.ring_block_bytes(m, seq // C, K, cfg.head_dim, FP32)   # backward: C fp32 gradient sends
+    return CommVolume(2).add("send", kv, 2 * (C - 1) * layers).add("send", dkv, C * layers), None
+
+
+def _context_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, precision: str) -> tuple:
+    """(critical-path seconds, busy CPU seconds) of one micro-batch's context communication.
+    **Assumption** (stated in docs/planner.md): the ring's sends overlap the attention-core
+    compute of the block in hand (12·S·h FLOPs per token and layer, forward and backward, on the
+    rank's S/C tokens), so only what exceeds it is exposed; all-to-all sits between dependent
+    operations and is exposed whole."""
+    ring, a2a = context_comm(cfg, layout, seq, layers, precision)
+    level, hw = pr.levels["context"], pr.hw
+    if ring is None and a2a is None:
+        return 0.0, 0.0
+    t = comm_seconds([ring, a2a], hw, level, pr.skew)
+    if ring is not None:
+        core = layout.micro_batch * seq * layers * 12.0 * seq * cfg.hidden / (layout.context * layout.tensor)
+        t = max(0.0, t - core / hw.flops_rate(precision, gemm_flops(cfg, layout, seq)) * pr.stretch)
+    return t, comm_cpu_seconds([ring, a2a], hw, level)
 
 
 def stage_crossings(layout: Layout, first: bool, last: bool) -> int:
@@ -460,10 +501,10 @@ def _step_extras(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last
     norm all-reduces and the trainer's bookkeeping, on the critical path and as busy CPU."""
     hw, levels, T = pr.hw, pr.levels, layout.tensor
     blocks = rank_blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
-    owned = sum(b.numel for b in blocks) / (layout.data if layout.zero >= 1 else 1)
-    small_calls = [("tensor", T), ("pipeline", layout.pipeline), ("data", layout.data)]
+    owned = sum(b.numel for b in blocks) / (layout.data * layout.context if layout.zero >= 1 else 1)
+    small_calls = [("tensor", T), ("pipeline", layout.pipeline), ("data", layout.data * layout.context)]
     stop_s, log_s = trainer_bookkeeping(hw, layout, levels["data"], stop_agreement, log_interval, skew=pr.skew)
-    world = layout.data * layout.pipeline * T
+    world = layout.world
     return {"busy_opt": ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth,
             "small": sum(call_seconds(hw, levels[d], "all_reduce", 8, n, skew=pr.skew) for d, n in small_calls),
             "busy_small": sum(call_cpu_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in small_calls),
@@ -477,23 +518,24 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     """Critical path and busy time of the rank holding ``layer_ids`` (module docstring). On an
     over-subscribed node the critical path is priced at full speed and without the sync skew
     (the contention is the throughput bound's), elsewhere with the node's contention (1 on GPUs)."""
-    s, P = seq_len, layout.pipeline
+    s, P, s_r = seq_len, layout.pipeline, seq_len // layout.context       # s_r: the rank's tokens of a sequence
     A = micro_batches_per_step(global_batch, layout.micro_batch, layout.data)
     layers = cfg.layers if layer_ids is None else len(layer_ids)
     pr = _pricing(layout, hw, nodes)
     busy_compute_mb, flops = _compute_mb(cfg, layout, hw, s, layers, last, precision, activation_bytes)
     compute_mb = busy_compute_mb * pr.stretch
-    t_tensor_mb, busy_tensor_mb = _tensor_mb(cfg, layout, pr, s, layers, first, last)
-    t_p2p_mb, busy_p2p_mb = _pipeline_mb(cfg, layout, pr, s, first, last, precision)
+    t_tensor_mb, busy_tensor_mb = _tensor_mb(cfg, layout, pr, s_r, layers, first, last)
+    t_p2p_mb, busy_p2p_mb = _pipeline_mb(cfg, layout, pr, s_r, first, last, precision)
+    t_ctx_mb, busy_ctx_mb = _context_mb(cfg, layout, pr, s, layers, precision)
     data = _data_step(cfg, layout, pr, layer_ids, first, last, A, int(bucket_mb * (1 << 20)), compute_mb)
-    t_mb = compute_mb + t_tensor_mb + t_p2p_mb + data.gather_per_mb_s
+    t_mb = compute_mb + t_tensor_mb + t_p2p_mb + t_ctx_mb + data.gather_per_mb_s
     bubble = bubble_fraction(P, A, layout.pipeline_schedule, layout.virtual_stages) if P > 1 else 0.0
     bubble_s = A * t_mb * bubble / (1.0 - bubble) if P > 1 else 0.0
     x = _step_extras(cfg, layout, pr, layer_ids, first, last, stop_agreement, log_interval)
     latency = StepTime(compute_s=A * compute_mb, tensor_comm_s=A * t_tensor_mb, pipeline_comm_s=A * t_p2p_mb,
                        data_comm_s=data.exposed_reduce_s + data.gather_after_s + A * data.gather_per_mb_s,
                        bubble_s=bubble_s, optimizer_s=x["busy_opt"] * pr.stretch,
-                       overhead_s=hw.step_overhead_s * pr.stretch + x["small"] + x["stop"],
+                       overhead_s=hw.step_overhead_s * pr.stretch + x["small"] + x["stop"], context_comm_s=A * t_ctx_mb,
                        details={"micro_batches": A, "bubble_fraction": bubble, "links": pr.levels,
                                 "contention": hw.contention(pr.ranks_per_node),
                                 "gemm_flops": gemm_flops(cfg, layout, s), "flops_per_microbatch": flops,
@@ -503,7 +545,7 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
                                 "log_bookkeeping_s": x["log"]})
     busy = StepTime(compute_s=A * busy_compute_mb, tensor_comm_s=A * busy_tensor_mb, pipeline_comm_s=A * busy_p2p_mb,
                     data_comm_s=data.busy_s, bubble_s=0.0, optimizer_s=x["busy_opt"],
-                    overhead_s=hw.step_overhead_s + x["busy_small"] + x["busy_stop"])
+                    overhead_s=hw.step_overhead_s + x["busy_small"] + x["busy_stop"], context_comm_s=A * busy_ctx_mb)
     return RankCost(latency, busy)
 
 

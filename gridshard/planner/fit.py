@@ -101,7 +101,7 @@ def config_layout(cfg):
     p, t = cfg.parallel, cfg.train
     return Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, p.sequence_parallel, t.zero, t.recompute,
                   t.micro_batch, p.pipeline_schedule, p.virtual_stages,
-                  None if p.stage_layers is None else tuple(p.stage_layers))
+                  None if p.stage_layers is None else tuple(p.stage_layers), p.context, p.context_mode)
 
 
 def _hardware(budget: MemoryBudget):
@@ -165,13 +165,11 @@ def nearest_fit(cfg, world: int, budget: MemoryBudget) -> str:
 def check_memory(cfg, world: int, budget: MemoryBudget) -> str:
     """One line with the predicted peak per rank and the budget; ConfigError when it does not
     fit (module docstring). A Hugging Face architecture (``model.hf_config``) is not modelled:
-    the line says so."""
+    the line says so. Context parallelism (C > 1) is: the layout's C and mode are priced."""
     if cfg.model.hf_config is not None:
         return "predicted peak memory per rank: not modelled for a Hugging Face architecture (model.hf_config)"
     if cfg.model.kind == "vit":
         return "predicted peak memory per rank: not modelled for a Vision Transformer (model.kind: vit) yet"
-    if cfg.parallel.context > 1:
-        return "predicted peak memory per rank: not modelled for context parallelism (parallel.context > 1) yet"
     mem, rank = predicted_peak(cfg, budget)
     where = f" (pipeline rank {rank})" if cfg.parallel.pipeline > 1 else ""
     line = (f"predicted peak memory per rank: {gib(mem.total)}{where} ({_parts(mem)}); usable "

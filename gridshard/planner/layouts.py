@@ -5,7 +5,11 @@ A :class:`Layout` is everything ``gridshard plan`` chooses: the ``parallel:`` se
 ``train:`` keys zero, recompute and micro_batch. :func:`enumerate_layouts` lists every
 combination the device count allows:
 
-* D·P·T = N over all ordered factorisations of N;
+* D·P·C·T = N over all ordered factorisations of N, C the context size (issue 25): the divisors
+  of N up to ``max_context`` (``plan``: 8) with ``seq_len`` a multiple of 2·C (the load-balanced
+  split); C > 1 in both context modes, ``ring`` and ``all_to_all`` (the config rules refuse
+  all_to_all where C does not divide the rank's heads), and with a pipeline only under ``1f1b``
+  (the schedule the context tests run; the others run the same stage code);
 * T = 1: ``none``; T > 1: ``1d`` without and with sequence parallelism, and ``2d`` when T
   is a perfect square;
 * ZeRO 0–3 when D > 1 (with D = 1 every stage holds the same bytes: only 0);
@@ -28,7 +32,7 @@ verdicts equal a full :func:`gridshard.config.validate.validate_config` on sampl
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterator, Optional
 
 from ..config import validate as rules
@@ -57,15 +61,17 @@ class Layout:
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
     stage_layers: Optional[tuple] = None        # explicit decoder layers per stage; None: the default split
+    context: int = 1                            # C: ranks one sequence is split over
+    context_mode: str = "ring"                  # ring | all_to_all (C > 1)
 
     @property
     def mode(self) -> TensorMode:
         return TensorMode.parse(self.tensor_mode)
 
     def parallel_section(self) -> dict:
-        """The ``parallel:`` keys (``stage_layers`` None for the default split; ``context`` 1: the planner
-        does not enumerate context parallelism yet, docs/context.md)."""
-        return {"data": self.data, "pipeline": self.pipeline, "context": 1, "tensor": self.tensor,
+        """The ``parallel:`` keys (``stage_layers`` None for the default split)."""
+        return {"data": self.data, "pipeline": self.pipeline, "context": self.context,
+                "context_mode": self.context_mode, "tensor": self.tensor,
                 "tensor_mode": self.tensor_mode,
                 "sequence_parallel": self.sequence_parallel, "pipeline_schedule": self.pipeline_schedule,
                 "virtual_stages": self.virtual_stages,
@@ -80,8 +86,13 @@ class Layout:
         if self.pipeline > 1:
             pipe = f" {self.pipeline_schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         split = "" if self.stage_layers is None else f" layers={split_label(self.stage_layers)}"
-        return (f"D{self.data} P{self.pipeline} T{self.tensor} {mode}{pipe}{split} z{self.zero} rc={self.recompute} "
-                f"m{self.micro_batch}")
+        ctx = f" C{self.context} {self.context_mode}" if self.context > 1 else ""
+        return (f"D{self.data} P{self.pipeline}{ctx} T{self.tensor} {mode}{pipe}{split} z{self.zero} "
+                f"rc={self.recompute} m{self.micro_batch}")
+
+    @property
+    def world(self) -> int:
+        return self.data * self.pipeline * self.context * self.tensor
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -154,25 +165,43 @@ def _modes(T: int) -> list:
     return out
 
 
-def _schedules(P: int) -> list:
-    if P == 1:
+def _schedules(P: int, C: int = 1) -> list:
+    if P == 1 or C > 1:
         return [("1f1b", 1)]
     return [("gpipe", 1), ("1f1b", 1)] + [("interleaved_1f1b", v) for v in VIRTUAL_STAGES]
 
 
+def contexts(world: int, seq_len: Optional[int], max_context: int = 8) -> list:
+    """(C, context_mode) pairs to try (module docstring): C = 1, and each divisor C > 1 of ``world``
+    up to ``max_context`` that splits ``seq_len`` into 2·C equal chunks, in both modes."""
+    sizes = [c for c in divisors(world) if 1 < c <= max_context and (seq_len is None or seq_len % (2 * c) == 0)]
+    return [(1, "ring")] + [(c, m) for c in sizes for m in ("ring", "all_to_all")]
+
+
 def enumerate_layouts(world: int, global_batch: int, zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE,
-                      micro_batches: Optional[list] = None, max_micro_batch: Optional[int] = None) -> Iterator[Layout]:
+                      micro_batches: Optional[list] = None, max_micro_batch: Optional[int] = None,
+                      seq_len: Optional[int] = None, max_context: int = 1) -> Iterator[Layout]:
     """Every candidate layout of ``world`` ranks (module docstring), valid or not; micro-batches
-    ``micro_batches`` if given, else the divisors of global_batch/D up to ``max_micro_batch``."""
+    ``micro_batches`` if given, else the divisors of global_batch/D up to ``max_micro_batch``;
+    context sizes up to ``max_context`` (1: none) that split ``seq_len``."""
+    for C, cmode in contexts(world, seq_len, max_context):
+        for layout in _enumerate_dpt(world // C, global_batch, zero_stages, recompute, micro_batches,
+                                     max_micro_batch, C):
+            yield layout if C == 1 else replace(layout, context=C, context_mode=cmode)
+
+
+def _enumerate_dpt(world: int, global_batch: int, zero_stages, recompute, micro_batches, max_micro_batch,
+                   C: int) -> Iterator[Layout]:
+    """The D·P·T = ``world`` layouts of one context size C (:func:`enumerate_layouts`)."""
     for D, P, T in factorisations(world):
         mbs = [m for m in divisors(global_batch // D) if m <= (max_micro_batch or m)] if micro_batches is None \
             else list(micro_batches)
         if global_batch % D:
             mbs = [1]            # kept so that the batch rule names the reason
         for mode, sp in _modes(T):
-            for sched, V in _schedules(P):
+            for sched, V in _schedules(P, C):
                 for m in mbs:
-                    for z in (zero_stages if D > 1 else (0,)):
+                    for z in (zero_stages if D * C > 1 else (0,)):      # ZeRO shards over D·C
                         for rc in recompute:
                             yield Layout(D, P, T, mode, sp, z, rc, m, sched, V)
 
@@ -191,6 +220,7 @@ def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available:
     try:
         rules._positive(c)
         rules._layout(c, world)
+        rules._context(c)
         rules._batch(c)
         rules._pipeline(c)
         rules._shapes(c)
@@ -200,5 +230,5 @@ def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available:
     return None
 
 
-__all__ = ["Layout", "enumerate_layouts", "factorisations", "divisors", "apply_layout", "layout_problem",
+__all__ = ["Layout", "enumerate_layouts", "contexts", "factorisations", "divisors", "apply_layout", "layout_problem",
            "lighter_end_splits", "split_label", "RECOMPUTE", "SCHEDULES"]

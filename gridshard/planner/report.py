@@ -15,12 +15,14 @@ def _mib(n) -> str:
 
 def table(result: PlanResult, top: int = 10) -> str:
     """A fixed-width table of the ``top`` feasible layouts, best first."""
-    head = ["#", "layout", "mem/rank MiB", "step s", "compute", "tensor", "pipe", "data", "bubble", "tok/s", "MFU"]
+    head = ["#", "layout", "mem/rank MiB", "step s", "compute", "tensor", "ctx", "pipe", "data", "bubble", "tok/s",
+            "MFU"]
     rows = []
     for i, c in enumerate(result.candidates[:top], 1):
         st = c.step
         rows.append([str(i), c.layout.label(), _mib(c.predicted_mem_bytes), f"{st.total_s:.4g}", f"{st.compute_s:.3g}",
-                     f"{st.tensor_comm_s:.3g}", f"{st.pipeline_comm_s:.3g}", f"{st.data_comm_s:.3g}",
+                     f"{st.tensor_comm_s:.3g}", f"{st.context_comm_s:.3g}", f"{st.pipeline_comm_s:.3g}",
+                     f"{st.data_comm_s:.3g}",
                      f"{st.bubble_s:.3g}", f"{c.tokens_per_s:,.0f}", "-" if c.mfu is None else f"{c.mfu:.1%}"])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
@@ -31,7 +33,7 @@ def table(result: PlanResult, top: int = 10) -> str:
              f"{cfg.train.precision}",
              f"layouts: {result.counts.get('feasible', 0)} feasible, {result.counts.get('memory', 0)} too large, "
              f"{result.counts.get('rule', 0)} against the config rules; step s = compute + exposed comm (tensor, "
-             f"pipe, data) + bubble + optimizer/overhead",
+             f"context, pipe, data) + bubble + optimizer/overhead",
              fmt(head), fmt(["-" * w for w in widths])]
     return "\n".join(lines + [fmt(r) for r in rows])
 
@@ -55,8 +57,11 @@ def explain(result: PlanResult) -> str:
              f"margin = {gib(mem.total_with_margin)} of {gib(hw.device_memory_bytes)}",
              f"  step {st.total_s:.4g} s = compute {st.compute_s:.3g} + tensor comm {st.tensor_comm_s:.3g} + pipeline "
              f"comm {st.pipeline_comm_s:.3g} + data comm (exposed) {st.data_comm_s:.3g} + bubble {st.bubble_s:.3g} "
-             f"+ optimizer {st.optimizer_s:.3g} + overhead {st.overhead_s:.3g}",
-             f"  links: tensor {st.details['links']['tensor']}, pipeline {st.details['links']['pipeline']}, data "
+             f"+ optimizer {st.optimizer_s:.3g} + overhead {st.overhead_s:.3g}"
+             + (f" + context comm (exposed) {st.context_comm_s:.3g}" if best.layout.context > 1 else ""),
+             f"  links: tensor {st.details['links']['tensor']}, "
+             + (f"context {st.details['links']['context']}, " if best.layout.context > 1 else "")
+             + f"pipeline {st.details['links']['pipeline']}, data "
              f"{st.details['links']['data']} node; {st.details['micro_batches']} micro-batches per step"
              + (f", bubble fraction {st.details['bubble_fraction']:.3f}" if best.layout.pipeline > 1 else "")]
     if st.details.get("regime") == "throughput":
@@ -65,10 +70,12 @@ def explain(result: PlanResult) -> str:
                      f"{st.details['contention']:.3g}), {st.details['throughput_bound_s']:.4g} s, above the critical "
                      f"path at full speed, {st.details['latency_bound_s']:.4g} s; a bubble costs nothing there "
                      f"(cost_time: two bounds)")
+    lines += _context_reason(result)
     others = []
     for c in result.candidates[1:]:
-        key = (c.layout.data, c.layout.pipeline, c.layout.tensor, c.layout.tensor_mode, c.layout.sequence_parallel)
-        if key in {(o.layout.data, o.layout.pipeline, o.layout.tensor, o.layout.tensor_mode,
+        key = (c.layout.data, c.layout.pipeline, c.layout.context, c.layout.tensor, c.layout.tensor_mode,
+               c.layout.sequence_parallel)
+        if key in {(o.layout.data, o.layout.pipeline, o.layout.context, o.layout.tensor, o.layout.tensor_mode,
                     o.layout.sequence_parallel) for o in others + [best]}:
             continue
         others.append(c)
@@ -83,6 +90,37 @@ def explain(result: PlanResult) -> str:
         lines.append(f"  {len(too_big)} layouts do not fit, e.g. {fastest_rejected.layout.label()} needs "
                      f"{gib(fastest_rejected.predicted_mem_bytes)}")
     return "\n".join(lines)
+
+
+def _context_reason(result: PlanResult) -> list:
+    """Why the best layout splits sequences (C > 1), against the best layout without (C = 1): how
+    much faster it is, and whether C = 1 fits at all at the best layout's recompute setting (the
+    smallest such C = 1 layout's activations against the device); [] when C = 1 wins."""
+    best, hw = result.best, result.hardware
+    C = best.layout.context
+    if C == 1:
+        return []
+    rc = best.layout.recompute
+    plain = [c for c in result.candidates if c.layout.context == 1]
+    out = [f"  why C = {C} ({best.layout.context_mode}): each rank holds S/{C} = {result.config.data.seq_len // C} "
+           f"tokens of every sequence, so its activations are {gib(best.memory.activations)}"]
+    same_rc = [c for c in result.rejected if c.memory is not None and c.layout.context == 1 and c.layout.recompute == rc]
+    plain_rc = [c for c in plain if c.layout.recompute == rc]
+    if same_rc and not plain_rc:
+        small = min(same_rc, key=lambda c: c.predicted_mem_bytes)
+        out.append(f"  C = 1 does not fit with rc={rc}: the smallest such layout, {small.layout.label()}, needs "
+                   f"{gib(small.predicted_mem_bytes)} per rank (activations {gib(small.memory.activations)}) > "
+                   f"{gib(hw.device_memory_bytes)}")
+    for what, p in (("", plain[0] if plain else None), (f" with rc={rc}", plain_rc[0] if plain_rc else None)):
+        if p is not None and (not what or p is not plain[0]):
+            out.append(f"  the fastest C = 1 layout{what}, {p.layout.label()}, takes {p.predicted_step_s:.4g} s per "
+                       f"step, {p.predicted_step_s / best.predicted_step_s:.2f}× this one ({_why(best, p)})")
+    if not plain:
+        out.append("  no C = 1 layout fits at all")
+    if best.layout.context_mode == "ring":
+        out.append(f"  the ring's k/v sends overlap the attention compute (assumed): "
+                   f"{best.step.context_comm_s:.3g} s exposed per step")
+    return out
 
 
 def _why(best: Candidate, other: Candidate) -> str:

@@ -155,7 +155,8 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
             # the element-wise work of a forward and backward: what the layers write without
             # recompute (recompute changes what is kept, not what is computed; rank_cost adds its pass)
             acts = activation_bytes(mc, layout.micro_batch, s, layout.tensor_mode, layout.tensor,
-                                    layout.sequence_parallel, "none", key[0], first, last).total
+                                    layout.sequence_parallel, "none", key[0], first, last,
+                                    context=layout.context).total
             seen[key] = rank_cost(mc, layout, hw, seq_len=s, global_batch=G, precision=prec, nodes=nodes,
                                   layer_ids=ids, first=first, last=last, activation_bytes=acts,
                                   bucket_mb=cfg.train.bucket_mb, stop_agreement=stop_agreement,
@@ -243,12 +244,13 @@ def split_variants(cand: Candidate, model_cfg, seq_len: int) -> list:
 
 def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None, hardware="cpu", overrides=(),
          top: Optional[int] = None, zero_stages=(0, 1, 2, 3), max_micro_batch: int = 16,
-         raise_if_none: bool = True) -> PlanResult:
+         raise_if_none: bool = True, max_context: int = 8) -> PlanResult:
     """Plan ``config`` (YAML path, dict, TrainConfig or None) on ``gpus`` devices over ``nodes`` nodes
     (default: :func:`default_nodes` of the hardware).
 
     ``hardware``: a packaged name (h100, h200, a100, cpu), a profile path, or a Hardware.
-    ``max_micro_batch``: largest micro-batch tried (all divisors of global_batch/D up to it).
+    ``max_micro_batch``: largest micro-batch tried (all divisors of global_batch/D up to it);
+    ``max_context``: largest context size C tried (1: no context parallelism).
     Returns a :class:`PlanResult` (feasible candidates best first, ``top`` of them if given);
     raises :class:`PlanError` when none is feasible (``raise_if_none``), ConfigError for a
     request that cannot be planned (:func:`check_request`)."""
@@ -271,7 +273,8 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None
     counts = collections.Counter()
     mc = cfg.model.resolve()
     for layout in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages,
-                                    max_micro_batch=max_micro_batch):
+                                    max_micro_batch=max_micro_batch, seq_len=cfg.data.seq_len,
+                                    max_context=max_context):
         c = evaluate(cfg, layout, hw, world, nodes)
         variants = (evaluate(cfg, x, hw, world, nodes) for x in split_variants(c, mc, cfg.data.seq_len))
         faster = [v for v in variants if v.feasible and v.predicted_step_s < c.predicted_step_s]

@@ -2,7 +2,8 @@
 groups (:mod:`.multiprocess`), reference comparisons (:mod:`.compare`,
 :mod:`.parallel_reference`), the single-device reference layers under the initialisation
 contract (:mod:`.plain`), DTensor views of a laid-out model (:mod:`.dtensor_views`) and the
-by-name Hugging Face weight import into a plain model (:mod:`.hf_weights`)."""
+by-name Hugging Face weight import into a plain model (:mod:`.hf_weights`), and the peak of the
+tensor bytes a region keeps alive (:mod:`.live_bytes`, for benchmarks)."""
 from .multiprocess import RankFailure, WorkerGroup, run_on_ranks, shutdown_all
 from .compare import assert_close
 

@@ -45,3 +45,55 @@ def all_to_all_attention_volume(C: int, b: int, local_tokens: int, heads: int, k
         return {"forward": (0, 0), "backward": (0, 0)}
     per_direction = b * local_tokens * head_dim * (2 * heads + 2 * kv_heads) * bytes_per_elem
     return {"forward": (4, per_direction), "backward": (4, per_direction)}
+
+
+def context_attention_saved_bytes(C: int, token_rows: int, heads: int, head_dim: int, e: int,
+                                  recompute: str = "none") -> int:
+    """Activation bytes one decoder layer keeps at C > 1 beyond the C = 1 layer of the same local
+    tokens (:func:`gridshard.theory.memory.layer_saved_tensors`, which takes N = b·S/C tokens per
+    rank: every per-token tensor shrinks by C). ``token_rows`` n = b·2c (2D: over q), ``heads`` H_r
+    the rank's query heads, ``e`` the activation element bytes.
+
+    What each mode keeps for backward, recompute ``none`` (read from the code):
+
+    * ring (:class:`gridshard.context.ring_attention.RingAttention`): the rotated q, k, v (as causal
+      SDPA does at C = 1), its merged output O in the input dtype (n·H_r·d·e) and the fp32
+      log-sum-exp (n·H_r·4, as SDPA's). The k/v blocks of other ranks are *not* kept: backward
+      rings them again.
+    * all-to-all (:mod:`gridshard.context.all_to_all`): the trades keep nothing; SDPA on the
+      traded [b, H_r/C, S, d] tensors keeps q, k, v, its output and log-sum-exp, the same bytes
+      as at C = 1 for the rank's n tokens.
+
+    In both, the output reaches o_proj as a contiguous [b, H_r, 2c, d] tensor, so
+    ``transpose(1, 2).reshape`` copies it and o_proj keeps the copy (n·H_r·d·e), where at C = 1 it
+    keeps a view of SDPA's output, whose memory is already in the sequence-major layout. Hence::
+
+        extra = n·H_r·d·e        (none)        0  (selective, full: the core is recomputed and
+                                                    its output reaches o_proj the same way)
+
+    C = 1: 0."""
+    if C == 1 or recompute != "none":
+        return 0
+    return token_rows * heads * head_dim * e
+
+
+def context_transient_bytes(C: int, mode: str, b: int, local_tokens: int, heads: int, kv_heads: int,
+                            head_dim: int, e: int) -> int:
+    """Attention working memory alive at the peak of a C > 1 backward beyond what is saved
+    (the ring's buffers; all-to-all's traded copies), per rank: ``local_tokens`` = 2c.
+
+    * ring backward (:meth:`RingAttention.backward`): the stacked k/v block in hand and the one in
+      flight (2·B_kv, B_kv = 2·b·H_kv·2c·d·e), the fp32 k/v gradient accumulator and the one in
+      flight (2·B_dkv), the fp32 dq accumulator (b·H·2c·d·4) and the contiguous dO (b·H·2c·d·e);
+      the block kernel's own workspace is tiled (O(block)), not counted;
+    * all-to-all backward: the output gradient traded to [b, H/C, S, d] and the q, k, v gradients
+      traded back, b·2c·d·(2H + 2H_kv)·e (twice: the exchange's send and receive buffers).
+
+    C = 1: 0."""
+    if C == 1:
+        return 0
+    kv = ring_block_bytes(b, local_tokens, kv_heads, head_dim, e)
+    if mode == "all_to_all":
+        return 2 * b * local_tokens * head_dim * (2 * heads + 2 * kv_heads) * e
+    dkv = ring_block_bytes(b, local_tokens, kv_heads, head_dim, 4)
+    return 2 * kv + 2 * dkv + b * heads * local_tokens * head_dim * (4 + e)

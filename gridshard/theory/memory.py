@@ -198,6 +198,12 @@ Asserted (``tests/test_memory_model.py``): the total equals the saved-tensor met
 for none / selective / full, in fp32 and under bf16 autocast on CPU, at T = 1 (none and 1D),
 1D, 1D + SP (T = 2, 4, kv heads replicated), 2D (tied, grouped-query).
 
+Context parallelism (``context`` C > 1, issue 25): every per-token tensor above holds the rank's
+b·S/C tokens (the RoPE tables too, 2·(S/C)·d·e), and under recompute ``none`` each layer keeps one
+more copy of the attention output, n·H_r·d·e (:func:`gridshard.theory.context.context_attention_saved_bytes`);
+asserted against the meter for ring and all-to-all, every recompute mode, fp32 and bf16. The
+attention's backward buffers (:func:`gridshard.theory.context.context_transient_bytes`) count in §3.
+
 Pipeline (:func:`gridshard.theory.pipeline.peak_in_flight`): stage i of P holds the
 activations of up to min(A, P − i) micro-batches under 1F1B, all A under GPipe
 (:attr:`ActivationBytes.per_microbatch` each; the RoPE tables and weight copies once).
@@ -225,6 +231,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from ..job_layout import StageSplit, TensorMode
+from .context import context_attention_saved_bytes, context_transient_bytes
 from .zero import chunk_range, unit_padded_numel, unit_shard_numel
 from .pipeline import DTYPE_BYTES, boundary_bytes, peak_in_flight, stage_buffer_bytes
 from .vocab import padded_vocab_size
@@ -523,12 +530,14 @@ def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: in
 
 
 def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, recompute: str = "none",
-                        e: int = FP32) -> dict:
+                        e: int = FP32, context: int = 1) -> dict:
     """What one decoder layer keeps for backward, tensor by tensor (module docstring §2): name →
     bytes, in forward order; the two norms as one entry each (:func:`norm_saved_bytes`). Under
     ``selective`` q, k, v are the core's inputs (before RoPE, same sizes), ``lse``, ``silu(g)``
     and ``silu(g)·u`` are absent and the norms keep x and rstd (+ x̂ in fp32) but not y (rebuilt
-    in backward, :mod:`gridshard.nn.rebuild`); ``full`` keeps the layer input only."""
+    in backward, :mod:`gridshard.nn.rebuild`); ``full`` keeps the layer input only. ``context`` C > 1
+    (``tokens`` already the rank's b·2c): the attention output o_proj keeps is a copy
+    (:func:`gridshard.theory.context.context_attention_saved_bytes`)."""
     r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
     if recompute == "full":
         return {"input": r.residual * e}
@@ -541,16 +550,18 @@ def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens:
                 "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e,
                 "mlp_norm (x, rstd)": norm, "gate g": f, "up u": f}
     norm = norm_saved_bytes(cfg, mode, T, sequence_parallel, tokens, e)
-    return {"attn_norm (x, rstd, y)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
-            "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e, "lse": n * r.heads * FP32,
-            "mlp_norm (x, rstd, y)": norm, "gate g": f, "silu(g)": f, "up u": f, "silu(g)·u": f}
+    out = {"attn_norm (x, rstd, y)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
+           "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e, "lse": n * r.heads * FP32,
+           "mlp_norm (x, rstd, y)": norm, "gate g": f, "silu(g)": f, "up u": f, "silu(g)·u": f}
+    extra = context_attention_saved_bytes(context, n, r.heads, d, e, recompute)
+    return {**out, "o_proj input (C > 1 copy)": extra} if extra else out
 
 
 def layer_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, recompute: str = "none",
-                      e: int = FP32) -> int:
+                      e: int = FP32, context: int = 1) -> int:
     """Bytes one decoder layer keeps for backward, activations only (module docstring §2; the
     weight copies of autocast are :func:`weight_copy_bytes`): the sum of :func:`layer_saved_tensors`."""
-    return sum(layer_saved_tensors(cfg, mode, T, sequence_parallel, tokens, recompute, e).values())
+    return sum(layer_saved_tensors(cfg, mode, T, sequence_parallel, tokens, recompute, e, context).values())
 
 
 def weight_copy_bytes(cfg, mode: str, T: int, layers: int, has_head: bool, recompute: str = "none",
@@ -594,22 +605,26 @@ def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int) -> int:
 def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", layers: Optional[int] = None,
                      has_embedding: bool = True, has_head: bool = True, precision: str = "fp32",
-                     param_bytes: int = FP32) -> ActivationBytes:
+                     param_bytes: int = FP32, context: int = 1) -> ActivationBytes:
     """Activation bytes one micro-batch keeps on one rank (module docstring §2).
 
     ``micro_batch``: sequences of the tensor group's micro-batch (2D splits them over grid
     rows here); ``layers``: decoder layers on this rank (default all); ``has_embedding`` /
     ``has_head``: first / last pipeline stage; ``precision``: ``train.precision`` (activations
     in its compute dtype, e = 4 or 2); ``param_bytes``: bytes of a stored parameter element
-    (4: fp32 parameters, which autocast copies to e bytes)."""
-    N = micro_batch * seq_len
+    (4: fp32 parameters, which autocast copies to e bytes); ``context``: C, the context ranks
+    ``seq_len`` is split over — every per-token tensor, the RoPE tables included, holds the rank's
+    b·S/C tokens, plus the C > 1 attention term
+    (:func:`gridshard.theory.context.context_attention_saved_bytes`)."""
+    s_r = seq_len // context                     # the rank's 2c tokens of every sequence
+    N = micro_batch * s_r
     e = activation_element_bytes(precision)
     sp = TensorMode.parse(mode).sequence_parallel_in_effect(sequence_parallel, T)
     L = cfg.layers if layers is None else layers
     return ActivationBytes(
-        per_layer=layer_saved_bytes(cfg, mode, T, sp, N, recompute, e),
+        per_layer=layer_saved_bytes(cfg, mode, T, sp, N, recompute, e, context),
         layers=L,
-        rope_tables=2 * seq_len * cfg.head_dim * e if L else 0,
+        rope_tables=2 * s_r * cfg.head_dim * e if L else 0,
         embedding=embedding_saved_bytes(mode, T, N) if has_embedding else 0,
         final_norm=norm_saved_bytes(cfg, mode, T, sp, N, e) if has_head else 0,
         head_and_loss=head_and_loss_saved_bytes(cfg, mode, T, N) if has_head else 0,
@@ -660,13 +675,34 @@ class RankMemory:
         return self.total + self.margin
 
 
+def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last,
+                      precision, pb, P, n_microbatches, in_flight, context, context_mode) -> tuple:
+    """(:class:`ActivationBytes`, logits workspace, stage buffers, attention backward buffers) of
+    one rank (:func:`predict_rank_memory`). At C > 1 (``context``) every per-token term holds the
+    rank's s_r = S/C tokens of each sequence (activations, logits workspace, stage buffers), the
+    attention keeps the C > 1 term of :func:`gridshard.theory.context.context_attention_saved_bytes`
+    and its backward holds the buffers of :func:`gridshard.theory.context.context_transient_bytes`
+    (they exist once the head's backward has freed the logits workspace: the caller counts only
+    what exceeds it)."""
+    s_r = seq_len // context
+    acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
+                            has_embedding=first, has_head=last, precision=precision, param_bytes=pb, context=context)
+    workspace = logits_workspace_bytes(cfg, micro_batch, s_r, mode, T, precision) if last else 0
+    stage_buffers = 0 if P == 1 else stage_buffer_bytes(first, last, n_microbatches, in_flight, boundary_bytes(
+        mode, sequence_parallel, T, micro_batch, s_r, cfg.hidden, precision))
+    r = _rank_shape(cfg, mode, T, sequence_parallel, micro_batch * s_r)
+    ring = context_transient_bytes(context, context_mode, micro_batch, s_r, r.heads, r.kv_heads, cfg.head_dim,
+                                   activation_element_bytes(precision)) if layer_ids else 0
+    return acts, workspace, stage_buffers, ring
+
+
 def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_parallel: bool = False, data: int = 1,
                         data_rank: int = 0, zero: int = 0, recompute: str = "none", micro_batch: int = 1,
                         seq_len: int = 128, n_microbatches: int = 1, pipeline: int = 1, pipeline_rank: int = 0,
                         schedule: str = "1f1b", layer_ids: Optional[Iterable[int]] = None,
                         baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
                         blocks: Sequence, precision: str = "fp32",
-                        grad_reduce_dtype: str = "fp32") -> RankMemory:
+                        grad_reduce_dtype: str = "fp32", context: int = 1, context_mode: str = "ring") -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
     (:attr:`ActivationBytes.per_microbatch` × :func:`gridshard.theory.pipeline.peak_in_flight`; one
@@ -687,7 +723,10 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`, or the planner's memo of it).
     ``precision`` bf16 also means bf16 parameter storage with fp32 masters (model state,
     :func:`param_element_bytes`; no autocast weight copies); ``grad_reduce_dtype``
-    (``train.grad_reduce_dtype``) prices the ZeRO reduction's transient."""
+    (``train.grad_reduce_dtype``) prices the ZeRO reduction's transient.
+
+    Context parallelism (``context`` C > 1, ``context_mode``): :func:`_activation_terms`; the caller
+    passes ``data`` = D·C and the rank's index among them (ZeRO shards over data × context)."""
     P = pipeline
     if layer_ids is None:
         layer_ids = StageSplit.of(cfg.layers, P).rank_layer_ids(pipeline_rank) if P > 1 else range(cfg.layers)
@@ -695,12 +734,10 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     first, last = pipeline_rank == 0, pipeline_rank == P - 1
     pb = param_element_bytes(precision)               # bf16: bf16 storage, fp32 masters, no weight copies
     state = model_state_bytes(blocks, zero, data, data_rank, param_bytes=pb)
-    acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
-                            has_embedding=first, has_head=last, precision=precision, param_bytes=pb)
     in_flight = peak_in_flight(pipeline_rank, P, n_microbatches, schedule) if P > 1 else 1
-    workspace = logits_workspace_bytes(cfg, micro_batch, seq_len, mode, T, precision) if last else 0
-    stage_buffers = 0 if P == 1 else stage_buffer_bytes(first, last, n_microbatches, in_flight, boundary_bytes(
-        mode, sequence_parallel, T, micro_batch, seq_len, cfg.hidden, precision))
+    acts, workspace, stage_buffers, ring = _activation_terms(
+        cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last, precision, pb,
+        P, n_microbatches, in_flight, context, context_mode)
     rb = param_element_bytes(grad_reduce_dtype)
     # P > 1: the reducer is not armed, it reduces in sync() once the schedule's backward freed the activations
     late = zero_reduce_cast_bytes(blocks, zero, data, pb, rb) if P > 1 else 0
@@ -714,11 +751,11 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                       optimizer=state.optimizer,
                       activations=acts.per_microbatch * in_flight + acts.held_once + workspace,
                       comm_buffers=state.comm_buffers + stage_buffers,
-                      transient=backward + max(0, step + late - freed),
+                      transient=backward + max(0, step + late - freed) + max(0, ring - workspace),
                       margin_fraction=margin_fraction,
                       details={"activation_per_microbatch": acts.per_microbatch, "in_flight": in_flight,
                                "logits_workspace": workspace, "per_layer": acts.per_layer,
-                               "stage_buffers": stage_buffers})
+                               "stage_buffers": stage_buffers, "context_transient": ring})
 
 
 __all__ = ["ParamBlock", "kv_replica_grad_extra", "ModelState", "model_state_bytes", "zero_gradient_transient",
