@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 
-from gridshard.testing import run_on_ranks
+from .test_context_training import _max_rel, _param_rel, run_config
 
 pytest.importorskip("transformers")
 TOL = 1e-5
@@ -49,39 +49,8 @@ def _config(path, D=1, C=1, T=1, P=1, mode="ring", sp=False, zero=0, tensor_mode
                          "tensor_mode": tensor_mode or ("1d" if T > 1 else "none"), "sequence_parallel": sp}}
 
 
-def _train_body(cfg):
-    from gridshard import gathered_state_dict
-    from gridshard.engine import Trainer
-
-    trainer = Trainer(cfg, progress=False)
-    losses = trainer.run()
-    h = trainer.history
-    return losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h], gathered_state_dict(trainer.model)
-
-
-_RESULTS = {}
-
-
 def _run(path, **layout):
-    key = (path, tuple(sorted(layout.items())))
-    if key not in _RESULTS:
-        cfg = _config(path, **layout)
-        p = cfg["parallel"]
-        per_rank = run_on_ranks(p["data"] * p["pipeline"] * p["context"] * p["tensor"], _train_body, cfg,
-                                timeout=300)
-        for other in per_rank[1:]:
-            assert other[:3] == per_rank[0][:3], f"{key}: ranks disagree on the loss/grad-norm history"
-        params = {k: v for r in per_rank for k, v in r[3].items()}     # pipeline: each rank its stage's
-        _RESULTS[key] = (*per_rank[0][:3], params)
-    return _RESULTS[key]
-
-
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _param_rel(got, ref):
-    return max(float((got[k].double() - v.double()).norm() / v.double().norm()) for k, v in ref.items())
+    return run_config(_config(path, **layout))
 
 
 LAYOUTS = {  # name: _config's arguments

@@ -13,6 +13,8 @@ Wide: (1, 1, 2, 4) 2D, (1, 2, 2, 1) 1F1B, (2, 1, 2, 1) ZeRO-2, (1, 1, 2, 1) ZeRO
 selective (ring) and full (all_to_all) recompute: the attention, collectives included, runs again
 in backward on every context rank in the same order.
 """
+import json
+
 import pytest
 import torch
 
@@ -27,11 +29,12 @@ BASE = {"model": MODEL,
 TOL = 1e-5
 
 
-def _config(D=1, C=1, T=1, mode="ring", sp=False, zero=0, recompute="none", tensor_mode=None, P=1):
+def _config(D=1, C=1, T=1, mode="ring", sp=False, zero=0, recompute="none", tensor_mode=None, P=1,
+            schedule="1f1b"):
     tensor_mode = tensor_mode or ("1d" if T > 1 else "none")
     return {**BASE, "train": {**BASE["train"], "zero": zero, "recompute": recompute},
             "parallel": {"data": D, "pipeline": P, "context": C, "context_mode": mode, "tensor": T,
-                         "tensor_mode": tensor_mode, "sequence_parallel": sp}}
+                         "tensor_mode": tensor_mode, "sequence_parallel": sp, "pipeline_schedule": schedule}}
 
 
 def _train_body(cfg):
@@ -48,18 +51,23 @@ def _train_body(cfg):
 _RESULTS = {}
 
 
-def _run(**layout):
-    key = tuple(sorted(layout.items()))
+def run_config(cfg):
+    """(losses, grad norms, valid-target counts, final parameters) of ``cfg``'s run, run once per
+    config (tests/test_context_hf.py shares it); every rank must report the same history."""
+    key = json.dumps(cfg, sort_keys=True)
     if key not in _RESULTS:
-        cfg = _config(**layout)
-        world = cfg["parallel"]["data"] * cfg["parallel"]["pipeline"] * cfg["parallel"]["context"] * \
-            cfg["parallel"]["tensor"]
-        per_rank = run_on_ranks(world, _train_body, cfg, timeout=300)
+        p = cfg["parallel"]
+        per_rank = run_on_ranks(p["data"] * p["pipeline"] * p["context"] * p["tensor"], _train_body, cfg,
+                                timeout=300)
         for other in per_rank[1:]:
-            assert other[:3] == per_rank[0][:3], f"{key}: ranks disagree on the loss/grad-norm history"
+            assert other[:3] == per_rank[0][:3], f"{p}: ranks disagree on the loss/grad-norm history"
         params = {k: v for r in per_rank for k, v in r[3].items()}     # pipeline: each rank its stage's
         _RESULTS[key] = (*per_rank[0][:3], params)
     return _RESULTS[key]
+
+
+def _run(**layout):
+    return run_config(_config(**layout))
 
 
 def _max_rel(a, b):
@@ -75,6 +83,7 @@ LAYOUTS = {  # name: _config's arguments
     "C4-all_to_all": dict(C=4, mode="all_to_all"),
     "C2-T4-2d": dict(C=2, T=4, tensor_mode="2d"),
     "P2-C2-1f1b": dict(P=2, C=2),
+    "P2-C2-gpipe": dict(P=2, C=2, schedule="gpipe"),
     "D2-C2-zero2": dict(D=2, C=2, zero=2),
     "C2-zero3": dict(C=2, zero=3),
     "C2-T2-1d-SP": dict(C=2, T=2, sp=True),
@@ -150,6 +159,9 @@ def test_context_config_is_validated_before_launch():
              "model": {**MODEL, "layers": 4}}
     msg = _error(piped, 4)
     assert "parallel.pipeline_schedule='zero_bubble'" in msg and "two passes" in msg, msg
+    piped["parallel"]["pipeline_schedule"] = "interleaved_1f1b"
+    msg = _error(piped, 4)
+    assert "parallel.pipeline_schedule='interleaved_1f1b'" in msg and "1f1b or gpipe" in msg, msg
     compiled = {**_config(C=2), "train": {**_config(C=2)["train"], "compile": True}}
     assert resolve_config(compiled, world_size=2, cuda_available=False).train.compile    # built: tests/test_compile.py
     grid = resolve_config(_config(C=2, T=4, mode="all_to_all", tensor_mode="2d"), world_size=8)
