@@ -478,7 +478,7 @@ MUTANTS = [
            "pipeline busy/bubble time measured on the host on CUDA (kernel launches, not kernels)"),
     Mutant("tp2p5d-depth-grad-unsummed", "gridshard/comm/depth_ops.py",
            (("        return C.all_reduce(grad, self.axis)\n", "        return grad\n"),),
-           ("tests/test_tp2p5d_layers.py::test_linear_norm_chain_q2_d2_two_micro_batches",),
+           ("tests/test_tp2p5d_layers.py::test_linear_norm_chain_q2_d2_two_micro_batches", "-m", "wide"),
            "2.5D weight gradients are not summed over the depth layers: each replica keeps its batch slice's part"),
     Mutant("tp2p5d-loss-count-one-layer", "gridshard/nn/cross_entropy_2p5d.py",
            (("    stats = C.all_reduce(stats, mesh.depth_col, inplace=True)\n",
@@ -524,7 +524,7 @@ MUTANTS = [
     Mutant("context-hf-local-positions", "gridshard/models/hf.py",
            (("    return global_positions(local_len, C, rank, device=device).unsqueeze(0)\n",
              "    return torch.arange(local_len, device=device).unsqueeze(0)\n"),),
-           ("tests/test_context_hf.py", "-k", "C4-ring-untied"),
+           ("tests/test_context_hf.py", "-k", "C4-ring-untied", "-m", "wide"),
            "a Hugging Face Llama's position_ids 0 … 2c − 1 on every context rank: its rotary embedding at local "
            "positions instead of the chunks' global ones"),
 ]

@@ -91,7 +91,7 @@ LAYOUTS = {  # name: _config's arguments
     "C2-selective": dict(C=2, recompute="selective"),
     "C2-full-all_to_all": dict(C=2, mode="all_to_all", recompute="full"),
 }
-WIDE = set(LAYOUTS) - {"C4-ring", "C4-all_to_all"}
+WIDE = set(LAYOUTS) - {"C4-ring"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.wide) if n in WIDE else n for n in LAYOUTS])

@@ -106,6 +106,7 @@ def _chain(q, d, b, s, fin, fmid, fout, seed):
     return True
 
 
+@pytest.mark.wide                     # 8 ranks: a worker pool of its own; make test-all runs it
 def test_linear_norm_chain_q2_d2_two_micro_batches():
     assert all(run_on_ranks(8, _chain, 2, 2, 4, 3, 8, 16, 12, fresh_seed()))
 
