@@ -65,10 +65,12 @@ MODELS = {"tiny": {"preset": "tiny"},                                   # 0.1 M 
 
 
 def config(D: int, T: int, mode: str, zero: int, micro_batch: int, steps: int, model: str, sp: bool = False,
-           recompute: str = "none") -> dict:
+           recompute: str = "none", P: int = 1, schedule: str = "1f1b", global_batch: int = 0) -> dict:
+    """``P`` > 1: that many pipeline stages under ``schedule``; ``global_batch`` 0: 2·D."""
     return {"model": MODELS[model], "data": {"kind": "stdlib", "seq_len": 64, "max_bytes": 300_000},
-            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
-            "train": {"global_batch": 2 * D, "micro_batch": micro_batch, "steps": steps, "lr": 3e-3,
+            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp, "pipeline": P,
+                         "pipeline_schedule": schedule},
+            "train": {"global_batch": global_batch or 2 * D, "micro_batch": micro_batch, "steps": steps, "lr": 3e-3,
                       "warmup_steps": 2, "grad_clip": 0.5, "log_interval": steps, "zero": zero,
                       "recompute": recompute}}
 
@@ -94,18 +96,28 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--P", type=int, default=1, help="pipeline stages")
+    p.add_argument("--schedule", default="1f1b", help="parallel.pipeline_schedule (P > 1)")
+    p.add_argument("--global-batch", type=int, default=0, help="0: 2·D")
+    p.add_argument("--no-overlap-new", action="store_true",
+                   help="train.overlap_grad_reduce=false in the new checkout only (whole-gradient accumulation)")
     a = p.parse_args(argv)
-    cfg = config(a.D, a.T, a.mode, a.zero, a.micro_batch, a.warmup + a.steps, a.model, a.sp, a.recompute)
-    spec = {"world": a.D * a.T, "config": cfg, "warmup": a.warmup, "steps": a.steps}
+    cfg = config(a.D, a.T, a.mode, a.zero, a.micro_batch, a.warmup + a.steps, a.model, a.sp, a.recompute,
+                 a.P, a.schedule, a.global_batch)
+    spec = {"world": a.D * a.P * a.T, "config": cfg, "warmup": a.warmup, "steps": a.steps}
+    new_cfg = {**cfg, "train": {**cfg["train"], "overlap_grad_reduce": False}} if a.no_overlap_new else cfg
+    specs = {"old": spec, "new": {**spec, "config": new_cfg}}
     trees = {"old": a.old, "new": a.new}
     got = {k: [] for k in trees}
     for i in range(a.pairs):
         for k in (["old", "new"] if i % 2 == 0 else ["new", "old"]):
-            got[k].append(measure(trees[k], spec))
+            got[k].append(measure(trees[k], specs[k]))
             print(f"  pair {i + 1}/{a.pairs} {k}: {got[k][-1]['wall'] * 1e3:.1f} ms, "
                   f"{got[k][-1]['cpu'] * 1e3:.1f} CPU-ms", file=sys.stderr, flush=True)
-    label = (f"D={a.D} T={a.T} {a.mode}{'+SP' if a.sp else ''} ZeRO-{a.zero} recompute={a.recompute} "
-             f"micro_batch={a.micro_batch} {a.model}")
+    label = (f"D={a.D} P={a.P}{' ' + a.schedule if a.P > 1 else ''} T={a.T} {a.mode}{'+SP' if a.sp else ''} "
+             f"ZeRO-{a.zero} recompute={a.recompute} micro_batch={a.micro_batch} "
+             f"global_batch={cfg['train']['global_batch']} {a.model}"
+             f"{' (new: overlap_grad_reduce=false)' if a.no_overlap_new else ''}")
     wall = [n["wall"] / o["wall"] for o, n in zip(got["old"], got["new"])]
     cpu = [n["cpu"] / o["cpu"] for o, n in zip(got["old"], got["new"])]
     med = {k: (statistics.median(r["wall"] for r in got[k]) * 1e3, statistics.median(r["cpu"] for r in got[k]) * 1e3)

@@ -7,10 +7,14 @@ reads them (as torchtitan's ``ParallelDims``):
 ================================  ============================================================
 fact                              rule
 ================================  ============================================================
-tensor mode                       :class:`TensorMode` (``none`` | ``1d`` | ``2d``), parsed once
-                                  from ``parallel.tensor_mode``; its string is the config's and
+tensor mode                       :class:`TensorMode` (``none`` | ``1d`` | ``2d`` | ``2.5d``), parsed
+                                  once from ``parallel.tensor_mode``; its string is the config's and
                                   the metrics' value (``str(mode)``), its methods the rules below
 grid side q                       2D: T = q², q = √T (``mode.grid_side(T)``)
+2.5D depth layers                 T = q²·d (``parallel.tensor_depth`` d); every depth layer is the 2D
+                                  layout on its q² ranks: ``mode.layer_layout(T, d)`` = (2d, q²) is
+                                  what the layers, shapes and memory model read, and the depth joins
+                                  the data ranks in the gradient reduction (``JobLayout.depth``)
 sequence parallelism in effect    requested ∧ mode = 1d ∧ T > 1
                                   (``mode.sequence_parallel_in_effect(requested, T)``)
 ranks one head dim is split over  1d: T; 2d: q; none: 1 (``mode.head_split(T)``)
@@ -60,6 +64,7 @@ class TensorMode(str, Enum):
     NONE = "none"
     ONE_D = "1d"
     TWO_D = "2d"
+    TWO_P5_D = "2.5d"
 
     def __str__(self) -> str:
         return self.value
@@ -78,12 +83,30 @@ class TensorMode(str, Enum):
         except ValueError:
             names = tuple(m.value for m in cls)
             raise LayoutError(f"tensor_mode={value!r} is unknown: it must be one of {names}. "
-                              f"Fix: use '1d' (Megatron column/row) or '2d' (SUMMA on a q×q grid).") from None
+                              f"Fix: use '1d' (Megatron column/row), '2d' (SUMMA on a q×q grid) or '2.5d' "
+                              f"(d depth layers of a q×q grid).") from None
 
     @property
     def splits_weights(self) -> bool:
-        """Whether the T ranks hold blocks of the weights (1d, 2d) rather than replicas."""
+        """Whether the T ranks hold blocks of the weights (1d, 2d, 2.5d) rather than replicas."""
         return self is not TensorMode.NONE
+
+    @property
+    def has_depth(self) -> bool:
+        """2.5D (Tesseract): d depth layers of a q×q grid, T = q²·d."""
+        return self is TensorMode.TWO_P5_D
+
+    def layer_layout(self, T: int, depth: int = 1) -> tuple:
+        """(mode, tensor size) of the layout one depth layer's model is built with: (2d, T/d) at
+        2.5d — depth layer k is a complete 2D grid on batch slice k with the same weights, so the
+        layers, shape rules, stage boundaries and the memory model are 2D's on q² ranks —, else
+        (self, T). Every other method below takes a layer mode, never 2.5d itself."""
+        return (TensorMode.TWO_D, T // depth) if self.has_depth else (self, T)
+
+    def _layer_only(self, what: str) -> None:
+        if self.has_depth:
+            raise LayoutError(f"TensorMode('2.5d').{what}: 2.5D rules are 2D's on one depth layer. Fix: call "
+                              f"mode.layer_layout(T, depth) first and ask the 2D mode it returns.")
 
     @property
     def is_1d(self) -> bool:
@@ -97,10 +120,18 @@ class TensorMode(str, Enum):
 
     def grid_side(self, T: int) -> Optional[int]:
         """q = √T on a grid, else None."""
+        self._layer_only("grid_side")
         return math.isqrt(T) if self.is_grid else None
 
-    def check_tensor_size(self, T: int) -> None:
-        """LayoutError unless T fits the mode: T = 1 without tensor parallelism, T = q² in 2d."""
+    def check_tensor_size(self, T: int, depth: int = 1) -> None:
+        """LayoutError unless T fits the mode: T = 1 without tensor parallelism, T = q² in 2d,
+        T = q²·d with q ≥ 2 in 2.5d (``depth`` d ≥ 1, which only 2.5d may set above 1)."""
+        if depth != 1 and not self.has_depth:
+            raise LayoutError(f"tensor_depth={depth} with tensor_mode={self.value!r}: only 2.5D has depth layers. "
+                              f"Fix: set tensor_mode to '2.5d', or tensor_depth=1.")
+        if self.has_depth:
+            _check_2p5d_size(T, depth)
+            return
         if self is TensorMode.NONE and T != 1:
             raise LayoutError(f"tensor_mode='none' with tensor={T}: without tensor parallelism T must be 1. "
                               f"Fix: set tensor_mode to '1d' or '2d', or tensor=1.")
@@ -118,12 +149,14 @@ class TensorMode(str, Enum):
 
     def head_split(self, T: int) -> int:
         """Ranks that one head (or neuron) dimension is split over: T in 1d, q in 2d, 1 in none."""
+        self._layer_only("head_split")
         if self.is_1d:
             return T
         return self.grid_side(T) if self.is_grid else 1
 
     def batch_split(self, T: int) -> int:
         """Blocks a micro-batch is split into along the batch dim: q in 2d (grid rows), else 1."""
+        self._layer_only("batch_split")
         return self.grid_side(T) if self.is_grid else 1
 
     def local_kv_heads(self, kv_heads: int, T: int) -> int:
@@ -139,12 +172,27 @@ class TensorMode(str, Enum):
         """One rank's block of a micro-batch's [m, s, h] hidden state (at a pipeline stage
         boundary): [m/q, s, h/q] in 2d, [m, s/T, h] under sequence parallelism (in effect),
         else the whole [m, s, h]."""
+        self._layer_only("boundary_block")
         if self.is_grid:
             q = self.grid_side(T)
             return (micro // q, seq, hidden // q)
         if self.sequence_parallel_in_effect(sequence_parallel, T):
             return (micro, seq // T, hidden)
         return (micro, seq, hidden)
+
+
+def _check_2p5d_size(T: int, d: int) -> None:
+    """LayoutError unless T = q²·d with q ≥ 2 and d ≥ 1 (2.5D), naming the valid T for this d."""
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+        raise LayoutError(f"tensor_depth={d!r} is invalid: the 2.5D depth d is an integer >= 1 (d = 1 is 2D). "
+                          f"Fix: set parallel.tensor_depth to 1 or more.")
+    layer = T // d if T % d == 0 else 0
+    q = math.isqrt(layer)
+    if q < 2 or q * q != layer:
+        valid = ", ".join(str(k * k * d) for k in range(2, 6))
+        raise LayoutError(f"tensor={T} with tensor_mode='2.5d' and tensor_depth={d}: 2.5D lays the T ranks out as "
+                          f"d={d} depth layers of a q×q grid, so T must be q²·d with q >= 2. Fix: use tensor in "
+                          f"({valid}, ...) for d={d}, or change tensor_depth.")
 
 
 class ContextMode(str, Enum):
@@ -304,6 +352,7 @@ class JobLayout:
     recompute: str
     context: int = 1                 # C: ranks one sequence is split over
     context_mode: ContextMode = ContextMode.RING
+    depth: int = 1                   # 2.5D: d depth layers (parallel.tensor_depth); 1 otherwise
 
     @classmethod
     def from_config(cls, cfg, model_cfg=None) -> "JobLayout":
@@ -317,15 +366,25 @@ class JobLayout:
                    global_batch=t.global_batch, micro_batch=t.micro_batch, schedule=p.pipeline_schedule,
                    split=StageSplit.of(m.layers, p.pipeline, p.virtual_stages, p.stage_layers),
                    kv_heads=m.kv_heads, zero=t.zero, recompute=t.recompute, context=p.context,
-                   context_mode=ContextMode.parse(p.context_mode))
+                   context_mode=ContextMode.parse(p.context_mode), depth=p.tensor_depth)
 
     @property
     def world(self) -> int:
         return self.data * self.pipeline * self.context * self.tensor
 
     @property
+    def layer_mode(self) -> TensorMode:
+        """The mode one depth layer's model is built with (2d at 2.5d; else the mode itself)."""
+        return self.mode.layer_layout(self.tensor, self.depth)[0]
+
+    @property
+    def layer_tensor(self) -> int:
+        """The ranks one depth layer's model is split over (q² at 2.5d; else T)."""
+        return self.mode.layer_layout(self.tensor, self.depth)[1]
+
+    @property
     def q(self) -> Optional[int]:
-        return self.mode.grid_side(self.tensor)
+        return self.layer_mode.grid_side(self.layer_tensor)
 
     @property
     def virtual_stages(self) -> int:
@@ -337,7 +396,7 @@ class JobLayout:
 
     @property
     def kv_replication(self) -> int:
-        return self.mode.kv_replication(self.kv_heads, self.tensor)
+        return self.layer_mode.kv_replication(self.kv_heads, self.layer_tensor)
 
 
 __all__ = ["TensorMode", "ContextMode", "check_context_sequence", "JobLayout", "StageSplit", "micro_batches_per_step", "stage_layer_counts",

@@ -31,6 +31,21 @@ data ranks, so gradients are reduced over the flattened ``data_context`` axis (D
 size-1 axis without a group and ``data_context`` *is* ``data``, so a job without context
 parallelism is laid out exactly as before.
 
+2.5D tensor parallelism (``tensor_mode: 2.5d``, ``tensor_depth`` d, T = q²·d) lays the tensor
+dim out as d depth layers of a q×q grid: shape ``(D, P, [C,] d, q, q)`` with dims
+``("data", "pipeline", ["context",] "depth", "grid_row", "grid_col")``, so
+
+    global_rank = (((d_ * P + p) * C + c) * d + k) * q² + i * q + j     (d_: data index, k: depth layer)
+
+and tensor rank t = k·q² + i·q + j (:mod:`gridshard.comm.mesh_2p5d`'s order; one depth layer is
+q² consecutive ranks). Depth layer k is a complete 2D grid on batch slice k of every micro-batch
+with the *same* weights, so in training the depth is a data-parallel axis inside the tensor
+group: the model sees the mesh as its layer's 2D mesh (``tensor_mode`` 2d, ``tensor`` the
+flattened q² grid of my layer, ``q``, ``row``, ``col``), ``depth`` is the d ranks at my grid
+position, and the reducer's ``data_context`` is data × context × depth flattened (D·C·d ranks):
+the one place where the depth sum of the weight gradients happens in training (ZeRO then shards
+over the depth replicas too). ``job_mode`` keeps the config's 2.5d.
+
 All size checks happen in :func:`validate_layout`, before any process group is
 created, so a bad layout fails with a message instead of hanging.
 """
@@ -94,7 +109,7 @@ def factorizations(world_size: int, pipeline: Optional[int] = None, square_tenso
 
 
 def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tensor_mode: str = "1d",
-                    context: int = 1) -> None:
+                    context: int = 1, depth: int = 1) -> None:
     """Check that ``data × pipeline × context × tensor == world_size`` and that the tensor mode fits.
 
     Raises :class:`LayoutError` naming the numbers, the rule and valid choices.
@@ -104,10 +119,11 @@ def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tens
         if not isinstance(v, int) or v < 1:
             raise LayoutError(f"parallel.{name}={v!r} is invalid: every parallel size must be an integer >= 1.")
     mode = TensorMode.parse(tensor_mode)
-    mode.check_tensor_size(tensor)
+    mode.check_tensor_size(tensor, depth)
     if data * pipeline * context * tensor != world_size:
         rest = world_size // context if world_size % context == 0 else world_size
-        valid = factorizations(rest, pipeline if rest % pipeline == 0 else None, square_tensor=mode.is_grid)
+        valid = [v for v in factorizations(rest, pipeline if rest % pipeline == 0 else None)
+                 if _fits(mode, v[2], depth)]
         c = "" if context == 1 else f", C={context}" if rest != world_size else ", C=1"
         shown = ", ".join(f"(D={d}, P={p}{c}, T={t})" for d, p, t in valid[:12])
         sizes, product = (f"{data}×{pipeline}×{tensor}", data * pipeline * tensor) if context == 1 else \
@@ -118,6 +134,14 @@ def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tens
             f"size is {world_size}: the product of the parallel sizes must equal the number of processes. "
             f"Fix: choose one of {shown}, or launch {product} processes."
         )
+
+
+def _fits(mode: TensorMode, T: int, depth: int) -> bool:
+    try:
+        mode.check_tensor_size(T, depth)
+    except LayoutError:
+        return False
+    return True
 
 
 def default_device(requested: str = "auto") -> torch.device:
@@ -187,41 +211,48 @@ class ParallelMesh:
     Build with :func:`build_mesh`. Attributes:
 
     * ``data``, ``pipeline``, ``tensor``: axes; ``tensor`` is the flattened grid in 2D.
-    * ``context`` (size C; no group at C = 1) and ``data_context`` (data × context flattened, the
-      reducer's axis; ``data`` itself at C = 1), ``context_size`` C (module docstring).
-    * ``tensor_mode``: the :class:`gridshard.job_layout.TensorMode` (``none``, ``1d`` or ``2d``).
-    * 2D only: ``q`` (grid side), ``grid_row``/``grid_col`` (my coordinates), and
+    * ``context`` (size C; no group at C = 1) and ``data_context`` (data × context [× depth]
+      flattened, the reducer's axis; ``data`` itself at C = d = 1), ``context_size`` C (module docstring).
+    * ``tensor_mode``: the :class:`gridshard.job_layout.TensorMode` the model's layers are built for
+      (``none``, ``1d`` or ``2d``; ``2d`` at 2.5D); ``job_mode``: the config's (``2.5d`` there).
+    * 2D and 2.5D: ``q`` (grid side), ``grid_row``/``grid_col`` (my coordinates), and
       ``row``/``col`` axes (see the module docstring for which ranks they hold).
+    * ``depth`` (size d, no group at d = 1), ``tensor_depth`` d; ``batch_blocks`` / ``batch_index``:
+      the blocks a micro-batch's rows are cut into and mine (2D: q and i; 2.5D: d·q and k·q + i).
     """
 
     def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str,
                  flat_tensor_mesh: Optional[DeviceMesh] = None, ledger=None, context: int = 1,
-                 flat_data_context_mesh: Optional[DeviceMesh] = None):
+                 flat_data_context_mesh: Optional[DeviceMesh] = None, depth: int = 1):
         self.device_mesh = device_mesh
         self.flat_tensor_mesh = flat_tensor_mesh
         self.flat_data_context_mesh = flat_data_context_mesh
         self.sizes = (data, pipeline, tensor)
         self.context_size = context
-        self.tensor_mode = TensorMode.parse(tensor_mode)
+        self.job_mode = TensorMode.parse(tensor_mode)
+        self.tensor_depth = depth
+        self.tensor_mode, layer_tensor = self.job_mode.layer_layout(tensor, depth)
         self.ledger = ledger
         self.data = _axis(device_mesh, "data", ledger=ledger)
         self.pipeline = _axis(device_mesh, "pipeline", ledger=ledger)
-        if context > 1:            # module docstring: a context dim only when C > 1
-            self.context = _axis(device_mesh, "context", ledger=ledger)
-            self.data_context = _axis(flat_data_context_mesh, None, "data_context", ledger)
-        else:
-            self.context = Axis("context", 1, 0, (dist.get_rank(),), None, ledger)
-            self.data_context = self.data
+        me = (dist.get_rank(),)
+        self.context = _axis(device_mesh, "context", ledger=ledger) if context > 1 \
+            else Axis("context", 1, 0, me, None, ledger)      # module docstring: a context dim only when C > 1
+        self.depth = _axis(device_mesh, "depth", ledger=ledger) if depth > 1 else Axis("depth", 1, 0, me, None, ledger)
+        self.data_context = _axis(flat_data_context_mesh, None, "data_context", ledger) \
+            if flat_data_context_mesh is not None else self.data
         # 2D: the flattened grid, kept from _flatten (slicing it from the root by name is deprecated)
         self.tensor = _axis(flat_tensor_mesh, None, "tensor", ledger) if flat_tensor_mesh is not None \
             else _axis(device_mesh, "tensor", ledger=ledger)
-        self.q = self.tensor_mode.grid_side(tensor)
+        self.q = self.tensor_mode.grid_side(layer_tensor)
+        self.batch_blocks, self.batch_index = 1, 0
         if self.tensor_mode.is_grid:
             self.row = _axis(device_mesh, "grid_col", "row", ledger)
             self.col = _axis(device_mesh, "grid_row", "col", ledger)
             self.grid_row = self.col.rank
             self.grid_col = self.row.rank
             assert self.tensor.rank == self.grid_row * self.q + self.grid_col
+            self.batch_blocks, self.batch_index = depth * self.q, self.depth.rank * self.q + self.grid_row
 
     @property
     def world_size(self) -> int:
@@ -230,7 +261,7 @@ class ParallelMesh:
     def groups(self) -> list:
         """The distinct process groups of this rank's axes (size-1 axes have none)."""
         axes = [self.data, self.pipeline, self.tensor] + ([self.row, self.col] if self.tensor_mode.is_grid else [])
-        axes += [self.context, self.data_context] if self.context_size > 1 else []
+        axes += [self.context, self.depth, self.data_context]
         out = []
         for g in (a.group for a in axes):
             if g is not None and all(g is not h for h in out):
@@ -240,11 +271,12 @@ class ParallelMesh:
     def __repr__(self) -> str:
         d, p, t = self.sizes
         c = f", C={self.context_size}" if self.context_size > 1 else ""
-        return f"ParallelMesh(D={d}, P={p}{c}, T={t}, mode={self.tensor_mode!r}, rank={dist.get_rank()})"
+        c += f", depth={self.tensor_depth}" if self.tensor_depth > 1 else ""
+        return f"ParallelMesh(D={d}, P={p}{c}, T={t}, mode={self.job_mode!r}, rank={dist.get_rank()})"
 
 
 def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None,
-               ledger=None, context: int = 1) -> ParallelMesh:
+               ledger=None, context: int = 1, depth: int = 1) -> ParallelMesh:
     """Validate the layout, then build (or reuse, :func:`layout_mesh`) the mesh for it.
 
     ``tensor_mode`` defaults to ``"none"`` for T=1 and ``"1d"`` otherwise.
@@ -253,22 +285,22 @@ def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: O
     :class:`ParallelMesh` comes back; with one, a mesh over the same device meshes whose axes
     record into it. ``ledger``: a :class:`gridshard.comm.CommLedger` that records this mesh's
     collectives (a job's own; default: the current ledger, ``gridshard.LEDGER``). ``context``:
-    C, the ranks one sequence is split over (module docstring).
+    C, the ranks one sequence is split over; ``depth``: d, the 2.5D depth layers (module docstring).
     """
     tensor_mode = TensorMode.parse(tensor_mode if tensor_mode is not None else "none" if tensor == 1 else "1d")
     if not dist.is_initialized():
         raise LayoutError("build_mesh() needs an initialised process group: call gridshard.init_distributed() first.")
-    validate_layout(dist.get_world_size(), data, pipeline, tensor, tensor_mode, context)
-    mesh = layout_mesh(dist.group.WORLD, data, pipeline, tensor, tensor_mode, context)
+    validate_layout(dist.get_world_size(), data, pipeline, tensor, tensor_mode, context, depth)
+    mesh = layout_mesh(dist.group.WORLD, data, pipeline, tensor, tensor_mode, context, depth)
     if ledger is None:
         return mesh
     return ParallelMesh(mesh.device_mesh, data, pipeline, tensor, tensor_mode, mesh.flat_tensor_mesh, ledger,
-                        context, mesh.flat_data_context_mesh)
+                        context, mesh.flat_data_context_mesh, depth)
 
 
 @functools.lru_cache(maxsize=32)
 def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode: TensorMode,
-                context: int = 1) -> ParallelMesh:
+                context: int = 1, depth: int = 1) -> ParallelMesh:
     """The :class:`ParallelMesh` (recording into the current ledger) of a validated layout of
     ``world_group``, over a new DeviceMesh (and, in 2D, its flattened tensor mesh).
 
@@ -281,16 +313,20 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     device_type = "cuda" if dist.get_backend(world_group) == "nccl" else "cpu"
     outer, outer_names = ((data, pipeline, context), ("data", "pipeline", "context")) if context > 1 \
         else ((data, pipeline), ("data", "pipeline"))
-    if tensor_mode.is_grid:
-        q = tensor_mode.grid_side(tensor)
+    layer_mode, layer_tensor = tensor_mode.layer_layout(tensor, depth)
+    if depth > 1:                    # 2.5D: the depth layers outside my layer's grid (module docstring)
+        outer, outer_names = outer + (depth,), outer_names + ("depth",)
+    if layer_mode.is_grid:
+        q = layer_mode.grid_side(layer_tensor)
         dm = init_device_mesh(device_type, outer + (q, q), mesh_dim_names=outer_names + ("grid_row", "grid_col"))
         flat = dm["grid_row", "grid_col"]._flatten("tensor")
     else:
         dm = init_device_mesh(device_type, outer + (tensor,), mesh_dim_names=outer_names + ("tensor",))
         flat = None
-    flat_dc = dm["data", "context"]._flatten("data_context") if context > 1 else None
+    replicas = tuple(n for n in ("data", "context", "depth") if n in outer_names[:1] + outer_names[2:])
+    flat_dc = dm[replicas]._flatten("data_context") if len(replicas) > 1 else None
     mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, context=context,
-                        flat_data_context_mesh=flat_dc)
+                        flat_data_context_mesh=flat_dc, depth=depth)
     world_timeout = group_timeout_s(world_group)
     if world_timeout is not None:
         set_collective_timeout(mesh.groups(), world_timeout)
@@ -348,10 +384,12 @@ class ShapeMesh:
         self.data_context = _shape_axis("data_context", data * context, context_rank) if context > 1 else self.data
         self.tensor = _shape_axis("tensor", tensor, tensor_rank)
         self.q = self.tensor_mode.grid_side(tensor)
+        self.depth, self.tensor_depth, self.batch_blocks, self.batch_index = _shape_axis("depth", 1, 0), 1, 1, 0
         if self.tensor_mode.is_grid:
             self.grid_row, self.grid_col = divmod(tensor_rank, self.q)
             self.row = _shape_axis("row", self.q, self.grid_col)
             self.col = _shape_axis("col", self.q, self.grid_row)
+            self.batch_blocks, self.batch_index = self.q, self.grid_row
 
     @property
     def world_size(self) -> int:

@@ -14,7 +14,7 @@ global gradient norm within 1e-5 relative per step, final gathered parameters wi
 tied and all_to_all, (1, 1, 2, 2) 1D + SP, (2, 1, 2, 1) ZeRO-2, (1, 2, 2, 1) 1F1B (pipelined HF
 stages), (1, 1, 2, 4) 2D (q = 2), C = 2 with full recompute (all_to_all: the attention, collectives
 included, runs again in backward; a Hugging Face model takes ``full``, not ``selective``), tied and
-untied.
+untied; and with 4 layers, V = 2, interleaved 1F1B at (1, 2, 2, 1), untied.
 """
 import json
 
@@ -81,6 +81,29 @@ def test_hf_context_layout_gives_the_one_process_run(hf_json, name, tied):
     assert dl <= TOL, f"{name}: loss differs by {dl:.2e}"
     assert dn <= TOL, f"{name}: grad norm differs by {dn:.2e}"
     assert dp <= TOL, f"{name}: final parameters differ by {dp:.2e}"
+
+
+@pytest.mark.wide
+def test_hf_interleaved_1f1b_at_c2_gives_the_one_process_run(tmp_path):
+    """(D, P, C, T) = (1, 2, 2, 1), 4 layers in V = 2 virtual stages per rank, interleaved 1F1B over
+    Hugging Face stages, untied: within 1e-5 of one process per step and in the final parameters.
+    lr 1e-3 and AdamW ε = 1e-6, as the 4-layer cases of tests/test_context_training.py (why: there)."""
+    path = _write(tmp_path, False, num_hidden_layers=4)
+
+    def cfg(**layout):
+        c = _config(path, **layout)
+        c["train"].update(lr=1e-3, min_lr=1e-4, adam_eps=1e-6)
+        return c
+
+    ref_loss, ref_norm, ref_valid, ref_params = run_config(cfg())
+    assert max(ref_norm) > BASE["train"]["grad_clip"], "clipping must be active"
+    piped = cfg(P=2, C=2)
+    piped["parallel"].update(pipeline_schedule="interleaved_1f1b", virtual_stages=2)
+    loss, norm, valid, params = run_config(piped)
+    assert valid == ref_valid and sorted(params) == sorted(ref_params)
+    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    print(f"HF P2-C2-interleaved untied: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
+    assert max(dl, dn, dp) <= TOL, (dl, dn, dp)
 
 
 def test_hf_attention_goes_through_the_context_attention_without_a_mask(tmp_path):

@@ -54,11 +54,21 @@ def _train_hf(path, D, T, mode, sp=False, zero=0):
     return trainer.run(), [h["grad_norm"] for h in trainer.history]
 
 
-def test_hf_config_trains_the_same_at_any_layout(tmp_path):
+_HF_CONFIG_LAYOUTS = {            # (D, T, mode, sequence_parallel, zero)
+    "D2-T2-1d-SP-zero3": (2, 2, "1d", True, 3), "D1-T4-2d": (1, 4, "2d", False, 0),
+    "D4-none": (4, 1, "none", False, 0), "D1-T4-1d-kv-replicated": (1, 4, "1d", False, 0),
+    "D2-T2-1d-SP": (2, 2, "1d", True, 0)}
+_WIDE_HF_CONFIG_LAYOUTS = ("D4-none", "D1-T4-1d-kv-replicated", "D2-T2-1d-SP")   # make test-all
+
+
+@pytest.mark.parametrize("layouts", [("D2-T2-1d-SP-zero3", "D1-T4-2d"),
+                                     pytest.param(_WIDE_HF_CONFIG_LAYOUTS, marks=pytest.mark.wide)],
+                         ids=["zero3-and-2d", "wide"])
+def test_hf_config_trains_the_same_at_any_layout(tmp_path, layouts):
     """``model.hf_config`` builds the architecture on the meta device from a config.json;
-    30 steps (clipping active) agree between one process and (D,T,mode) = (4,1,none),
-    (1,4,1d) with kv heads replicated, (2,2,1d+SP), (2,2,1d+SP) at ZeRO-3 (the decoder layers
-    ``model.layers.N`` are its gather units) and (1,4,2d)."""
+    30 steps (clipping active) agree between one process and (D,T,mode) = (2,2,1d+SP) at ZeRO-3
+    (the decoder layers ``model.layers.N`` are its gather units) and (1,4,2d) in ``make test``;
+    (4,1,none), (1,4,1d) with kv heads replicated and (2,2,1d+SP) in ``make test-all``."""
     import json
 
     path = tmp_path / "config.json"
@@ -67,8 +77,7 @@ def test_hf_config_trains_the_same_at_any_layout(tmp_path):
                                 "num_key_value_heads": 2, "max_position_embeddings": 32}))
     ref_loss, ref_norm = run_on_ranks(1, _train_hf, str(path), 1, 1, "none")[0]
     assert max(ref_norm) > 0.5, "clipping (grad_clip=0.5) must be active for the norm to matter"
-    for D, T, mode, sp, zero in ((4, 1, "none", False, 0), (1, 4, "1d", False, 0), (2, 2, "1d", True, 0),
-                                 (2, 2, "1d", True, 3), (1, 4, "2d", False, 0)):
+    for D, T, mode, sp, zero in (_HF_CONFIG_LAYOUTS[name] for name in layouts):
         loss, norm = run_on_ranks(D * T, _train_hf, str(path), D, T, mode, sp, zero)[0]
         # fp32, 30 steps: summation order only (own model: ≤ 3e-6, docs/training.md)
         assert max(abs(a - b) / b for a, b in zip(loss, ref_loss)) <= 1e-4, (D, T, mode, sp, loss, ref_loss)

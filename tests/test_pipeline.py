@@ -4,7 +4,10 @@ checkpoints across P, and bad pipeline layouts refused before any process group 
 
 Reference: the one-process run (D, P, T) = (1, 1, 1) of the same config (a 4-layer tiny
 model, so P = 4 stages each hold one layer). fp32; the layouts differ only in summation
-order (measured ≤ 7e-8 relative on the loss over 8 steps).
+order (measured ≤ 7e-8 relative on the loss over 8 steps). The D = 2 layouts run ZeRO-2
+(GPipe) and ZeRO-3 (1F1B) with 4 micro-batches: sharded accumulation with pipeline stages
+(issue 23), each micro-batch reduce-scattered in the schedule's backward; after every
+micro-batch's backward but the last no unit holds gradients not yet reduced or in flight.
 """
 import os
 
@@ -17,6 +20,7 @@ from gridshard.errors import ConfigError
 from gridshard.parallel import gathered_state_dict
 from gridshard.testing import run_on_ranks
 from gridshard.theory.pipeline import boundary_bytes, peak_in_flight, step_send_bytes
+from gridshard.zero.data_parallel import MAX_IN_FLIGHT
 
 BASE = {"model": {"preset": "tiny", "layers": 4}, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 200_000},
         "train": {"global_batch": 8, "micro_batch": 2, "steps": 8, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5,
@@ -46,6 +50,7 @@ def _gather_pipeline_state(trainer):
 
 def _train_body(cfg, run_dir=None):
     trainer = Trainer(cfg, run_dir=run_dir, progress=False)
+    between = _probe_between_micro_batches(trainer) if trainer.pipeline is not None else None
     losses = trainer.run()
     state = _gather_pipeline_state(trainer)
     extra = None
@@ -54,8 +59,27 @@ def _train_body(cfg, run_dir=None):
         sends = trainer.ledger.entries.get(("send", "pipeline"))
         extra = {"stages": trainer.pipeline.stage_indices, "peak_in_flight": m.peak_in_flight,
                  "peak_saved": m.peak_saved_bytes, "send_bytes": sends.payload_bytes if sends else 0,
-                 "bubble": [h["bubble_share"] for h in trainer.history]}
+                 "bubble": [h["bubble_share"] for h in trainer.history], "between": between,
+                 "sharded": trainer.reducer.sharded_accumulation}
     return losses, state, extra
+
+
+def _probe_between_micro_batches(trainer) -> list:
+    """After each stage backward of a micro-batch before the step's last: (units whose gradients
+    are neither reduced nor in flight, units whose gradient buffer is live, units in flight); a
+    tied root waiting for the cross-stage sum (``defer_root``) left out."""
+    reducer, seen = trainer.reducer, []
+    units = [u for u in reducer.units if not (reducer.defer_root and u.name == "root")]
+    sched, A = trainer.pipeline.schedule, trainer.layout.micro_batches
+    for stage in getattr(sched, "_stages", None) or [sched._stage]:
+        def after(chunk, *args, _bwd=stage.backward_one_chunk, **kwargs):
+            out = _bwd(chunk, *args, **kwargs)
+            if chunk < A - 1:
+                seen.append((sum(u.unreduced for u in units), sum(u.grads_live for u in units),
+                             sum(u.pending is not None for u in units)))
+            return out
+        stage.backward_one_chunk = after
+    return seen
 
 
 def _run(cfg, run_dir=None):
@@ -81,17 +105,58 @@ LAYOUTS = {
 }
 
 
+ZERO = {"D2-P2-none-gpipe-tied": 2, "D2-P2-T2-1d-tied": 3}     # sharded accumulation with stages
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_run_equals_one_device(references, name):
     D, P, T, mode, sp, schedule, V, tied = LAYOUTS[name]
     ref_losses, ref_state, _ = references[tied]
-    losses, state, extra = _run(_cfg(D, P, T, mode, sp, schedule, V, tied))[0]
+    per_rank = _run(_cfg(D, P, T, mode, sp, schedule, V, tied, zero=ZERO.get(name, 0)))
+    losses, state, extra = per_rank[0]
     rel = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     assert len(losses) == len(ref_losses) and rel < LOSS_RTOL, (name, rel)
     assert state.keys() == ref_state.keys()
     worst = max(float((state[k] - ref_state[k]).norm() / ref_state[k].norm()) for k in ref_state)
     assert worst < 1e-4, (name, worst)
     assert all(b is not None and 0.0 <= b < 1.0 for b in extra["bubble"]), extra["bubble"]
+    for _, _, ex in per_rank if name in ZERO else ():
+        # no full gradient survives a micro-batch: every unit reduced or in flight, ≤ MAX_IN_FLIGHT live
+        assert ex["sharded"] and ex["between"], (name, ex["between"])
+        assert all(stale == 0 and live == flying <= MAX_IN_FLIGHT for stale, live, flying in ex["between"]), \
+            (name, ex["between"])
+
+
+def _zero_schedules_body(cfg, runs):
+    """One trainer per (schedule, virtual stages, ZeRO stage) of ``runs`` on the same ranks:
+    ``_train_body``'s losses, state and extras for each."""
+    out = []
+    for schedule, V, zero in runs:
+        c = {**cfg, "parallel": {**cfg["parallel"], "pipeline_schedule": schedule, "virtual_stages": V},
+             "train": {**cfg["train"], "zero": zero}}
+        out.append(_train_body(c))
+    return out
+
+
+@pytest.mark.wide
+def test_interleaved_zero23_accumulate_sharded_and_zero_bubble_keeps_whole_gradients(references):
+    """(D, P, T) = (2, 2, 1), 4 micro-batches per data rank: interleaved 1F1B (V = 2) at ZeRO-2 and
+    ZeRO-3 reduce-scatter every micro-batch (no unit unreduced between micro-batches) and equal
+    one device (fp32, 1e-5 per step); zero bubble at ZeRO-2 keeps whole gradients to ``sync()``
+    (its weight pass bypasses the post-accumulate-grad hooks) and equals one device too."""
+    runs = [("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 2, 3), ("zero_bubble", 2, 2)]
+    per_rank = run_on_ranks(4, _zero_schedules_body, _cfg(2, 2, 1, "none"), runs, timeout=600)
+    ref_losses, ref_state, _ = references[False]
+    for (schedule, _, zero), (losses, state, extra) in zip(runs, per_rank[0]):
+        assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < LOSS_RTOL, (schedule, zero)
+        worst = max(float((state[k] - ref_state[k]).norm() / ref_state[k].norm()) for k in ref_state)
+        assert worst < 1e-4, (schedule, zero, worst)
+    for rank_runs in per_rank:
+        for (schedule, _, zero), (_, _, extra) in zip(runs, rank_runs):
+            assert extra["sharded"] == (schedule != "zero_bubble"), (schedule, zero)
+            if extra["sharded"]:
+                assert extra["between"] and all(stale == 0 and live == flying <= MAX_IN_FLIGHT
+                                                for stale, live, flying in extra["between"]), extra["between"]
 
 
 def _ledger_body(cfg):

@@ -4,8 +4,9 @@
   norms as ZeRO-0 (fp32, ≤ 1e-5 relative; they differ only in summation order:
   reduce-scatter instead of all-reduce), with accumulation (2 micro-batches per data rank),
   clipping active, a vocabulary and rows that D does not divide (padding), tied embeddings,
-  1D + SP with full recompute, 2D on a 2×2 grid × D=2, and two GPipe stages × D=2 with the
-  tied embedding split over the first and last stage.
+  1D + SP with full recompute, 2D on a 2×2 grid × D=2, and two 1F1B stages × D=2 with the
+  tied embedding split over the first and last stage (4 micro-batches: ZeRO-2/3 reduce-scatter
+  each one inside the schedule's backward, the tied root once after the cross-stage sum).
 * Memory: the tensors a rank holds at the end of a step — the distinct storages of the
   parameters, gradients, optimizer state and ZeRO's buffers — equal
   :func:`~gridshard.theory.memory.model_state_bytes` exactly.
@@ -29,7 +30,7 @@ from gridshard.engine.memory_meter import model_state_tensor_bytes
 from gridshard.errors import ConfigError
 from gridshard.testing import run_on_ranks
 from gridshard.theory.memory import model_state_bytes
-from gridshard.theory.zero import unit_padded_numel, zero_step_comm
+from gridshard.theory.zero import sharded_accumulation, unit_padded_numel, zero_step_comm
 
 # vocabulary 257 and hidden 48: rows that D=4 does not divide (padding in the flat buffers)
 ODD = {"preset": None, "vocab_size": 257, "hidden": 48, "layers": 2, "heads": 4, "kv_heads": 2,
@@ -41,9 +42,9 @@ LAYOUTS = {  # name: (D, T, mode, sp, model, train overrides)
     "D4-none-odd-tied": (4, 1, "none", False, ODD, {}),
     "D2-T2-1d-SP-full": (2, 2, "1d", True, None, {"recompute": "full"}),
     "D2-T4-2d": (2, 4, "2d", False, None, {"micro_batch": 2, "steps": 3}),
-    "D2-P2-gpipe-tied": (2, 1, "none", False, {**ODD, "vocab_size": 256}, {}),
+    "D2-P2-1f1b-tied": (2, 1, "none", False, {**ODD, "vocab_size": 256}, {}),
 }
-PIPELINE = {"D2-P2-gpipe-tied": {"pipeline": 2, "pipeline_schedule": "gpipe"}}
+PIPELINE = {"D2-P2-1f1b-tied": {"pipeline": 2, "pipeline_schedule": "1f1b"}}
 RTOL = 1e-5
 
 
@@ -94,8 +95,11 @@ def _stages_body(cfg):
                       if u.name != "root"]
             root = sum(unit_padded_numel(_numels(blocks, None), D) for u in units if u.name == "root")
             micro = c["train"]["global_batch"] // (D * c["train"]["micro_batch"])
-            sharded = trainer.mesh.pipeline.size == 1 and D > 1      # ZeRO-2/3 reduce every micro-batch
-            vol = zero_step_comm(layers, root, D, stage, micro_batches=micro, sharded_accumulation=sharded)
+            p = trainer.cfg.parallel                                  # ZeRO-2/3 reduce every micro-batch
+            sharded = sharded_accumulation(stage, D, p.pipeline, p.pipeline_schedule)
+            tied_root = trainer.reducer.defer_root                    # a pipeline's tied copy: once, after the sum
+            vol = zero_step_comm(layers, root, D, stage, micro_batches=micro, sharded_accumulation=sharded,
+                                 tied_root=tied_root)
             want_comm = {op: (vol.count(op), vol.payload_bytes(op)) for op in ("all_gather", "reduce_scatter")}
             want_comm["all_reduce"] = (1, 8) if D > 1 else (0, 0)     # the shards' squared norm
         else:
@@ -321,3 +325,38 @@ def test_zero3_with_the_zero_bubble_schedule_is_refused():
            "train": {**BASE["train"], "zero": 3}}
     with pytest.raises(ConfigError, match="train.zero=3.*zero-bubble.*Fix"):
         resolve_config(cfg, world_size=2)
+
+
+# ---- sharded accumulation with pipeline stages (issue 23) ----------------------------------
+def test_sharded_accumulation_with_pipeline_stages_drops_the_predicted_bytes_by_the_formula():
+    """One home decides sharded accumulation (:func:`~gridshard.theory.zero.sharded_accumulation`):
+    ZeRO-2/3 at D > 1 with overlap, at P = 1 and under GPipe / 1F1B / interleaved 1F1B, not
+    zero bubble, ZeRO-0/1, D = 1 or ``overlap_grad_reduce=false``. At P = 2 (4 layers per rank,
+    A = 8) the predicted peak of ZeRO-2 then drops by the whole gradient buffers less the units
+    in flight: 4·(ΣL_u − (L_root + L_(1) + L_(2) + L_(3))) = 4·L of one layer here, as the formula."""
+    from gridshard.models import ModelConfig
+    from gridshard.parallel.rank_blocks import rank_parameter_blocks
+    from gridshard.theory.memory import predict_rank_memory, zero_gradient_transient
+
+    for schedule, want in (("gpipe", True), ("1f1b", True), ("interleaved_1f1b", True), ("zero_bubble", False)):
+        assert sharded_accumulation(2, 2, 2, schedule) == sharded_accumulation(3, 2, 2, schedule) == want
+    assert sharded_accumulation(2, 2) and not sharded_accumulation(1, 2) and not sharded_accumulation(2, 1)
+    assert not sharded_accumulation(3, 4, 2, "1f1b", overlap=False)
+    cfg = ModelConfig(vocab_size=97, hidden=64, layers=8, heads=4, kv_heads=2, ffn_hidden=96, max_seq_len=16)
+    blocks = rank_parameter_blocks(cfg, layer_ids=[0, 1, 2, 3], has_head=False)
+    kw = dict(data=2, zero=2, micro_batch=1, seq_len=8, n_microbatches=8, pipeline=2, pipeline_rank=0,
+              layer_ids=[0, 1, 2, 3], blocks=blocks)
+    whole = predict_rank_memory(cfg, overlap_grad_reduce=False, **kw)
+    sharded = predict_rank_memory(cfg, **kw)
+    assert predict_rank_memory(cfg, schedule="zero_bubble", **kw).total == whole.total
+    units = {}
+    for b in blocks:
+        units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b.numel)
+    L = {u: unit_padded_numel(n, 2) for u, n in units.items()}
+    layers = sorted((v for u, v in L.items() if u != "root"), reverse=True)
+    drop = 4 * (sum(L.values()) - (L["root"] + sum(layers[:3])))
+    assert drop == 4 * layers[3] > 0
+    assert whole.transient - sharded.transient == drop == (
+        zero_gradient_transient(blocks, 2, 2, 8, sharded_accumulation=False)
+        - zero_gradient_transient(blocks, 2, 2, 8, sharded_accumulation=True))
+    assert whole.total - sharded.total == drop

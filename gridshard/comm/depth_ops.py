@@ -31,6 +31,14 @@ uses summed, *before* it is accumulated into ``.grad``) that returns its all-red
   a tied head is never reduced twice (d× too large);
 * with d = 1 nothing is registered: the layer is the 2D layer, bit for bit.
 
+Who sums depth, in one place each: the layer-level 2.5D classes (``nn/*_2p5d.py``, on a
+:class:`~gridshard.comm.mesh_2p5d.Mesh2p5D`) sum it here, per backward; a training job
+(``parallel.tensor_mode: 2.5d``) does not use these hooks: ``parallelize`` builds plain 2D layers
+on the depth layer's grid and the gradient reducer sums (or, ZeRO ≥ 1, reduce-scatters) over the
+flattened data × context × depth group once per step (``mesh.data_context``, :mod:`gridshard.mesh`).
+The two never meet: a job's layers carry no depth hook, and the ``"depth"`` mark above refuses a
+second one.
+
 Cost per backward: one all-reduce over ``depth`` per parameter tensor, payload its local
 block (weight in·out/q², vector n/q²), ring wire 2(d − 1)/d of it
 (:mod:`gridshard.theory.tp2p5d`). The all-reduces run on autograd's thread in the order

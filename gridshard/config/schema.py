@@ -29,8 +29,11 @@ class ParallelSection(BaseModel):
 
     model_config = _STRICT
     data: int = Field(1, description="data-parallel replicas D")
-    tensor: int = Field(1, description="tensor-parallel ranks T (q² in 2d)")
-    tensor_mode: Literal["none", "1d", "2d"] = Field("none", description="none | 1d (Megatron) | 2d (SUMMA)")
+    tensor: int = Field(1, description="tensor-parallel ranks T (q² in 2d, q²·d in 2.5d)")
+    tensor_mode: Literal["none", "1d", "2d", "2.5d"] = Field(
+        "none", description="none | 1d (Megatron) | 2d (SUMMA) | 2.5d (Tesseract: tensor_depth layers of a q×q "
+                            "grid; docs/tp2p5d.md)")
+    tensor_depth: int = Field(1, description="2.5d only: depth layers d (T = q²·d, q >= 2); 1 is 2D")
     sequence_parallel: bool = Field(False, description="1d only: split the residual stream along the sequence")
     context: int = Field(1, description="context-parallel ranks C: every sequence split into 2C chunks, rank i "
                                         "holding chunks i and 2C-1-i (docs/context.md)")
@@ -200,8 +203,11 @@ class TrainSection(BaseModel):
     log_to: List[Literal["jsonl", "tensorboard"]] = Field(["jsonl"], description="metrics sinks: jsonl "
                                                           "(RUN_DIR/metrics.jsonl) and/or tensorboard (RUN_DIR/tb)")
     bucket_mb: float = Field(25.0, description="size of the data-parallel gradient all-reduce buckets")
-    overlap_grad_reduce: bool = Field(True, description="issue each bucket's all-reduce during the last backward, "
-                                                        "as soon as the bucket's gradients are complete")
+    overlap_grad_reduce: bool = Field(True, description="issue each bucket's / unit's reduction during the backward "
+                                                        "as soon as its gradients are complete (ZeRO-0/1: the last "
+                                                        "micro-batch's, P = 1; ZeRO-2/3: every micro-batch's, with "
+                                                        "pipeline stages too but zero_bubble); false: whole "
+                                                        "gradients accumulate and are reduced once after the backward")
     peak_flops: Optional[float] = Field(None, description="dense peak FLOP/s of one device for MFU; default: the "
                                                           "datasheet figure of the GPU's exact name "
                                                           "(gridshard/peak_flops.py), none on CPU or an unknown GPU "

@@ -3,8 +3,9 @@
 Order of checks (the first failure is raised as one :class:`ConfigError`):
 
 1. positive sizes;
-2. layout: D·P·C·T == world size, T == 1 for ``none``, T = q² for ``2d``
-   (:func:`gridshard.mesh.validate_layout`); sequence parallelism only in ``1d`` with T > 1;
+2. layout: D·P·C·T == world size, T == 1 for ``none``, T = q² for ``2d``, T = q²·d (q ≥ 2) for
+   ``2.5d`` with ``tensor_depth`` d (:func:`gridshard.mesh.validate_layout`), and 2.5D only in the
+   compositions built (:func:`_depth_refusals`); sequence parallelism only in ``1d`` with T > 1;
    context parallelism (C > 1): seq_len a multiple of 2·C (and of C·T under sequence
    parallelism), all_to_all with C dividing the local heads, and only the compositions built
    (:func:`_context`);
@@ -70,18 +71,34 @@ def _positive(cfg: TrainConfig):
 def _layout(cfg: TrainConfig, world_size: int):
     p = cfg.parallel
     try:
-        validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode, p.context)
+        validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode, p.context, p.tensor_depth)
     except LayoutError as e:
         raise ConfigError(f"parallel section: {e} (world size {world_size} = --nproc or WORLD_SIZE)") from None
+    for field, value, why in _depth_refusals(cfg):
+        _fail(field, value, f"tensor_mode=2.5d is built for gridshard's and Hugging Face's Llama with data and "
+              f"context parallelism, any ZeRO stage and recompute, and {why}",
+              "use tensor_mode=2d (or 1d), or change this field")
     if p.sequence_parallel and not TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(True, p.tensor):
         _fail("parallel.sequence_parallel", True,
               f"sequence parallelism splits the 1d tensor group's activations, but tensor_mode={p.tensor_mode!r} "
               f"and tensor={p.tensor}", "set parallel.sequence_parallel=false, or tensor_mode=1d with tensor>1")
 
 
+def _depth_refusals(cfg: TrainConfig) -> list:
+    """(field, value, why) of every composition 2.5D is not built for yet (docs/tp2p5d.md)."""
+    p, m = cfg.parallel, cfg.model
+    if not TensorMode.parse(p.tensor_mode).has_depth:
+        return []
+    return [(f, v, why) for f, v, why, refused in (
+        ("parallel.pipeline", p.pipeline, "not yet with pipeline stages", p.pipeline > 1),
+        ("model.kind", m.kind, "not yet a ViT", m.kind != "llama"),
+    ) if refused]
+
+
 def _context_refusals(cfg: TrainConfig) -> list:
-    """(field, value, why) of every composition context parallelism is not built for yet."""
-    p = cfg.parallel
+    """(field, value, why) of every composition context parallelism is not built for yet. Every
+    pipeline schedule is built: gpipe, 1f1b, interleaved_1f1b and zero_bubble (whose deferred weight
+    pass starts at the projections and never re-runs the attention's backward)."""
     sliding = None
     if cfg.model.hf_config is not None:
         from ..models.hf import read_hf_json
@@ -92,18 +109,12 @@ def _context_refusals(cfg: TrainConfig) -> list:
         ("model.hf_config", cfg.model.hf_config, f"its layers attend through a sliding window ({sliding} tokens), "
          f"and the context attention is plain causal", sliding is not None),
         ("model.kind", cfg.model.kind, "it splits a language model's token sequence", cfg.model.kind != "llama"),
-        ("parallel.pipeline_schedule", p.pipeline_schedule, "zero_bubble runs a layer's backward in two passes, "
-         "which may run the ring's backward, sends included, twice", p.pipeline > 1 and
-         p.pipeline_schedule == "zero_bubble"),
-        ("parallel.pipeline_schedule", p.pipeline_schedule, "interleaved_1f1b at C > 1 gave gradients 4e-4 away "
-         "from one process (measured; exact at C = 1), not yet found why", p.pipeline > 1 and
-         p.pipeline_schedule == "interleaved_1f1b"),
     ) if refused]
 
 
 def _context(cfg: TrainConfig):
     """Context parallelism (C > 1): only the compositions built (gridshard's or Hugging Face's Llama
-    without a sliding window, any tensor mode, pipeline schedules 1f1b and gpipe, compiled or not),
+    without a sliding window, any tensor mode, any pipeline schedule, compiled or not),
     the sequence split (:func:`gridshard.job_layout.check_context_sequence`) and all_to_all's heads
     (:meth:`gridshard.job_layout.ContextMode.check_heads`)."""
     p = cfg.parallel
@@ -111,16 +122,15 @@ def _context(cfg: TrainConfig):
         return
     for field, value, why in _context_refusals(cfg):
         _fail(field, value, f"parallel.context={p.context} splits every sequence over {p.context} ranks, but {why} "
-              f"(supported: gridshard's or a Hugging Face Llama with tensor_mode none, 1d (± sequence_parallel) or "
-              f"2d, any data parallelism and ZeRO stage, pipeline schedule 1f1b or gpipe, compiled or not)",
+              f"(supported: gridshard's or a Hugging Face Llama with tensor_mode none, 1d (± sequence_parallel), "
+              f"2d or 2.5d, any data parallelism and ZeRO stage, any pipeline schedule, compiled or not)",
               "set parallel.context=1, or change this field")
-    mode = TensorMode.parse(p.tensor_mode)
+    mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, p.tensor_depth)    # 2.5d: 2D on q²
     m = cfg.model.resolve()
     try:
-        check_context_sequence(cfg.data.seq_len, p.context, p.tensor,
-                               mode.sequence_parallel_in_effect(p.sequence_parallel, p.tensor))
-        ContextMode.parse(p.context_mode).check_heads(m.heads // mode.head_split(p.tensor),
-                                                      mode.local_kv_heads(m.kv_heads, p.tensor), p.context)
+        check_context_sequence(cfg.data.seq_len, p.context, T, mode.sequence_parallel_in_effect(p.sequence_parallel, T))
+        ContextMode.parse(p.context_mode).check_heads(m.heads // mode.head_split(T),
+                                                      mode.local_kv_heads(m.kv_heads, T), p.context)
     except LayoutError as e:
         raise ConfigError(f"parallel section: {e}") from None
 
@@ -173,8 +183,15 @@ def _pipeline(cfg: TrainConfig):
 
 
 def _shapes(cfg: TrainConfig):
+    """The model's shape rules for the mode; at 2.5D those of 2D on one depth layer's q² ranks, whose
+    micro-batch is m/d rows (so m must be a multiple of d·q)."""
     p, m = cfg.parallel, cfg.model.resolve()
-    rules = model_shape_rules(p.tensor_mode, p.tensor, p.sequence_parallel, cfg.train.micro_batch,
+    mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, p.tensor_depth)
+    d, micro, q = p.tensor_depth, cfg.train.micro_batch, mode.grid_side(T)
+    if d > 1 and micro % (d * q):
+        _fail("train.micro_batch", micro, f"2.5D with tensor_depth={d} on a q={q} grid splits each micro-batch "
+              f"into d·q = {d * q} row blocks", f"use a multiple of {d * q}")
+    rules = model_shape_rules(mode, T, p.sequence_parallel, micro // d,
                               cfg.data.seq_len, m.hidden, m.heads, m.ffn_hidden, m.kv_heads)
     if cfg.model.kind == "vit":      # no rotary embeddings (any head_dim); its token count: _vit_shapes
         rules = [r for r in rules if r.what not in ("head_dim", "seq_len")]

@@ -51,6 +51,7 @@ from ..parallel import context_of, parallelize
 from ..parallel.compile import apply_compile
 from ..parallel.recompute import apply_recompute
 from ..pipeline.build import pipeline_rank_model
+from ..theory.zero import reduces_in_backward
 from ..zero.reducer import build_reducer
 from .memory_meter import rss_now
 from .warmup import start_warmup
@@ -192,7 +193,8 @@ def _frame(config, overrides, run_dir) -> Job:
     p, model_cfg = cfg.parallel, cfg.model.resolve()
     math_modes = apply_math_modes(cfg.train.precision, cfg.train.tf32, cfg.train.deterministic, device)
     ledger = CommLedger()                      # this job's collectives only (its mesh records here)
-    mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=ledger, context=p.context)
+    mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=ledger, context=p.context,
+                      depth=p.tensor_depth)
     return Job(cfg=cfg, layout=JobLayout.from_config(cfg, model_cfg), model_cfg=model_cfg, device=device,
                rank=rank, run_dir=run_dir, resume_from=resume_from, layout_changes=changes, ledger=ledger,
                mesh=mesh, mem_baseline=rss_now() if device.type == "cpu" else 0, math_modes=math_modes,
@@ -276,10 +278,17 @@ def _reducer(job: Job) -> None:
     job.composed.append("reducer")
     p, t = job.cfg.parallel, job.cfg.train
     # bf16: parameters stored in bf16 from here on, fp32 masters in the reducer (the one cast)
-    # parameters are replicated over data and context ranks: reduced over both (mesh.data_context,
-    # which is mesh.data itself at C = 1)
+    # parameters are replicated over data and context ranks (and 2.5D depth layers): reduced over all of
+    # them (mesh.data_context, which is mesh.data itself at C = d = 1; the only depth sum in training)
+    # reductions inside the backward where reduces_in_backward says (ZeRO-2/3: sharded accumulation,
+    # with pipeline stages too, but not zero_bubble); a cross-stage tied embedding copy's root unit
+    # waits for TiedEmbeddingSync's sum (sync())
+    overlap = reduces_in_backward(t.zero, job.mesh.data_context.size, p.pipeline, p.pipeline_schedule,
+                                  t.overlap_grad_reduce)
+    tied_copy = (p.pipeline > 1 and bool(getattr(job.model_cfg, "tie_embeddings", False))
+                 and (job.model.has_first or job.model.has_last))
     job.reducer = build_reducer(job.model, job.mesh.data_context, t.zero, int(t.bucket_mb * 2**20),
-                                overlap=t.overlap_grad_reduce and p.pipeline == 1,
+                                overlap=overlap, defer_root=tied_copy,
                                 param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
                                 grad_reduce_dtype=DTYPES[t.grad_reduce_dtype])
 

@@ -124,7 +124,9 @@ class Trainer:
     def _predict_memory(self, tokens, val_tokens):
         """This rank's predicted peak bytes (:func:`gridshard.theory.memory.predict_rank_memory`),
         or None for a model the memory model does not describe (a Hugging Face model, a ViT). At C > 1
-        ZeRO shards over data × context: the model state is that of D·C data ranks."""
+        ZeRO shards over data × context: the model state is that of D·C data ranks. At 2.5D (d depth
+        layers) a rank is priced as 2D on its layer's q² ranks with m/d rows per micro-batch and the
+        depth among the D·C·d ranks ZeRO shards over (``JobLayout.layer_mode``, docs/tp2p5d.md)."""
         if self.cfg.model.hf_config is not None or self.cfg.model.kind == "vit":
             return None
         from ..parallel.rank_blocks import rank_parameter_blocks
@@ -134,15 +136,17 @@ class Trainer:
         resident = [x for x in (tokens, val_tokens) if x is not None and not isinstance(x, np.memmap)]
         ids = [int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None
         stage = self.mesh.pipeline.rank                # the rank's blocks: its stages, first / last ends
-        blocks = rank_parameter_blocks(self.model_cfg, self.layout.mode, p.tensor, ids,
-                                       stage == 0, stage == p.pipeline - 1)
+        mode, T, depth = self.layout.layer_mode, self.layout.layer_tensor, self.layout.depth
+        blocks = rank_parameter_blocks(self.model_cfg, mode, T, ids, stage == 0, stage == p.pipeline - 1)
         return predict_rank_memory(
-            self.model_cfg, mode=self.layout.mode, T=p.tensor, sequence_parallel=self.layout.sequence_parallel,
-            data=p.data * p.context, data_rank=self.mesh.data_context.rank, zero=t.zero, recompute=t.recompute, micro_batch=t.micro_batch,
+            self.model_cfg, mode=mode, T=T, sequence_parallel=self.layout.sequence_parallel,
+            data=p.data * p.context * depth, data_rank=self.mesh.data_context.rank, zero=t.zero, recompute=t.recompute,
+            micro_batch=t.micro_batch // depth,
             seq_len=self.cfg.data.seq_len, n_microbatches=self.layout.micro_batches,
             pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
             layer_ids=ids, baseline_bytes=self.mem_baseline, precision=t.precision, blocks=blocks,
             grad_reduce_dtype=t.grad_reduce_dtype, context=p.context, context_mode=p.context_mode,
+            overlap_grad_reduce=t.overlap_grad_reduce,
             extra_bytes=sum(int(getattr(x, "nbytes", 0)) for x in resident) if self.device.type == "cpu" else 0)
 
     # ---- checkpoints (resume and model.init_from are the composer's: gridshard.engine.job) ----
@@ -153,8 +157,8 @@ class Trainer:
         meta = {"tokens": step * t.global_batch * self.cfg.data.seq_len, "samples": step * t.global_batch,
                 "loss_scaler": scaler.state_dict() if scaler is not None else None,
                 "layout": {"data": p.data, "pipeline": p.pipeline, "tensor": p.tensor, "tensor_mode": p.tensor_mode,
-                           "sequence_parallel": p.sequence_parallel, "context": p.context,
-                           "context_mode": p.context_mode},
+                           "tensor_depth": p.tensor_depth, "sequence_parallel": p.sequence_parallel,
+                           "context": p.context, "context_mode": p.context_mode},
                 "config": self.cfg.resolved(), "saved_unix_time": time.time()}
         self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking, reducer=self.reducer)
 

@@ -9,6 +9,7 @@ mode    tokens / targets per rank      logits per rank                      loss
 none    [b, s]                         [b, s, V]                            ``F.cross_entropy`` (fp32)
 1d      [b, s] (also under SP)         [b, s, V_p/T] vocab block t          vocab-parallel CE per token, reduced
 2d      [b/q, s] batch block i         [b/q, s, V_p/q] (i, j)               ``cross_entropy_2d`` (global)
+2.5d    [b/(dq), s] block k·q + i      [b/(dq), s, V_p/q] (k, i, j)         ``cross_entropy_2d`` on layer k
 ======  =============================  ==================================  =====================================
 
 The same for a Hugging Face model (``hf=True``: only the logits call differs). A classifier
@@ -71,16 +72,18 @@ class ParallelContext:
 
     def shard_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Global tokens or targets [b, s] → what this rank feeds the model / the loss: 2D, the grid
-        row's block of rows; context parallelism (C > 1), the context rank's chunks i and 2C − 1 − i
-        of every sequence, [b, 2c] (:func:`gridshard.context.shard_sequence`)."""
+        row's block of rows (2.5D: block k·q + i of d·q, depth layer k's slice); context parallelism
+        (C > 1), the context rank's chunks i and 2C − 1 − i of every sequence, [b, 2c]
+        (:func:`gridshard.context.shard_sequence`)."""
         context = self.mesh.context
         if context.size > 1:
             tokens = shard_sequence(tokens, context.size, context.rank, dim=1).contiguous()
         if not self.mode.is_grid:
             return tokens
-        q = self.mesh.q
-        check_divisible(tokens.shape[0], q, "batch", "grid side q", f"use a batch that is a multiple of q={q}")
-        return tokens.chunk(q, 0)[self.mesh.grid_row].contiguous()
+        n = self.mesh.batch_blocks                 # 2D: q grid rows; 2.5D: d·q, block k·q + i
+        by = "grid side q" if n == self.mesh.q else "2.5D batch blocks d·q"
+        check_divisible(tokens.shape[0], n, "batch", by, f"use a batch that is a multiple of {n}")
+        return tokens.chunk(n, 0)[self.mesh.batch_index].contiguous()
 
     def logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's logits for this rank's tokens (a Hugging Face model under context

@@ -19,6 +19,11 @@ Zero bubble splits each backward into an input-gradient pass and a deferred weig
 pass. It is exact with gridshard's tensor-parallel autograd Functions and does not repeat
 their collectives in the weight pass: ``tests/test_pipeline.py`` checks the losses against
 one device and the ledger's tensor-group collectives against interleaved 1F1B's (equal).
+The weight pass starts at the autograd nodes where a weight meets the stage's input (the
+projections' matmuls, the norms' products) and goes down to the weights only, so a
+weightless node between them, such as the context attention (ring or all-to-all, sends
+included), runs once, in the input pass; every schedule at C > 1 equals one process
+(``tests/test_context_training.py``, which also counts the context sends).
 
 The step's A = G/(D·m) micro-batches of this data rank are the pipeline's micro-batches:
 their tokens (2D: each micro-batch's grid-row block, ``shard_tokens``) are concatenated

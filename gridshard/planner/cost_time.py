@@ -53,9 +53,12 @@ Data parallelism, per step, on the data group's link (bytes:
 :func:`~gridshard.theory.zero.zero_step_comm` at ZeRO 1–3):
 
 * the gradient reduction (ZeRO-0 all-reduce, ZeRO 1–3 reduce-scatters) is issued during the
-  last micro-batch's backward: **assumption** — it hides under ``dp_overlap`` × that backward
-  (2/3 of its compute) when P = 1 (the pipeline schedule owns the backward, so with P > 1 it
-  runs after it, exposed), and its last bucket/unit is always exposed;
+  backward (:func:`~gridshard.theory.zero.reduces_in_backward`: the last micro-batch's at P = 1,
+  every micro-batch's under ZeRO-2/3's sharded accumulation, with pipeline stages too except
+  ``zero_bubble``): **assumption** — it hides under ``dp_overlap`` × one micro-batch's backward
+  (2/3 of its compute; with sharded accumulation each of the A waves under its own micro-batch's,
+  the last unit of the last wave exposed); otherwise (ZeRO-0/1 with P > 1, ``zero_bubble``) it runs after the
+  schedule, exposed; its last bucket/unit is always exposed;
 * ZeRO-1/2's all-gather of updated rows runs after the optimizer: exposed;
 * ZeRO-3's per-layer all-gathers in forward and backward: exposed (no prefetch), counted in
   t_mb so the bubble stretches them too — ``2·A·L_r`` calls of one layer's bytes
@@ -115,7 +118,7 @@ from ..theory import CommVolume, tp1d, tp2d
 from ..theory import context as ctx_theory
 from ..theory.pipeline import boundary_bytes, bubble_fraction
 from ..theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token
-from ..theory.zero import unit_padded_numel, zero_step_comm
+from ..theory.zero import reduces_in_backward, sharded_accumulation, unit_padded_numel, zero_step_comm
 from .hardware import Hardware
 from .layouts import Layout
 from .memo import rank_blocks
@@ -211,7 +214,10 @@ def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, b
         units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
     size = {u: unit_padded_numel([b.numel for b in bs], D) for u, bs in units.items()}
     layer_units = [size[u] for u in units if u != "root"]
-    vol = zero_step_comm(layer_units, size.get("root", 0), D, layout.zero, A, sharded_accumulation=layout.pipeline == 1)
+    sharded = sharded_accumulation(layout.zero, D, layout.pipeline, layout.pipeline_schedule)
+    tied_root = layout.pipeline > 1 and bool(cfg.tie_embeddings) and (first or last)   # reduced after the tied sum
+    vol = zero_step_comm(layer_units, size.get("root", 0), D, layout.zero, A, sharded_accumulation=sharded,
+                         tied_root=tied_root)
     reduce = type(vol)(D).add("reduce_scatter", vol.payload_bytes("reduce_scatter") // max(1, vol.count("reduce_scatter")),
                               vol.count("reduce_scatter"))
     gather = type(vol)(D).add("all_gather", vol.payload_bytes("all_gather") // max(1, vol.count("all_gather")),
@@ -478,7 +484,10 @@ class _DataCost:
 def _data_step(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int,
                compute_mb: float) -> _DataCost:
     """The data-parallel terms of one step (module docstring): the reduction hides under
-    ``dp_overlap`` × 2/3 of the last micro-batch's compute when P = 1, its last unit exposed."""
+    ``dp_overlap`` × 2/3 of one micro-batch's compute when the reducer reduces in the backward
+    (:func:`~gridshard.theory.zero.reduces_in_backward`) — of each of the A micro-batches with
+    sharded accumulation, whose A reduce-scatter waves each run in their micro-batch's backward —
+    the last unit of the last wave exposed."""
     reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, bucket_bytes)
     level, hw = pr.levels["data"], pr.hw
     out = _DataCost(busy_s=comm_cpu_seconds([gather, reduce], hw, level))     # (None: no such calls)
@@ -489,9 +498,13 @@ def _data_step(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last: 
         else:
             out.gather_after_s = t_gather
     out.reduce_s = comm_seconds([reduce], hw, level, pr.skew)
-    hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb if layout.pipeline == 1 else 0.0
+    D = layout.data * layout.context
+    in_backward = reduces_in_backward(layout.zero, D, layout.pipeline, layout.pipeline_schedule)
+    # sharded accumulation: each micro-batch's reduce-scatters hide under that micro-batch's backward
+    waves = A if sharded_accumulation(layout.zero, D, layout.pipeline, layout.pipeline_schedule) else 1
+    hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb * waves if in_backward else 0.0
     if out.reduce_s:
-        out.exposed_reduce_s = max(out.reduce_s - hide, out.reduce_s / max(1, units))
+        out.exposed_reduce_s = max(out.reduce_s - hide, out.reduce_s / max(1, units) / waves)
     return out
 
 

@@ -61,4 +61,24 @@ class CommVolume:
         return sum(ring_wire_bytes(op, b, self.group_size) for op, b in self.payload.items())
 
 
-__all__ = ["CommVolume"]
+def combine_axes(*vols: dict) -> dict:
+    """Sum volumes kept per mesh axis (``{axis name: CommVolume}``, as the 2.5D and 3D theories
+    keep them: each axis has its own group size); every volume names the same axes."""
+    out = {a: CommVolume(v.group_size) for a, v in vols[0].items()}
+    for v in vols:
+        for a in out:
+            out[a] = out[a] + v[a]
+    return out
+
+
+def axes_rounds(vol: dict) -> int:
+    """Collective calls per rank of a per-axis volume."""
+    return sum(sum(v.calls.values()) for v in vol.values())
+
+
+def axes_wire_bytes(vol: dict) -> float:
+    """Ring bytes one rank sends for a per-axis volume, every axis with its own group size."""
+    return sum(v.wire_bytes() for v in vol.values())
+
+
+__all__ = ["CommVolume", "combine_axes", "axes_rounds", "axes_wire_bytes"]

@@ -72,7 +72,8 @@ ZeRO-2/3 *backward gradients* (:func:`zero_gradient_transient`): a unit's gradie
 (4·L_u) is allocated when its backward starts and freed when its reduce-scatter is done; with
 one backward at most 2 reduce-scatters are outstanding and one layer is being filled, and
 the root's buffer lives from the head's gradient (the first) to the embedding's (the last).
-With A > 1 micro-batches and sharded accumulation (P = 1, overlap on: every micro-batch is
+With A > 1 micro-batches and sharded accumulation (:func:`gridshard.theory.zero.sharded_accumulation`:
+overlap on, D > 1, P = 1 or any pipeline schedule but zero_bubble; every micro-batch is
 reduce-scattered into the reduced chunk, which is the held 4·ΣC_u) that holds for every
 micro-batch; without it every buffer lives from the first backward to the last
 (accumulation without communication)::
@@ -216,8 +217,10 @@ transient + activations of the micro-batches in flight (with what is held once) 
 workspace (the e-byte logits and their fp32 upcast / gradient, N_r·V_r·(e + 4), alive around
 the loss) + what of the step transient (bf16 ZeRO-0's fp32 master gradient, alive from the
 reduction to the step, when the activations, workspace and backward transients are freed)
-exceeds those — and, with a pipeline (P > 1: the reducer is not armed in the schedule's
-backward, it reduces every unit in ``sync()`` afterwards), what of ZeRO ≥ 1's reduction cast
+exceeds those — and, with a pipeline where the reducer does not reduce in the schedule's
+backward (ZeRO-1, ``zero_bubble``, ``overlap_grad_reduce`` off: every unit in ``sync()``
+afterwards; ZeRO-2/3 otherwise reduce every micro-batch inside it,
+:func:`gridshard.theory.zero.reduces_in_backward`), what of ZeRO ≥ 1's reduction cast
 (:func:`zero_reduce_cast_bytes`) exceeds the freed activations and workspace; with a pipeline
 also the stage's receive buffers and kept outputs (:func:`gridshard.theory.pipeline.stage_buffer_bytes`,
 in ``comm_buffers``) — a sum of maxima,
@@ -232,7 +235,7 @@ from typing import Iterable, Optional, Sequence
 
 from ..job_layout import StageSplit, TensorMode
 from .context import context_attention_saved_bytes, context_transient_bytes
-from .zero import chunk_range, unit_padded_numel, unit_shard_numel
+from .zero import chunk_range, reduces_in_backward, unit_padded_numel, unit_shard_numel
 from .pipeline import DTYPE_BYTES, boundary_bytes, peak_in_flight, stage_buffer_bytes
 from .vocab import padded_vocab_size
 
@@ -427,8 +430,9 @@ def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batche
     whose full gradients are already in the held state, 0 — under bf16 storage (``param_bytes``
     2) plus, at ZeRO ≥ 1, what the reduction of the units in flight adds in ``reduce_bytes``,
     and with ``micro_batches`` > 1 at D > 1 the fp32 accumulator (:func:`zero_accumulator_bytes`).
-    ``sharded_accumulation``: every micro-batch is reduce-scattered (P = 1 with overlap; at
-    ZeRO-0/1 under bf16: accumulated in fp32)."""
+    ``sharded_accumulation``: the reducer reduces inside the backward
+    (:func:`gridshard.theory.zero.reduces_in_backward`): ZeRO-2/3 reduce-scatter every micro-batch;
+    ZeRO-0/1 under bf16 accumulate in fp32."""
     accumulator = zero_accumulator_bytes(blocks, zero, data, micro_batches, sharded_accumulation, param_bytes)
     if accumulator:                                    # ZeRO-1 fp32 reduce sends the accumulator itself: no cast
         return accumulator + (zero_reduce_cast_bytes(blocks, zero, data, param_bytes, reduce_bytes)
@@ -696,13 +700,25 @@ def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, s
     return acts, workspace, stage_buffers, ring
 
 
+def _reduction_terms(blocks, zero: int, data: int, A: int, P: int, overlap: bool, pb: int, rb: int) -> tuple:
+    """(gradient bytes of the backward, late cast) of :func:`predict_rank_memory`. ``overlap``: the
+    reducer reduces in the backward (:func:`gridshard.theory.zero.reduces_in_backward`: ZeRO-2/3's
+    sharded accumulation, ZeRO-0/1's fp32 accumulation under bf16); without it in a pipeline (ZeRO-0/1,
+    ``zero_bubble``) the reduction runs in ``sync()`` once the schedule's backward freed the
+    activations, so its cast (:func:`zero_reduce_cast_bytes`) is *late*: taken out of the backward."""
+    late = zero_reduce_cast_bytes(blocks, zero, data, pb, rb) if P > 1 and not overlap else 0
+    return zero_gradient_transient(blocks, zero, data, A, sharded_accumulation=overlap, param_bytes=pb,
+                                   reduce_bytes=rb) - late, late
+
+
 def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_parallel: bool = False, data: int = 1,
                         data_rank: int = 0, zero: int = 0, recompute: str = "none", micro_batch: int = 1,
                         seq_len: int = 128, n_microbatches: int = 1, pipeline: int = 1, pipeline_rank: int = 0,
                         schedule: str = "1f1b", layer_ids: Optional[Iterable[int]] = None,
                         baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
                         blocks: Sequence, precision: str = "fp32",
-                        grad_reduce_dtype: str = "fp32", context: int = 1, context_mode: str = "ring") -> RankMemory:
+                        grad_reduce_dtype: str = "fp32", context: int = 1, context_mode: str = "ring",
+                        overlap_grad_reduce: bool = True) -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
     (:attr:`ActivationBytes.per_microbatch` × :func:`gridshard.theory.pipeline.peak_in_flight`; one
@@ -717,8 +733,8 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     (default: the pipeline's own split, :class:`gridshard.job_layout.StageSplit`); the first
     stage holds the embedding, the last the final norm, head and loss; the stage's receive buffers
     and kept outputs (:func:`gridshard.theory.pipeline.stage_buffer_bytes`) count as comm buffers,
-    and the ZeRO reduction (not armed in a pipeline's backward: ``sync()`` after it) counts after
-    the activations are freed, as the step transient does (module docstring §3). ``blocks``: the rank's
+    and a ZeRO reduction in ``sync()`` after the schedule (:func:`_reduction_terms`; ``overlap_grad_reduce``)
+    counts after the activations are freed, as the step transient does (module docstring §3). ``blocks``: the rank's
     :class:`ParamBlock` s, read by the caller from a model laid out on the meta device
     (:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`, or the planner's memo of it).
     ``precision`` bf16 also means bf16 parameter storage with fp32 masters (model state,
@@ -738,14 +754,13 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     acts, workspace, stage_buffers, ring = _activation_terms(
         cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last, precision, pb,
         P, n_microbatches, in_flight, context, context_mode)
-    rb = param_element_bytes(grad_reduce_dtype)
-    # P > 1: the reducer is not armed, it reduces in sync() once the schedule's backward freed the activations
-    late = zero_reduce_cast_bytes(blocks, zero, data, pb, rb) if P > 1 else 0
-    backward = state.transient + zero_gradient_transient(
-        blocks, zero, data, n_microbatches, sharded_accumulation=P == 1, param_bytes=pb, reduce_bytes=rb) - late
+    overlap = reduces_in_backward(zero, data, P, schedule, overlap_grad_reduce)
+    grads, late = _reduction_terms(blocks, zero, data, n_microbatches, P, overlap, pb,
+                                   param_element_bytes(grad_reduce_dtype))
+    backward = state.transient + grads
     freed = acts.per_microbatch * in_flight + workspace      # gone when the step's (or late reduction's) transient exists
     # bf16 ZeRO-0 accumulating in its fp32 reduced buffer: the step's 18 bytes/param are within the backward's 20
-    step = 0 if zero_accumulator_bytes(blocks, zero, data, n_microbatches, P == 1, pb) and zero == 0 \
+    step = 0 if zero_accumulator_bytes(blocks, zero, data, n_microbatches, overlap, pb) and zero == 0 \
         else state.step_transient
     return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
                       optimizer=state.optimizer,

@@ -33,7 +33,7 @@ all-reduce of (1 + 2·d·q)·8 bytes (valid count, verdicts) + one ``depth`` all
 """
 from __future__ import annotations
 
-from . import CommVolume
+from . import CommVolume, axes_rounds, axes_wire_bytes, combine_axes
 from . import tp2d
 from .vocab import padded_vocab_size
 
@@ -58,23 +58,8 @@ def lift(vol2d: dict, q: int, d: int) -> dict:
     return out
 
 
-def combine(*vols: dict) -> dict:
-    """Sum per-axis volumes."""
-    out = {a: CommVolume(v.group_size) for a, v in vols[0].items()}
-    for v in vols:
-        for a in AXES:
-            out[a] = out[a] + v[a]
-    return out
-
-
-def rounds(vol: dict) -> int:
-    """Collective calls per rank."""
-    return sum(sum(v.calls.values()) for v in vol.values())
-
-
-def wire_bytes(vol: dict) -> float:
-    """Ring bytes one rank sends, every axis with its own group size."""
-    return sum(v.wire_bytes() for v in vol.values())
+# per-axis sums, calls and ring bytes: one home in gridshard.theory
+combine, rounds, wire_bytes = combine_axes, axes_rounds, axes_wire_bytes
 
 
 def depth_grad_comm(block_elems, q: int, d: int, bytes_per_elem: int = 4) -> dict:

@@ -35,11 +35,16 @@ element), S_u = L_u:
   micro-batch) and all-gather of S_u·b (the updated chunk). On a ring each moves
   (D−1)/D·S_u·b, together 2(D−1)/D·S_u·b: the all-reduce of ZeRO-0 (whose payload is the
   unpadded Σ n elements), up to < D padding elements per unit.
-* ZeRO-2/3 with *sharded accumulation* (``overlap``, P = 1): the reduce-scatter of every unit
-  runs after *each* micro-batch's backward, into the sharded accumulator (so no full gradient
-  survives between micro-batches): A reduce-scatters per unit instead of one. Without it (a
-  pipeline, or ``train.overlap_grad_reduce=false``) the full gradients accumulate locally and
-  are reduced once.
+* ZeRO-2/3 with *sharded accumulation* (:func:`sharded_accumulation`: ``overlap``, D > 1,
+  and P = 1 or a pipeline schedule whose backward accumulates through autograd, every schedule
+  but ``zero_bubble``): the reduce-scatter of every unit runs after *each* micro-batch's
+  backward, into the sharded accumulator (so no full gradient survives between
+  micro-batches): A reduce-scatters per unit instead of one. Without it
+  (``train.overlap_grad_reduce=false``, or ``zero_bubble``) the full gradients accumulate
+  locally and are reduced once. One unit is the exception in a pipeline with tied embeddings:
+  the root of a rank holding a copy of the tied weight (first and last stage) is reduced once,
+  after the schedule, because the two copies' gradients are summed across stages first
+  (:class:`gridshard.pipeline.tied.TiedEmbeddingSync`, on whole gradients: ``tied_root``).
 * ZeRO-3: per micro-batch, an all-gather of every decoder layer in forward and again in
   backward; the root unit once per step (it stays gathered from its first use to the
   step's reduction: the head is the first thing every backward needs and the embedding the
@@ -67,25 +72,61 @@ import math
 from . import CommVolume
 
 
+# pipeline schedules whose backward runs through torch.autograd.backward, so the reducer's
+# post-accumulate-grad hooks see every unit complete (sharded_accumulation's docstring)
+SHARDED_ACCUMULATION_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def reduces_in_backward(zero: int, data_ranks: int, pipeline: int = 1, schedule: str = "1f1b",
+                        overlap: bool = True) -> bool:
+    """Whether the reducer issues reductions inside the backward (``ZeroDataParallel``'s
+    ``overlap``): ``train.overlap_grad_reduce`` on, more than one data rank (``data_ranks`` = D·C),
+    and either no pipeline (P = 1: ZeRO-0/1 in the armed last micro-batch, ZeRO-2/3 in every
+    one) or ZeRO-2/3 under a schedule in :data:`SHARDED_ACCUMULATION_SCHEDULES`. A pipeline runs
+    every micro-batch's backward inside the schedule, so ZeRO-0/1 cannot be armed for the last
+    one and reduce after it (their tied-embedding copies are then summed on whole gradients)."""
+    if not overlap or data_ranks <= 1:
+        return False
+    return pipeline == 1 or (zero >= 2 and schedule in SHARDED_ACCUMULATION_SCHEDULES)
+
+
+def sharded_accumulation(zero: int, data_ranks: int, pipeline: int = 1, schedule: str = "1f1b",
+                         overlap: bool = True) -> bool:
+    """Whether ZeRO-2/3 reduce-scatter every micro-batch into the sharded fp32 accumulator
+    (module docstring), the one home of the fact: the reducer's construction
+    (``gridshard.engine.job._reducer``, through :func:`reduces_in_backward`), the memory model
+    (:func:`gridshard.theory.memory.predict_rank_memory`) and the planner read it.
+
+    ``zero_bubble`` is excluded: its deferred weight pass computes the weight gradients of
+    every stage but the first with ``torch.autograd.grad`` and adds them to ``param.grad`` by
+    hand (``torch.distributed.pipelining._backward.stage_backward_weight``), so no
+    post-accumulate-grad hook fires and a unit's completion is never seen; it keeps whole
+    gradients until ``sync()``. GPipe, 1F1B and interleaved 1F1B run each micro-batch's
+    backward with ``torch.autograd.backward``: the hooks fire as at P = 1."""
+    return zero >= 2 and reduces_in_backward(zero, data_ranks, pipeline, schedule, overlap)
+
+
 def zero_step_comm(layer_units: list, root_unit: int, data: int, stage: int, micro_batches: int = 1,
                    bytes_per_elem: int = 4, sharded_accumulation: bool = False,
-                   gather_bytes: int = None) -> CommVolume:
+                   gather_bytes: int = None, tied_root: bool = False) -> CommVolume:
     """One step's ZeRO collectives over the data axis (module docstring). ``layer_units``: S_u
     of each decoder-layer unit on this rank; ``root_unit``: S_root (0 if none);
-    ``sharded_accumulation``: ZeRO-2/3 reduce-scatter every micro-batch; ``bytes_per_elem``: of
-    the reduce-scatters; ``gather_bytes``: of the all-gathers (default ``bytes_per_elem``; 2 under
-    bf16 storage)."""
+    ``sharded_accumulation``: ZeRO-2/3 reduce-scatter every micro-batch; ``tied_root``: the
+    root holds a pipeline's tied-embedding copy, reduced once after the cross-stage sum;
+    ``bytes_per_elem``: of the reduce-scatters; ``gather_bytes``: of the all-gathers (default
+    ``bytes_per_elem``; 2 under bf16 storage)."""
     vol = CommVolume(data)
     g = bytes_per_elem if gather_bytes is None else gather_bytes
     units = list(layer_units) + ([root_unit] if root_unit else [])
     reductions = micro_batches if sharded_accumulation and stage >= 2 else 1
+    calls = [reductions] * len(layer_units) + ([1 if tied_root else reductions] if root_unit else [])
     if stage in (1, 2):
-        for s in units:
-            vol.add("reduce_scatter", s * bytes_per_elem, calls=reductions)
+        for s, n in zip(units, calls):
+            vol.add("reduce_scatter", s * bytes_per_elem, calls=n)
             vol.add("all_gather", s * g)
     elif stage == 3:
-        for s in units:
-            vol.add("reduce_scatter", s * bytes_per_elem, calls=reductions)
+        for s, n in zip(units, calls):
+            vol.add("reduce_scatter", s * bytes_per_elem, calls=n)
         for s in layer_units:
             vol.add("all_gather", s * g, calls=2 * micro_batches)
         if root_unit:

@@ -76,9 +76,9 @@ reduced as with one micro-batch (one bf16 rounding of each rank's sum, where ZeR
 micro-batch's reduce-scatter). Per parameter during the backward of micro-batches 2..A: + 4 bytes
 (ZeRO-0: 2 + 2 + 4 + 4 + 8 = 20, then 18 from the reduction to the step;
 :func:`gridshard.theory.memory.zero_accumulator_bytes`). One micro-batch is unchanged (no
-accumulator, the same bytes and values). At D = 1 and without overlap (a pipeline,
-``train.overlap_grad_reduce=false``) no hook runs and every stage sums the micro-batches in its
-bf16 gradient buffer (ZeRO-2/3 too: no sharded accumulation there).
+accumulator, the same bytes and values). At D = 1 and without overlap (ZeRO-0/1 with a pipeline,
+``train.overlap_grad_reduce=false``, the ``zero_bubble`` schedule) no hook runs and every stage
+sums the micro-batches in its bf16 gradient buffer (ZeRO-2/3 too: no sharded accumulation there).
 
 One step, ``A`` micro-batches:
 
@@ -92,8 +92,14 @@ One step, ``A`` micro-batches:
    packing, buffers and chunks are contiguous — in the last micro-batch's backward (ZeRO-0/1,
    after :meth:`arm`), in *every* micro-batch's (ZeRO-2/3: *sharded accumulation*, a later
    micro-batch's result is added into the chunk, so no full gradient survives between
-   micro-batches); without ``overlap`` (a pipeline, or ``train.overlap_grad_reduce=false``)
-   once, after the last backward. ZeRO ≥ 1 keep at most ``MAX_IN_FLIGHT`` outstanding
+   micro-batches; also with pipeline stages, whose schedule runs each micro-batch's backward
+   through ``torch.autograd.backward``, but not ``zero_bubble``, whose weight pass bypasses the
+   hooks: :func:`gridshard.theory.zero.sharded_accumulation`); without ``overlap`` (ZeRO-0/1
+   with a pipeline, ``zero_bubble``, or ``train.overlap_grad_reduce=false``) once, after the
+   last backward. With ``defer_root`` (a pipeline stage holding a tied embedding's copy) the
+   root unit is reduced in :meth:`sync` only, after
+   :class:`gridshard.pipeline.tied.TiedEmbeddingSync` summed the copies' whole gradients.
+   ZeRO ≥ 1 keep at most ``MAX_IN_FLIGHT`` outstanding
    (launching another first waits for the oldest) and free a gradient buffer's storage once
    its reduce-scatter is done (ZeRO-2/3; a new gradient for the unit first finishes a
    reduce-scatter still in flight). Every data rank runs the same graph, so the units
@@ -120,7 +126,8 @@ head is the first thing every backward needs and the embedding the first thing e
 needs. With ``train.recompute=full`` the recomputation runs inside the layer's backward,
 after the regather.
 
-ZeRO-3 prefetch (with ``overlap``: ``train.overlap_grad_reduce`` at P = 1, D > 1). When a
+ZeRO-3 prefetch (with ``overlap``: ``train.overlap_grad_reduce`` at D > 1, P = 1 or a pipeline
+schedule with sharded accumulation). When a
 unit's gather starts a use of it, the gather of the unit that runs next is issued
 asynchronously — in forward the next layer (the root's first use issues layer 0's), in
 backward the previous layer — and waited for by that unit's own hook; at most one unit ahead,
@@ -230,10 +237,11 @@ class ZeroDataParallel:
     """ZeRO stage ``stage`` (0–3) of ``model`` (laid out by :func:`gridshard.parallelize`) over
     ``data_axis`` (a :class:`gridshard.mesh.Axis`; module docstring). ``bucket_bytes``: ZeRO-0's
     bucket size. ``overlap``: issue each unit's reduction in the backward as soon as its
-    gradients are complete."""
+    gradients are complete; ``defer_root``: not the root unit's (:meth:`_shards_now`)."""
 
     def __init__(self, model: nn.Module, data_axis, stage: int, bucket_bytes: int = 25 << 20, overlap: bool = True,
-                 param_dtype: torch.dtype = torch.float32, grad_reduce_dtype: torch.dtype = torch.float32):
+                 param_dtype: torch.dtype = torch.float32, grad_reduce_dtype: torch.dtype = torch.float32,
+                 defer_root: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroDataParallel: stage {stage} is not 0, 1, 2 or 3. Fix: set train.zero to one of them")
         self.model, self.axis, self.stage = model, data_axis, stage
@@ -243,6 +251,8 @@ class ZeroDataParallel:
         self.overlap = overlap and data_axis.size > 1
         # ZeRO-2/3 with overlap: reduce-scatter every micro-batch into the sharded accumulator
         self.sharded_accumulation = stage >= 2 and self.overlap
+        # a pipeline's tied-embedding copy: the root is reduced in sync(), after the cross-stage sum
+        self.defer_root = defer_root
         # ZeRO-0/1 under bf16 storage with overlap: add each earlier micro-batch into an fp32 accumulator
         self.fp32_accumulation = stage <= 1 and self.mixed and self.overlap
         # ZeRO-0, D = 1, fp32: nothing to reduce, autograd's own gradients
@@ -461,13 +471,19 @@ class ZeroDataParallel:
             if u.ready < len(u.params):
                 return
             u.ready = 0
-            if (self._armed or self.sharded_accumulation) and u.pending is None:
+            if (self._armed or self._shards_now(u)) and u.pending is None:
                 self._launch(u)
             elif self.fp32_accumulation and not self._armed:
                 self._accumulate(u)
             if self.stage == 3 and u.name != "root":
                 self._free(u)
         return on_grad_ready
+
+    def _shards_now(self, u: Unit) -> bool:
+        """Sharded accumulation reduces ``u`` now, at the end of a micro-batch's backward: every
+        unit but a deferred root (``defer_root``: ``sync()`` reduces it once the tied-embedding
+        copies' whole gradients are summed across stages)."""
+        return self.sharded_accumulation and not (self.defer_root and u.name == "root")
 
     def arm(self) -> None:
         """The next backward is the step's last: reduce each unit as soon as it is complete."""

@@ -72,10 +72,12 @@ class SteppedTensor:
 
 def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, overlap: bool,
                   param_dtype: torch.dtype = torch.float32,
-                  grad_reduce_dtype: torch.dtype = torch.float32) -> ZeroDataParallel:
+                  grad_reduce_dtype: torch.dtype = torch.float32, defer_root: bool = False) -> ZeroDataParallel:
     """The reducer of ``train.zero`` = ``zero`` for ``model`` (laid out by :func:`gridshard.parallelize`)
     over ``data_axis``; registered as ``model.grad_reducer`` (:func:`gridshard.parallel.state_dict.
-    gathered_state_dict` gathers through it). ``overlap``: reduce during the last backward.
+    gathered_state_dict` gathers through it). ``overlap``: reduce during the backward
+(:func:`gridshard.theory.zero.reduces_in_backward`); ``defer_root``: the root unit is reduced in
+``sync()`` only (a pipeline's tied-embedding copy, summed across stages after the schedule).
 
     ``param_dtype`` bf16 (``train.precision: bf16``): the reducer copies the fp32 values into its
     fp32 masters (ZeRO-0: whole; ZeRO ≥ 1: this rank's chunks), then stores every floating
@@ -85,7 +87,7 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
     from .data_parallel import ZeroDataParallel
 
     reducer = ZeroDataParallel(model, data_axis, zero, bucket_bytes, overlap=overlap, param_dtype=param_dtype,
-                               grad_reduce_dtype=grad_reduce_dtype)
+                               grad_reduce_dtype=grad_reduce_dtype, defer_root=defer_root)
     if param_dtype != torch.float32:                   # parameters without a gradient (frozen) too
         with torch.no_grad():
             for p in model.parameters():

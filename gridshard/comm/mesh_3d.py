@@ -1,0 +1,182 @@
+"""The 3D tensor-parallel layout: a q×q×q cube of ranks, T = q³.
+
+Axes and rank order. The T ranks form a DeviceMesh of shape ``(q, q, q)`` with dims
+``("weight", "input", "output")``; rank (i, j, l) has weight coordinate i, input coordinate j
+and output coordinate l, and the output dim is innermost::
+
+    tensor rank  t = (i·q + j)·q + l
+
+Why this order: the ``input`` and ``output`` dims carry the activation traffic (which grows with
+the tokens N, and alternates between the two dims from layer to layer), ``weight`` only the
+weight blocks (fixed per layer), so ``weight`` is the outermost dim and the two activation
+dims are the q² consecutive ranks of one block (one node when q² ranks fit in it).
+
+The names are the roles the three dims play in a linear layer Y = X·A on this mesh
+(:mod:`gridshard.comm.matmul_3d`): X is all-gathered over ``input`` (the q ranks differing in
+j), A over ``weight`` (differing in i), and the partial product X_il·A_lj is reduce-scattered
+over ``output`` (differing in l).
+
+Activation layout of a mesh. Rank (i, j, l) holds, of an activation X [N, h] (N = b·s tokens,
+batch-major, so a batch block is a token block)::
+
+    X[batch block i·q + j of q², hidden block l of q]        shape [b/q², s, h/q]
+
+i.e. the batch is cut into q² blocks indexed by (weight, input) and the hidden dim into q
+blocks indexed by output. A linear layer on this mesh consumes this layout and produces the
+same layout with the roles of ``input`` and ``output`` exchanged (its output block is
+Y[batch block i·q + l, hidden block j]), which is the activation layout of
+:meth:`Mesh3D.swapped`. So layers alternate between the mesh and its swapped view: a
+linear → linear chain (an MLP, attention's in and out projections) returns to the layout it
+started from, and the residual stream keeps one layout. A :class:`Mesh3D` object *is* one
+orientation; the swapped view shares every process group and only exchanges which physical
+axis plays ``input`` and which ``output``.
+
+Axes of a :class:`Mesh3D` (each a :class:`gridshard.mesh.Axis` recording into the mesh's
+ledger under its *physical* name, so a chain's ledger tells which wires were used):
+
+* ``input``, ``weight``, ``output`` (size q): the roles above;
+* ``batch`` (size q²): the flattened (weight, input) ranks — those holding the same hidden
+  block of an activation, one per batch block, in batch-block order (member index
+  i·q + j = my batch block). Vectors (biases, norm weights) are gathered over it, and
+  per-batch-block quantities (a valid-target count, an id-range verdict) summed over it are
+  the micro-batch's. Physical names ``"weight_input"`` and (swapped) ``"weight_output"``.
+
+Sizes are validated by :func:`validate_3d` before any process group is created.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..errors import LayoutError, check_divisible
+from ..mesh import _axis, group_timeout_s, set_collective_timeout
+
+DIM_NAMES = ("weight", "input", "output")
+
+
+def valid_3d_sides(limit: int = 64) -> list:
+    """The world sizes a 3D layout can use, q³ for q = 2 … while q³ ≤ ``limit``."""
+    return [q ** 3 for q in range(2, limit + 1) if q ** 3 <= limit]
+
+
+def validate_3d(world_size: int, q: int) -> None:
+    """q an integer ≥ 2 with q³ = ``world_size``; else one :class:`LayoutError` naming the value,
+    the rule and the valid world sizes. Touches no process group."""
+    if not isinstance(q, int) or isinstance(q, bool) or q < 2:
+        raise LayoutError(f"3D q={q!r} is invalid: the cube side q must be an integer ≥ 2. Fix: use q ≥ 2 "
+                          f"(T = q³ ranks: {', '.join(map(str, valid_3d_sides()))}).")
+    if q ** 3 != world_size:
+        side = round(world_size ** (1 / 3))
+        near = f"q={side}" if side >= 2 and side ** 3 == world_size else "no q"
+        raise LayoutError(f"3D q={q} needs q³ = {q ** 3} ranks, but the group has {world_size}: T must be a cube "
+                          f"({near} fits {world_size}). Fix: launch one of "
+                          f"{', '.join(map(str, valid_3d_sides()))} processes (q = 2, 3, 4), or q={q} with "
+                          f"{q ** 3}.")
+
+
+def _check_dims(device_mesh: DeviceMesh) -> None:
+    names = tuple(device_mesh.mesh_dim_names or ())
+    sizes = tuple(device_mesh.mesh.shape)
+    if names != DIM_NAMES or len(set(sizes)) != 1 or sizes[0] < 2:
+        raise LayoutError(f"a 3D mesh needs dims {DIM_NAMES} of sizes (q, q, q) with q ≥ 2, got {names} of sizes "
+                          f"{sizes}. Fix: init_device_mesh(device, (q, q, q), mesh_dim_names={DIM_NAMES}).")
+
+
+class Mesh3D:
+    """One orientation of the 3D axes of this rank (module docstring).
+
+    Attributes: ``q``; ``input``, ``weight``, ``output``, ``batch`` (axes); ``is_swapped``;
+    ``batch_index`` (my batch block of q², = ``batch.rank``) and ``hidden_index`` (my hidden
+    block of q, = ``output.rank``) of this orientation's activation layout. ``swapped()`` is the
+    other orientation (same groups). ``coords()`` / ``sizes()``: the physical coordinates
+    ``{"weight", "input", "output"}`` that :class:`gridshard.nn.sharding.ShardSpec` splits name."""
+
+    def __init__(self, device_mesh: DeviceMesh, flat_wi: DeviceMesh, flat_wo: DeviceMesh, ledger=None,
+                 swapped: bool = False):
+        _check_dims(device_mesh)
+        self.device_mesh, self.ledger, self.is_swapped = device_mesh, ledger, swapped
+        self._flat = (flat_wi, flat_wo)
+        self.q = device_mesh.size(0)
+        phys = {n: _axis(device_mesh, n, n, ledger) for n in DIM_NAMES}
+        flat = {"weight_input": _axis(flat_wi, None, "weight_input", ledger),
+                "weight_output": _axis(flat_wo, None, "weight_output", ledger)}
+        self.physical = {**phys, **flat}
+        self.weight = phys["weight"]
+        self.input, self.output = (phys["output"], phys["input"]) if swapped else (phys["input"], phys["output"])
+        self.batch = flat["weight_output"] if swapped else flat["weight_input"]
+        self.batch_index, self.hidden_index = self.batch.rank, self.output.rank
+        assert self.batch_index == self.weight.rank * self.q + self.input.rank, "batch members are ordered (i, j)"
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: DeviceMesh, ledger=None) -> "Mesh3D":
+        """The axes of a DeviceMesh with dims ``("weight", "input", "output")`` (e.g. a slice of a
+        larger mesh). Flattens two of its sub-meshes, which creates their process groups: call it
+        once per mesh and reuse the result (:meth:`with_ledger`, :meth:`swapped`)."""
+        _check_dims(device_mesh)                 # before the flattening creates any group
+        flat_wi = device_mesh["weight", "input"]._flatten("tp3d_weight_input")
+        flat_wo = device_mesh["weight", "output"]._flatten("tp3d_weight_output")
+        return cls(device_mesh, flat_wi, flat_wo, ledger)
+
+    def with_ledger(self, ledger) -> "Mesh3D":
+        """The same groups and orientation, recording into ``ledger``."""
+        return Mesh3D(self.device_mesh, *self._flat, ledger, self.is_swapped)
+
+    def swapped(self) -> "Mesh3D":
+        """The other orientation: ``input`` and ``output`` exchanged (the layout a linear layer
+        on this mesh produces), same groups and ledger."""
+        return Mesh3D(self.device_mesh, *self._flat, self.ledger, not self.is_swapped)
+
+    def coords(self) -> dict:
+        """My physical coordinates, the names a 3D :class:`ShardSpec` splits by."""
+        return {n: self.physical[n].rank for n in DIM_NAMES}
+
+    def sizes(self) -> dict:
+        return {n: self.q for n in DIM_NAMES}
+
+    def groups(self) -> list:
+        """The distinct process groups of this rank's axes."""
+        return [a.group for a in self.physical.values()]
+
+    def batch_block(self, t: torch.Tensor, dim: int = 0, hidden: bool = True) -> torch.Tensor:
+        """My block of a tensor every rank holds whole, in this orientation's activation layout:
+        batch block ``batch_index`` of q² along ``dim`` and (``hidden``) hidden block
+        ``hidden_index`` of q along the last dim. A plain slice, for inputs and targets."""
+        check_divisible(t.shape[dim], self.q ** 2, "batch", "q² (the 3D batch blocks)",
+                        f"use a batch that is a multiple of q² = {self.q ** 2}")
+        t = t.chunk(self.q ** 2, dim)[self.batch_index]
+        return t.chunk(self.q, -1)[self.hidden_index] if hidden else t
+
+    def __repr__(self) -> str:
+        c = self.coords()
+        return (f"Mesh3D(q={self.q}, i={c['weight']}, j={c['input']}, l={c['output']}"
+                f"{', swapped' if self.is_swapped else ''})")
+
+
+def build_mesh_3d(q: int, ledger=None) -> Mesh3D:
+    """Validate, then build (or reuse, :func:`layout_mesh_3d`) the 3D mesh of the whole world
+    (T = q³ = world size; layer level: no data or pipeline dims yet). ``ledger``: a
+    :class:`gridshard.comm.CommLedger` for its collectives (default: the current ledger)."""
+    if not dist.is_initialized():
+        raise LayoutError("build_mesh_3d() needs an initialised process group: call gridshard.init_distributed() "
+                          "first.")
+    validate_3d(dist.get_world_size(), q)
+    mesh = layout_mesh_3d(dist.group.WORLD, q)
+    return mesh if ledger is None else mesh.with_ledger(ledger)
+
+
+@functools.lru_cache(maxsize=8)
+def layout_mesh_3d(world_group, q: int) -> Mesh3D:
+    """The :class:`Mesh3D` of a validated q over ``world_group``: a memo keyed by the group and q
+    (each DeviceMesh creates process groups that live as long as the process; every rank calls it
+    in the same order), as :func:`gridshard.comm.mesh_2p5d.layout_mesh_2p5d`. Its groups wait as
+    long as ``world_group``."""
+    device_type = "cuda" if dist.get_backend(world_group) == "nccl" else "cpu"
+    mesh = Mesh3D.from_device_mesh(init_device_mesh(device_type, (q, q, q), mesh_dim_names=DIM_NAMES))
+    timeout: Optional[float] = group_timeout_s(world_group)
+    if timeout is not None:
+        set_collective_timeout(mesh.groups(), timeout)
+    return mesh

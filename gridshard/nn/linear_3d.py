@@ -1,0 +1,146 @@
+"""Linear3D: y = x·W + b with x, W and y all split over the q×q×q cube (T = q³).
+
+Layout on a :class:`gridshard.comm.mesh_3d.Mesh3D` orientation (rank (i, j, l) = its weight,
+input and output coordinates; N = b·s tokens, batch-major):
+
+* input  x [b, s, in]  → block [b/q², s, in/q]  = x[batch block i·q + j, :, in block l];
+* weight W [in, out]   → block [in/q², out/q]   = W[in block l·q + i of q², out block j]
+  (stored [in, out]; the global weight is drawn [out, in] ``normal_(0, init_std)`` and
+  transposed, the init contract of :mod:`gridshard.testing.plain`);
+* bias   b [out]       → block [out/q³]         = sub-block of out block j, indexed i·q + l
+  (a vector in the output layout, :func:`vector_spec_3d` on ``mesh.swapped()``);
+* output y [b, s, out] → block [b/q², s, out/q] = y[batch block i·q + l, :, out block j]:
+  the activation layout of ``mesh.swapped()``, so the next layer is built on the swapped mesh.
+
+Forward: :func:`gridshard.comm.matmul_3d.matmul_3d` (X all-gathered over ``input``, W over
+``weight``, the local product reduce-scattered over ``output``); the bias is all-gathered to
+out block j over the output layout's ``batch`` axis (q² ranks) and added. Backward (autograd):
+dY all-gathered over ``output``, dX = dY·Wᵀ reduce-scattered over ``input``, dW = Xᵀ·dY
+reduce-scattered over ``weight``, db = Σ_tokens dY reduce-scattered over the batch axis.
+
+Per rank: parameters (in·out + out)/q³ elements (1/T of the layer); saved for backward the
+input block N·in/q³ elements (1/T of one device's). Communication:
+:func:`gridshard.theory.tp3d.linear3d_comm`.
+
+``VocabParallelClassifier3D``: the LM head h → V_pad (no bias; V padded to a multiple of q with
+zero rows), logits block [b/q², s, V_pad/q] in the swapped layout, for
+:func:`gridshard.nn.cross_entropy_3d.cross_entropy_3d`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..comm.grid_ops import GatheredVectors, gather_vector
+from ..comm.matmul_3d import matmul_3d
+from ..errors import ShapeError, check_divisible
+from ..theory.vocab import padded_vocab_size
+from .sharding import ShardSpec, set_spec, take_shard
+
+
+def weight_spec_3d(in_features: int, out_features: int, mesh, canonical_shape=None) -> ShardSpec:
+    """[in, out] weight on ``mesh``: in cut by the output coordinate, then by weight; out by input
+    (physical coordinate names, so the swapped orientation's spec names its own axes)."""
+    return ShardSpec((in_features, out_features),
+                     ((0, mesh.output.name), (0, "weight"), (1, mesh.input.name)), transposed=True,
+                     canonical_shape=canonical_shape)
+
+
+def vector_spec_3d(n: int, mesh) -> ShardSpec:
+    """[n] vector of ``mesh``'s activation layout: hidden block = output coordinate, then
+    sub-block i·q + j (weight, then input; = ``mesh.batch`` member order): n/q³ per rank."""
+    return ShardSpec((n,), ((0, mesh.output.name), (0, "weight"), (0, mesh.input.name)))
+
+
+def sharded_parameter_3d(spec: ShardSpec, mesh, init: Callable[[torch.Tensor], None],
+                         dtype: torch.dtype = torch.float32, device=None) -> nn.Parameter:
+    """Draw the global tensor with ``init`` (the same draws at every layout), keep this rank's
+    block by the spec's physical coordinates, tag it with ``spec``."""
+    full = torch.empty(spec.global_shape, dtype=torch.float32)
+    with torch.no_grad():
+        init(full)
+    local = take_shard(full, spec, mesh.coords(), mesh.sizes()).to(dtype=dtype, device=device)
+    return set_spec(nn.Parameter(local), spec)
+
+
+def gather_vector_3d(shard: torch.Tensor, mesh, cache: Optional[GatheredVectors] = None) -> torch.Tensor:
+    """A :func:`vector_spec_3d` shard [n/q³] → my hidden block [n/q] (all-gather over
+    ``mesh.batch``, n/q·e; backward reduce-scatter of n/q·e, summing the q² batch blocks).
+    Inside an open ``cache`` window it is gathered once per window."""
+    return gather_vector(shard, mesh.batch, cache)
+
+
+def _transposed_normal(out_features: int, in_features: int, std: float) -> Callable[[torch.Tensor], None]:
+    def init(full: torch.Tensor) -> None:
+        full.copy_(torch.empty(out_features, in_features).normal_(0.0, std).t())
+    return init
+
+
+class Linear3D(nn.Module):
+    """3D tensor-parallel linear layer on ``mesh`` (module docstring); its output is in
+    ``mesh.swapped()``'s layout (``self.out_mesh``)."""
+
+    def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,
+                 weight_init: Optional[Callable[[torch.Tensor], None]] = None, dtype: torch.dtype = torch.float32,
+                 device=None, vector_cache: Optional[GatheredVectors] = None, canonical_shape=None):
+        super().__init__()
+        q = mesh.q
+        check_divisible(in_features, q * q, "in_features (Linear3D splits it into q² blocks)", "q²",
+                        f"use in_features a multiple of {q * q}")
+        check_divisible(out_features, q, "out_features", "cube side q")
+        if bias:
+            check_divisible(out_features, q ** 3, "out_features (the bias is split into q³ blocks)", "q³",
+                            f"use out_features a multiple of {q ** 3} or bias=False")
+        self.mesh, self.out_mesh = mesh, mesh.swapped()
+        self.in_features, self.out_features = in_features, out_features
+        self.in_local, self.out_local = in_features // q, out_features // q
+        self.vector_cache = vector_cache
+        init = weight_init or _transposed_normal(out_features, in_features, init_std)
+        spec = weight_spec_3d(in_features, out_features, mesh, canonical_shape)
+        self.weight = sharded_parameter_3d(spec, mesh, init, dtype, device)
+        if bias:
+            self.bias = sharded_parameter_3d(vector_spec_3d(out_features, self.out_mesh), mesh, nn.init.zeros_,
+                                             dtype, device)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_local:
+            raise ShapeError(f"Linear3D({self.in_features}→{self.out_features}) got a local input with last dim "
+                             f"{x.shape[-1]}: on a q={self.mesh.q} cube each rank holds in/q = {self.in_local} "
+                             f"features. Fix: pass this rank's [b/q², s, in/q] block (the previous 3D layer's "
+                             f"output, or mesh.batch_block(x)).")
+        y = matmul_3d(x.reshape(-1, self.in_local), self.weight, self.mesh)
+        y = y.view(*x.shape[:-1], self.out_local)
+        if self.bias is not None:
+            y = y + gather_vector_3d(self.bias, self.out_mesh, self.vector_cache).to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, q={self.mesh.q}, bias={self.bias is not None}"
+                f"{', swapped' if self.mesh.is_swapped else ''}")
+
+
+def _padded_head_init(vocab: int, hidden: int, std: float, padded: int) -> Callable[[torch.Tensor], None]:
+    """Draw [vocab, hidden] ~ N(0, std²), append zero rows to ``padded``, store transposed."""
+    def init(full: torch.Tensor) -> None:
+        table = torch.zeros(padded, hidden)
+        table[:vocab].copy_(torch.empty(vocab, hidden).normal_(0.0, std))
+        full.copy_(table.t())
+    return init
+
+
+class VocabParallelClassifier3D(Linear3D):
+    """LM head h → V_pad (no bias) on ``mesh``: logits block [b/q², s, V_pad/q] in
+    ``mesh.swapped()``'s layout; V_pad = ⌈V/q⌉·q, the padding columns are 0 (the 3D loss masks
+    them). Canonical weight [V, h], as ``nn.Linear(h, V)``."""
+
+    def __init__(self, hidden: int, vocab: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
+                 device=None):
+        padded = padded_vocab_size(vocab, mesh.q)
+        super().__init__(hidden, padded, mesh, bias=False, dtype=dtype, device=device,
+                         weight_init=_padded_head_init(vocab, hidden, init_std, padded),
+                         canonical_shape=(vocab, hidden))
+        self.vocab, self.padded_vocab = vocab, padded

@@ -1,0 +1,240 @@
+"""3D layers against plain single-process PyTorch on the same global weights.
+
+q = 2 on 8 ranks (one worker pool, shared by every case), fresh random inputs, fp32, relative
+error ≤ 1e-5: forward output, input gradient and every parameter gradient of the
+Linear3D → RMSNorm3D → Linear3D chain (two accumulated micro-batches, the norm and second linear on
+the swapped mesh), LayerNorm3D and Linear3D without input gradient on both orientations, the
+vocabulary-parallel embedding → head → cross_entropy_3d (padded vocabulary, masked targets with
+a whole batch block masked, logits up to 1e4, mean and sum); the ledger equals
+gridshard.theory.tp3d exactly for each; parameters and the saved input are 1/q³ of one device's;
+a bad token or target in any batch block raises the same error on all ranks. `make test` runs
+only the checks without ranks; the 8-rank cases are marked wide (`make test-all`).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gridshard.comm import LEDGER
+from gridshard.comm.mesh_3d import build_mesh_3d, valid_3d_sides, validate_3d
+from gridshard.errors import LayoutError, ShapeError
+from gridshard.nn.cross_entropy_3d import cross_entropy_3d
+from gridshard.nn.embedding_3d import VocabParallelEmbedding3D
+from gridshard.nn.linear_3d import Linear3D, VocabParallelClassifier3D
+from gridshard.nn.norm_3d import LayerNorm3D, RMSNorm3D
+from gridshard.nn.sharding import take_shard
+from gridshard.testing import assert_close, run_on_ranks
+from gridshard.testing.plain import plain_embedding, plain_lm_head, plain_linear
+from gridshard.theory import tp3d
+
+from .test_tp2d_helpers import TOL, SavedActivations, fresh_seed, pad_to, randint, randn
+
+Q = 2
+
+
+def _blk(t, mesh, hidden=True):
+    """My block in ``mesh``'s activation layout, with its own storage."""
+    return mesh.batch_block(t.detach(), hidden=hidden).clone(memory_format=torch.contiguous_format)
+
+
+def _shard(ref, spec, mesh):
+    ref = ref.detach()
+    if spec.transposed:
+        ref = ref.t()
+    return take_shard(pad_to(ref, spec.global_shape), spec, mesh.coords(), mesh.sizes())
+
+
+def _compare_parameters(par, ref, mesh, what):
+    refs = dict(ref.named_parameters())
+    assert sorted(n for n, _ in par.named_parameters()) == sorted(refs), what
+    for name, p in par.named_parameters():
+        assert_close(p, _shard(refs[name], p.shard_spec, mesh), TOL, f"{what} {name} value")
+        assert p.grad is not None, f"{what}: {name} got no gradient"
+        assert_close(p.grad, _shard(refs[name].grad, p.shard_spec, mesh), TOL, f"{what} {name} grad")
+
+
+def _ledger_matches(vol, what):
+    seen = {(op, axis): (e.count, e.payload_bytes) for (op, axis), e in LEDGER.entries.items() if e.count}
+    expect = {(op, axis): (v.calls[op], v.payload[op]) for axis, v in vol.items() for op in v.calls}
+    assert seen == expect, f"{what}: ledger {sorted(seen.items())} != theory {sorted(expect.items())}"
+
+
+def _set_vector(par_p, ref_p, mesh, base, seed):
+    with torch.no_grad():
+        ref_p.copy_(randn(ref_p.shape, seed) * 0.5 + base)
+        par_p.copy_(_shard(ref_p, par_p.shard_spec, mesh))
+
+
+# ---- linear → RMSNorm → linear over two accumulated micro-batches ----------------------------------------------
+def _chain(q, b, s, fin, fmid, fout, seed):
+    """The block returns to the layout it started from; gradients accumulate exactly; the ledger of
+    one micro-batch equals the theory; parameters and the first linear's saved input are 1/q³."""
+    mesh = build_mesh_3d(q)
+    out = mesh.swapped()
+    what = f"Linear3D→RMSNorm3D→Linear3D q={q} b,s={b},{s} {fin}→{fmid}→{fout} seed={seed} {mesh}"
+    torch.manual_seed(seed)
+    ref = nn.Sequential(plain_linear(fin, fmid, True, 0.1), nn.RMSNorm(fmid, eps=1e-5),
+                        plain_linear(fmid, fout, False, 0.1))
+    torch.manual_seed(seed)
+    par = nn.Sequential(Linear3D(fin, fmid, mesh, bias=True, init_std=0.1), RMSNorm3D(fmid, out, eps=1e-5),
+                        Linear3D(fmid, fout, out, bias=False, init_std=0.1))
+    _set_vector(par[0].bias, ref[0].bias, mesh, 0.0, seed + 1)
+    _set_vector(par[1].weight, ref[1].weight, mesh, 1.0, seed + 2)
+    n = b * s
+    for micro in range(2):
+        X = randn((b, s, fin), seed + 10 + micro).requires_grad_()
+        G = randn((b, s, fout), seed + 20 + micro)
+        with SavedActivations(ref[0]) as saved_ref:
+            H = ref[0](X)
+        Y = ref[2](ref[1](H))
+        Y.backward(G)
+        x = _blk(X, mesh).requires_grad_()
+        LEDGER.reset()
+        with SavedActivations(par[0]) as saved_par:
+            h = par[0](x)
+        assert_close(h, _blk(H, out), TOL, f"{what} micro-batch {micro} first linear (swapped layout)")
+        y = par[2](par[1](h))
+        assert_close(y, _blk(Y, mesh), TOL, f"{what} micro-batch {micro} forward")
+        y.backward(_blk(G, mesh))
+        assert_close(x.grad, _blk(X.grad, mesh), TOL, f"{what} micro-batch {micro} input grad")
+        _ledger_matches(tp3d.combine(tp3d.linear3d_comm(n, fin, fmid, q, bias=True),
+                                     tp3d.rmsnorm3d_comm(n, fmid, q, swapped=True),
+                                     tp3d.linear3d_comm(n, fmid, fout, q, swapped=True)),
+                        f"{what} micro-batch {micro}")
+    _compare_parameters(par, ref, mesh, f"{what} after 2 micro-batches")
+    assert saved_par.nbytes == tp3d.linear3d_saved_activation_bytes(n, fin, q), (what, saved_par.nbytes)
+    assert saved_par.nbytes * q ** 3 == saved_ref.nbytes, (what, saved_par.nbytes, saved_ref.nbytes)
+    nbytes = sum(p.numel() * 4 for p in par[0].parameters())
+    assert nbytes == tp3d.linear3d_param_bytes(fin, fmid, q, 4, bias=True), what
+    assert nbytes * q ** 3 == sum(p.numel() * 4 for p in ref[0].parameters()), what
+    return True
+
+
+# ---- LayerNorm3D and a weight-only Linear3D on both orientations -------------------------------------------------
+def _layernorm_and_frozen_input(q, b, s, h, f, seed):
+    """LayerNorm3D (weight and bias) then a Linear3D whose input needs no gradient (no dX
+    reduce-scatter, no W gather in backward), on the plain and the swapped mesh."""
+    base = build_mesh_3d(q)
+    for swapped, mesh in ((False, base), (True, base.swapped())):
+        what = f"LayerNorm3D / Linear3D(no dX) q={q} swapped={swapped} seed={seed} {mesh}"
+        torch.manual_seed(seed)
+        ref_norm, ref_lin = nn.LayerNorm(h, eps=1e-5), plain_linear(h, f, False, 0.2)
+        torch.manual_seed(seed)
+        norm, lin = LayerNorm3D(h, mesh, eps=1e-5), Linear3D(h, f, mesh, bias=False, init_std=0.2)
+        _set_vector(norm.weight, ref_norm.weight, mesh, 1.0, seed + 1)
+        _set_vector(norm.bias, ref_norm.bias, mesh, 0.0, seed + 2)
+        X = (randn((b, s, h), seed + 3) * 3 + 1).requires_grad_()
+        G, G2 = randn((b, s, h), seed + 4), randn((b, s, f), seed + 5)
+        Y = ref_norm(X)
+        (Y * G).sum().backward()
+        Z = ref_lin(X.detach())
+        Z.backward(G2)
+        x = _blk(X, mesh).requires_grad_()
+        LEDGER.reset()
+        y = norm(x)
+        y.backward(_blk(G, mesh))
+        _ledger_matches(tp3d.layernorm3d_comm(b * s, h, q, swapped=swapped), what + " norm ledger")
+        assert_close(y, _blk(Y, mesh), TOL, f"{what} norm forward")
+        assert_close(x.grad, _blk(X.grad, mesh), TOL, f"{what} norm input grad")
+        _compare_parameters(norm, ref_norm, mesh, what + " norm")
+        LEDGER.reset()
+        z = lin(_blk(X, mesh))
+        z.backward(_blk(G2, mesh.swapped()))
+        _ledger_matches(tp3d.linear3d_comm(b * s, h, f, q, input_grad=False, swapped=swapped), what + " linear ledger")
+        assert_close(z, _blk(Z, mesh.swapped()), TOL, f"{what} linear forward")
+        _compare_parameters(lin, ref_lin, mesh, what + " linear")
+    return True
+
+
+# ---- embedding → head → loss ------------------------------------------------------------------------------------
+def _lm_path(q, b, s, h, vocab, scale, reduction, seed):
+    """Vocabulary-parallel embedding (V padded to q²) → ×scale → head (V padded to q) →
+    cross_entropy_3d with masked targets (batch block 1 wholly masked): loss, embedding and head
+    gradients equal one process's; ledger = theory."""
+    mesh = build_mesh_3d(q)
+    what = f"embedding→head→loss q={q} V={vocab} scale={scale} {reduction} seed={seed} {mesh}"
+    torch.manual_seed(seed)
+    ref_emb, ref_head = plain_embedding(vocab, h, 1.0), plain_lm_head(h, vocab, 1.0)
+    torch.manual_seed(seed)
+    emb, head = VocabParallelEmbedding3D(vocab, h, mesh, init_std=1.0), VocabParallelClassifier3D(h, vocab, mesh, 1.0)
+    tokens, targets = randint(vocab, (b, s), seed + 1), randint(vocab, (b, s), seed + 2)
+    targets[b // q ** 2: 2 * b // q ** 2] = -100            # batch block 1: every target masked
+    targets[0, 0] = -100
+    ref_loss = F.cross_entropy(ref_head(ref_emb(tokens) * scale).reshape(-1, vocab), targets.reshape(-1),
+                               reduction=reduction)
+    ref_loss.backward()
+    LEDGER.reset()
+    logits = head(emb(_blk(tokens, mesh, hidden=False)) * scale)
+    loss = cross_entropy_3d(logits, _blk(targets, head.out_mesh, hidden=False), head.out_mesh, vocab,
+                            reduction=reduction)
+    loss.backward()
+    assert logits.abs().max() > 0.3 * scale, (what, float(logits.abs().max()))
+    assert_close(loss.detach().reshape(1), ref_loss.detach().reshape(1), TOL, f"{what} loss")
+    n = b * s
+    _ledger_matches(tp3d.combine(tp3d.embedding3d_comm(b, s, h, q), tp3d.head3d_comm(n, h, vocab, q),
+                                 tp3d.cross_entropy3d_comm(n, q, swapped=True)), what)
+    _compare_parameters(emb, ref_emb, mesh, what + " embedding")
+    _compare_parameters(head, ref_head, mesh, what + " head")
+    return True
+
+
+def _bad_ids(q, which, block, seed):
+    """A bad token (or target) in batch block ``block`` raises the same ShapeError on every rank."""
+    mesh = build_mesh_3d(q)
+    b, s, h, vocab = 2 * q * q, 3, 4 * q, 11
+    tokens, targets = randint(vocab, (b, s), seed), randint(vocab, (b, s), seed + 1)
+    bad = tokens if which == "token" else targets
+    bad[block * b // q ** 2, 1] = vocab + 5
+    emb, head = VocabParallelEmbedding3D(vocab, h, mesh), VocabParallelClassifier3D(h, vocab, mesh)
+    try:
+        logits = head(emb(_blk(tokens, mesh, hidden=False)))
+        cross_entropy_3d(logits, _blk(targets, head.out_mesh, hidden=False), head.out_mesh, vocab)
+    except ShapeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.wide                     # 8 ranks; make test-all runs it
+def test_linear_norm_chain_two_micro_batches():
+    assert all(run_on_ranks(8, _chain, Q, 8, 3, 8, 16, 12, fresh_seed()))
+
+
+@pytest.mark.wide
+def test_layernorm_and_linear_without_input_grad_both_orientations():
+    assert all(run_on_ranks(8, _layernorm_and_frozen_input, Q, 4, 5, 16, 8, fresh_seed()))
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("scale,reduction", [(1.0, "mean"), (1e4, "mean"), (1.0, "sum")])
+def test_embedding_head_loss(scale, reduction):
+    assert all(run_on_ranks(8, _lm_path, Q, 8, 3, 8, 13, scale, reduction, fresh_seed()))
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("which,block", [("token", 0), ("token", 3), ("target", 2)])
+def test_bad_id_in_any_batch_block_raises_on_every_rank(which, block):
+    msgs = run_on_ranks(8, _bad_ids, Q, which, block, fresh_seed())
+    assert len(set(msgs)) == 1 and f"batch block {block}" in msgs[0] and "Fix:" in msgs[0], msgs
+
+
+# ---- pure checks (no ranks): make test ----------------------------------------------------------------------------
+def test_layout_validation_and_theory():
+    validate_3d(8, 2)
+    validate_3d(27, 3)
+    assert valid_3d_sides() == [8, 27, 64]
+    for args, match in (((8, 3), "q³ = 27"), ((8, 1), "q=1"), ((9, 2), "no q fits 9"), ((27, 2), "q=3 fits 27")):
+        with pytest.raises(LayoutError, match=match) as err:
+            validate_3d(*args)
+        assert "Fix:" in str(err.value)
+    n, i, o, q = 54, 36, 24, 3
+    lin = tp3d.linear3d_comm(n, i, o, q)
+    assert tp3d.rounds(lin) == 8
+    assert tp3d.wire_bytes(lin) == pytest.approx(tp3d.linear3d_wire_bytes(n, i, o, q))
+    assert lin["input"].payload == {"all_gather": 2 * n * i // q ** 2 * 4, "reduce_scatter": n * i // q ** 2 * 4}
+    swapped = tp3d.linear3d_comm(n, i, o, q, bias=True, swapped=True)
+    assert swapped["output"].payload == lin["input"].payload and swapped["input"].payload == lin["output"].payload
+    assert swapped["weight_input"].calls == {"all_gather": 1, "reduce_scatter": 1}      # the bias: output layout
+    assert tp3d.linear3d_param_bytes(i, o, q) * q ** 3 == i * o * 4
+    assert tp3d.linear3d_saved_activation_bytes(n, i, q) * q ** 3 == n * i * 4
+    with pytest.raises(ValueError, match="in_features=10 is not divisible by 9"):
+        tp3d.linear3d_comm(n, 10, o, q)
