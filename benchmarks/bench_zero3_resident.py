@@ -20,8 +20,18 @@ step, the thresholds (``--thresholds MMAP/TRIM`` in KiB; the last is the referen
 32 MiB / 64 MiB, glibc's dynamic steady state) rotating every ``--steps`` steps, ``--rounds`` times:
 a change of machine load hits every setting alike.
 
+``--part pages``: one group of processes, two ZeRO-3 trainers under glibc's default malloc taking
+turns step by step: ``train.zero3_host_memory: pages`` (:mod:`gridshard.zero.pages`: chunks and
+AdamW moments in one arena, layer buffers in their own mappings, gloo staging in the reducer's
+resident pool) and ``heap`` (the default: every buffer and chunk a ``torch`` tensor, released by
+``resize_``, the collectives allocating their own transients); the median step time of each and
+their ratio, ``--rounds`` × ``--steps`` timed steps after 2 warm-up steps.
+``--allocators pages``: glibc's default malloc with ``train.zero3_host_memory: pages`` for ZeRO-3
+(ZeRO-0 as under glibc default; the memory part's saving and ratio for the opt-in).
+
     .venv/bin/python benchmarks/bench_zero3_resident.py [--steps 6] [--rounds 2] [--allocators fixed "glibc default" 8/64]
     .venv/bin/python benchmarks/bench_zero3_resident.py --part time [--thresholds 128/128 32768/65536]
+    .venv/bin/python benchmarks/bench_zero3_resident.py --part pages [--steps 4] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -43,11 +53,12 @@ ALLOCATORS = ("fixed", "glibc default")
 THRESHOLDS = ((128 << 10, 128 << 10), (1 << 20, 1 << 20), (4 << 20, 4 << 20), (32 << 20, 64 << 20))
 
 
-def _config(zero: int, steps: int) -> dict:
+def _config(zero: int, steps: int, host_memory: str = "heap") -> dict:
     return {"model": MID, "data": {"kind": "stdlib", "seq_len": 128, "max_bytes": 400_000},
             "parallel": {"data": D, "tensor": 1, "tensor_mode": "none"},
             "train": {"global_batch": 2 * D, "micro_batch": 2, "steps": steps, "lr": 1e-3, "warmup_steps": 0,
-                      "log_interval": 1, "seed": 0, "zero": zero}}
+                      "log_interval": 1, "seed": 0, "zero": zero,
+                      **({"zero3_host_memory": host_memory} if zero == 3 else {})}}
 
 
 def fix_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> None:
@@ -65,14 +76,29 @@ def _train(zero: int, steps: int, allocator: str) -> dict:
 
     if allocator == "fixed":
         fix_malloc_thresholds(128 << 10, 128 << 10)
-    elif allocator != "glibc default":                       # "MMAP/TRIM" thresholds in MiB
+    elif allocator not in ("glibc default", "pages"):        # "MMAP/TRIM" thresholds in MiB
         fix_malloc_thresholds(*(int(x) << 20 for x in allocator.split("/")))
-    trainer = Trainer(_config(zero, steps), progress=False)
+    trainer = Trainer(_config(zero, steps, "pages" if allocator == "pages" else "heap"), progress=False)
     trainer.run()
     last = trainer.history[-1]
     times = [h["step_time_s"] for h in trainer.history[1:]]
     return {"peak": last["peak_mem_bytes_per_rank"][0], "predicted": last["predicted_mem_bytes_per_rank"][0],
             "step_s": statistics.median(times)}
+
+
+def _time_pages(steps: int, rounds: int) -> dict:
+    """Two ZeRO-3 trainers taking turns (``--part pages``): seconds per step of each."""
+    import torch
+
+    from gridshard.engine import Trainer
+    from gridshard.planner.calibrate_reference import alternating_step_times
+
+    heap = Trainer(_config(3, steps * rounds + 2), progress=False)
+    mapped = Trainer(_config(3, steps * rounds + 2, host_memory="pages"), progress=False)
+    assert heap.reducer.arena is None and mapped.reducer.arena is not None
+    times = alternating_step_times([mapped, heap], steps * rounds + 2, warmup=2)
+    same = all(torch.equal(a.param_chunk, b.param_chunk) for a, b in zip(mapped.reducer.units, heap.reducer.units))
+    return {"mapped": times[0], "heap": times[1], "same parameters": same}
 
 
 def _time_thresholds(steps: int, rounds: int, thresholds) -> dict:
@@ -97,12 +123,20 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--part", choices=("memory", "time"), default="memory")
+    ap.add_argument("--part", choices=("memory", "time", "pages"), default="memory")
     ap.add_argument("--allocators", nargs="+", default=list(ALLOCATORS),
-                    help='"fixed" (build_job\'s), "glibc default", or "MMAP/TRIM" thresholds in MiB')
+                    help='"fixed" (build_job\'s), "glibc default", "pages" (glibc default, ZeRO-3 host pages) '
+                         'or "MMAP/TRIM" thresholds in MiB')
     ap.add_argument("--thresholds", nargs="+", help='--part time: "MMAP/TRIM" pairs in KiB')
     args = ap.parse_args(argv)
     allocators = tuple(args.allocators)
+    if args.part == "pages":
+        got = run_on_fresh_ranks(D, _time_pages, args.steps, args.rounds, timeout=3600)[0]
+        mapped, heap = (statistics.median(got[k]) for k in ("mapped", "heap"))
+        print(f"D = {D}, mid model, ZeRO-3, rank 0, {len(got['mapped'])} steps each, taking turns: median step "
+              f"{1000 * mapped:.0f} ms (zero3_host_memory pages) / {1000 * heap:.0f} ms (heap) = "
+              f"{mapped / heap:.3f}; bit-identical parameters after: {got['same parameters']}")
+        return None
     if args.part == "time":
         pairs = THRESHOLDS if not args.thresholds else [tuple(int(x) << 10 for x in t.split("/"))
                                                          for t in args.thresholds]

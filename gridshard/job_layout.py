@@ -100,7 +100,7 @@ class TensorMode(str, Enum):
         """(mode, tensor size) of the layout one depth layer's model is built with: (2d, T/d) at
         2.5d — depth layer k is a complete 2D grid on batch slice k with the same weights, so the
         layers, shape rules, stage boundaries and the memory model are 2D's on q² ranks —, else
-        (self, T). Every other method below takes a layer mode, never 2.5d itself."""
+        (self, T). Every other method below but :meth:`boundary_block` takes a layer mode, never 2.5d itself."""
         return (TensorMode.TWO_D, T // depth) if self.has_depth else (self, T)
 
     def _layer_only(self, what: str) -> None:
@@ -168,11 +168,17 @@ class TensorMode(str, Enum):
         """Ranks that share one kv head: T/K in 1d when K < T (K divides T), else 1."""
         return T // kv_heads if self.is_1d and T > kv_heads else 1
 
-    def boundary_block(self, T: int, sequence_parallel: bool, micro: int, seq: int, hidden: int) -> tuple:
+    def boundary_block(self, T: int, sequence_parallel: bool, micro: int, seq: int, hidden: int,
+                       depth: int = 1) -> tuple:
         """One rank's block of a micro-batch's [m, s, h] hidden state (at a pipeline stage
         boundary): [m/q, s, h/q] in 2d, [m, s/T, h] under sequence parallelism (in effect),
-        else the whole [m, s, h]."""
-        self._layer_only("boundary_block")
+        else the whole [m, s, h]. 2.5d (T = q²·d, ``depth`` d): depth layer k is the 2D layout
+        on q² ranks over its m/d rows (:meth:`layer_layout`), so [m/(d·q), s, h/q]; grid position
+        (k, i, j) sends it to (k, i, j) of the next stage. Its first dim is also the rank's rows
+        of the stage input (tokens [m', s])."""
+        if self.has_depth:
+            mode, layer_T = self.layer_layout(T, depth)
+            return mode.boundary_block(layer_T, sequence_parallel, micro // depth, seq, hidden)
         if self.is_grid:
             q = self.grid_side(T)
             return (micro // q, seq, hidden // q)

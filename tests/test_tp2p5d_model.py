@@ -16,7 +16,9 @@ with selective recompute (ZeRO then shards over the depth replicas: each rank st
 layer's block), 16 ranks: (2, 1, 8) at ZeRO-2 and context C = 2 (ring) × (1, 1, 8); the (1, 1, 8)
 ZeRO-0 run's
 step-5 checkpoint resumed at 2D (T = 4) and 1D (T = 2), and the one-process run's at 2.5D: steps
-6-10 as the uninterrupted run; a Hugging Face Llama (GQA, vocabulary 259, tied) at (1, 1, 8) 2.5D.
+6-10 as the uninterrupted run; a Hugging Face Llama (GQA, vocabulary 259, tied) at (1, 1, 8) 2.5D;
+pipeline stages, (1, 2, 8) on 16 ranks, tied embeddings, validation through the stages: 1F1B,
+interleaved 1F1B, GPipe at ZeRO-3 and zero bubble at ZeRO-2 (docs/tp2p5d.md "Pipeline").
 """
 import json
 import os
@@ -190,6 +192,70 @@ def test_2p5d_hugging_face_llama_gives_the_one_process_run(tmp_path):
     _check_layout_facts(facts)
 
 
+def _pipeline_config(P=1, T=1, mode="none", depth=1, schedule="1f1b", V=1, layers=2, zero=0):
+    """Tied embeddings, a validation pass every 5 steps (through the stages at P > 1)."""
+    cfg = _config(T, mode, depth, zero=zero, eval_interval=5, eval_batches=1)
+    cfg["model"] = {**MODEL, "layers": layers, "tie_embeddings": True}
+    cfg["data"] = {**cfg["data"], "val_fraction": 0.1}
+    cfg["parallel"] = {**cfg["parallel"], "pipeline": P, "pipeline_schedule": schedule, "virtual_stages": V}
+    return cfg
+
+
+def _pipeline_body(cfg):
+    """(losses, grad norms, valid counts, validation losses, the whole model's final parameters
+    merged over the stages, this rank's facts with its stages and pipeline send bytes)."""
+    from gridshard import gathered_state_dict
+    from gridshard.engine import Trainer
+
+    trainer = Trainer(cfg, progress=False)
+    losses = trainer.run()
+    parts = [None] * trainer.mesh.pipeline.size
+    dist.all_gather_object(parts, gathered_state_dict(trainer.model), group=trainer.mesh.pipeline.group)
+    final = {k: v for part in parts for k, v in part.items()}
+    h = trainer.history
+    facts = {**_facts(trainer), "pipe": trainer.mesh.pipeline.ranks, "stages": trainer.pipeline.stage_indices,
+             "sends": trainer.ledger.payload_bytes(op="send", axis="pipeline")} if trainer.pipeline else None
+    return (losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h],
+            [r.get("val_loss") for r in h], final, facts)
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("schedule,V,layers,zero", [("1f1b", 1, 2, 0), ("interleaved_1f1b", 2, 4, 0),
+                                                    ("gpipe", 1, 2, 3), ("zero_bubble", 2, 4, 2)],
+                         ids=["1f1b", "interleaved", "gpipe-zero3", "zero_bubble-zero2"])
+def test_2p5d_pipeline_stages_give_the_one_process_run(schedule, V, layers, zero):
+    """(D, P, T) = (1, 2, 8), q = 2, d = 2 (16 ranks), tied embeddings, masked targets: every
+    depth layer's grid position (k, i, j) sends its [m/(d·q), s, h/q] block to (k, i, j) of the
+    next stage (the ledger's sends = the formula), the tied table's two copies summed over the
+    pair at the same (k, i, j), the depth summed by the reducer; losses, gradient norms,
+    validation losses and final parameters within 1e-5 of one process; ZeRO-3 (GPipe) and ZeRO-2
+    (zero bubble) shard over the d depth replicas of a stage's block."""
+    from gridshard.theory.pipeline import boundary_bytes, step_send_bytes
+
+    ref = run_on_ranks(1, _pipeline_body, _pipeline_config(layers=layers), timeout=600)[0]
+    got = run_on_ranks(16, _pipeline_body, _pipeline_config(2, 8, "2.5d", 2, schedule, V, layers, zero),
+                       timeout=900)
+    loss, norm, valid, val, params, _ = got[-1]           # the last stage's rank
+    assert valid == ref[2] and min(valid) < 8 * 16 and max(ref[1]) > BASE["train"]["grad_clip"]
+    assert [v is None for v in val] == [v is None for v in ref[3]] and val[4] is not None
+    dl, dn, dp = _max_rel(loss, ref[0]), _max_rel(norm, ref[1]), _param_rel(params, ref[4])
+    dv = _max_rel([v for v in val if v is not None], [v for v in ref[3] if v is not None])
+    print(f"2.5D P=2 {schedule} ZeRO-{zero} tied: loss {dl:.1e}, grad norm {dn:.1e}, val loss {dv:.1e}, final params {dp:.1e}")
+    assert max(dl, dn, dp, dv) <= TOL, (dl, dn, dv, dp)
+    per = boundary_bytes("2.5d", False, 8, BASE["train"]["micro_batch"], 16, MODEL["hidden"], depth=2)
+    assert per == 1 * 16 * 16 * 4
+    for r, out in enumerate(got):
+        f = out[5]
+        p, t = divmod(r, 8)
+        k, rest = divmod(t, 4)
+        assert f["pipe"] == (t, 8 + t) and f["batch"] == (4, 2 * k + rest // 2), f     # same (k, i, j) per stage
+        assert f["replicas"] == (2, (8 * p + rest, 8 * p + 4 + rest)) and f["depth_calls"] == 0, f
+        # 10 steps' forward and backward sends, and the 2 validation passes' forward sends (A = 2 each)
+        forward_only = 2 * 2 * per * sum(s < 2 * V - 1 for s in f["stages"])
+        assert f["sends"] == BASE["train"]["steps"] * step_send_bytes(f["stages"], 2 * V, 2, per) + forward_only, \
+            (r, f["sends"])
+
+
 def _error(cfg, world):
     from gridshard.config import resolve_config
     from gridshard.errors import ConfigError
@@ -206,6 +272,7 @@ def test_2p5d_config_rules_and_layout_facts():
     from gridshard.errors import LayoutError
     from gridshard.job_layout import JobLayout, TensorMode
     from gridshard.planner.fit import config_layout
+    from gridshard.theory.pipeline import boundary_bytes
 
     cfg = resolve_config(_config(8, "2.5d", 2), world_size=8, cuda_available=False)
     layout = JobLayout.from_config(cfg)
@@ -221,7 +288,14 @@ def test_2p5d_config_rules_and_layout_facts():
     assert "splits each micro-batch into d·q = 4 row blocks. Fix: use a multiple of 4" in \
         _error(_config(8, "2.5d", 2, micro_batch=2), 8)
     base = _config(8, "2.5d", 2)
-    assert "parallel.pipeline=2 is invalid: tensor_mode=2.5d" in \
-        _error({**base, "parallel": {**base["parallel"], "pipeline": 2}}, 16)
+    piped = resolve_config({**base, "parallel": {**base["parallel"], "pipeline": 2}}, world_size=16,
+                           cuda_available=False)            # pipeline stages at 2.5D: accepted
+    assert JobLayout.from_config(piped).split.counts == (1, 1)
+    # the stage boundary: depth layer k's 2D block of its m/d rows, [m/(d·q), s, h/q], 1 KiB in fp32
+    assert TensorMode("2.5d").boundary_block(8, False, 4, 16, 32, depth=2) == (1, 16, 16)
+    assert TensorMode("2.5d").boundary_block(4, False, 4, 16, 32, depth=1) == \
+        TensorMode("2d").boundary_block(4, False, 4, 16, 32) == (2, 16, 16)
+    assert boundary_bytes("2.5d", False, 8, 4, 16, 32, depth=2) == 1 * 16 * 16 * 4
+    assert boundary_bytes("2.5d", False, 18, 6, 16, 30, dtype="bf16", depth=2) == 1 * 16 * 10 * 2     # q = 3
     assert "parallel.sequence_parallel=True is invalid" in \
         _error({**base, "parallel": {**base["parallel"], "sequence_parallel": True}}, 8)

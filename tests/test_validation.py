@@ -1,4 +1,5 @@
-"""Validation loss: the same at (D=4, none), (T=4, 1d) and (T=4, 2d), equal (fp32, 1e-4) to a
+"""Validation loss: the same at (D=4, none), (T=4, 1d), (T=4, 2d) and context parallelism
+(C=2 ring × T=2 1d: each rank scores its chunks of every window), equal (fp32, 1e-5) to a
 plain single-process computation on the gathered weights and the validation windows; the
 split, the evaluation steps and the metrics line."""
 import numpy as np
@@ -16,7 +17,9 @@ CFG = {"model": {"preset": "tiny"},
        "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 60_000, "val_fraction": 0.25},
        "train": {"global_batch": 8, "micro_batch": 2, "steps": 2, "log_interval": 2, "eval_interval": 1,
                  "eval_batches": 2, "lr": 3e-3, "warmup_steps": 1, "seed": 3}}
-LAYOUTS = {"D4-none": (4, 1, "none"), "T4-1d": (1, 4, "1d"), "T4-2d": (1, 4, "2d")}
+LAYOUTS = {"D4-none": {"data": 4}, "T4-1d": {"tensor": 4, "tensor_mode": "1d"},
+           "T4-2d": {"tensor": 4, "tensor_mode": "2d"},
+           "C2-T2-1d": {"context": 2, "tensor": 2, "tensor_mode": "1d"}}
 
 
 def _body(cfg):
@@ -50,8 +53,8 @@ def _reference_val_loss(state, cfg) -> float:
 
 def test_validation_loss_is_the_same_at_every_layout():
     got = {}
-    for name, (D, T, mode) in LAYOUTS.items():
-        cfg = {**CFG, "parallel": {"data": D, "tensor": T, "tensor_mode": mode}}
+    for name, parallel in LAYOUTS.items():
+        cfg = {**CFG, "parallel": parallel}
         per_rank = run_on_ranks(4, _body, cfg, timeout=300)
         assert all(r[0] == per_rank[0][0] for r in per_rank), f"{name}: ranks disagree on val_loss"
         history, state = per_rank[0]

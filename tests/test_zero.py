@@ -154,9 +154,9 @@ def _prefetch_body(overlap):
     name_of = {id(u.param_buffer): u.name for u in units}
     real = collectives.all_gather_into
 
-    def spy(out, x, axis, async_op=False):
+    def spy(out, x, axis, async_op=False, **staging):
         events.append(("gather", name_of[id(out)]))
-        return real(out, x, axis, async_op=async_op)
+        return real(out, x, axis, async_op=async_op, **staging)
 
     for u in layers:
         u.modules[0].register_forward_pre_hook(

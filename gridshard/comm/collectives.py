@@ -86,7 +86,23 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _native_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+def _all_gather_staged(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False, staging=None):
+    """All-gather ``x`` [m] into ``out`` [n·m]. gloo with a ``staging`` buffer (≥ n·m elements of
+    ``x``'s dtype, e.g. a ZeRO-3 unit's own mapping, :mod:`gridshard.zero.pages`): ``x`` copied
+    into each of its n blocks, then an all-to-all into ``out`` (member k receives block k of every
+    member: member j's ``x``; the bytes on the wire are the all-gather's, (n − 1)·m per member),
+    so nothing is allocated — gloo's own all-gather allocates an n·m output and an m input copy
+    per call, which on CPU land in glibc's heap (docs/memory.md "Resident memory on CPU").
+    Otherwise the backend's all-gather. ``staging`` must stay untouched until the op is done."""
+    if staging is None or dist.get_backend(group) != "gloo":
+        return _all_gather_flat(out, x, group=group, async_op=async_op)
+    n = out.numel() // x.numel()
+    send = staging[:out.numel()]
+    send.view(n, x.numel()).copy_(x.reshape(1, -1).expand(n, -1))
+    return dist.all_to_all_single(out, send, group=group, async_op=async_op)
+
+
+def _reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False, staging=None):
     """Reduce-scatter ``x`` [n·m, ...] (member order in dim 0) into ``out`` [m, ...].
 
     NCCL (and any backend but gloo): the backend's reduce-scatter. gloo: an all-to-all of the
@@ -98,11 +114,12 @@ def _reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bo
     Measured on 2 CPU cores, 4 ranks, 8 MiB fp32, median of 11 (``docs/benchmarks.md``):
     reduce_scatter_tensor 19–27 ms wall / 8–10 CPU-ms, all_reduce 19–25 / 9–14, this
     all-to-all + sum 11–13 / 5. Returns ``None``, or with ``async_op`` a work handle whose
-    ``wait()`` completes ``out`` (the sum runs there)."""
+    ``wait()`` completes ``out`` (the sum runs there). ``staging``: a buffer of ≥ n·m elements of
+    ``x``'s dtype the blocks are received in (else one is allocated), untouched until done."""
     if dist.get_backend(group) != "gloo":
         return _native_reduce_scatter_flat(out, x, group=group, async_op=async_op)
     n = x.shape[0] // out.shape[0]
-    received = torch.empty_like(x)
+    received = torch.empty_like(x) if staging is None else staging[:x.numel()].view(x.shape)
     work = dist.all_to_all_single(received, x, group=group, async_op=async_op)
 
     def finish():
@@ -194,11 +211,12 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = Fals
 
 
 @_eager
-def all_gather_into(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False):
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False, staging=None):
     """Gather every member's flat ``x`` (m elements) into the flat ``out`` (n·m, member order),
     a persistent buffer; ``x`` may be ``out``'s own chunk of this member (in place, no send
     buffer: NCCL and gloo both accept it). With one member ``x`` is copied into ``out``.
-    Ledger payload: ``out``. With ``async_op`` a :class:`PendingCollective` is returned."""
+    Ledger payload: ``out``. With ``async_op`` a :class:`PendingCollective` is returned.
+    ``staging``: gloo's send buffer of n·m elements (:func:`_all_gather_staged`), untouched until done."""
     if axis.size == 1:
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
@@ -206,7 +224,8 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bo
     if out.numel() != axis.size * x.numel():
         raise ValueError(f"all_gather_into: out has {out.numel()} elements, not {axis.size}·{x.numel()}")
     entry = record("all_gather", axis, _nbytes(out))
-    return _issue(lambda a: _all_gather_flat(out, x, group=axis.group, async_op=a), entry, out, async_op, out.device)
+    return _issue(lambda a: _all_gather_staged(out, x, group=axis.group, async_op=a, staging=staging), entry, out,
+                  async_op, out.device)
 
 
 @_eager
@@ -241,11 +260,13 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = 
 
 
 @_eager
-def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False, out: Optional[torch.Tensor] = None):
+def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False, out: Optional[torch.Tensor] = None,
+                        staging=None):
     """Sum a flat buffer ``x`` of n·m elements over the group; member k keeps elements
     [k·m, (k+1)·m) (no copy: the segments are already contiguous), in ``out`` when given (a
     persistent m-element buffer, not aliasing ``x``; with one member ``x`` is copied into it).
-    Ledger payload: ``x``. With ``async_op`` a :class:`PendingCollective` is returned."""
+    Ledger payload: ``x``. With ``async_op`` a :class:`PendingCollective` is returned.
+    ``staging``: gloo's receive buffer of n·m elements (:func:`_reduce_scatter_flat`), untouched until done."""
     if axis.size == 1:
         if out is not None:
             x = out.copy_(x)
@@ -256,7 +277,8 @@ def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False, out
     if out is None:
         out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
     entry = record("reduce_scatter", axis, _nbytes(x))
-    return _issue(lambda a: _reduce_scatter_flat(out, x, group=axis.group, async_op=a), entry, out, async_op, x.device)
+    return _issue(lambda a: _reduce_scatter_flat(out, x, group=axis.group, async_op=a, staging=staging), entry, out,
+                  async_op, x.device)
 
 
 class PendingCollective:

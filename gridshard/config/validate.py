@@ -75,8 +75,8 @@ def _layout(cfg: TrainConfig, world_size: int):
     except LayoutError as e:
         raise ConfigError(f"parallel section: {e} (world size {world_size} = --nproc or WORLD_SIZE)") from None
     for field, value, why in _depth_refusals(cfg):
-        _fail(field, value, f"tensor_mode=2.5d is built for gridshard's and Hugging Face's Llama with data and "
-              f"context parallelism, any ZeRO stage and recompute, and {why}",
+        _fail(field, value, f"tensor_mode=2.5d is built for gridshard's and Hugging Face's Llama with data, "
+              f"context and pipeline parallelism (every schedule), any ZeRO stage and recompute, and {why}",
               "use tensor_mode=2d (or 1d), or change this field")
     if p.sequence_parallel and not TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(True, p.tensor):
         _fail("parallel.sequence_parallel", True,
@@ -90,7 +90,6 @@ def _depth_refusals(cfg: TrainConfig) -> list:
     if not TensorMode.parse(p.tensor_mode).has_depth:
         return []
     return [(f, v, why) for f, v, why, refused in (
-        ("parallel.pipeline", p.pipeline, "not yet with pipeline stages", p.pipeline > 1),
         ("model.kind", m.kind, "not yet a ViT", m.kind != "llama"),
     ) if refused]
 
@@ -325,6 +324,9 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
         _fail("train.zero", 3, "ZeRO-3 frees each layer's parameters after its backward, and the zero-bubble "
               "schedule runs a layer's weight gradients in a separate later pass", "use train.zero=2, or "
               "parallel.pipeline_schedule=1f1b")
+    if t.zero3_host_memory == "pages" and t.zero != 3:
+        _fail("train.zero3_host_memory", "pages", f"host pages hold ZeRO-3's chunks and layer buffers, and "
+              f"train.zero={t.zero} has none", "use train.zero=3, or train.zero3_host_memory=heap")
     if t.keep_checkpoints < 0:
         _fail("train.keep_checkpoints", t.keep_checkpoints, "it must be >= 0 (0 keeps every checkpoint)",
               "use e.g. 3")

@@ -289,8 +289,25 @@ def _reducer(job: Job) -> None:
                  and (job.model.has_first or job.model.has_last))
     job.reducer = build_reducer(job.model, job.mesh.data_context, t.zero, int(t.bucket_mb * 2**20),
                                 overlap=overlap, defer_root=tied_copy,
+                                host_pages=_host_pages(job),
                                 param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
                                 grad_reduce_dtype=DTYPES[t.grad_reduce_dtype])
+
+
+def _host_pages(job: Job) -> bool:
+    """``train.zero3_host_memory: pages`` where it acts (ZeRO-3 on a Linux CPU); elsewhere one warning
+    on rank 0 and False (:func:`gridshard.zero.pages.host_pages_note`)."""
+    if job.cfg.train.zero3_host_memory != "pages":
+        return False
+    import warnings
+
+    from ..zero.pages import host_pages_note, mappable
+
+    if mappable(job.device):
+        return True
+    if job.rank == 0:
+        warnings.warn(host_pages_note(job.device), RuntimeWarning, stacklevel=2)
+    return False
 
 
 def _optimizer(job: Job) -> None:

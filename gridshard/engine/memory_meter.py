@@ -107,15 +107,43 @@ def _tensors_of(obj):
             yield from _tensors_of(v)
 
 
+def _new_bytes(ranges: list, span: tuple) -> int:
+    """Bytes of ``span`` = (start, end) not yet in ``ranges`` (disjoint (start, end) pairs), which
+    then covers it."""
+    start, end = span
+    fresh, at = 0, start
+    for a, b in sorted(ranges):
+        if b <= at or a >= end:
+            continue
+        fresh += max(0, a - at)
+        at = max(at, b)
+    fresh += max(0, end - at)
+    ranges.append(span)
+    return fresh
+
+
 def model_state_tensor_bytes(model: torch.nn.Module, optimizer=None, extra=()) -> dict:
     """{"params", "grads", "optimizer", "extra"}: bytes of the distinct storages of the model's
     parameters, their ``.grad``, the optimizer's state tensors and ``extra`` tensors (e.g. a
-    ZeRO implementation's flat buffers), each storage counted once across all four."""
-    seen: set = set()
+    ZeRO implementation's flat buffers), each storage counted once across all four.
+
+    With a ZeRO reducer (``model.grad_reducer``, :mod:`gridshard.zero.pages`): a buffer it lists
+    in ``released_tensors()`` counts 0 (a released mapping keeps its storage's size), and a view
+    carved from its ``arena`` counts its own byte range, each byte once (the arena is one storage
+    shared by chunks and AdamW moments)."""
+    reducer = getattr(model, "grad_reducer", None)
+    released = reducer.released_tensors() if hasattr(reducer, "released_tensors") else ()
+    seen: set = {k for k in (_storage_key(t) for t in released) if k is not None}
+    arena = getattr(reducer, "arena", None)
+    carved: list = []                                   # byte ranges of the arena counted so far
 
     def count(tensors) -> int:
         total = 0
         for t in tensors:
+            where = arena.byte_range(t) if arena is not None else None
+            if where is not None:
+                total += _new_bytes(carved, where)
+                continue
             key = _storage_key(t)
             if key is None or key in seen:
                 continue

@@ -40,7 +40,28 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
 
         return HostAdamW(groups, lr=lr, betas=betas, eps=eps)
     fused = all(p.is_cuda for p in decay + no_decay) and len(decay + no_decay) > 0
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+    moments = getattr(getattr(model, "grad_reducer", None), "adam_moments", None)
+    if moments is not None:
+        seed_adam_state(optimizer, moments)
+    return optimizer
+
+
+def seed_adam_state(optimizer: torch.optim.Optimizer, moments) -> None:
+    """Give each stepped tensor ``t`` for which ``moments(t)`` names memory — (exp_avg,
+    exp_avg_sq), zero views of a ZeRO-3 reducer's arena on CPU (:mod:`gridshard.zero.pages`) —
+    its AdamW state before the first step, in the form ``torch.optim.AdamW`` makes (``step`` a
+    0-dim fp32 tensor, 0): AdamW then never allocates the moments itself (it only fills empty
+    state), and a checkpoint load copies into them (:func:`gridshard.checkpoint.blocks.ensure_adam_state`
+    leaves present state alone)."""
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused")) or bool(group.get("capturable"))
+        for p in group["params"]:
+            got = moments(p)
+            if got is None or optimizer.state[p] or group.get("amsgrad"):
+                continue
+            step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else torch.device("cpu"))
+            optimizer.state[p].update(step=step, exp_avg=got[0], exp_avg_sq=got[1])
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

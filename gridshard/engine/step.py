@@ -248,7 +248,8 @@ def evaluate(job) -> Optional[float]:
         val_loss = (Σ_j Σ_{d,a} L_jda) / (Σ_j N_j)      over batches j < train.eval_batches
 
     with no gradient, through the job's micro-batch driver (forward only); one all-reduce over
-    data ranks and one over pipeline ranks (paused in the ledger) sum the L's."""
+    the data × context (× 2.5D depth) ranks, ``mesh.data_context``, each holding its own rows or
+    sequence chunks, and one over pipeline ranks (paused in the ledger) sum the L's."""
     if job.val_plan is None:
         return None
     total = torch.zeros((), dtype=torch.float64, device=job.device)

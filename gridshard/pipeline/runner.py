@@ -4,7 +4,8 @@ Built on ``torch.distributed.pipelining``: each of this rank's stages is a
 ``PipelineStage`` over a :class:`gridshard.pipeline.stage_module.StageModule`, on the
 mesh's pipeline group (the P ranks with this rank's data and tensor coordinates: tensor
 rank t of stage i talks to tensor rank t of stage i+1, each sending its own activation
-block), and ``parallel.pipeline_schedule`` picks the schedule:
+block; 2.5D: grid position (k, i, j) of depth layer k sends its [m/(d·q), s, h/q] block to
+(k, i, j) of the next stage), and ``parallel.pipeline_schedule`` picks the schedule:
 
 ===================  ==========================================  =========================
 name                 PyTorch schedule                            stages per rank
@@ -26,7 +27,7 @@ included), runs once, in the input pass; every schedule at C > 1 equals one proc
 (``tests/test_context_training.py``, which also counts the context sends).
 
 The step's A = G/(D·m) micro-batches of this data rank are the pipeline's micro-batches:
-their tokens (2D: each micro-batch's grid-row block, ``shard_tokens``) are concatenated
+their tokens (2D: each micro-batch's grid-row block; 2.5D: block k·q + i of d·q; ``shard_tokens``) are concatenated
 and the schedule cuts them back into A chunks. The last stage's loss function is the
 trainer's: the micro-batch's loss *sum* over valid targets times D/N (N: valid targets of
 the global batch), with ``scale_grads=False``, so the gradients are exactly those of the
@@ -50,10 +51,11 @@ from .stage_module import StageModule
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
-def local_activation_shape(mode, sp: bool, T: int, micro: int, seq: int, hidden: int) -> tuple:
+def local_activation_shape(mode, sp: bool, T: int, micro: int, seq: int, hidden: int, depth: int = 1) -> tuple:
     """Shape of one micro-batch's activation block on one rank at a stage boundary
-    (:meth:`gridshard.job_layout.TensorMode.boundary_block`)."""
-    return TensorMode.parse(mode).boundary_block(T, sp, micro, seq, hidden)
+    (:meth:`gridshard.job_layout.TensorMode.boundary_block`; 2.5D: ``mode`` the job's 2.5d, ``T``
+    = q²·d and ``depth`` d give [m/(d·q), s, h/q])."""
+    return TensorMode.parse(mode).boundary_block(T, sp, micro, seq, hidden, depth)
 
 
 class PipelineRunner:
@@ -73,13 +75,14 @@ class PipelineRunner:
         self.ctx, self.loss, self.precision = ctx, loss, precision
         self.has_last = split.holds_last(mesh.pipeline.rank)
         self.has_first = split.holds_first(mesh.pipeline.rank)
-        T = mesh.tensor.size
-        micro_local = micro_batch // ctx.mode.batch_split(T)
+        # the job's mode and T (2.5D: d layers of q², each its 2D block of m/d rows); block[0]: my token rows
+        block = local_activation_shape(mesh.job_mode, ctx.sequence_parallel, mesh.sizes[2], micro_batch, seq_len,
+                                       hidden, mesh.tensor_depth)
+        micro_local = block[0]
         # hidden states between stages: the compute dtype for gridshard's model (Transformer.hidden_dtype),
         # fp32 for a family that keeps an fp32 residual stream under autocast (Hugging Face's)
         hidden_dtype = getattr(rank_model, "hidden_dtype", lambda compute: torch.float32)(precision.dtype)
-        act = torch.empty(local_activation_shape(ctx.mode, ctx.sequence_parallel, T, micro_batch, seq_len,
-                                                 hidden), dtype=hidden_dtype, device="meta", requires_grad=True)
+        act = torch.empty(block, dtype=hidden_dtype, device="meta", requires_grad=True)
         tokens = rank_model.stage_input_meta(micro_local, seq_len)
         self.meter = StageMeter(mesh.pipeline if mesh.ledger is not None else ctx.mesh.pipeline,
                                 rank_model.parameters(), device)

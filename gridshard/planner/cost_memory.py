@@ -80,7 +80,9 @@ def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
 def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,
                   margin_fraction: float = 0.10, precision: str = "fp32") -> dict:
     """Pipeline rank → its RankMemory, for the ranks that can be the largest (:func:`ranks_to_check`;
-    rank 0 without a pipeline), interleaving adapted as the module docstring says."""
+    rank 0 without a pipeline), interleaving adapted as the module docstring says. A 2.5D layout is
+    priced as the 2D layout each of its ranks runs (:meth:`~gridshard.planner.layouts.Layout.layer_layout`)."""
+    layout = layout.layer_layout()
     P, V = layout.pipeline, layout.virtual_stages
     A = micro_batches_per_step(global_batch, layout.micro_batch, layout.data)
     per_rank = stage_layers_of_rank(model_cfg.layers, P, V, layout.stage_layers) if P > 1 else [None]

@@ -284,11 +284,13 @@ def trainer_bookkeeping(hw: Hardware, layout: Layout, level: str, stop_agreement
 
 def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
     """Which link each mesh dim uses: mesh order (data, pipeline, context, tensor), tensor innermost,
-    ``devices_per_node`` consecutive ranks per node; the data reduction runs over data × context."""
+    ``devices_per_node`` consecutive ranks per node; the data reduction runs over data × context.
+    At 2.5D the tensor dim is (depth, grid): the SUMMA group is one depth layer's q² consecutive
+    ranks, and the reducer's data × context × depth group spans C·T ranks when D = 1."""
     world, CT = layout.world, layout.context * layout.tensor
     per_node = max(1, world // max(1, nodes))
     inside = lambda span: "intra" if span <= per_node else "inter"  # noqa: E731
-    return {"tensor": inside(layout.tensor), "context": inside(CT), "pipeline": inside(CT * layout.pipeline),
+    return {"tensor": inside(layout.layer_tensor), "context": inside(CT), "pipeline": inside(CT * layout.pipeline),
             "data": inside(world if layout.data > 1 else CT)}
 
 
@@ -397,14 +399,22 @@ def _compute_mb(cfg, layout: Layout, hw: Hardware, seq: int, layers: int, last: 
     return t_gemm + t_elem + t_ops, flops
 
 
+def tensor_volumes(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> list:
+    """CommVolumes of one micro-batch's tensor-parallel collectives on a rank of ``layout`` (a layer
+    layout: 2.5D is priced through :meth:`~gridshard.planner.layouts.Layout.layer_layout`, 2D's
+    SUMMA on m/d rows)."""
+    T = layout.tensor
+    if layout.mode.is_1d and T > 1:
+        return tensor_comm_1d(cfg, layout, seq, layers, first, last)
+    if layout.mode.is_grid and T > 1:
+        return tensor_comm_2d(cfg, layout, seq, layers, first, last)
+    return []
+
+
 def _tensor_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, first: bool, last: bool) -> tuple:
     """(critical-path seconds, busy CPU seconds) of one micro-batch's tensor-parallel collectives."""
-    T, hw = layout.tensor, pr.hw
-    vols = []
-    if layout.mode.is_1d and T > 1:
-        vols = tensor_comm_1d(cfg, layout, seq, layers, first, last)
-    elif layout.mode.is_grid and T > 1:
-        vols = tensor_comm_2d(cfg, layout, seq, layers, first, last)
+    hw = pr.hw
+    vols = tensor_volumes(cfg, layout, seq, layers, first, last)
     around = sum(sum(v.calls.values()) for v in vols) * hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
     level = pr.levels["tensor"]
     return (comm_seconds(vols, hw, level, pr.skew) + around * pr.stretch,
@@ -530,11 +540,15 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
               bucket_mb: float = 25.0, stop_agreement: bool = False, log_interval: int = 1) -> RankCost:
     """Critical path and busy time of the rank holding ``layer_ids`` (module docstring). On an
     over-subscribed node the critical path is priced at full speed and without the sync skew
-    (the contention is the throughput bound's), elsewhere with the node's contention (1 on GPUs)."""
+    (the contention is the throughput bound's), elsewhere with the node's contention (1 on GPUs).
+    A 2.5D layout (d depth layers of a q×q grid): the links are its job mesh's (:func:`link_levels`),
+    every term the 2D layer layout's (:meth:`~gridshard.planner.layouts.Layout.layer_layout`):
+    compute and SUMMA comm of 2D on q² ranks with m/d rows, the reduction over D·C·d ranks."""
+    pr = _pricing(layout, hw, nodes)
+    depth, layout = layout.tensor_depth, layout.layer_layout()
     s, P, s_r = seq_len, layout.pipeline, seq_len // layout.context       # s_r: the rank's tokens of a sequence
     A = micro_batches_per_step(global_batch, layout.micro_batch, layout.data)
     layers = cfg.layers if layer_ids is None else len(layer_ids)
-    pr = _pricing(layout, hw, nodes)
     busy_compute_mb, flops = _compute_mb(cfg, layout, hw, s, layers, last, precision, activation_bytes)
     compute_mb = busy_compute_mb * pr.stretch
     t_tensor_mb, busy_tensor_mb = _tensor_mb(cfg, layout, pr, s_r, layers, first, last)
@@ -555,7 +569,9 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
                                 "data_reduce_s": data.reduce_s,
                                 "data_reduce_hidden_s": data.reduce_s - data.exposed_reduce_s,
                                 "zero3_gather_s": A * data.gather_per_mb_s, "stop_agreement_s": x["stop"],
-                                "log_bookkeeping_s": x["log"]})
+                                "log_bookkeeping_s": x["log"], "tensor_depth": depth,
+                                "tensor_calls_per_microbatch": sum(sum(v.calls.values()) for v in tensor_volumes(
+                                    cfg, layout, s_r, layers, first, last))})
     busy = StepTime(compute_s=A * busy_compute_mb, tensor_comm_s=A * busy_tensor_mb, pipeline_comm_s=A * busy_p2p_mb,
                     data_comm_s=data.busy_s, bubble_s=0.0, optimizer_s=x["busy_opt"],
                     overhead_s=hw.step_overhead_s + x["busy_small"] + x["busy_stop"], context_comm_s=A * busy_ctx_mb)
@@ -563,6 +579,6 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
 
 
 __all__ = ["StepTime", "RankCost", "step_time", "rank_cost", "node_step",
-           "microbatch_flops", "stage_crossings", "comm_cpu_seconds", "tensor_comm_1d", "tensor_comm_2d",
+           "microbatch_flops", "stage_crossings", "tensor_volumes", "comm_cpu_seconds", "tensor_comm_1d", "tensor_comm_2d",
            "recompute2d_comm", "data_comm", "comm_seconds", "call_seconds", "trainer_bookkeeping", "link_levels",
            "gemm_flops"]

@@ -98,16 +98,15 @@ def config_layout(cfg):
     """The planner's :class:`~gridshard.planner.layouts.Layout` of a validated config. A 2.5D config
     (d depth layers) is priced as what each rank runs: 2D on its layer's q² ranks with m/d rows per
     micro-batch and D·d replicas (the same A micro-batches; ZeRO shards over the depth too), as the
-    trainer's ``predicted_mem_bytes`` does (docs/tp2p5d.md); the planner itself does not propose 2.5D."""
-    from ..job_layout import TensorMode
+    trainer's ``predicted_mem_bytes`` does (docs/tp2p5d.md): the planner's 2.5D layout of the config,
+    :meth:`~gridshard.planner.layouts.Layout.layer_layout`, the rule the planner prices 2.5D with."""
     from .layouts import Layout
 
     p, t = cfg.parallel, cfg.train
-    d = p.tensor_depth
-    mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, d)
-    return Layout(p.data * d, p.pipeline, T, str(mode), p.sequence_parallel, t.zero, t.recompute,
-                  t.micro_batch // d, p.pipeline_schedule, p.virtual_stages,
-                  None if p.stage_layers is None else tuple(p.stage_layers), p.context, p.context_mode)
+    return Layout(p.data, p.pipeline, p.tensor, str(p.tensor_mode), p.sequence_parallel, t.zero, t.recompute,
+                  t.micro_batch, p.pipeline_schedule, p.virtual_stages,
+                  None if p.stage_layers is None else tuple(p.stage_layers), p.context, p.context_mode,
+                  p.tensor_depth).layer_layout()
 
 
 def _hardware(budget: MemoryBudget):

@@ -10,8 +10,13 @@ combination the device count allows:
   split); C > 1 in both context modes, ``ring`` and ``all_to_all`` (the config rules refuse
   all_to_all where C does not divide the rank's heads), and with a pipeline only under ``1f1b``
   (to keep the search small; every schedule is exact at C > 1: tests/test_context_training.py);
-* T = 1: ``none``; T > 1: ``1d`` without and with sequence parallelism, and ``2d`` when T
-  is a perfect square;
+* T = 1: ``none``; T > 1: ``1d`` without and with sequence parallelism, ``2d`` when T
+  is a perfect square, and ``2.5d`` with every depth d ≥ 2 for which T = q²·d with q ≥ 2
+  (``tensor_depth`` d; issue 24). The config rules keep the 2.5D layouts whose model fits 2D's
+  shape rules on one depth layer's q² ranks and whose micro_batch is a multiple of d·q, and refuse
+  the compositions not built (``validate._depth_refusals``: today a ViT), so the
+  enumeration follows them as they change. A 2.5D layout is priced as what each rank runs,
+  :meth:`Layout.layer_layout`;
 * ZeRO 0–3 when D > 1 (with D = 1 every stage holds the same bytes: only 0);
 * recompute none / selective / full;
 * micro_batch: every divisor of global_batch / D (up to ``max_micro_batch``, 16 by default);
@@ -63,16 +68,36 @@ class Layout:
     stage_layers: Optional[tuple] = None        # explicit decoder layers per stage; None: the default split
     context: int = 1                            # C: ranks one sequence is split over
     context_mode: str = "ring"                  # ring | all_to_all (C > 1)
+    tensor_depth: int = 1                       # d: 2.5D depth layers (T = q²·d); 1 otherwise
 
     @property
     def mode(self) -> TensorMode:
         return TensorMode.parse(self.tensor_mode)
 
+    @property
+    def layer_tensor(self) -> int:
+        """Ranks of one tensor group's layer: q² at 2.5D, else T."""
+        return self.mode.layer_layout(self.tensor, self.tensor_depth)[1]
+
+    def layer_layout(self) -> "Layout":
+        """The layout each rank runs, which the memory model and the step-time pricing read: at
+        2.5D (d depth layers of a q×q grid) depth layer k is a complete 2D grid on batch slice k with
+        the same weights (docs/tp2p5d.md), so a rank is a 2D rank on q² ranks with m/d rows per
+        micro-batch among D·d data replicas — the same A = B/(m·D) micro-batches, and the reducer's
+        and ZeRO's group data × context × depth of D·C·d ranks; every other layout is itself.
+        (:meth:`gridshard.job_layout.TensorMode.layer_layout` is the rule.)"""
+        if not self.mode.has_depth:
+            return self
+        mode, T = self.mode.layer_layout(self.tensor, self.tensor_depth)
+        d = self.tensor_depth
+        return replace(self, data=self.data * d, tensor=T, tensor_mode=str(mode), micro_batch=self.micro_batch // d,
+                       tensor_depth=1)
+
     def parallel_section(self) -> dict:
         """The ``parallel:`` keys (``stage_layers`` None for the default split)."""
         return {"data": self.data, "pipeline": self.pipeline, "context": self.context,
                 "context_mode": self.context_mode, "tensor": self.tensor,
-                "tensor_mode": self.tensor_mode,
+                "tensor_mode": self.tensor_mode, "tensor_depth": self.tensor_depth,
                 "sequence_parallel": self.sequence_parallel, "pipeline_schedule": self.pipeline_schedule,
                 "virtual_stages": self.virtual_stages,
                 "stage_layers": None if self.stage_layers is None else list(self.stage_layers)}
@@ -81,7 +106,8 @@ class Layout:
         return {"zero": self.zero, "recompute": self.recompute, "micro_batch": self.micro_batch}
 
     def label(self) -> str:
-        mode = self.tensor_mode + ("+SP" if self.sequence_parallel else "")
+        mode = self.tensor_mode + ("+SP" if self.sequence_parallel else "") + \
+            (f" d{self.tensor_depth}" if self.tensor_depth > 1 else "")
         pipe = ""
         if self.pipeline > 1:
             pipe = f" {self.pipeline_schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
@@ -152,19 +178,19 @@ def divisors(n: int) -> list:
 
 
 def _modes(T: int) -> list:
-    """(tensor_mode string, sequence_parallel) pairs for T ranks: the modes whose size rule T
-    meets (a mode that splits weights only when T > 1), 1d also with sequence parallelism. 2.5d is
-    not proposed (not priced for step time yet: docs/tp2p5d.md)."""
+    """(tensor_mode string, sequence_parallel, tensor_depth) triples for T ranks: the modes whose size
+    rule T meets (a mode that splits weights only when T > 1), 1d also with sequence parallelism,
+    2.5d once per depth d ≥ 2 with T = q²·d, q ≥ 2 (d = 1 is 2d)."""
     out = []
     for mode in TensorMode:
-        if mode.has_depth:
-            continue
-        try:
-            mode.check_tensor_size(T)
-        except LayoutError:
-            continue
-        if mode.splits_weights == (T > 1):
-            out += [(mode.value, sp) for sp in (False, True) if not sp or mode.sequence_parallel_in_effect(sp, T)]
+        for depth in (range(2, T // 4 + 1) if mode.has_depth else (1,)):
+            try:
+                mode.check_tensor_size(T, depth)
+            except LayoutError:
+                continue
+            if mode.splits_weights == (T > 1):
+                out += [(mode.value, sp, depth) for sp in (False, True)
+                        if not sp or (not mode.has_depth and mode.sequence_parallel_in_effect(sp, T))]
     return out
 
 
@@ -201,12 +227,12 @@ def _enumerate_dpt(world: int, global_batch: int, zero_stages, recompute, micro_
             else list(micro_batches)
         if global_batch % D:
             mbs = [1]            # kept so that the batch rule names the reason
-        for mode, sp in _modes(T):
+        for mode, sp, depth in _modes(T):
             for sched, V in _schedules(P, C):
                 for m in mbs:
                     for z in (zero_stages if D * C > 1 else (0,)):      # ZeRO shards over D·C
                         for rc in recompute:
-                            yield Layout(D, P, T, mode, sp, z, rc, m, sched, V)
+                            yield Layout(D, P, T, mode, sp, z, rc, m, sched, V, tensor_depth=depth)
 
 
 def apply_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:

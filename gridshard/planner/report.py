@@ -1,8 +1,10 @@
 """What ``gridshard plan`` prints and writes: the table, ``--json``, ``--explain``, ``--write``."""
 from __future__ import annotations
 
+import collections
 import copy
 import json
+import math
 
 import yaml
 
@@ -71,12 +73,13 @@ def explain(result: PlanResult) -> str:
                      f"path at full speed, {st.details['latency_bound_s']:.4g} s; a bubble costs nothing there "
                      f"(cost_time: two bounds)")
     lines += _context_reason(result)
+    lines += _depth_reason(result)
     others = []
     for c in result.candidates[1:]:
         key = (c.layout.data, c.layout.pipeline, c.layout.context, c.layout.tensor, c.layout.tensor_mode,
-               c.layout.sequence_parallel)
+               c.layout.sequence_parallel, c.layout.tensor_depth)
         if key in {(o.layout.data, o.layout.pipeline, o.layout.context, o.layout.tensor, o.layout.tensor_mode,
-                    o.layout.sequence_parallel) for o in others + [best]}:
+                    o.layout.sequence_parallel, o.layout.tensor_depth) for o in others + [best]}:
             continue
         others.append(c)
         if len(others) == 3:
@@ -120,6 +123,49 @@ def _context_reason(result: PlanResult) -> list:
     if best.layout.context_mode == "ring":
         out.append(f"  the ring's k/v sends overlap the attention compute (assumed): "
                    f"{best.step.context_comm_s:.3g} s exposed per step")
+    return out
+
+
+def _fastest(cands, pred):
+    return next((c for c in cands if pred(c.layout)), None)
+
+
+def _depth_reason(result: PlanResult) -> list:
+    """2.5D against 2D at the same T (docs/planner.md, "2.5D"): the fastest feasible 2.5D layout and
+    the fastest other layout with the same D, P, C and T (2D where T is a square, else 1D), their
+    tensor comm (SUMMA on m/d rows: fewer, shorter rounds), exposed data comm (the depth joins the
+    gradient reduction) and parameter bytes (weights replicated d times); or why no 2.5D layout runs."""
+    best = result.best
+    deep = _fastest(result.candidates, lambda l: l.tensor_depth > 1)
+    if deep is None:
+        refused = [c for c in result.rejected if c.layout.tensor_depth > 1]
+        if not refused:
+            return []
+        why = collections.Counter(c.reason.split(" Fix:")[0] if c.memory is None else "memory" for c in refused)
+        return [f"  2.5D: none of {len(refused)} layouts runs; the most common reason: {why.most_common(1)[0][0]}"]
+    L = deep.layout
+    same = lambda l: (l.tensor_depth == 1 and (l.data, l.pipeline, l.context, l.tensor) ==  # noqa: E731
+                      (L.data, L.pipeline, L.context, L.tensor))
+    flat = _fastest(result.candidates, lambda l: same(l) and l.mode.is_grid) or _fastest(result.candidates, same)
+    q = math.isqrt(L.tensor // L.tensor_depth)
+    verdict = "is the best layout" if deep is best else \
+        f"takes {deep.predicted_step_s / best.predicted_step_s:.2f}× the best step"
+    out = [f"  2.5D: {L.label()} (q = {q}, d = {L.tensor_depth}: {L.tensor_depth} depth layers of a {q}×{q} SUMMA "
+           f"grid on m/d = {L.micro_batch // L.tensor_depth} rows each, weights replicated d times, the depth summed "
+           f"in the data × context × depth reduction) {verdict}"]
+    if flat is None:
+        return out + [f"  no layout without depth at D{L.data} P{L.pipeline} C{L.context} T{L.tensor} passes the rules and fits, "
+                      f"to compare with"]
+    a, b = deep.step, flat.step
+    wins = deep.predicted_step_s < flat.predicted_step_s
+    out.append(
+        f"  {'wins' if wins else 'loses'} against {flat.layout.label()} at the same T: {deep.predicted_step_s:.4g} vs "
+        f"{flat.predicted_step_s:.4g} s per step; tensor comm {a.tensor_comm_s:.3g} vs {b.tensor_comm_s:.3g} s "
+        f"({a.details['tensor_calls_per_microbatch']} vs {b.details['tensor_calls_per_microbatch']} calls per "
+        f"micro-batch), compute {a.compute_s:.3g} vs {b.compute_s:.3g} s, data comm (exposed, the depth in the "
+        f"reduction) {a.data_comm_s:.3g} vs {b.data_comm_s:.3g} s, params {gib(deep.memory.params)} vs "
+        f"{gib(flat.memory.params)} and memory {gib(deep.predicted_mem_bytes)} vs {gib(flat.predicted_mem_bytes)} "
+        f"per rank")
     return out
 
 

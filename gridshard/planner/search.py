@@ -154,9 +154,10 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
         if key not in seen:
             # the element-wise work of a forward and backward: what the layers write without
             # recompute (recompute changes what is kept, not what is computed; rank_cost adds its pass)
-            acts = activation_bytes(mc, layout.micro_batch, s, layout.tensor_mode, layout.tensor,
-                                    layout.sequence_parallel, "none", key[0], first, last,
-                                    context=layout.context).total
+            run = layout.layer_layout()          # 2.5D: the 2D layout each rank runs (m/d rows, q² ranks)
+            acts = activation_bytes(mc, run.micro_batch, s, run.tensor_mode, run.tensor,
+                                    run.sequence_parallel, "none", key[0], first, last,
+                                    context=run.context).total
             seen[key] = rank_cost(mc, layout, hw, seq_len=s, global_batch=G, precision=prec, nodes=nodes,
                                   layer_ids=ids, first=first, last=last, activation_bytes=acts,
                                   bucket_mb=cfg.train.bucket_mb, stop_agreement=stop_agreement,

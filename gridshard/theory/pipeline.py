@@ -8,6 +8,7 @@ elements of e bytes (:data:`DTYPE_BYTES`: 4 in fp32, 2 in bf16/fp16)::
     none / 1D        m·s·h·e          (the tensor ranks of a stage each send the same block)
     1D + SP          m·(s/T)·h·e      (each tensor rank its sequence block)
     2D (q×q grid)    (m/q)·s·(h/q)·e  (each grid rank its batch-row × hidden-column block)
+    2.5D (d × q×q)   (m/(d·q))·s·(h/q)·e  (depth layer k's 2D block of its m/d rows; ``depth`` d)
 
 per rank, per micro-batch, per boundary and direction (:func:`boundary_bytes`; its ``dtype``
 is the element type sent). What is sent is the residual stream: gridshard's fp32 runs send
@@ -49,11 +50,11 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}     # element size of a ``train.
 
 
 def boundary_bytes(mode, sequence_parallel: bool, T: int, micro_batch: int, seq_len: int, hidden: int,
-                   dtype: str = "fp32") -> int:
+                   dtype: str = "fp32", depth: int = 1) -> int:
     """Bytes one rank sends across one stage boundary for one micro-batch, one direction: its
     block of the hidden state (:meth:`gridshard.job_layout.TensorMode.boundary_block`) in
-    elements of ``dtype`` (``fp32`` | ``bf16`` | ``fp16``, :data:`DTYPE_BYTES`)."""
-    m, s, h = TensorMode.parse(mode).boundary_block(T, sequence_parallel, micro_batch, seq_len, hidden)
+    elements of ``dtype`` (``fp32`` | ``bf16`` | ``fp16``, :data:`DTYPE_BYTES`); ``depth``: 2.5D's d."""
+    m, s, h = TensorMode.parse(mode).boundary_block(T, sequence_parallel, micro_batch, seq_len, hidden, depth)
     return m * s * h * DTYPE_BYTES[dtype]
 
 

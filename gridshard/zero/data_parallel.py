@@ -84,7 +84,8 @@ One step, ``A`` micro-batches:
 
 1. backward of every micro-batch accumulates into the gradient buffers (bf16 ZeRO-0/1 with
    A > 1: into the fp32 accumulator, above; ZeRO-2/3 allocate a
-   unit's buffer — ``untyped_storage().resize_`` and zero — when its backward starts: a hook
+   unit's buffer — ``untyped_storage().resize_`` and zero; ZeRO-3 with host pages: its released
+   mapping, which reads zeros — when its backward starts: a hook
    on each parameter's gradient runs before autograd accumulates it);
 2. the moment a unit's gradients are complete (a post-accumulate-grad hook counts them), its
    reduction is issued asynchronously — ZeRO-0 one in-place ``all_reduce`` of the bucket,
@@ -113,9 +114,17 @@ One step, ``A`` micro-batches:
    buffer from this rank's chunk of it (all issued, then all waited for) — the parameters
    are views, nothing to unpack.
 
-ZeRO-3 parameters. Between uses a unit's parameter buffer has storage size 0 (the parameter
-objects, their names and autograd identity stay; every view sees the storage when it is
-back). A forward pre-hook on the unit's module gathers it (storage resized, one all-gather of
+ZeRO-3 parameters. Between uses a unit's parameter buffer is *released*: storage size 0, or
+with host pages (``train.zero3_host_memory: pages``, a Linux CPU) its own mapping with its
+pages handed back (:class:`~.pages.FlatPages`; the unit's ``gathered`` flag says which, and
+:meth:`released_tensors` lets memory accounting count it 0). The parameter objects, their
+names and autograd identity stay; every view sees the memory when it is back. With host pages
+the long-lived chunks (parameter, reduced, master) and AdamW's moments of them are views of one
+arena mapping (:class:`~.pages.ChunkArena`, :meth:`adam_moments`), and gloo's all-gather and
+reduce-scatter transients are slots of a resident pool the reducer owns
+(:class:`~.pages.StagingPool`: 2 gathers and ``MAX_IN_FLIGHT + 1`` reductions): glibc's heap
+then holds only a step's activations (docs/memory.md "Resident memory on CPU"). A forward
+pre-hook on the unit's module gathers it (memory back, one all-gather of
 the parameter chunks into the buffer); after the forward the layer is freed again; an
 identity autograd function on the layer's outputs gathers it again when backward reaches the
 layer (the saved activations refer to the same storage, so they see the same values; the
@@ -178,6 +187,7 @@ from ..comm import collectives as C
 from ..parallel.decoder_layers import decoder_layers
 from ..theory.training import bucket_partition
 from .flat_layout import FlatLayout
+from .pages import ChunkArena, FlatPages, StagingPool, heap_trimmer, mappable
 from .reducer import SteppedTensor, whole_parameters
 
 MAX_IN_FLIGHT = 2          # ZeRO ≥ 1: reduce-scatters outstanding in backward; the oldest is waited for beyond it
@@ -212,6 +222,11 @@ class Unit:
     prefetch: object = None                         # ZeRO-3: PendingCollective of a gather issued ahead
     accum: Optional[torch.Tensor] = None            # [L] fp32: bf16 ZeRO-0/1's micro-batch sum (ZeRO-0: reduced)
     accumulated: bool = False                       # accum holds earlier micro-batches' gradients of this step
+    param_pages: Optional[FlatPages] = None         # ZeRO-3: param_buffer's memory, released between uses
+    grad_pages: Optional[FlatPages] = None          # ZeRO-3: grad_buffer's memory, released once reduced
+    moments: tuple = ()                             # ZeRO-3 host pages: AdamW's [C] exp_avg, exp_avg_sq (arena views)
+    send_slot: Optional[tuple] = None               # ZeRO-3 host pages: the all-gather's StagingPool slot
+    recv_slot: Optional[tuple] = None               # ZeRO-3 host pages: the reduce-scatter's StagingPool slot
 
     @property
     def nbytes(self) -> int:
@@ -237,11 +252,13 @@ class ZeroDataParallel:
     """ZeRO stage ``stage`` (0–3) of ``model`` (laid out by :func:`gridshard.parallelize`) over
     ``data_axis`` (a :class:`gridshard.mesh.Axis`; module docstring). ``bucket_bytes``: ZeRO-0's
     bucket size. ``overlap``: issue each unit's reduction in the backward as soon as its
-    gradients are complete; ``defer_root``: not the root unit's (:meth:`_shards_now`)."""
+    gradients are complete; ``defer_root``: not the root unit's (:meth:`_shards_now`).
+    ``host_pages`` (``train.zero3_host_memory: pages``; ZeRO-3 on a Linux CPU, else no effect):
+    ZeRO-3's own memory outside glibc's heap (:mod:`gridshard.zero.pages`)."""
 
     def __init__(self, model: nn.Module, data_axis, stage: int, bucket_bytes: int = 25 << 20, overlap: bool = True,
                  param_dtype: torch.dtype = torch.float32, grad_reduce_dtype: torch.dtype = torch.float32,
-                 defer_root: bool = False):
+                 defer_root: bool = False, host_pages: bool = False):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroDataParallel: stage {stage} is not 0, 1, 2 or 3. Fix: set train.zero to one of them")
         self.model, self.axis, self.stage = model, data_axis, stage
@@ -264,6 +281,12 @@ class ZeroDataParallel:
         self.gather_order = [u for u in self.units if u.name == "root"] + [u for u in self.units if u.name != "root"]
         self._armed = False
         self._in_flight: list = []                     # units whose reduction is outstanding, oldest first
+        # ZeRO-3 host pages: chunks and AdamW moments in one mapping, staging slots (gridshard.zero.pages)
+        device = next(model.parameters()).device
+        self.host_pages = host_pages and stage == 3 and mappable(device)
+        self.arena = self._plan_arena(device) if stage == 3 else None
+        self.staging = self._staging_pool(device) if self.arena is not None else None
+        self._moments: dict = {}                       # id(stepped tensor) → (exp_avg, exp_avg_sq) views
         for u in self.units:
             self._lay_out(u)
             for p in u.params:
@@ -274,6 +297,9 @@ class ZeroDataParallel:
             self._free(u)                              # ZeRO-3: the chunk holds the values now
         if stage == 3:
             self._install_gather_hooks()
+            trim = heap_trimmer(device) if self.host_pages else None
+            if trim is not None:                       # the original parameters, freed above, leave the process
+                trim(0)
         model.grad_reducer = self                      # gathered_state_dict finds the shards through it
 
     # ---- construction ------------------------------------------------------------------
@@ -317,32 +343,89 @@ class ZeroDataParallel:
                 u.modules = [m for m in model.modules() if any(id(p) in ids for p in m.parameters(recurse=False))]
         return units
 
+    def _chunk_pieces(self, u: Unit) -> list:
+        """ZeRO-3: (numel, dtype) of ``u``'s long-lived chunks in arena order — parameter chunk,
+        reduced chunk, fp32 master (bf16 storage), AdamW's two moments of the stepped chunk."""
+        c, stored = u.layout.padded // self.parts, self._stored_dtype(u)
+        stepped = torch.float32 if self.mixed else stored
+        return [(c, stored), (c, torch.float32)] + ([(c, torch.float32)] if self.mixed else []) + [(c, stepped)] * 2
+
+    def _stored_dtype(self, u: Unit) -> torch.dtype:
+        """The dtype ``u``'s parameters are stored in (bf16 storage: ``param_dtype``)."""
+        return self.param_dtype if self.mixed else u.params[0].dtype
+
+    def _plan_arena(self, device) -> Optional[ChunkArena]:
+        """ZeRO-3: every unit's layout, and with host pages the arena sized for all their chunks."""
+        for u in self.units:
+            u.layout = FlatLayout.of([p.numel() for p in u.params], self.parts)
+        if not self.host_pages:
+            return None
+        return ChunkArena.on(device, [piece for u in self.units for piece in self._chunk_pieces(u)])
+
+    def _staging_pool(self, device) -> Optional[StagingPool]:
+        """ZeRO-3 host pages at D > 1: 2 send and ``MAX_IN_FLIGHT + 1`` receive slots of the
+        largest unit in fp32 (:class:`~.pages.StagingPool`)."""
+        if self.axis.size == 1:
+            return None
+        nbytes = 4 * max(u.layout.padded for u in self.units)
+        return StagingPool(nbytes, device, gathers=2, reductions=MAX_IN_FLIGHT + 1)
+
+    def _new_chunk(self, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A zero [n] chunk: carved from the arena (ZeRO-3 host pages), else its own tensor."""
+        return self.arena.take(n, dtype) if self.arena is not None else torch.zeros(n, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def _lay_out_zero3(self, u: Unit, shapes) -> None:
+        """ZeRO-3: ``u``'s parameter and gradient buffers as :class:`~.pages.FlatPages`, its chunks
+        carved from the arena in :meth:`_chunk_pieces` order (zeros), the values copied in."""
+        first, stored, (lo, hi) = u.params[0], self._stored_dtype(u), u.layout.chunk(self.part)
+        chunk = lambda dtype: self._new_chunk(hi - lo, dtype, first.device)                 # noqa: E731
+        u.param_pages = FlatPages(u.layout.padded, stored, first.device, mapped=self.host_pages)
+        u.grad_pages = FlatPages(u.layout.padded, stored, first.device, mapped=self.host_pages)
+        values = (torch.zeros(u.layout.padded, dtype=first.dtype, device=first.device) if self.mixed
+                  else u.param_pages.tensor)
+        for p, view in zip(u.params, u.layout.views(values, shapes)):
+            view.copy_(p.detach())
+        u.param_chunk, u.reduced = chunk(stored), chunk(torch.float32)
+        if self.mixed:                                 # the fp32 values → the master chunk, then bf16 storage
+            u.master = chunk(torch.float32).copy_(values[lo:hi])
+            u.param_pages.tensor.copy_(values)
+        u.param_buffer, u.grad_buffer = u.param_pages.tensor, u.grad_pages.tensor
+        u.param_chunk.copy_(u.param_buffer[lo:hi])
+        stepped_dtype = torch.float32 if self.mixed else stored
+        u.moments = (chunk(stepped_dtype), chunk(stepped_dtype)) if self.arena is not None else ()
+
     @torch.no_grad()
     def _lay_out(self, u: Unit) -> None:
         """Allocate ``u``'s buffers, make the parameters and gradients views of them and record
-        what this rank steps (module docstring)."""
+        what this rank steps (module docstring; ZeRO-3: :meth:`_lay_out_zero3`)."""
         first, shapes = u.params[0], [p.shape for p in u.params]
-        u.layout = FlatLayout.of([p.numel() for p in u.params], self.parts)
+        u.layout = u.layout or FlatLayout.of([p.numel() for p in u.params], self.parts)
         new = lambda n, dtype=first.dtype: torch.zeros(n, dtype=dtype, device=first.device)     # noqa: E731
-        values = new(u.layout.padded)
-        for p, view in zip(u.params, u.layout.views(values, shapes)):
-            view.copy_(p.detach())
         lo, hi = u.layout.chunk(self.part)
-        if self.mixed:                                 # the fp32 values → the master chunk, then bf16 storage
-            u.master = values[lo:hi].clone()
-            values = values.to(self.param_dtype)
-        u.param_buffer = values
+        if self.stage == 3:
+            self._lay_out_zero3(u, shapes)
+        else:
+            values = new(u.layout.padded)
+            for p, view in zip(u.params, u.layout.views(values, shapes)):
+                view.copy_(p.detach())
+            if self.mixed:                             # the fp32 values → the master chunk, then bf16 storage
+                u.master = values[lo:hi].clone()
+                values = values.to(self.param_dtype)
+            u.param_buffer, u.param_chunk = values, values[lo:hi]
+            u.grad_buffer = new(u.layout.padded if self.persistent else 0, u.param_buffer.dtype)
         for p, view in zip(u.params, u.layout.views(u.param_buffer, shapes)):
             p.data = view
-        u.param_chunk = u.param_buffer[lo:hi].clone() if self.stage == 3 else u.param_buffer[lo:hi]
-        u.grad_buffer = new(u.layout.padded if self.persistent else 0, u.param_buffer.dtype)
         u.grad_views = u.layout.views(u.grad_buffer, shapes) if self.persistent else []
         stepped = u.master if self.mixed else u.param_chunk
         if self.stage:
-            u.reduced = new(hi - lo, torch.float32)
+            u.reduced = u.reduced if self.stage == 3 else new(hi - lo, torch.float32)
             for name, p, off, (a, b) in zip(u.names, u.params, u.layout.offsets, u.layout.owned(self.part)):
                 if b > a:
                     u.stepped.append(SteppedTensor(name, p, stepped[off + a - lo:off + b - lo], (a, b)))
+                    if u.moments:                      # the optimizer's state for it (adam_moments)
+                        self._moments[id(u.stepped[-1].tensor)] = tuple(m[off + a - lo:off + b - lo]
+                                                                        for m in u.moments)
         else:                                          # whole parameters (bf16: their masters)
             u.reduced = new(u.layout.padded, torch.float32) if self.mixed else u.grad_buffer
             views = u.layout.views(stepped, shapes) if self.mixed else u.params
@@ -357,7 +440,7 @@ class ZeroDataParallel:
             if self.persistent:
                 self._attach_grads(u)
         else:                                          # allocated when the unit's first backward starts
-            u.grad_buffer.untyped_storage().resize_(0)
+            self._release_grads(u)
             u.grads_live = False
 
     def _install_gather_hooks(self) -> None:
@@ -395,8 +478,11 @@ class ZeroDataParallel:
         if u.prefetch is not None:
             self._wait_prefetch(u)
         elif not u.gathered:
-            u.param_buffer.untyped_storage().resize_(u.nbytes)
-            C.all_gather_into(u.param_buffer, u.param_chunk, self.axis)
+            u.param_pages.restore()
+            slot = self._take_slot("gather")
+            C.all_gather_into(u.param_buffer, u.param_chunk, self.axis,
+                              staging=self._slot_view(slot, u.param_buffer.dtype))
+            self._give_slot(slot)
             u.gathered = True
         if ahead and fresh and self.overlap:
             i = self.gather_order.index(u) + ahead
@@ -406,20 +492,35 @@ class ZeroDataParallel:
     def _prefetch(self, u: Unit) -> None:
         if u.gathered or u.prefetch is not None:
             return
-        u.param_buffer.untyped_storage().resize_(u.nbytes)
-        u.prefetch = C.all_gather_into(u.param_buffer, u.param_chunk, self.axis, async_op=True)
+        u.param_pages.restore()
+        u.send_slot = self._take_slot("gather")
+        u.prefetch = C.all_gather_into(u.param_buffer, u.param_chunk, self.axis, async_op=True,
+                                       staging=self._slot_view(u.send_slot, u.param_buffer.dtype))
         u.gathered = True
 
     def _wait_prefetch(self, u: Unit) -> None:
         u.prefetch.wait()
         u.prefetch = None
+        self._give_slot(u.send_slot)
+        u.send_slot = None
+
+    def _take_slot(self, kind: str) -> Optional[tuple]:
+        """A free slot of the staging pool (host pages at D > 1), else None: the collective allocates."""
+        return self.staging.take(kind) if self.staging is not None else None
+
+    def _slot_view(self, slot: Optional[tuple], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        return self.staging.view(slot, dtype) if slot is not None else None
+
+    def _give_slot(self, slot: Optional[tuple]) -> None:
+        if slot is not None:
+            self.staging.give(slot)
 
     def _free(self, u: Unit) -> None:
         if self.stage != 3 or not u.gathered:
             return
         if u.prefetch is not None:                     # issued ahead but never used (e.g. a forward cut short)
             self._wait_prefetch(u)
-        u.param_buffer.untyped_storage().resize_(0)
+        u.param_pages.release()
         u.gathered = False
 
     @contextlib.contextmanager
@@ -454,8 +555,11 @@ class ZeroDataParallel:
             self._in_flight.remove(u)
             self._finish(u)
         if not u.grads_live:
-            u.grad_buffer.untyped_storage().resize_(u.nbytes)
-            u.grad_buffer.zero_()
+            if u.grad_pages is not None:
+                u.grad_pages.restore(zero=True)
+            else:
+                u.grad_buffer.untyped_storage().resize_(u.nbytes)
+                u.grad_buffer.zero_()
             u.grads_live = True
         self._attach_grads(u)
 
@@ -564,19 +668,29 @@ class ZeroDataParallel:
         if u.reductions or send.dtype != out.dtype:
             out = u.scratch = torch.empty(out.numel(), dtype=send.dtype, device=out.device)
             u.scratch_first = not u.reductions
-        return C.reduce_scatter_flat(send, self.axis, async_op=True, out=out)
+        u.recv_slot = self._take_slot("reduce")
+        return C.reduce_scatter_flat(send, self.axis, async_op=True, out=out,
+                                     staging=self._slot_view(u.recv_slot, send.dtype))
 
     def _free_grad_buffer(self, u: Unit) -> None:
         """Release ``u``'s gradient buffer's storage (its ``.grad`` views dropped)."""
         for p in u.params:
             p.grad = None
-        u.grad_buffer.untyped_storage().resize_(0)
+        self._release_grads(u)
         u.grads_live = False
+
+    def _release_grads(self, u: Unit) -> None:
+        if u.grad_pages is not None:                   # ZeRO-3 (gridshard.zero.pages)
+            u.grad_pages.release()
+        else:
+            u.grad_buffer.untyped_storage().resize_(0)
 
     def _finish(self, u: Unit) -> None:
         """Wait for unit ``u``'s reduction; ZeRO-0 bf16 reduce: cast it into the reduced buffer;
         ZeRO ≥ 1: add a later micro-batch's into the reduced chunk (ZeRO-2/3: free the gradient buffer)."""
         u.pending.wait()
+        self._give_slot(u.recv_slot)
+        u.recv_slot = None
         if u.send is u.grad_buffer and u.reduced is not u.grad_buffer:
             self._cast_into_reduced(u)
         if u.send is not None and u.send is u.accum:
@@ -704,6 +818,19 @@ class ZeroDataParallel:
         out += [u.master for u in self.units] if self.mixed else []
         out += [u.accum for u in self.units] if self.stage == 1 and self.fp32_accumulation else []
         return out + ([u.param_chunk for u in self.units] if self.stage == 3 else [])
+
+    def released_tensors(self) -> list:
+        """The buffers whose memory is released now — ZeRO-3 parameter buffers of units not
+        gathered, gradient buffers without their memory — which memory accounting counts as 0
+        bytes (:func:`gridshard.engine.memory_meter.model_state_tensor_bytes`): a released
+        mapping keeps its storage's size (:mod:`gridshard.zero.pages`)."""
+        out = [u.param_buffer for u in self.units if u.param_pages is not None and not u.gathered]
+        return out + [u.grad_buffer for u in self.units if u.grad_pages is not None and not u.grads_live]
+
+    def adam_moments(self, tensor: torch.Tensor) -> Optional[tuple]:
+        """(exp_avg, exp_avg_sq) for a stepped ``tensor``: its slices of the unit's moment chunks
+        in the arena (ZeRO-3 host pages, :mod:`gridshard.zero.pages`), else None."""
+        return self._moments.get(id(tensor))
 
 
 def _map_tensors(obj, fn):

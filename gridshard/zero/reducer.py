@@ -72,7 +72,8 @@ class SteppedTensor:
 
 def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, overlap: bool,
                   param_dtype: torch.dtype = torch.float32,
-                  grad_reduce_dtype: torch.dtype = torch.float32, defer_root: bool = False) -> ZeroDataParallel:
+                  grad_reduce_dtype: torch.dtype = torch.float32, defer_root: bool = False,
+                  host_pages: bool = False) -> ZeroDataParallel:
     """The reducer of ``train.zero`` = ``zero`` for ``model`` (laid out by :func:`gridshard.parallelize`)
     over ``data_axis``; registered as ``model.grad_reducer`` (:func:`gridshard.parallel.state_dict.
     gathered_state_dict` gathers through it). ``overlap``: reduce during the backward
@@ -83,11 +84,13 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
     fp32 masters (ZeRO-0: whole; ZeRO ≥ 1: this rank's chunks), then stores every floating
     parameter of ``model`` in bf16 — the one cast of the run; what it steps is the masters, and
     :meth:`~.data_parallel.ZeroDataParallel.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
-    gradients are reduced in (``train.grad_reduce_dtype``)."""
+    gradients are reduced in (``train.grad_reduce_dtype``). ``host_pages``: ZeRO-3's memory outside glibc's heap on
+    a Linux CPU (``train.zero3_host_memory: pages``, :mod:`gridshard.zero.pages`)."""
     from .data_parallel import ZeroDataParallel
 
     reducer = ZeroDataParallel(model, data_axis, zero, bucket_bytes, overlap=overlap, param_dtype=param_dtype,
-                               grad_reduce_dtype=grad_reduce_dtype, defer_root=defer_root)
+                               grad_reduce_dtype=grad_reduce_dtype, defer_root=defer_root,
+                               host_pages=host_pages)
     if param_dtype != torch.float32:                   # parameters without a gradient (frozen) too
         with torch.no_grad():
             for p in model.parameters():
