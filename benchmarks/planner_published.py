@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from gridshard.config import load_config  # noqa: E402
 from gridshard.planner.hardware import load_hardware  # noqa: E402
-from gridshard.planner.layouts import Layout  # noqa: E402
+from gridshard.planner.layouts import Layout, overlap_choices  # noqa: E402
 from gridshard.planner.search import evaluate  # noqa: E402
 from gridshard.theory.training import flops_per_token  # noqa: E402
 
@@ -124,11 +124,13 @@ def schedules(run: PublishedRun) -> list:
     return out
 
 
-def price(run: PublishedRun, schedule: str = "1f1b", virtual: int = 1):
-    """The planner's candidate for ``run``'s published layout (priced even when it does not fit)."""
+def price(run: PublishedRun, schedule: str = "1f1b", virtual: int = 1, overlap_grad_reduce: bool = True):
+    """The planner's candidate for ``run``'s published layout (priced even when it does not fit);
+    ``overlap_grad_reduce`` False: whole-gradient accumulation (``train.overlap_grad_reduce: false``)."""
     cfg = load_config(None, run.overrides())
     layout = Layout(run.D, run.P, run.T, "1d" if run.T > 1 else "none", run.sequence_parallel, run.zero,
-                    run.recompute, 1, schedule if run.P > 1 else "1f1b", virtual, run.stage_layers)
+                    run.recompute, 1, schedule if run.P > 1 else "1f1b", virtual, run.stage_layers,
+                    overlap_grad_reduce=overlap_grad_reduce)
     return evaluate(cfg, layout, load_hardware(run.hardware), run.gpus, nodes=-(-run.gpus // 8),
                     price_too_large=True)
 
@@ -265,11 +267,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for run in RUNS:
         for schedule, v in schedules(run):
-            c = price(run, schedule, v)
-            fits = f"{'yes' if c.feasible else 'no'} ({c.predicted_mem_bytes / 2**30:.1f})"
-            label = schedule + (f"/v{v}" if v > 1 else "")
-            print(f"| {run.source} | {run.name} | {run.gpus} | {run.D} {run.P} {run.T} | {label} | "
-                  f"{run.tflops_per_gpu:g} | {c.predicted_step_s:.2f} | {ratio(run, c):.3f} | {fits} |")
+            A = run.global_batch // run.D                  # micro-batch 1
+            for ov in overlap_choices(run.zero, run.D, run.P, schedule, A):     # the planner's both, where both
+                _row(run, price(run, schedule, v, ov), schedule + (f"/v{v}" if v > 1 else "") +
+                     ("" if ov else " whole-grad"))
+
+
+def _row(run: PublishedRun, c, label: str) -> None:
+    """One Markdown row of :func:`main`'s table."""
+    fits = f"{'yes' if c.feasible else 'no'} ({c.predicted_mem_bytes / 2**30:.1f})"
+    print(f"| {run.source} | {run.name} | {run.gpus} | {run.D} {run.P} {run.T} | {label} | "
+          f"{run.tflops_per_gpu:g} | {c.predicted_step_s:.2f} | {ratio(run, c):.3f} | {fits} |")
 
 
 if __name__ == "__main__":

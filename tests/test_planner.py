@@ -24,6 +24,7 @@
   under ``selective`` the published accounting less the rebuilt norm outputs and SwiGLU product;
   feasible with ``selective``, rejected with ``none``).
 """
+import collections
 import json
 import math
 
@@ -119,6 +120,37 @@ def test_memory_is_predict_rank_memory_of_the_worst_rank(layout, precision):
         fp32 = evaluate(load_config("configs/tiny.yaml", ["model.layers=4"]), layout, hw,
                         layout.data * layout.pipeline * layout.tensor)
         assert c.memory.activations < fp32.memory.activations
+
+
+def test_pipeline_zero2_enumerates_and_prices_both_gradient_accumulations():
+    """Issue 23: under a pipeline with A > 1, ZeRO-2/3 layouts come with train.overlap_grad_reduce true
+    (sharded accumulation) and false (whole-grad); P = 1 keeps true only. The whole-grad layout prices
+    one reduce-scatter per unit and step instead of A, and more memory (its whole fp32 gradient), equal
+    to predict_rank_memory(overlap_grad_reduce=False) of the worst rank."""
+    from dataclasses import replace
+    from gridshard.planner.cost_time import data_comm
+
+    flags = collections.defaultdict(set)
+    for lay in enumerate_layouts(4, 16, zero_stages=(1, 2), recompute=("none",), micro_batches=[1, 8]):
+        flags[(lay.pipeline, lay.zero, lay.micro_batch * lay.data < 16)].add(lay.overlap_grad_reduce)
+    assert flags[(2, 2, True)] == {True, False} and flags[(1, 2, True)] == flags[(2, 1, True)] == {True}
+    assert flags[(2, 2, False)] == {True}                                   # A = 1: nothing to choose
+    cfg = load_config("configs/tiny.yaml", ["model.layers=8"])
+    mc = cfg.model.resolve()
+    sharded = Layout(2, 2, 1, "none", False, 2, "none", 1, "1f1b")
+    whole = replace(sharded, overlap_grad_reduce=False)
+    assert whole.label().endswith(" whole-grad") and whole.train_section()["overlap_grad_reduce"] is False
+    ids = stage_layers_of_rank(8, 2, 1)
+    calls = [data_comm(mc, x, ids[0], True, False, 8, 25 << 20)[0].count("reduce_scatter") for x in (sharded, whole)]
+    assert calls == [8 * 5, 5]                                              # 4 layers + root, A = 8
+    cs, cw = evaluate(cfg, sharded, CPU, 4), evaluate(cfg, whole, CPU, 4)
+    assert cs.feasible and cw.feasible and cw.predicted_mem_bytes > cs.predicted_mem_bytes
+    want = [predict_rank_memory(mc, data=2, zero=2, micro_batch=1, seq_len=128, n_microbatches=8, pipeline=2,
+                                pipeline_rank=r, layer_ids=ids[r], baseline_bytes=CPU.reserved_bytes,
+                                overlap_grad_reduce=False,
+                                blocks=rank_parameter_blocks(mc, "none", 1, ids[r], r == 0, r == 1)).total_with_margin
+            for r in range(2)]
+    assert cw.predicted_mem_bytes == max(want)
 
 
 def test_step_time_components():
@@ -282,7 +314,7 @@ def test_plan_ranks_and_json_fields():
         for key in ("parallel", "train", "predicted_mem_bytes", "predicted_step_s", "predicted_tokens_per_s",
                     "feasible", "reason"):
             assert key in r
-        assert set(r["train"]) == {"zero", "recompute", "micro_batch"}
+        assert set(r["train"]) == {"zero", "recompute", "micro_batch", "overlap_grad_reduce"}
         assert {"data", "pipeline", "tensor", "tensor_mode", "sequence_parallel"} <= set(r["parallel"])
     assert [r["feasible"] for r in records] == [True] * 5 + [False] * 2
     assert records[-1]["reason"]

@@ -94,7 +94,8 @@ def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
             micro_batch=layout.micro_batch, seq_len=seq_len, n_microbatches=A, pipeline=P, pipeline_rank=r,
             schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=int(baseline_bytes),
             margin_fraction=float(margin_fraction), precision=precision,
-            context=layout.context, context_mode=layout.context_mode, blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1))
+            context=layout.context, context_mode=layout.context_mode,
+            overlap_grad_reduce=layout.overlap_grad_reduce, blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1))
         if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
             extra = max(0, interleaved_in_flight(r, P, V, A) - mem.details["in_flight"])
             buffers = (V - 1) * 2 * A * boundary_bytes(layout.tensor_mode, layout.sequence_parallel, layout.tensor,

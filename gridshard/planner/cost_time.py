@@ -214,7 +214,8 @@ def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, b
         units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
     size = {u: unit_padded_numel([b.numel for b in bs], D) for u, bs in units.items()}
     layer_units = [size[u] for u in units if u != "root"]
-    sharded = sharded_accumulation(layout.zero, D, layout.pipeline, layout.pipeline_schedule)
+    sharded = sharded_accumulation(layout.zero, D, layout.pipeline, layout.pipeline_schedule,
+                                   layout.overlap_grad_reduce)
     tied_root = layout.pipeline > 1 and bool(cfg.tie_embeddings) and (first or last)   # reduced after the tied sum
     vol = zero_step_comm(layer_units, size.get("root", 0), D, layout.zero, A, sharded_accumulation=sharded,
                          tied_root=tied_root)
@@ -509,9 +510,10 @@ def _data_step(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last: 
             out.gather_after_s = t_gather
     out.reduce_s = comm_seconds([reduce], hw, level, pr.skew)
     D = layout.data * layout.context
-    in_backward = reduces_in_backward(layout.zero, D, layout.pipeline, layout.pipeline_schedule)
+    ov = layout.overlap_grad_reduce                 # train.overlap_grad_reduce (the planner enumerates it)
+    in_backward = reduces_in_backward(layout.zero, D, layout.pipeline, layout.pipeline_schedule, ov)
     # sharded accumulation: each micro-batch's reduce-scatters hide under that micro-batch's backward
-    waves = A if sharded_accumulation(layout.zero, D, layout.pipeline, layout.pipeline_schedule) else 1
+    waves = A if sharded_accumulation(layout.zero, D, layout.pipeline, layout.pipeline_schedule, ov) else 1
     hide = hw.dp_overlap * (2.0 / 3.0) * compute_mb * waves if in_backward else 0.0
     if out.reduce_s:
         out.exposed_reduce_s = max(out.reduce_s - hide, out.reduce_s / max(1, units) / waves)

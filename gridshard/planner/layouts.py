@@ -21,6 +21,13 @@ combination the device count allows:
 * recompute none / selective / full;
 * micro_batch: every divisor of global_batch / D (up to ``max_micro_batch``, 16 by default);
 * P > 1: ``gpipe``, ``1f1b`` and ``interleaved_1f1b`` with V ∈ {2, 4} virtual stages.
+* ``train.overlap_grad_reduce`` true and false (issue 23) exactly where it changes how ZeRO-2/3
+  accumulate: ZeRO-2/3 with sharded accumulation (:func:`gridshard.theory.zero.sharded_accumulation`:
+  D·C·d > 1, a schedule in ``SHARDED_ACCUMULATION_SCHEDULES``) under a pipeline (P > 1) with A > 1
+  micro-batches. true reduce-scatters every micro-batch (A× the reduce-scatter calls, no whole
+  gradient between micro-batches); false (label ``whole-grad``) accumulates whole gradients and
+  reduces once per step. At P = 1 only true is enumerated, to keep the search small (there false
+  would also stop the reduction hiding under the last backward).
   ``zero_bubble`` is not enumerated (the memory model does not describe its deferred
   weight passes, and ZeRO-3 refuses it);
 * the stage split: the default (``stage_layers`` None: L/S layers per stage,
@@ -44,6 +51,7 @@ from ..config import validate as rules
 from ..config.schema import TrainConfig
 from ..errors import ConfigError, LayoutError
 from ..job_layout import TensorMode, stage_layer_counts
+from ..theory.zero import sharded_accumulation
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -69,6 +77,7 @@ class Layout:
     context: int = 1                            # C: ranks one sequence is split over
     context_mode: str = "ring"                  # ring | all_to_all (C > 1)
     tensor_depth: int = 1                       # d: 2.5D depth layers (T = q²·d); 1 otherwise
+    overlap_grad_reduce: bool = True            # train.overlap_grad_reduce (false: whole-gradient accumulation)
 
     @property
     def mode(self) -> TensorMode:
@@ -103,7 +112,8 @@ class Layout:
                 "stage_layers": None if self.stage_layers is None else list(self.stage_layers)}
 
     def train_section(self) -> dict:
-        return {"zero": self.zero, "recompute": self.recompute, "micro_batch": self.micro_batch}
+        return {"zero": self.zero, "recompute": self.recompute, "micro_batch": self.micro_batch,
+                "overlap_grad_reduce": self.overlap_grad_reduce}
 
     def label(self) -> str:
         mode = self.tensor_mode + ("+SP" if self.sequence_parallel else "") + \
@@ -114,7 +124,7 @@ class Layout:
         split = "" if self.stage_layers is None else f" layers={split_label(self.stage_layers)}"
         ctx = f" C{self.context} {self.context_mode}" if self.context > 1 else ""
         return (f"D{self.data} P{self.pipeline}{ctx} T{self.tensor} {mode}{pipe}{split} z{self.zero} "
-                f"rc={self.recompute} m{self.micro_batch}")
+                f"rc={self.recompute} m{self.micro_batch}" + ("" if self.overlap_grad_reduce else " whole-grad"))
 
     @property
     def world(self) -> int:
@@ -232,7 +242,17 @@ def _enumerate_dpt(world: int, global_batch: int, zero_stages, recompute, micro_
                 for m in mbs:
                     for z in (zero_stages if D * C > 1 else (0,)):      # ZeRO shards over D·C
                         for rc in recompute:
-                            yield Layout(D, P, T, mode, sp, z, rc, m, sched, V, tensor_depth=depth)
+                            for ov in overlap_choices(z, D * C * depth, P, sched, global_batch // (m * D)):
+                                yield Layout(D, P, T, mode, sp, z, rc, m, sched, V, tensor_depth=depth,
+                                             overlap_grad_reduce=ov)
+
+
+def overlap_choices(zero: int, data_ranks: int, P: int, schedule: str, A: int) -> tuple:
+    """``train.overlap_grad_reduce`` values to enumerate (module docstring): (True, False) where the
+    flag decides sharded vs whole-gradient accumulation under a pipeline with A > 1, else (True,)."""
+    if P > 1 and A > 1 and sharded_accumulation(zero, data_ranks, P, schedule):
+        return (True, False)
+    return (True,)
 
 
 def apply_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
@@ -260,4 +280,4 @@ def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available:
 
 
 __all__ = ["Layout", "enumerate_layouts", "contexts", "factorisations", "divisors", "apply_layout", "layout_problem",
-           "lighter_end_splits", "split_label", "RECOMPUTE", "SCHEDULES"]
+           "lighter_end_splits", "split_label", "overlap_choices", "RECOMPUTE", "SCHEDULES"]

@@ -74,6 +74,7 @@ def explain(result: PlanResult) -> str:
                      f"(cost_time: two bounds)")
     lines += _context_reason(result)
     lines += _depth_reason(result)
+    lines += _grad_reduce_reason(result)
     others = []
     for c in result.candidates[1:]:
         key = (c.layout.data, c.layout.pipeline, c.layout.context, c.layout.tensor, c.layout.tensor_mode,
@@ -124,6 +125,38 @@ def _context_reason(result: PlanResult) -> list:
         out.append(f"  the ring's k/v sends overlap the attention compute (assumed): "
                    f"{best.step.context_comm_s:.3g} s exposed per step")
     return out
+
+
+def _grad_reduce_reason(result: PlanResult) -> list:
+    """How the best layout's ZeRO-2/3 accumulate under its pipeline (``train.overlap_grad_reduce``,
+    enumerated where it matters: :func:`~gridshard.planner.layouts.overlap_choices`): sharded (a
+    reduce-scatter every micro-batch, no whole gradient between them) or whole-grad (one reduction
+    per step, the whole gradient held), against the same layout with the other choice; [] where
+    the flag was not a choice."""
+    import dataclasses
+
+    best = result.best
+    L = best.layout
+    twin_layout = dataclasses.replace(L, overlap_grad_reduce=not L.overlap_grad_reduce)
+    twin = next((c for c in list(result.candidates) + list(result.rejected) if c.layout == twin_layout), None)
+    if twin is None:
+        return []
+    name = lambda lay: "sharded accumulation (reduce-scatter every micro-batch)" if lay.overlap_grad_reduce \
+        else "whole-grad accumulation (one reduction per step)"  # noqa: E731
+    head = f"  gradients: {name(L)}, train.overlap_grad_reduce={str(L.overlap_grad_reduce).lower()}"
+    if twin.memory is None:
+        return [f"{head}; the other choice breaks a config rule: {twin.reason}"]
+    if not twin.feasible:
+        return [f"{head}: {name(twin_layout)} needs {gib(twin.predicted_mem_bytes)} per rank (grads "
+                f"{gib(twin.memory.grads)}), above the device's {gib(result.hardware.device_memory_bytes)}"]
+    why = "the faster step" if best.predicted_step_s < twin.predicted_step_s else "the same step time, no more memory"
+    mem = "less" if best.predicted_mem_bytes < twin.predicted_mem_bytes else \
+        "the same" if best.predicted_mem_bytes == twin.predicted_mem_bytes else "more"
+    return [f"{head}, chosen for {why} ({mem} memory): {best.predicted_step_s:.4g} s per step vs "
+            f"{twin.predicted_step_s:.4g} s with {name(twin_layout)} (exposed data comm {best.step.data_comm_s:.3g} vs "
+            f"{twin.step.data_comm_s:.3g} s); memory {gib(best.predicted_mem_bytes)} vs "
+            f"{gib(twin.predicted_mem_bytes)} per rank (backward transient, the gradient buffers and casts: "
+            f"{gib(best.memory.transient)} vs {gib(twin.memory.transient)})"]
 
 
 def _fastest(cands, pred):
@@ -180,7 +213,7 @@ def _why(best: Candidate, other: Candidate) -> str:
 def written_config(result: PlanResult, candidate: Candidate = None) -> dict:
     """The input config (as written, plus the overrides) with the chosen ``parallel:`` section
     (``stage_layers`` when the layout has an explicit split, else none) and
-    ``train.zero/recompute/micro_batch`` merged in."""
+    ``train.zero/recompute/micro_batch/overlap_grad_reduce`` merged in."""
     from ..config.load import apply_overrides, default_config_dict, read_yaml
 
     src = result.source
