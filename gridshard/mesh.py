@@ -323,7 +323,7 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     else:
         dm = init_device_mesh(device_type, outer + (tensor,), mesh_dim_names=outer_names + ("tensor",))
         flat = None
-    replicas = tuple(n for n in ("data", "context", "depth") if n in outer_names[:1] + outer_names[2:])
+    replicas = tuple(n for n in outer_names if n != "pipeline")       # data, [context,] [depth]: weights replicated
     flat_dc = dm[replicas]._flatten("data_context") if len(replicas) > 1 else None
     mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, context=context,
                         flat_data_context_mesh=flat_dc, depth=depth)

@@ -51,6 +51,7 @@ from ..parallel import context_of, parallelize
 from ..parallel.compile import apply_compile
 from ..parallel.recompute import apply_recompute
 from ..pipeline.build import pipeline_rank_model
+from ..pipeline.tied import holds_tied_copy
 from ..theory.zero import reduces_in_backward
 from ..zero.reducer import build_reducer
 from .memory_meter import rss_now
@@ -285,8 +286,7 @@ def _reducer(job: Job) -> None:
     # waits for TiedEmbeddingSync's sum (sync())
     overlap = reduces_in_backward(t.zero, job.mesh.data_context.size, p.pipeline, p.pipeline_schedule,
                                   t.overlap_grad_reduce)
-    tied_copy = (p.pipeline > 1 and bool(getattr(job.model_cfg, "tie_embeddings", False))
-                 and (job.model.has_first or job.model.has_last))
+    tied_copy = holds_tied_copy(job.model, p.pipeline, bool(getattr(job.model_cfg, "tie_embeddings", False)))
     job.reducer = build_reducer(job.model, job.mesh.data_context, t.zero, int(t.bucket_mb * 2**20),
                                 overlap=overlap, defer_root=tied_copy,
                                 host_pages=_host_pages(job),

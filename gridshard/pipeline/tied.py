@@ -21,6 +21,13 @@ from ..comm import collectives as C
 from ..mesh import Axis, group_timeout_s, set_collective_timeout
 
 
+def holds_tied_copy(rank_model, pipeline: int, tied: bool) -> bool:
+    """Whether this rank holds one of the two copies of a cross-stage tied embedding (P > 1, tied,
+    first or last stage): the ranks :class:`TiedEmbeddingSync` pairs, whose ZeRO root unit waits for
+    the pair's sum (``build_reducer(defer_root=...)``)."""
+    return pipeline > 1 and tied and (rank_model.has_first or rank_model.has_last)
+
+
 class TiedEmbeddingSync:
     def __init__(self, rank_model, mesh, tied: bool):
         self.param, self.axis, self.drop_from_norm = None, None, False

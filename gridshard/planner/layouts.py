@@ -200,7 +200,7 @@ def _modes(T: int) -> list:
                 continue
             if mode.splits_weights == (T > 1):
                 out += [(mode.value, sp, depth) for sp in (False, True)
-                        if not sp or (not mode.has_depth and mode.sequence_parallel_in_effect(sp, T))]
+                        if not sp or mode.sequence_parallel_in_effect(sp, T)]
     return out
 
 
