@@ -7,19 +7,21 @@ reads them (as torchtitan's ``ParallelDims``):
 ================================  ============================================================
 fact                              rule
 ================================  ============================================================
-tensor mode                       :class:`TensorMode` (``none`` | ``1d`` | ``2d`` | ``2.5d``), parsed
+tensor mode                       :class:`TensorMode` (``none`` | ``1d`` | ``2d`` | ``2.5d`` | ``3d``), parsed
                                   once from ``parallel.tensor_mode``; its string is the config's and
                                   the metrics' value (``str(mode)``), its methods the rules below
 grid side q                       2D: T = q², q = √T (``mode.grid_side(T)``)
+cube side q                       3D: T = q³, q = ∛T (``mode.cube_side(T)``); a rank holds 1/T of
+                                  every weight and [b/q², s, h/q] of an activation
 2.5D depth layers                 T = q²·d (``parallel.tensor_depth`` d); every depth layer is the 2D
                                   layout on its q² ranks: ``mode.layer_layout(T, d)`` = (2d, q²) is
                                   what the layers, shapes and memory model read, and the depth joins
                                   the data ranks in the gradient reduction (``JobLayout.depth``)
 sequence parallelism in effect    requested ∧ mode = 1d ∧ T > 1
                                   (``mode.sequence_parallel_in_effect(requested, T)``)
-ranks one head dim is split over  1d: T; 2d: q; none: 1 (``mode.head_split(T)``)
+ranks one head dim is split over  1d: T; 2d and 3d: q; none: 1 (``mode.head_split(T)``)
 local kv heads, kv replication    1d: K/T heads per rank when T divides K; one head shared by
-                                  r = T/K ranks when K divides T; 2d: K/q (``mode.local_kv_heads``,
+                                  r = T/K ranks when K divides T; 2d, 3d: K/q (``mode.local_kv_heads``,
                                   ``mode.kv_replication``)
 context size, context mode       C = ``parallel.context`` ranks split every sequence (chunks i and
                                   2C − 1 − i, :mod:`gridshard.context`); :class:`ContextMode`
@@ -65,6 +67,7 @@ class TensorMode(str, Enum):
     ONE_D = "1d"
     TWO_D = "2d"
     TWO_P5_D = "2.5d"
+    THREE_D = "3d"
 
     def __str__(self) -> str:
         return self.value
@@ -83,12 +86,12 @@ class TensorMode(str, Enum):
         except ValueError:
             names = tuple(m.value for m in cls)
             raise LayoutError(f"tensor_mode={value!r} is unknown: it must be one of {names}. "
-                              f"Fix: use '1d' (Megatron column/row), '2d' (SUMMA on a q×q grid) or '2.5d' "
-                              f"(d depth layers of a q×q grid).") from None
+                              f"Fix: use '1d' (Megatron column/row), '2d' (SUMMA on a q×q grid), '2.5d' "
+                              f"(d depth layers of a q×q grid) or '3d' (a q×q×q cube).") from None
 
     @property
     def splits_weights(self) -> bool:
-        """Whether the T ranks hold blocks of the weights (1d, 2d, 2.5d) rather than replicas."""
+        """Whether the T ranks hold blocks of the weights (1d, 2d, 2.5d, 3d) rather than replicas."""
         return self is not TensorMode.NONE
 
     @property
@@ -118,10 +121,20 @@ class TensorMode(str, Enum):
         """SUMMA on a q×q grid: weights and activations split in both dims."""
         return self is TensorMode.TWO_D
 
+    @property
+    def is_cube(self) -> bool:
+        """3D on a q×q×q cube (:mod:`gridshard.comm.mesh_3d`): every weight split q³ ways, an
+        activation [b, s, h] held as [b/q², s, h/q]."""
+        return self is TensorMode.THREE_D
+
     def grid_side(self, T: int) -> Optional[int]:
         """q = √T on a grid, else None."""
         self._layer_only("grid_side")
         return math.isqrt(T) if self.is_grid else None
+
+    def cube_side(self, T: int) -> Optional[int]:
+        """q = ∛T on a cube, else None."""
+        return _icbrt(T) if self.is_cube else None
 
     def check_tensor_size(self, T: int, depth: int = 1) -> None:
         """LayoutError unless T fits the mode: T = 1 without tensor parallelism, T = q² in 2d,
@@ -135,6 +148,15 @@ class TensorMode(str, Enum):
         if self is TensorMode.NONE and T != 1:
             raise LayoutError(f"tensor_mode='none' with tensor={T}: without tensor parallelism T must be 1. "
                               f"Fix: set tensor_mode to '1d' or '2d', or tensor=1.")
+        if self.is_cube:
+            q = _icbrt(T)
+            if q < 2 or q ** 3 != T:
+                lo = max(2, q) ** 3 if q ** 3 < T else None
+                near = ", ".join(str(k ** 3) for k in range(2, 6))
+                raise LayoutError(f"tensor={T} with tensor_mode='3d': 3D lays the T ranks out as a q×q×q cube, so T "
+                                  f"must be q³ with q >= 2 (valid: {near}, ...). Fix: use tensor={lo or 8}, or "
+                                  f"tensor_mode='1d' / '2d'.")
+            return
         if self.is_grid and math.isqrt(T) ** 2 != T:
             r = math.isqrt(T)
             lo, hi = max(1, r * r), (r + 1) ** 2
@@ -148,15 +170,20 @@ class TensorMode(str, Enum):
         return bool(requested) and self.is_1d and T > 1
 
     def head_split(self, T: int) -> int:
-        """Ranks that one head (or neuron) dimension is split over: T in 1d, q in 2d, 1 in none."""
+        """Ranks that one head (or neuron) dimension is split over: T in 1d, q in 2d and 3d, 1 in none."""
         self._layer_only("head_split")
         if self.is_1d:
             return T
+        if self.is_cube:
+            return self.cube_side(T)
         return self.grid_side(T) if self.is_grid else 1
 
     def batch_split(self, T: int) -> int:
-        """Blocks a micro-batch is split into along the batch dim: q in 2d (grid rows), else 1."""
+        """Blocks a micro-batch is split into along the batch dim: q in 2d (grid rows), q² in 3d
+        (batch block i·q + j of rank (i, j, l)), else 1."""
         self._layer_only("batch_split")
+        if self.is_cube:
+            return self.cube_side(T) ** 2
         return self.grid_side(T) if self.is_grid else 1
 
     def local_kv_heads(self, kv_heads: int, T: int) -> int:
@@ -171,7 +198,8 @@ class TensorMode(str, Enum):
     def boundary_block(self, T: int, sequence_parallel: bool, micro: int, seq: int, hidden: int,
                        depth: int = 1) -> tuple:
         """One rank's block of a micro-batch's [m, s, h] hidden state (at a pipeline stage
-        boundary): [m/q, s, h/q] in 2d, [m, s/T, h] under sequence parallelism (in effect),
+        boundary): [m/q, s, h/q] in 2d, [m/q², s, h/q] in 3d (the residual stream's layout, the
+        cube's unswapped orientation), [m, s/T, h] under sequence parallelism (in effect),
         else the whole [m, s, h]. 2.5d (T = q²·d, ``depth`` d): depth layer k is the 2D layout
         on q² ranks over its m/d rows (:meth:`layer_layout`), so [m/(d·q), s, h/q]; grid position
         (k, i, j) sends it to (k, i, j) of the next stage. Its first dim is also the rank's rows
@@ -179,12 +207,21 @@ class TensorMode(str, Enum):
         if self.has_depth:
             mode, layer_T = self.layer_layout(T, depth)
             return mode.boundary_block(layer_T, sequence_parallel, micro // depth, seq, hidden)
-        if self.is_grid:
-            q = self.grid_side(T)
-            return (micro // q, seq, hidden // q)
+        if self.is_grid or self.is_cube:
+            return (micro // self.batch_split(T), seq, hidden // self.head_split(T))
         if self.sequence_parallel_in_effect(sequence_parallel, T):
             return (micro, seq // T, hidden)
         return (micro, seq, hidden)
+
+
+def _icbrt(n: int) -> int:
+    """⌊∛n⌋ for n ≥ 0, exactly (no float rounding)."""
+    q = round(n ** (1.0 / 3.0)) if n > 0 else 0
+    while q ** 3 > n:
+        q -= 1
+    while (q + 1) ** 3 <= n:
+        q += 1
+    return q
 
 
 def _check_2p5d_size(T: int, d: int) -> None:

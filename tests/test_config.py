@@ -26,7 +26,7 @@ BAD = [
     ("unknown section", {**_cfg(), "optim": {"lr": 1}}, 1, ["optim", "unknown field"]),
     ("wrong type", _cfg(parallel={"tensor": "2"}), 1, ["parallel.tensor", "'2'", "an integer"]),
     ("bool type", _cfg(parallel={"sequence_parallel": 1}), 1, ["parallel.sequence_parallel", "true or false"]),
-    ("unknown mode", _cfg(parallel={"tensor_mode": "3d"}), 1, ["parallel.tensor_mode", "'3d'", "'1d'"]),
+    ("unknown mode", _cfg(parallel={"tensor_mode": "4d"}), 1, ["parallel.tensor_mode", "'4d'", "'1d'"]),
     ("world mismatch", _cfg(parallel={"data": 2, "tensor": 2, "tensor_mode": "1d"}), 2,
      ["2×1×2 = 4", "world size is 2", "Fix"]),
     ("non-square 2d", _cfg(parallel={"tensor": 2, "tensor_mode": "2d"}), 2, ["tensor=2", "perfect square", "tensor=1"]),

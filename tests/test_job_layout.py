@@ -34,8 +34,8 @@ def test_tensor_mode_round_trips_the_config_string(name):
 
 
 def test_unknown_mode_and_bad_sizes_are_named():
-    with pytest.raises(LayoutError, match=r"tensor_mode='3d' is unknown.*Fix"):
-        TensorMode.parse("3d")
+    with pytest.raises(LayoutError, match=r"tensor_mode='4d' is unknown.*Fix"):
+        TensorMode.parse("4d")
     with pytest.raises(LayoutError, match=r"tensor=8 is not a perfect square.*tensor=4 or tensor=9"):
         TensorMode.TWO_D.check_tensor_size(8)
     with pytest.raises(LayoutError, match=r"tensor_mode='none' with tensor=2"):

@@ -23,7 +23,7 @@ def test_non_square_2d_names_nearest_squares():
 @pytest.mark.parametrize("bad,message", [
     (dict(data=0), r"parallel\.data=0 is invalid: every parallel size must be an integer >= 1"),
     (dict(tensor=-1), r"parallel\.tensor=-1 is invalid: every parallel size must be an integer >= 1"),
-    (dict(tensor_mode="3d"), r"tensor_mode='3d' is unknown: it must be one of \('none', '1d', '2d', '2\.5d'\)\. Fix:"),
+    (dict(tensor_mode="4d"), r"tensor_mode='4d' is unknown: it must be one of \('none', '1d', '2d', '2\.5d', '3d'\)\. Fix:"),
     (dict(tensor_mode="none", tensor=2), r"tensor_mode='none' with tensor=2: without tensor parallelism T must "
                                          r"be 1\. Fix: set tensor_mode to '1d' or '2d', or tensor=1"),
 ], ids=["data=0", "tensor=-1", "mode=3d", "none-with-T2"])
