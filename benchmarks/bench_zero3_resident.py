@@ -29,9 +29,22 @@ their ratio, ``--rounds`` × ``--steps`` timed steps after 2 warm-up steps.
 ``--allocators pages``: glibc's default malloc with ``train.zero3_host_memory: pages`` for ZeRO-3
 (ZeRO-0 as under glibc default; the memory part's saving and ratio for the opt-in).
 
+``--part cpu``: what a ZeRO-3 ``pages`` step costs this process, free of the machine's load: rank
+0's CPU seconds (user + system, every thread: ``getrusage``) and minor page faults around each
+``Trainer.step``, medians after the first of ``--steps``, and its peak (run it in two trees
+alternately to compare code versions).
+
+``--part phases``: where the peak is. One ZeRO-3 trainer (``--memory pages`` or ``heap``; ZeRO-0
+with ``--zero 0``), ``--steps`` steps in fresh processes; rank 0's resident set (``VmRSS``), peak
+(``VmHWM``) and glibc's heap (``mallinfo2``: arena size and the free bytes in it) at each phase of
+the last step — after the forward, as each unit's reduction is launched and finished, around
+``sync`` and ``after_step`` — and the staging pool's resident bytes.
+
     .venv/bin/python benchmarks/bench_zero3_resident.py [--steps 6] [--rounds 2] [--allocators fixed "glibc default" 8/64]
     .venv/bin/python benchmarks/bench_zero3_resident.py --part time [--thresholds 128/128 32768/65536]
     .venv/bin/python benchmarks/bench_zero3_resident.py --part pages [--steps 4] [--rounds 3]
+    .venv/bin/python benchmarks/bench_zero3_resident.py --part phases [--steps 3] [--memory heap] [--zero 0]
+    .venv/bin/python benchmarks/bench_zero3_resident.py --part cpu [--steps 6]
 """
 from __future__ import annotations
 
@@ -101,6 +114,80 @@ def _time_pages(steps: int, rounds: int) -> dict:
     return {"mapped": times[0], "heap": times[1], "same parameters": same}
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _phase_reading() -> tuple:
+    """(VmRSS, VmHWM, heap arena, free in it) of this process in bytes (``/proc/self/status``, glibc's
+    ``mallinfo2``)."""
+    kib = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                kib[key] = int(value.split()[0]) << 10
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return kib["VmRSS"], kib["VmHWM"], info.arena, info.fordblks
+
+
+def _phases(zero: int, steps: int, memory: str) -> list:
+    """``--part phases``: (phase, VmRSS, VmHWM, heap, free in heap, staging pool) bytes on this rank,
+    read at each phase of the last of ``steps`` steps."""
+    from gridshard.engine import Trainer
+
+    trainer = Trainer(_config(zero, steps, memory), progress=False)
+    reducer, rows, last = trainer.reducer, [], [False]
+    reduction = getattr(reducer, "reduction", reducer)
+
+    def mark(name: str) -> None:
+        if last[0]:
+            pool = reducer.staging.nbytes_held() if getattr(reducer, "staging", None) is not None else 0
+            rows.append((name, *_phase_reading(), pool))
+
+    def wrap(owner, method: str, label) -> None:
+        inner = getattr(owner, method)
+
+        def wrapped(*args, **kwargs):
+            mark(label(args, "<"))
+            out = inner(*args, **kwargs)
+            mark(label(args, ">"))
+            return out
+        setattr(owner, method, wrapped)
+
+    for method in ("_launch", "_finish"):
+        wrap(reduction, method, lambda a, end, m=method: f"{m[1:]} {a[0].name} {end}")
+    for method in ("sync", "after_step"):
+        wrap(reducer, method, lambda a, end, m=method: f"{m} {end}")
+    trainer.model.register_forward_hook(lambda *_: mark("forward done"))
+    for k in range(steps):
+        last[0] = k == steps - 1
+        mark("step begins")
+        trainer.step(k)
+    mark("step done")
+    return rows
+
+
+def _cpu_steps(steps: int) -> dict:
+    """``--part cpu``: per step after the first, this rank's (user s, system s, minor faults) of a
+    ZeRO-3 ``pages`` trainer, and its peak resident set."""
+    import resource
+
+    from gridshard.engine import Trainer
+
+    trainer = Trainer(_config(3, steps, "pages"), progress=False)
+    rows = []
+    for k in range(steps):
+        a = resource.getrusage(resource.RUSAGE_SELF)
+        trainer.step(k)
+        b = resource.getrusage(resource.RUSAGE_SELF)
+        rows.append((b.ru_utime - a.ru_utime, b.ru_stime - a.ru_stime, b.ru_minflt - a.ru_minflt))
+    return {"rows": rows[1:], "peak": _phase_reading()[1]}
+
+
 def _time_thresholds(steps: int, rounds: int, thresholds) -> dict:
     """In one group of processes: a ZeRO-0 and a ZeRO-3 trainer take turns, each step under
     another fixed (mmap, trim) threshold pair; seconds per (stage, mmap threshold)."""
@@ -123,7 +210,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--part", choices=("memory", "time", "pages"), default="memory")
+    ap.add_argument("--part", choices=("memory", "time", "pages", "phases", "cpu"), default="memory")
+    ap.add_argument("--memory", choices=("pages", "heap"), default="pages", help="--part phases: ZeRO-3's host memory")
+    ap.add_argument("--zero", type=int, choices=(0, 3), default=3, help="--part phases: the stage")
     ap.add_argument("--allocators", nargs="+", default=list(ALLOCATORS),
                     help='"fixed" (build_job\'s), "glibc default", "pages" (glibc default, ZeRO-3 host pages) '
                          'or "MMAP/TRIM" thresholds in MiB')
@@ -136,6 +225,21 @@ def main(argv=None) -> None:
         print(f"D = {D}, mid model, ZeRO-3, rank 0, {len(got['mapped'])} steps each, taking turns: median step "
               f"{1000 * mapped:.0f} ms (zero3_host_memory pages) / {1000 * heap:.0f} ms (heap) = "
               f"{mapped / heap:.3f}; bit-identical parameters after: {got['same parameters']}")
+        return None
+    if args.part == "cpu":
+        got = run_on_fresh_ranks(D, _cpu_steps, args.steps, timeout=1800)[0]
+        user, system, faults = (statistics.median(r[i] for r in got["rows"]) for i in range(3))
+        print(f"D = {D}, mid model, ZeRO-3 pages, rank 0, median of {len(got['rows'])} steps: CPU "
+              f"{1000 * (user + system):.0f} ms per step ({1000 * system:.0f} ms system), {faults:.0f} minor "
+              f"faults ({faults * 4 / 1024:.0f} MiB of 4 KiB pages); peak {got['peak'] / 2**20:.0f} MiB")
+        return None
+    if args.part == "phases":
+        rows = run_on_fresh_ranks(D, _phases, args.zero, args.steps, args.memory, timeout=1800)[0]
+        mib = 2**20
+        print(f"D = {D}, mid model, ZeRO-{args.zero}" + (f" {args.memory}" if args.zero == 3 else "")
+              + f", rank 0, step {args.steps} of {args.steps} (MiB)")
+        print(format_table(["phase", "VmRSS", "VmHWM", "heap", "free in heap", "staging pool"],
+                           [[name] + [f"{x / mib:.0f}" for x in values] for name, *values in rows]))
         return None
     if args.part == "time":
         pairs = THRESHOLDS if not args.thresholds else [tuple(int(x) << 10 for x in t.split("/"))

@@ -12,7 +12,9 @@ tensor mode                       :class:`TensorMode` (``none`` | ``1d`` | ``2d`
                                   the metrics' value (``str(mode)``), its methods the rules below
 grid side q                       2D: T = q², q = √T (``mode.grid_side(T)``)
 cube side q                       3D: T = q³, q = ∛T (``mode.cube_side(T)``); a rank holds 1/T of
-                                  every weight and [b/q², s, h/q] of an activation
+                                  every weight and [b/q², s, h/q] of an activation: tokens of batch
+                                  block i·q + j, logits (and so targets) of block i·q + l (the
+                                  mesh's ``batch_index`` / ``logits_batch_index``, :mod:`gridshard.mesh`)
 2.5D depth layers                 T = q²·d (``parallel.tensor_depth`` d); every depth layer is the 2D
                                   layout on its q² ranks: ``mode.layer_layout(T, d)`` = (2d, q²) is
                                   what the layers, shapes and memory model read, and the depth joins

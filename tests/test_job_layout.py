@@ -92,3 +92,18 @@ def test_boundary_block_per_mode():
     assert TensorMode.ONE_D.boundary_block(2, False, 4, 8, 16) == (4, 8, 16)
     assert TensorMode.ONE_D.boundary_block(2, True, 4, 8, 16) == (4, 4, 16)
     assert TensorMode.TWO_D.boundary_block(4, False, 4, 8, 16) == (2, 8, 8)
+
+
+def test_three_d_mode_facts():
+    """3D (T = q³): cube side, head split q, batch split q², K/q kv heads, the [m/q², s, h/q] boundary block,
+    and the size check naming the valid cubes."""
+    mode = TensorMode.parse("3d")
+    assert mode.is_cube and not mode.is_grid and mode.splits_weights and str(mode) == "3d"
+    assert (mode.cube_side(8), mode.cube_side(27), mode.head_split(27), mode.batch_split(27)) == (2, 3, 3, 9)
+    assert (mode.local_kv_heads(6, 27), mode.kv_replication(2, 8)) == (2, 1)
+    assert not mode.sequence_parallel_in_effect(True, 8)
+    assert mode.boundary_block(27, False, 18, 16, 36) == (2, 16, 12)
+    mode.check_tensor_size(64)
+    for bad in (1, 4, 9, 16):
+        with pytest.raises(LayoutError, match=r"T must be q³ with q >= 2 \(valid: 8, 27, 64, 125, \.\.\.\)"):
+            mode.check_tensor_size(bad)

@@ -64,3 +64,37 @@ def test_2d_grid_row_and_col_groups():
         assert t == rank == i * 2 + j
         assert row == (i * 2, i * 2 + 1)      # same grid row, varying column
         assert col == (j, 2 + j)              # same grid column, varying row
+
+
+def test_3d_tensor_size_names_the_cubes():
+    with pytest.raises(LayoutError, match=r"tensor=9 with tensor_mode='3d'.*T must be q³ with q >= 2 \(valid: 8, 27, "
+                                          r"64, 125, \.\.\.\)\. Fix: use tensor=8"):
+        validate_layout(9, data=1, pipeline=1, tensor=9, tensor_mode="3d")
+    validate_layout(16, data=2, pipeline=1, tensor=8, tensor_mode="3d")
+
+
+def _coords_3d():
+    from gridshard.comm import CommLedger
+
+    m = build_mesh(tensor=8, tensor_mode="3d")
+    again = build_mesh(tensor=8, tensor_mode="3d", ledger=CommLedger())
+    assert build_mesh(tensor=8, tensor_mode="3d") is m                      # memoised, no new groups
+    assert all(again.cube.physical[n].group is a.group for n, a in m.cube.physical.items())
+    c = m.cube
+    return (dist.get_rank(), m.tensor.rank, c.coords(), {n: a.ranks for n, a in c.physical.items()},
+            (m.batch_blocks, m.batch_index, m.logits_batch_index), m.data_context.size, m.q)
+
+
+@pytest.mark.wide                   # 8 ranks: make test-all
+def test_3d_cube_dims_and_groups():
+    """Dims (data, pipeline, weight, input, output): t = (i·q + j)·q + l; the weight axis is the q ranks
+    4 apart, input 2 apart, output adjacent; batch (weight × input) and its swapped twin; tokens block
+    i·q + j, targets block i·q + l; every weight split, so the reducer's group is data alone."""
+    for rank, t, c, ranks, batch, dc, q in run_on_ranks(8, _coords_3d):
+        i, j, l = rank // 4, (rank // 2) % 2, rank % 2
+        assert t == rank and c == {"weight": i, "input": j, "output": l} and q is None
+        assert ranks["weight"] == (j * 2 + l, 4 + j * 2 + l) and ranks["input"] == (4 * i + l, 4 * i + 2 + l)
+        assert ranks["output"] == (4 * i + 2 * j, 4 * i + 2 * j + 1)
+        assert ranks["weight_input"] == tuple(a * 4 + b * 2 + l for a in range(2) for b in range(2))
+        assert ranks["weight_output"] == tuple(a * 4 + j * 2 + b for a in range(2) for b in range(2))
+        assert batch == (4, 2 * i + j, 2 * i + l) and dc == 1

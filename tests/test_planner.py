@@ -60,7 +60,8 @@ def test_factorisations_and_enumeration():
     assert all(x.data * x.pipeline * x.tensor == 8 for x in layouts)
     assert {x.tensor_mode for x in layouts if x.tensor == 4} == {"1d", "2d"}       # 4 = 2²
     assert {x.tensor_mode for x in layouts if x.tensor == 2} == {"1d"}
-    assert {(x.tensor_mode, x.tensor_depth) for x in layouts if x.tensor == 8} == {("1d", 1), ("2.5d", 2)}   # 2²·2
+    assert {(x.tensor_mode, x.tensor_depth) for x in layouts if x.tensor == 8} == \
+        {("1d", 1), ("2.5d", 2), ("3d", 1)}                                    # 2²·2 and 2³
     assert {x.sequence_parallel for x in layouts if x.tensor_mode == "1d"} == {False, True}
     assert {x.zero for x in layouts if x.data == 1} == {0}
     assert {x.zero for x in layouts if x.data == 2} == {0, 1, 2, 3}

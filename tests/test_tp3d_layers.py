@@ -7,8 +7,10 @@ the swapped mesh), LayerNorm3D and Linear3D without input gradient on both orien
 vocabulary-parallel embedding → head → cross_entropy_3d (padded vocabulary, masked targets with
 a whole batch block masked, logits up to 1e4, mean and sum); the ledger equals
 gridshard.theory.tp3d exactly for each; parameters and the saved input are 1/q³ of one device's;
-a bad token or target in any batch block raises the same error on all ranks. `make test` runs
-only the checks without ranks; the 8-rank cases are marked wide (`make test-all`).
+a bad token or target in any batch block raises the same error on all ranks; the ViT path
+(PatchEmbedding3D → Linear3D → LayerNorm3D → ClsClassifier3D → classification_loss_3d, masked labels,
+both orientations, ledger = theory, the image gradient). `make test` runs only the checks without
+ranks; the 8-rank cases are marked wide (`make test-all`).
 """
 import pytest
 import torch
@@ -238,3 +240,96 @@ def test_layout_validation_and_theory():
     assert tp3d.linear3d_saved_activation_bytes(n, i, q) * q ** 3 == n * i * 4
     with pytest.raises(ValueError, match="in_features=10 is not divisible by 9"):
         tp3d.linear3d_comm(n, 10, o, q)
+
+
+# ---- the ViT path: PatchEmbedding3D → Linear3D → LayerNorm3D → ClsClassifier3D → classification_loss_3d -----
+def _vit_path_3d(q, b, img, patch, chans, h, classes, swapped, reduction, seed):
+    """Patch tokens, logits, loss, the image gradient and every parameter gradient equal one
+    process's (labels masked, batch block 1 wholly); the embedding on ``mesh``, the head on the
+    swapped orientation after a Linear3D; ledger = theory; the embedding stores 1/q³ of its layer."""
+    from gridshard.nn.vision_3d import ClsClassifier3D, PatchEmbedding3D, classification_loss_3d
+
+    from .test_tp2d_layers import _PlainPatchEmbedding
+
+    base = build_mesh_3d(q)
+    mesh = base.swapped() if swapped else base
+    out = mesh.swapped()
+    what = (f"PatchEmbedding3D→…→ClsClassifier3D q={q} b={b} img={img} h={h} K={classes} {reduction} "
+            f"seed={seed} {mesh}")
+    torch.manual_seed(seed)
+    ref = nn.ModuleDict(dict(pe=_PlainPatchEmbedding(img, patch, chans, h, 0.1), lin=plain_linear(h, h, True, 0.1),
+                             norm=nn.LayerNorm(h, eps=1e-5), cls=plain_linear(h, classes, True, 0.1)))
+    torch.manual_seed(seed)
+    par = nn.ModuleDict(dict(pe=PatchEmbedding3D(img, patch, chans, h, mesh, 0.1),
+                             lin=Linear3D(h, h, mesh, bias=True, init_std=0.1), norm=LayerNorm3D(h, out, eps=1e-5),
+                             cls=ClsClassifier3D(h, classes, out, bias=True, init_std=0.1)))
+    _set_vector(par.pe.bias, ref.pe.bias, mesh, 0.0, seed + 1)
+    _set_vector(par.lin.bias, ref.lin.bias, out, 0.0, seed + 2)
+    _set_vector(par.norm.weight, ref.norm.weight, out, 1.0, seed + 3)
+    _set_vector(par.norm.bias, ref.norm.bias, out, 0.0, seed + 4)
+    with torch.no_grad():
+        ref.cls.bias.copy_(torch.linspace(-1, 1, classes))
+        par.cls.bias.copy_(ref.cls.bias)
+    X = randn((b, chans, img, img), seed + 5).requires_grad_()
+    labels = randint(classes, (b,), seed + 6)
+    labels[b // q ** 2: 2 * b // q ** 2] = -100                # batch block 1: every label masked
+    labels[0] = -100
+    E = ref.pe(X)
+    logits_ref = ref.cls(ref.norm(ref.lin(E))[:, 0])
+    loss_ref = F.cross_entropy(logits_ref, labels, reduction=reduction)
+    loss_ref.backward()
+    x = _blk(X, mesh, hidden=False).requires_grad_()
+    LEDGER.reset()
+    e = par.pe(x)
+    assert_close(e, _blk(E, mesh), TOL, f"{what} patch tokens")
+    logits = par.cls(par.norm(par.lin(e)))
+    assert_close(logits, _blk(logits_ref, out, hidden=False), TOL, f"{what} logits")
+    loss = classification_loss_3d(logits, _blk(labels, out, hidden=False), out, reduction=reduction)
+    loss.backward()
+    assert_close(loss.detach().reshape(1), loss_ref.detach().reshape(1), TOL, f"{what} loss")
+    assert_close(x.grad, _blk(X.grad, mesh, hidden=False), TOL, f"{what} image grad")
+    s = 1 + (img // patch) ** 2
+    _ledger_matches(tp3d.combine(tp3d.patch_embedding3d_comm(b, h, chans, patch, s, q, swapped=swapped,
+                                                             image_grad=True),
+                                 tp3d.linear3d_comm(b * s, h, h, q, bias=True, swapped=swapped),
+                                 tp3d.layernorm3d_comm(b * s, h, q, swapped=not swapped),
+                                 tp3d.classifier3d_comm(b, h, classes, q, swapped=not swapped),
+                                 tp3d.classification_loss3d_comm(q, reduction, swapped=not swapped)), what)
+    for name in ("pe", "lin", "norm", "cls"):
+        _compare_parameters(par[name], ref[name], mesh, f"{what} {name}")
+    nbytes = sum(p.numel() * 4 for p in par.pe.parameters())
+    assert nbytes == tp3d.patch_embedding3d_param_bytes(h, chans, patch, s, q), what
+    assert nbytes * q ** 3 == sum(p.numel() * 4 for p in ref.pe.parameters()), what
+    try:
+        par.pe(x[:, :, :-1])
+    except ShapeError as err:
+        assert "Fix:" in str(err) and f"[b/q², {chans}, {img}, {img}]" in str(err), str(err)
+    else:
+        raise AssertionError(f"{what}: a wrongly sized image gave no ShapeError")
+    return True
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("swapped,reduction", [(False, "mean"), (True, "sum")])
+def test_vit_path_3d(swapped, reduction):
+    assert all(run_on_ranks(8, _vit_path_3d, Q, 8, 8, 4, 3, 16, 5, swapped, reduction, fresh_seed()))
+
+
+def test_vision_3d_theory():
+    """The patch embedding's traffic does not grow with the batch and is below a Linear3D over flattened
+    patches (what vision_3d's docstring chooses against) once N·(K + h) > q·K·h (ViT-B/16, q = 2: above
+    at 2 images, below at 8); parameters 1/q³; the classifier's and the loss's volumes."""
+    q, h, chans, patch, s = 2, 768, 3, 16, 197
+    k = chans * patch * patch
+    pe = lambda b: tp3d.patch_embedding3d_comm(b, h, chans, patch, s, q)  # noqa: E731
+    assert tp3d.wire_bytes(pe(4)) == tp3d.wire_bytes(pe(64)) and tp3d.rounds(pe(4)) == 8
+    lin = lambda b: tp3d.linear3d_comm(b * (s - 1), k, h, q, bias=True, input_grad=False)  # noqa: E731
+    assert tp3d.wire_bytes(lin(2)) < tp3d.wire_bytes(pe(4)) < tp3d.wire_bytes(lin(8))   # q·K·h = N·(K + h)
+    assert 2 * (s - 1) * (k + h) < q * k * h < 8 * (s - 1) * (k + h)
+    assert tp3d.patch_embedding3d_param_bytes(h, chans, patch, s, q) * q ** 3 == (k + 2 + s) * h * 4
+    cls = tp3d.classifier3d_comm(8, 16, 5, q)
+    assert cls["weight_input"].payload == {"all_gather": 5 * 16 // q * 4, "reduce_scatter": 5 * 16 // q * 4,
+                                           "all_reduce": 5 * 4}
+    assert cls["output"].payload == {"all_reduce": 8 // q ** 2 * 5 * 4}
+    loss = tp3d.classification_loss3d_comm(q, "mean", swapped=True)
+    assert loss["weight_output"].calls == {"all_reduce": 2} and loss["weight_input"].calls == {}

@@ -6,7 +6,8 @@ outside glibc's heap on a Linux CPU, as an opt-in.
   and memory accounting counts each carved view once.
 * D = 2 ZeRO-3, 2 micro-batches, 2 steps: pages and heap trainers in the same processes give
   bit-identical losses, norms and parameter chunks; the staging pool holds at most its 2 + 3
-  slots of the largest unit, resident; the held bytes still equal the formula.
+  slots of the largest unit, resident; the held bytes still equal the formula; the heap is
+  trimmed as each backward reaches its first layers.
 * Checkpoints (wide): a pages run saved at step 3 resumes bit for bit, under pages and heap.
 * The config: refused for ZeRO ≠ 3, a warning and no effect off a Linux CPU.
 """
@@ -30,6 +31,7 @@ from gridshard.testing import run_on_ranks
 from gridshard.theory.memory import model_state_bytes
 from gridshard.zero import build_reducer
 from gridshard.zero.data_parallel import MAX_IN_FLIGHT
+from gridshard.zero.gather import TRIMMED_LAYERS
 from gridshard.zero.pages import ALIGN, ChunkArena, FlatPages, host_pages_note
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings: Linux")
@@ -108,6 +110,10 @@ def _pair_body():
     out = {}
     for memory in ("heap", "pages"):
         trainer = Trainer(_cfg(2, memory, steps=2), progress=False)
+        gathering, trims = trainer.reducer.gathering, []
+        if gathering.trimmer is not None:              # count the heap trims (pages: in each backward)
+            trim = gathering.trimmer
+            gathering.trimmer = lambda pad: trims.append(pad) or trim(pad)
         losses = trainer.run()
         units = trainer.reducer.units
         blocks = [(tuple(p.shape), None if u.name == "root" else i) for i, u in enumerate(units) for p in u.params]
@@ -118,7 +124,9 @@ def _pair_body():
                        "chunks": [u.param_chunk.clone() for u in units],
                        "held": (sum(got.values()), st.held), "arena": trainer.reducer.arena is not None,
                        "pool": None if pool is None else (pool.nbytes, pool.nbytes_held(), dict(pool.free)),
-                       "largest": max(u.layout.padded for u in units)}
+                       "largest": max(u.layout.padded for u in units),
+                       "trims": len(trims) if gathering.trimmer is not None else None,
+                       "layers": sum(u.name != "root" for u in units)}
     return out
 
 
@@ -126,12 +134,15 @@ def test_pages_equal_heap_bit_for_bit_at_d2_with_a_resident_staging_pool():
     """D = 2 ZeRO-3, 2 micro-batches per rank, 2 steps (prefetch and sharded accumulation on):
     pages against heap bit for bit; the pool is 2 send + (MAX_IN_FLIGHT + 1) receive slots of
     4·(largest unit's padded numel) bytes, all free again after the run, and what it made is
-    at most that many slots (whole pages) — reused, not one per collective."""
+    at most that many slots (whole pages) — reused, not one per collective. Pages trim the heap
+    as each micro-batch's backward reaches its first ``TRIMMED_LAYERS`` layers (min(layers,
+    TRIMMED_LAYERS) · 2 · 2 calls of ``malloc_trim(0)``); heap has no trimmer."""
     for out in run_on_ranks(2, _pair_body, timeout=240):
         heap, pages = out["heap"], out["pages"]
         assert heap["losses"] == pages["losses"] and heap["norms"] == pages["norms"]
         assert all(torch.equal(a, b) for a, b in zip(heap["chunks"], pages["chunks"]))
         assert not heap["arena"] and heap["pool"] is None and pages["arena"]
+        assert heap["trims"] is None and pages["trims"] == min(pages["layers"], TRIMMED_LAYERS) * 2 * 2 > 0
         for memory in (heap, pages):
             assert memory["held"][0] == memory["held"][1], memory["held"]
         nbytes, held, free = pages["pool"]

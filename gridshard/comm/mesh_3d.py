@@ -41,21 +41,22 @@ ledger under its *physical* name, so a chain's ledger tells which wires were use
   per-batch-block quantities (a valid-target count, an id-range verdict) summed over it are
   the micro-batch's. Physical names ``"weight_input"`` and (swapped) ``"weight_output"``.
 
-Sizes are validated by :func:`validate_3d` before any process group is created.
+Sizes are validated by :func:`validate_3d` before any process group is created. The
+:class:`Mesh3D` class itself lives in :mod:`gridshard.mesh` (the job mesh builds one for
+``tensor_mode: 3d``, and the mesh layer imports no ``comm`` module); it is re-exported here with
+the layer-level builder :func:`build_mesh_3d`.
 """
 from __future__ import annotations
 
 import functools
 from typing import Optional
 
-import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
-from ..errors import LayoutError, check_divisible
-from ..mesh import _axis, group_timeout_s, set_collective_timeout
-
-DIM_NAMES = ("weight", "input", "output")
+from ..errors import LayoutError
+from ..mesh import CUBE_DIMS as DIM_NAMES
+from ..mesh import Mesh3D, group_timeout_s, set_collective_timeout
 
 
 def valid_3d_sides(limit: int = 64) -> list:
@@ -76,84 +77,6 @@ def validate_3d(world_size: int, q: int) -> None:
                           f"({near} fits {world_size}). Fix: launch one of "
                           f"{', '.join(map(str, valid_3d_sides()))} processes (q = 2, 3, 4), or q={q} with "
                           f"{q ** 3}.")
-
-
-def _check_dims(device_mesh: DeviceMesh) -> None:
-    names = tuple(device_mesh.mesh_dim_names or ())
-    sizes = tuple(device_mesh.mesh.shape)
-    if names != DIM_NAMES or len(set(sizes)) != 1 or sizes[0] < 2:
-        raise LayoutError(f"a 3D mesh needs dims {DIM_NAMES} of sizes (q, q, q) with q ≥ 2, got {names} of sizes "
-                          f"{sizes}. Fix: init_device_mesh(device, (q, q, q), mesh_dim_names={DIM_NAMES}).")
-
-
-class Mesh3D:
-    """One orientation of the 3D axes of this rank (module docstring).
-
-    Attributes: ``q``; ``input``, ``weight``, ``output``, ``batch`` (axes); ``is_swapped``;
-    ``batch_index`` (my batch block of q², = ``batch.rank``) and ``hidden_index`` (my hidden
-    block of q, = ``output.rank``) of this orientation's activation layout. ``swapped()`` is the
-    other orientation (same groups). ``coords()`` / ``sizes()``: the physical coordinates
-    ``{"weight", "input", "output"}`` that :class:`gridshard.nn.sharding.ShardSpec` splits name."""
-
-    def __init__(self, device_mesh: DeviceMesh, flat_wi: DeviceMesh, flat_wo: DeviceMesh, ledger=None,
-                 swapped: bool = False):
-        _check_dims(device_mesh)
-        self.device_mesh, self.ledger, self.is_swapped = device_mesh, ledger, swapped
-        self._flat = (flat_wi, flat_wo)
-        self.q = device_mesh.size(0)
-        phys = {n: _axis(device_mesh, n, n, ledger) for n in DIM_NAMES}
-        flat = {"weight_input": _axis(flat_wi, None, "weight_input", ledger),
-                "weight_output": _axis(flat_wo, None, "weight_output", ledger)}
-        self.physical = {**phys, **flat}
-        self.weight = phys["weight"]
-        self.input, self.output = (phys["output"], phys["input"]) if swapped else (phys["input"], phys["output"])
-        self.batch = flat["weight_output"] if swapped else flat["weight_input"]
-        self.batch_index, self.hidden_index = self.batch.rank, self.output.rank
-        assert self.batch_index == self.weight.rank * self.q + self.input.rank, "batch members are ordered (i, j)"
-
-    @classmethod
-    def from_device_mesh(cls, device_mesh: DeviceMesh, ledger=None) -> "Mesh3D":
-        """The axes of a DeviceMesh with dims ``("weight", "input", "output")`` (e.g. a slice of a
-        larger mesh). Flattens two of its sub-meshes, which creates their process groups: call it
-        once per mesh and reuse the result (:meth:`with_ledger`, :meth:`swapped`)."""
-        _check_dims(device_mesh)                 # before the flattening creates any group
-        flat_wi = device_mesh["weight", "input"]._flatten("tp3d_weight_input")
-        flat_wo = device_mesh["weight", "output"]._flatten("tp3d_weight_output")
-        return cls(device_mesh, flat_wi, flat_wo, ledger)
-
-    def with_ledger(self, ledger) -> "Mesh3D":
-        """The same groups and orientation, recording into ``ledger``."""
-        return Mesh3D(self.device_mesh, *self._flat, ledger, self.is_swapped)
-
-    def swapped(self) -> "Mesh3D":
-        """The other orientation: ``input`` and ``output`` exchanged (the layout a linear layer
-        on this mesh produces), same groups and ledger."""
-        return Mesh3D(self.device_mesh, *self._flat, self.ledger, not self.is_swapped)
-
-    def coords(self) -> dict:
-        """My physical coordinates, the names a 3D :class:`ShardSpec` splits by."""
-        return {n: self.physical[n].rank for n in DIM_NAMES}
-
-    def sizes(self) -> dict:
-        return {n: self.q for n in DIM_NAMES}
-
-    def groups(self) -> list:
-        """The distinct process groups of this rank's axes."""
-        return [a.group for a in self.physical.values()]
-
-    def batch_block(self, t: torch.Tensor, dim: int = 0, hidden: bool = True) -> torch.Tensor:
-        """My block of a tensor every rank holds whole, in this orientation's activation layout:
-        batch block ``batch_index`` of q² along ``dim`` and (``hidden``) hidden block
-        ``hidden_index`` of q along the last dim. A plain slice, for inputs and targets."""
-        check_divisible(t.shape[dim], self.q ** 2, "batch", "q² (the 3D batch blocks)",
-                        f"use a batch that is a multiple of q² = {self.q ** 2}")
-        t = t.chunk(self.q ** 2, dim)[self.batch_index]
-        return t.chunk(self.q, -1)[self.hidden_index] if hidden else t
-
-    def __repr__(self) -> str:
-        c = self.coords()
-        return (f"Mesh3D(q={self.q}, i={c['weight']}, j={c['input']}, l={c['output']}"
-                f"{', swapped' if self.is_swapped else ''})")
 
 
 def build_mesh_3d(q: int, ledger=None) -> Mesh3D:

@@ -4,8 +4,8 @@ Order of checks (the first failure is raised as one :class:`ConfigError`):
 
 1. positive sizes;
 2. layout: D·P·C·T == world size, T == 1 for ``none``, T = q² for ``2d``, T = q²·d (q ≥ 2) for
-   ``2.5d`` with ``tensor_depth`` d (:func:`gridshard.mesh.validate_layout`), and 2.5D only in the
-   compositions built (:func:`_depth_refusals`); sequence parallelism only in ``1d`` with T > 1;
+   ``2.5d`` with ``tensor_depth`` d, T = q³ (q ≥ 2) for ``3d`` (:func:`gridshard.mesh.validate_layout`),
+   and 2.5D and 3D only in the compositions built (:func:`_depth_refusals`, :func:`_cube_refusals`); sequence parallelism only in ``1d`` with T > 1;
    context parallelism (C > 1): seq_len a multiple of 2·C (and of C·T under sequence
    parallelism), all_to_all with C dividing the local heads, and only the compositions built
    (:func:`_context`);
@@ -75,9 +75,14 @@ def _layout(cfg: TrainConfig, world_size: int):
     except LayoutError as e:
         raise ConfigError(f"parallel section: {e} (world size {world_size} = --nproc or WORLD_SIZE)") from None
     for field, value, why in _depth_refusals(cfg):
-        _fail(field, value, f"tensor_mode=2.5d is built for gridshard's and Hugging Face's Llama with data, "
-              f"context and pipeline parallelism (every schedule), any ZeRO stage and recompute, and {why}",
+        _fail(field, value, f"tensor_mode=2.5d is built for gridshard's and Hugging Face's Llama and the ViT with "
+              f"data, context and pipeline parallelism (every schedule), any ZeRO stage and recompute, and {why}",
               "use tensor_mode=2d (or 1d), or change this field")
+    for field, value, why in _cube_refusals(cfg):
+        _fail(field, value, f"tensor_mode=3d is built for gridshard's and Hugging Face's Llama with data, "
+              f"context and pipeline parallelism (every schedule), any ZeRO stage and recompute, and for "
+              f"gridshard's ViT, but {why}",
+              "use tensor_mode=2d, 2.5d or 1d, or change this field")
     if p.sequence_parallel and not TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(True, p.tensor):
         _fail("parallel.sequence_parallel", True,
               f"sequence parallelism splits the 1d tensor group's activations, but tensor_mode={p.tensor_mode!r} "
@@ -89,8 +94,16 @@ def _depth_refusals(cfg: TrainConfig) -> list:
     p, m = cfg.parallel, cfg.model
     if not TensorMode.parse(p.tensor_mode).has_depth:
         return []
+    return [(f, v, why) for f, v, why, refused in (        # none today: a ViT trains at 2.5D too
+    ) if refused]
+
+
+def _cube_refusals(cfg: TrainConfig) -> list:
+    """(field, value, why) of every composition 3D is not built for yet (docs/tp3d.md)."""
+    p, m = cfg.parallel, cfg.model
+    if not TensorMode.parse(p.tensor_mode).is_cube:
+        return []
     return [(f, v, why) for f, v, why, refused in (
-        ("model.kind", m.kind, "not yet a ViT", m.kind != "llama"),
     ) if refused]
 
 
@@ -122,7 +135,7 @@ def _context(cfg: TrainConfig):
     for field, value, why in _context_refusals(cfg):
         _fail(field, value, f"parallel.context={p.context} splits every sequence over {p.context} ranks, but {why} "
               f"(supported: gridshard's or a Hugging Face Llama with tensor_mode none, 1d (± sequence_parallel), "
-              f"2d or 2.5d, any data parallelism and ZeRO stage, any pipeline schedule, compiled or not)",
+              f"2d, 2.5d or 3d, any data parallelism and ZeRO stage, any pipeline schedule, compiled or not)",
               "set parallel.context=1, or change this field")
     mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, p.tensor_depth)    # 2.5d: 2D on q²
     m = cfg.model.resolve()
@@ -215,16 +228,21 @@ def _vit_shapes(cfg: TrainConfig, m) -> None:
     blocks of its 1 + (image/patch)² tokens (the shared rule, said in the ViT's terms), in 2D the
     MLP width in q² blocks (the bias of intermediate.dense is a Linear2D bias)."""
     p = cfg.parallel
-    sp = TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(p.sequence_parallel, p.tensor)
+    mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, p.tensor_depth)    # 2.5d: 2D on q²
+    sp = mode.sequence_parallel_in_effect(p.sequence_parallel, T)
     if sp and m.seq_len % p.tensor:
         _fail("model.image_size/model.patch_size", (m.image_size, m.patch_size),
               f"sequence parallelism splits the ViT's 1 + (image_size/patch_size)² = {m.seq_len} tokens into "
               f"tensor={p.tensor} blocks", "choose sizes whose token count is a multiple of the tensor size "
               "(e.g. image 12, patch 4: 10 tokens for tensor=2), or parallel.sequence_parallel=false")
-    q = TensorMode.parse(p.tensor_mode).grid_side(p.tensor)
+    q = mode.grid_side(T)
     if q and m.ffn_hidden % (q * q):
         _fail("model.ffn_hidden", m.ffn_hidden, f"in 2D the MLP's first bias is stored in q²={q * q} blocks",
               f"use a multiple of {q * q}")
+    c = mode.cube_side(T)
+    if c and m.ffn_hidden % c ** 3:
+        _fail("model.ffn_hidden", m.ffn_hidden, f"in 3D the MLP's first bias is stored in q³={c ** 3} blocks",
+              f"use a multiple of {c ** 3}")
     if cfg.data.kind not in _IMAGE_DATA:
         _fail("data.kind", cfg.data.kind, "model.kind=vit learns from labelled images", "use digits or images")
 

@@ -10,7 +10,10 @@ if its index along every replicated coordinate is 0:
 
 * 1D (coordinate ``tensor``): split → every rank counts its block; no splits → rank 0;
 * 2D (coordinates ``grid_row``, ``grid_col``; ``tensor`` covers both): e.g. a weight
-  split by ``grid_col`` only is counted by grid row 0; no splits → rank (0, 0).
+  split by ``grid_col`` only is counted by grid row 0; no splits → rank (0, 0);
+* 3D (coordinates ``weight``, ``input``, ``output`` of the q×q×q cube): every 3D parameter,
+  vectors included, is split over all three (1/q³ each, no tensor replicas), so every rank
+  counts its block once; a tied head reads the embedding's own parameter (one block, once).
 
 Each rank sums its counted squares, one all-reduce of one float over ``mesh.tensor``
 adds them (8 bytes per step when T > 1; float64 for a layout-independent sum).
@@ -25,11 +28,14 @@ from ..comm import collectives as C
 from ..nn.sharding import get_spec, mesh_coords
 
 
+CUBE_COORDS = frozenset(("weight", "input", "output"))      # 3D: the cube's physical coordinates
+
+
 def counts_here(p: torch.Tensor, mesh, spec=None) -> bool:
     """Whether this rank adds ``p``'s block to the global norm (module docstring); ``spec``
     is the parameter's layout (``model.parallel_context.layouts``), else its ``shard_spec``."""
     index, _ = mesh_coords(mesh)
-    basis = {"grid_row", "grid_col"} if "grid_row" in index else {"tensor"}
+    basis = {"grid_row", "grid_col"} if "grid_row" in index else CUBE_COORDS if "weight" in index else {"tensor"}
     spec = spec if spec is not None else get_spec(p)
     split = {coord for _, coord in spec.splits} if spec is not None else set()
     if "tensor" in split:

@@ -110,7 +110,7 @@ class MicroBatchLoop:
 
     def _loss_sum(self, tokens, targets) -> torch.Tensor:
         tokens = batch_to_device(self.context.shard_tokens(tokens), self.device)   # 2D: this grid row's rows
-        targets = batch_to_device(self.context.shard_tokens(targets), self.device)
+        targets = batch_to_device(self.context.shard_targets(targets), self.device)   # 3D: the logits' rows
         with self.precision.autocast():
             return self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum")
 
@@ -208,8 +208,8 @@ def accuracy_metrics(job) -> dict:
     ``val_accuracy``: the share of right answers (argmax = label) over the first
     ``train.eval_batches`` global batches of the training data (batches 0, 1, … of the run's order,
     the same every time) and of the validation data; {} for a language model. Forward only,
-    the same values on every rank (all-reduces over data and pipeline ranks and, in 2D, along the
-    grid column; paused in the ledger). P > 1: the pipeline's forward, counted at the last stage."""
+    the same values on every rank (all-reduces over data (× 2.5D depth) and pipeline ranks and, in
+    2D, along the grid column; paused in the ledger). P > 1: the pipeline's forward, counted at the last stage."""
     if job.context.objective != "classify":
         return {}
     out = {"accuracy": _accuracy(job, job.plan)}
@@ -236,7 +236,7 @@ def _accuracy(job, plan) -> float:
                 with job.precision.autocast():
                     hits += correct_count(ctx.logits(job.model, images), labels, ctx.mode, ctx.mesh)
         job.reducer.free_all()                          # ZeRO-3: the root stays gathered after a forward
-        hits = C.all_reduce(hits.reshape(1), job.mesh.data, inplace=True)
+        hits = C.all_reduce(hits.reshape(1), job.mesh.data_context, inplace=True)     # 2.5D: × depth layers
         hits = C.all_reduce(hits, job.mesh.pipeline, inplace=True)      # P > 1: only the last stage counted
     return float(hits[0]) / n
 

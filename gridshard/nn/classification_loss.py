@@ -15,6 +15,9 @@ none    [b, K] / [b]              Σ_i ℓ_i, ℓ_i = −log softmax(z_i)[y_i]
         q ranks of row i          one number, backward identity: rank (i, j) backpropagates
                                   its own block's logits only, as every rank of the grid holds
                                   the same total)
+3d      [b/q², K] / [b/q²]:       :func:`gridshard.nn.vision_3d.classification_loss_3d` on the
+        the images' batch block   residual orientation ``mesh.cube``: Σ over the block, summed
+        i·q + j of the cube       over the q² blocks on its ``batch`` axis
 ======  ========================  ==========================================================
 
 ``reduction="mean"`` divides by N, the labels ≠ ``ignore_index`` of the tensor group's batch
@@ -39,6 +42,10 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, mode, mesh, 
         raise ShapeError(f"classification loss: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
                          f"disagree: logits must be [b, classes] and labels [b]. Fix: pass one label per image "
                          f"(2D: this grid row's batch block, parallel_context.shard_tokens(labels)).")
+    if mode.is_cube:
+        from .vision_3d import classification_loss_3d
+
+        return classification_loss_3d(logits, labels, mesh.cube, ignore_index, reduction)
     total = F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
     count = (labels != ignore_index).sum()
     if mode.is_grid:
@@ -54,8 +61,10 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, mode, mesh, 
 def correct_count(logits: torch.Tensor, labels: torch.Tensor, mode, mesh) -> torch.Tensor:
     """How many inputs of the tensor group's batch the classifier gets right (argmax = label), a
     float64 scalar, the same on every tensor rank (2D: each grid row's count summed along the
-    column, one all-reduce of one number)."""
+    column, 3D: each batch block's over the cube's ``batch`` axis; one all-reduce of one number)."""
     hits = (logits.argmax(-1) == labels).sum().double().reshape(1)
     if mode.is_grid:
         hits = C.all_reduce(hits, mesh.col, inplace=True)
+    if mode.is_cube:                                         # the q² batch blocks of the classifier's orientation
+        hits = C.all_reduce(hits, mesh.cube.batch, inplace=True)
     return hits[0]

@@ -70,7 +70,8 @@ class _CrossEntropy2DFn(torch.autograd.Function):
         verdict = bad_id_slots(targets, vocab_size, mesh.grid_row, mesh.q, ignore_index)
         stats = torch.cat([torch.stack([tok.sum().double(), valid.sum().double()]), verdict])
         stats = C.all_reduce(stats, mesh.col, inplace=True)
-        raise_on_bad_ids(stats[2:], vocab_size, "cross_entropy_2d targets", ignore_index)
+        raise_on_bad_ids(stats[2:], vocab_size, f"{getattr(mesh, 'loss_name', 'cross_entropy_2d')} targets",
+                         ignore_index)
         total, count = stats[0].float(), stats[1].float()
         e.div_(s_zt[0].unsqueeze(-1))  # softmax block
         weight = torch.ones_like(count) if reduction == "sum" else 1.0 / count.clamp(min=1.0)

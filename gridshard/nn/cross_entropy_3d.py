@@ -37,13 +37,15 @@ from .cross_entropy_2d import REDUCTIONS, _CrossEntropy2DFn
 @dataclass(frozen=True)
 class _LossGrid:
     """The 3D logits layout in the names the 2D loss reads: ``row`` = the vocab-block axis,
-    ``col`` = the batch-block axis, ``q`` = the number of batch blocks (verdict slots)."""
+    ``col`` = the batch-block axis, ``q`` = the number of batch blocks (verdict slots);
+    ``loss_name``: the name a bad target's error gives the loss (this one's, not the 2D one's)."""
 
     q: int
     row: Axis
     col: Axis
     grid_row: int
     grid_col: int
+    loss_name: str = "cross_entropy_3d"       # how the 2D function's errors name this loss
 
 
 def cross_entropy_3d(logits: torch.Tensor, targets: torch.Tensor, mesh, vocab_size: int,

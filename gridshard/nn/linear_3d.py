@@ -57,7 +57,11 @@ def vector_spec_3d(n: int, mesh) -> ShardSpec:
 def sharded_parameter_3d(spec: ShardSpec, mesh, init: Callable[[torch.Tensor], None],
                          dtype: torch.dtype = torch.float32, device=None) -> nn.Parameter:
     """Draw the global tensor with ``init`` (the same draws at every layout), keep this rank's
-    block by the spec's physical coordinates, tag it with ``spec``."""
+    block by the spec's physical coordinates, tag it with ``spec``. On ``device="meta"`` nothing is
+    drawn: an empty block of the local shape (``gridshard.parallelize`` materialises it later from
+    the plain model's weights or the counter RNG, as :func:`gridshard.nn.sharding.sharded_parameter`)."""
+    if device is not None and torch.device(device).type == "meta":
+        return set_spec(nn.Parameter(torch.empty(spec.local_shape(mesh.sizes()), dtype=dtype, device="meta")), spec)
     full = torch.empty(spec.global_shape, dtype=torch.float32)
     with torch.no_grad():
         init(full)

@@ -23,12 +23,15 @@ each vector one all-gather and one reduce-scatter of h/q·e on ``batch``
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from ..errors import ShapeError, check_divisible
 from .linear_3d import gather_vector_3d, sharded_parameter_3d, vector_spec_3d
 from .norm_2d import _LayerNorm2DFn, _RMSNorm2DFn
+from .rebuild import RebuildRegion
 
 
 class _Norm3DBase(nn.Module):
@@ -62,10 +65,20 @@ class RMSNorm3D(_Norm3DBase):
         super().__init__(hidden, mesh, eps, vector_cache)
         self.weight = self._vector(nn.init.ones_, dtype, device)
 
+    #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` the output is offered to
+    #: (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
+    rebuild: Optional[RebuildRegion] = None
+
+    def rebuild_output_in_backward(self, region: RebuildRegion) -> None:
+        """Offer y to ``region`` with its recipe (x, r, w), as RMSNorm2D: the consumer (the next
+        Linear3D's product, which saves its input block) keeps that, not y."""
+        self.rebuild = region
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
         w = gather_vector_3d(self.weight, self.mesh, self.vector_cache)
-        return _RMSNorm2DFn.apply(x, w, self.mesh.output, self.hidden, self.eps, None)
+        region = self.rebuild if self.rebuild is not None and self.rebuild.accepting() else None
+        return _RMSNorm2DFn.apply(x, w, self.mesh.output, self.hidden, self.eps, region)
 
 
 class LayerNorm3D(_Norm3DBase):

@@ -16,6 +16,11 @@ all      hidden % heads == 0 (whole heads) and head_dim even (rotate-half RoPE);
 2d       heads % q, ffn % q, K % q == 0 (split dims in q blocks), hidden % q² == 0 (the
          norm weights are stored in q² blocks) — layout rules; micro-batch % q == 0 (grid
          row i holds batch block i)
+3d       heads % q, K % q == 0 (each rank attends with H/q heads and K/q kv heads), ffn % q²
+         == 0 (the down projection's input is cut into q² blocks), hidden % q³ == 0 (the
+         norm weights are stored in q³ blocks; implies the q² input blocks of q|k|v, gate|up
+         and the head) — layout rules; micro-batch % q² == 0 (rank (i, j, l) holds batch
+         block i·q + j of q²); q = ∛T
 ======== ==========================================================================
 
 The vocabulary needs no rule: the vocab-parallel layers pad it to a multiple of the
@@ -95,6 +100,15 @@ def layout_rules(mode, tensor: int, hidden: int, heads: int, ffn: int, kv_heads=
                   DivisibilityRule("heads", heads, q, "q", why),
                   DivisibilityRule("ffn_hidden", ffn, q, "q", why),
                   DivisibilityRule("kv_heads", kv_heads, q, "q", why)]
+    elif mode.is_cube:
+        q = mode.cube_side(tensor)
+        why = "3D tensor parallelism gives every rank 1/q of the heads (q = cube root of tensor)"
+        rules += [DivisibilityRule("hidden", hidden, q ** 3, "q³",
+                                   "3D norm weights (like Linear3D biases) are stored in q³ blocks"),
+                  DivisibilityRule("heads", heads, q, "q", why),
+                  DivisibilityRule("ffn_hidden", ffn, q * q, "q²",
+                                   "3D splits the down projection's input (ffn_hidden) into q² blocks"),
+                  DivisibilityRule("kv_heads", kv_heads, q, "q", why)]
     return rules
 
 
@@ -113,6 +127,9 @@ def _rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int
     elif mode.is_grid:
         rules.append(DivisibilityRule("micro_batch", batch, mode.grid_side(tensor), "q",
                                       "2D tensor parallelism splits each micro-batch over the q grid rows"))
+    elif mode.is_cube:
+        rules.append(DivisibilityRule("micro_batch", batch, mode.cube_side(tensor) ** 2, "q²",
+                                      "3D tensor parallelism splits each micro-batch into q² batch blocks"))
     return rules
 
 

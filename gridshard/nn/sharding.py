@@ -9,7 +9,9 @@ shape-only mesh and reads each spec's :meth:`ShardSpec.local_shape`
 
 A spec is a global shape plus an ordered list of splits ``(tensor_dim, coord)``.
 ``coord`` names a mesh coordinate: ``"tensor"`` (1D tensor rank t of T),
-``"grid_row"`` (row index i of q) or ``"grid_col"`` (column index j of q). Splits
+``"grid_row"`` (row index i of q) or ``"grid_col"`` (column index j of q); in 3D the
+cube's physical coordinates ``"weight"``, ``"input"``, ``"output"`` (each of q,
+:mod:`gridshard.comm.mesh_3d`; :func:`mesh_coords` reads them from ``mesh.cube``). Splits
 apply in order, each narrowing the block left by the previous ones. Examples:
 
 * column-parallel weight [out, in]: ``((0, "tensor"),)`` → rank t holds rows
@@ -124,7 +126,24 @@ def mesh_coords(mesh) -> Tuple[dict, dict]:
     if getattr(mesh, "q", None):
         idx.update(grid_row=mesh.grid_row, grid_col=mesh.grid_col)
         size.update(grid_row=mesh.q, grid_col=mesh.q)
+    cube = getattr(mesh, "cube", None)
+    if cube is not None:                       # 3D: the physical coordinates (weight, input, output)
+        idx.update(cube.coords())
+        size.update(cube.sizes())
     return idx, size
+
+
+def tensor_rank_coords(mesh, r: int) -> dict:
+    """The coordinates (:func:`mesh_coords`' index) of tensor rank ``r`` of ``mesh``'s tensor group:
+    t = i·q + j in 2D, t = (i·q + j)·q + l in 3D (weight i, input j, output l)."""
+    idx = {"tensor": r}
+    if getattr(mesh, "q", None):
+        idx.update(grid_row=r // mesh.q, grid_col=r % mesh.q)
+    cube = getattr(mesh, "cube", None)
+    if cube is not None:
+        ij, l = divmod(r, cube.q)
+        idx.update(weight=ij // cube.q, input=ij % cube.q, output=l)
+    return idx
 
 
 def take_shard(full: torch.Tensor, spec: ShardSpec, index: dict, size: dict) -> torch.Tensor:

@@ -10,7 +10,15 @@ none    [b, s]                         [b, s, V]                            ``F.
 1d      [b, s] (also under SP)         [b, s, V_p/T] vocab block t          vocab-parallel CE per token, reduced
 2d      [b/q, s] batch block i         [b/q, s, V_p/q] (i, j)               ``cross_entropy_2d`` (global)
 2.5d    [b/(dq), s] block k·q + i      [b/(dq), s, V_p/q] (k, i, j)         ``cross_entropy_2d`` on layer k
+3d      tokens [b/q², s] block i·q+j,  [b/q², s, V_p/q] batch block i·q+l,  ``cross_entropy_3d`` on the swapped
+        targets block i·q + l          vocab block j (swapped orientation)  orientation (``mesh.cube.swapped()``)
 ======  =============================  ==================================  =====================================
+
+In 3D the embedding reads the residual orientation's batch block (i·q + j) but the head writes its
+logits in the swapped one (i·q + l), so tokens and targets are cut differently: :meth:`shard_tokens`
+for what the model reads, :meth:`shard_targets` for what the loss compares (the mesh's
+``batch_index`` and ``logits_batch_index``; equal in every other mode). The trainer, validation and
+the pipeline's last stage cut targets with :meth:`shard_targets` only.
 
 The same for a Hugging Face model (``hf=True``: only the logits call differs). A classifier
 (``objective="classify"``, the ViT) takes images [b, C, H, W] (2D: batch block i) and one label per
@@ -48,6 +56,7 @@ from ..job_layout import TensorMode
 from ..nn.classification_loss import classification_loss
 from ..nn.cross_entropy_1d import vocab_parallel_cross_entropy
 from ..nn.cross_entropy_2d import REDUCTIONS, cross_entropy_2d
+from ..nn.cross_entropy_3d import cross_entropy_3d
 
 
 @dataclass
@@ -71,19 +80,32 @@ class ParallelContext:
         self.mode = TensorMode.parse(self.mode)
 
     def shard_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Global tokens or targets [b, s] → what this rank feeds the model / the loss: 2D, the grid
-        row's block of rows (2.5D: block k·q + i of d·q, depth layer k's slice); context parallelism
-        (C > 1), the context rank's chunks i and 2C − 1 − i of every sequence, [b, 2c]
-        (:func:`gridshard.context.shard_sequence`)."""
+        """Global tokens [b, s] → what this rank feeds the model (a classifier's images and labels too):
+        2D, the grid row's block of rows (2.5D: block k·q + i of d·q, depth layer k's slice; 3D: block
+        i·q + j of q²); context parallelism (C > 1), the context rank's chunks i and 2C − 1 − i of every
+        sequence, [b, 2c] (:func:`gridshard.context.shard_sequence`)."""
+        return self._shard(tokens, self.mesh.batch_index)
+
+    def shard_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Global targets [b, s] → what this rank's loss compares with its logits: the block of the
+        head's logits (``mesh.logits_batch_index``: i·q + l in 3D, module docstring; the tokens'
+        block in every other mode; a classifier's labels: the images' block, its head reads the residual
+        orientation, :mod:`gridshard.nn.vision_3d`)."""
+        if self.objective == "classify":
+            return self._shard(targets, self.mesh.batch_index)
+        return self._shard(targets, getattr(self.mesh, "logits_batch_index", self.mesh.batch_index))
+
+    def _shard(self, tokens: torch.Tensor, index: int) -> torch.Tensor:
         context = self.mesh.context
         if context.size > 1:
             tokens = shard_sequence(tokens, context.size, context.rank, dim=1).contiguous()
-        if not self.mode.is_grid:
+        if not (self.mode.is_grid or self.mode.is_cube):
             return tokens
-        n = self.mesh.batch_blocks                 # 2D: q grid rows; 2.5D: d·q, block k·q + i
-        by = "grid side q" if n == self.mesh.q else "2.5D batch blocks d·q"
+        n = self.mesh.batch_blocks                 # 2D: q grid rows; 2.5D: d·q, block k·q + i; 3D: q²
+        by = "grid side q" if n == self.mesh.q else "3D batch blocks q²" if self.mode.is_cube \
+            else "2.5D batch blocks d·q"
         check_divisible(tokens.shape[0], n, "batch", by, f"use a batch that is a multiple of {n}")
-        return tokens.chunk(n, 0)[self.mesh.batch_index].contiguous()
+        return tokens.chunk(n, 0)[index].contiguous()
 
     def logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's logits for this rank's tokens (a Hugging Face model under context
@@ -120,6 +142,9 @@ class ParallelContext:
             count = (targets != ignore_index).sum()
             mean = total / count.clamp(min=1).to(total.dtype)       # finite upstream weight: zero grads at N = 0
             return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
+        if self.mode.is_cube:
+            return cross_entropy_3d(logits, targets, self.mesh.cube.swapped(), self.vocab_size, ignore_index,
+                                    reduction)
         return cross_entropy_2d(logits, targets, self.mesh, self.vocab_size, ignore_index, reduction)
 
     def model_loss(self, model, tokens, targets, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:

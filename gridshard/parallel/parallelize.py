@@ -11,7 +11,8 @@ Steps, all local to the rank (no collective runs before the first forward):
    parallelism is in effect and how kv heads are shared; each layer gets those facts as
    constructor arguments;
 2. swap each planned module for the gridshard layer of the mesh's tensor mode
-   (:mod:`gridshard.parallel.swap`), built on the meta device.
+   (:mod:`gridshard.parallel.swap`), built on the meta device (3D: on ``mesh.cube``, column
+   projections on its residual orientation and row projections on the swapped one, ``build_3d``).
    Options reach the layers as constructor arguments: ``overlap_input_grad`` (1D column
    layers), ``summa_overlap`` and the model's one
    :class:`gridshard.comm.grid_ops.GatheredVectors` (2D layers), which the context shares;
@@ -48,7 +49,7 @@ from .context import ParallelContext
 from .materialize import init_laws, materialize
 from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, VIT_PLAN, Plan
 from .shared_input import install_shared_input
-from .swap import build_1d, build_2d
+from .swap import build_1d, build_2d, build_3d
 
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
@@ -100,18 +101,29 @@ def default_plan(model: nn.Module, dims: ModelDims) -> Plan:
 
 
 # parallelize's wording of the layout rules (gridshard.nn.shape_rules.layout_rules holds the rules themselves):
-# (mode is 2d, rule's size) → (rule, fix); {v}: the size's value, {q2}: the rule's divisor (q² for 2D hidden)
+# (layer family, rule's size) → (rule, fix); {v}: the size's value, {q2}: the rule's divisor (q² for 2D
+# hidden, q³ for 3D hidden, q² for 3D ffn_hidden); the family is _family(mode)
 _WORDING = {
-    (False, "heads"): ("1D gives every rank whole attention heads", "use a tensor size that divides {v}"),
-    (False, "kv_heads"): ("kv heads are split over T when T divides them, or replicated in groups of T/kv_heads "
-                          "when kv_heads divides T", "use a tensor size that divides or is a multiple of {v}"),
-    (False, "ffn_hidden"): ("1D gives every rank whole MLP neurons", "use a tensor size that divides {v}"),
-    (False, "hidden"): ("1D splits the hidden size into T blocks", "use a tensor size that divides {v}"),
-    (True, "heads"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
-    (True, "kv_heads"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
-    (True, "ffn_hidden"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
-    (True, "hidden"): ("2D norm weights are stored in q² blocks", "use hidden a multiple of {q2}"),
+    ("1d", "heads"): ("1D gives every rank whole attention heads", "use a tensor size that divides {v}"),
+    ("1d", "kv_heads"): ("kv heads are split over T when T divides them, or replicated in groups of T/kv_heads "
+                         "when kv_heads divides T", "use a tensor size that divides or is a multiple of {v}"),
+    ("1d", "ffn_hidden"): ("1D gives every rank whole MLP neurons", "use a tensor size that divides {v}"),
+    ("1d", "hidden"): ("1D splits the hidden size into T blocks", "use a tensor size that divides {v}"),
+    ("2d", "heads"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
+    ("2d", "kv_heads"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
+    ("2d", "ffn_hidden"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
+    ("2d", "hidden"): ("2D norm weights are stored in q² blocks", "use hidden a multiple of {q2}"),
+    ("3d", "heads"): ("3D gives every rank 1/q of the heads", "use a cube side q that divides {v}"),
+    ("3d", "kv_heads"): ("3D gives every rank 1/q of the kv heads", "use a cube side q that divides {v}"),
+    ("3d", "ffn_hidden"): ("3D splits the down projection's input into q² blocks",
+                           "use ffn_hidden a multiple of {q2}"),
+    ("3d", "hidden"): ("3D norm weights are stored in q³ blocks", "use hidden a multiple of {q2}"),
 }
+
+
+def _family(mode) -> str:
+    """The key of a layer mode's wording in :data:`_WORDING`."""
+    return "3d" if mode.is_cube else "2d" if mode.is_grid else "1d"
 
 
 def check_layout(dims: ModelDims, mesh, sequence_parallel: bool) -> None:
@@ -126,11 +138,11 @@ def check_layout(dims: ModelDims, mesh, sequence_parallel: bool) -> None:
     if not gqa.holds:
         raise LayoutError(f"parallelize: heads={dims.heads}, kv_heads={dims.kv_heads}: grouped-query attention "
                           f"needs kv_heads to divide heads. Fix: choose kv_heads among the divisors of heads.")
-    q = mode.grid_side(T)
     for rule in splits:
         if not rule.holds:
-            what, fix = _WORDING[(mode.is_grid, rule.what)]
-            where = f"on a q={q} grid" if mode.is_grid else f"on T={T}"
+            what, fix = _WORDING[(_family(mode), rule.what)]
+            where = f"on a q={mode.grid_side(T)} grid" if mode.is_grid else \
+                f"on a q={mode.cube_side(T)} cube" if mode.is_cube else f"on T={T}"
             raise LayoutError(f"parallelize: {rule.what}={rule.value} {where}: {what}. "
                               f"Fix: {fix.format(v=rule.value, q2=rule.divisor)}.")
 
@@ -156,6 +168,8 @@ def _check_covered(model: nn.Module, plan: Plan, mode, sequence_parallel: bool =
         kind = planned.get(name)
         if kind == "replicate" and mode.is_grid:
             build_2d(name, module, kind, None)          # raises the 2D message
+        if kind == "replicate" and mode.is_cube:
+            build_3d(name, module, kind, None)          # raises the 3D message
         if kind == "replicate" and sequence_parallel:
             raise LayoutError(f"parallelize: module {name!r} is planned as 'replicate', but under sequence "
                               f"parallelism its input is a sequence block, not the whole activation. Fix: map "
@@ -216,6 +230,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
                 return build_1d(name, module, kind, mesh, sp, plan.sequence_scatter == "embedding",
                                 mode.kv_replication(dims.kv_heads, T), overlap_input_grad=overlap_input_grad,
                                 tied_embedding=tied)
+            if mode.is_cube:
+                return build_3d(name, module, kind, mesh.cube, tied_embedding=tied, vector_cache=vector_cache)
             return build_2d(name, module, kind, mesh, tied_embedding=tied, overlap=summa_overlap,
                             vector_cache=vector_cache)
 

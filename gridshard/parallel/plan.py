@@ -24,6 +24,11 @@ kind               plain module                         1D (± sequence parallel
                    class token's row                    SP: finds the class token)
 =================  ===================================  ==========================  =====================
 
+3D (a q×q×q cube, :func:`gridshard.parallel.swap.build_3d`): ``column`` / ``kv_column`` → Linear3D
+on the residual orientation, ``row`` → Linear3D on the swapped one, ``norm`` → RMSNorm3D,
+``vocab_embedding`` → VocabParallelEmbedding3D, ``vocab_head`` → VocabParallelClassifier3D /
+TiedVocabHead3D; the ViT kinds and ``replicate`` are refused.
+
 ``shared_inputs`` names parent modules whose column children read the same input (q|k|v
 of attention, gate|up of the MLP): the parent's input is prepared once (one all-reduce
 backward, or one sequence all-gather) and the children's blocks are multiplied in one

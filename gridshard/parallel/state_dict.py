@@ -17,14 +17,8 @@ import torch
 from ..comm import collectives as C
 from ..comm.ledger import LEDGER
 from ..errors import LayoutError
-from ..nn.sharding import assemble_global, mesh_coords
+from ..nn.sharding import assemble_global, mesh_coords, tensor_rank_coords
 from .context import context_of
-
-
-def _rank_index(mesh, r: int) -> dict:
-    if mesh.tensor_mode.is_grid:
-        return {"tensor": r, "grid_row": r // mesh.q, "grid_col": r % mesh.q}
-    return {"tensor": r}
 
 
 def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:
@@ -38,7 +32,7 @@ def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:
     _, size = mesh_coords(mesh)
     with LEDGER.paused():
         blocks = C.all_gather(t.contiguous().unsqueeze(0), mesh.tensor, 0).cpu()
-    full = assemble_global([(_rank_index(mesh, r), blocks[r]) for r in range(mesh.tensor.size)], spec, size)
+    full = assemble_global([(tensor_rank_coords(mesh, r), blocks[r]) for r in range(mesh.tensor.size)], spec, size)
     return spec.to_canonical(full)
 
 

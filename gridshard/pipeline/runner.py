@@ -127,7 +127,7 @@ class PipelineRunner:
             args = (batch_to_device(torch.cat([shard(t) for t, _ in micro]), device),)
         kwargs = {}
         if self.has_last:
-            kwargs = {"target": batch_to_device(torch.cat([shard(y) for _, y in micro]), device),
+            kwargs = {"target": batch_to_device(torch.cat([self.ctx.shard_targets(y) for _, y in micro]), device),
                       "losses": []}
         with self.meter.schedule.region(), self.precision.autocast():
             self.schedule.step(*args, **kwargs)
@@ -147,7 +147,7 @@ class PipelineRunner:
     def _evaluate(self, micro: list, device) -> list:
         shard = self.ctx.shard_tokens
         args = (torch.cat([shard(t) for t, _ in micro]).to(device),) if self.has_first else ()
-        kwargs = {"target": torch.cat([shard(y) for _, y in micro]).to(device), "losses": []} \
+        kwargs = {"target": torch.cat([self.ctx.shard_targets(y) for _, y in micro]).to(device), "losses": []} \
             if self.has_last else {}
         with torch.no_grad(), self.precision.autocast():
             self.schedule.eval(*args, **kwargs)

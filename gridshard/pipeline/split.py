@@ -96,11 +96,15 @@ class _RankPart(nn.Module):
 
     def stage_output_meta(self, micro_local: int, seq_len: int, mesh) -> torch.Tensor:
         """The last stage's output per micro-batch on this rank (meta): this rank's logits
-        block [b', s, V_local] (V_local from the output layer's layout)."""
-        spec = self.parallel_context.layouts[self.OUTPUT + ".weight"]
-        _, sizes = mesh_coords(mesh)
-        local = spec.local_shape(sizes)
-        vocab_local = local[1] if spec.transposed else local[0]
+        block [b', s, V_local] (V_local: the output layer's ``out_local`` where it says it, e.g. a 3D
+        tied head, whose weight is the embedding table in the embedding's layout; else from the
+        output weight's layout)."""
+        vocab_local = getattr(self.get_submodule(self.OUTPUT), "out_local", None)
+        if vocab_local is None:
+            spec = self.parallel_context.layouts[self.OUTPUT + ".weight"]
+            _, sizes = mesh_coords(mesh)
+            local = spec.local_shape(sizes)
+            vocab_local = local[1] if spec.transposed else local[0]
         return torch.empty((micro_local, seq_len, vocab_local), device="meta", requires_grad=True)
 
     def forward(self, *args, **kwargs):

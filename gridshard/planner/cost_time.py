@@ -14,7 +14,8 @@ where the node is not over-subscribed — see "Two bounds")::
             + recompute: full  m·s·L_r·F_layer/(3T)                 (one more forward)
                          selective m·s·L_r·(F_layer(s) − F_layer(s=0))/(3T)   (attention core forward)
     t_gemm  = F / (peak[precision] · efficiency(G))   G = FLOPs of the rank's gate|up GEMM:
-              2·N·h·f (none), 2·N·h·f/T (1D), 2·N·h·f/q³ (2D: one SUMMA panel step)
+              2·N·h·f (none), 2·N·h·f/T (1D), 2·N·h·f/q³ (2D: one SUMMA panel step),
+              2·N·h·f/T (3D, T = q³: the rank's one product X_il·A_lj)
     t_elem  = 3 · activation bytes of the micro-batch / elementwise_bandwidth   (written forward,
               read backward, gradient written: a stated approximation; the hardware's
               memory_bandwidth when it has no element-wise figure) — the bytes the layers write
@@ -28,6 +29,12 @@ cross-entropy on the end stages; + :func:`~gridshard.theory.tp1d.block_recompute
 layer with full recompute); 2D the :mod:`~gridshard.theory.tp2d` pieces likewise (full
 recompute repeats the q|k|v, o and gate|up forward products and the norms' forward reduce:
 :func:`recompute2d_comm`, an adapter composed of ``summa_ab_comm``/``rmsnorm2d_comm``).
+3D (T = q³, issue 24) the :mod:`~gridshard.theory.tp3d` block and ends (:func:`tensor_comm_3d`: every
+projection a Linear3D — 8 calls, X, W and the product each moved about twice — the norms' statistics on
+``output``, vectors and embedding on the q²-rank ``batch`` axes), each axis on its own link:
+:func:`cube_axis_levels` says which axes' groups leave a node (``output`` innermost: q consecutive
+ranks; ``input`` q²; ``weight`` and the flattened axes the whole cube). Compute is 1/T of the FLOPs
+per rank (no SUMMA rounds: the contraction is the ``output`` reduce-scatter).
 Each collective costs ``latency + ring wire bytes / bandwidth`` on the tensor group's link,
 plus ``Hardware.sync_skew_s`` per call: every collective the step prices here is synchronous
 (tensor, ZeRO-3 gathers, exposed reductions, pipeline sends), and inside a step the ranks reach it
@@ -39,7 +46,7 @@ at different times — on an over-subscribed CPU about a scheduler slice per cal
 Pipeline: each micro-batch crosses the rank's stage boundaries forward and backward,
 :func:`~gridshard.theory.pipeline.boundary_bytes` each (``send`` link), exposed — the rank's
 block of the hidden state (:meth:`gridshard.job_layout.TensorMode.boundary_block`: 1/T of it
-under sequence parallelism, 1/q² in 2D) in the run's compute dtype (``train.precision``: 2
+under sequence parallelism, 1/q² in 2D, [m/q², s, h/q] = 1/T in 3D) in the run's compute dtype (``train.precision``: 2
 bytes per element in bf16, as Megatron sends; theory.pipeline on what gridshard's autocast
 runtime sends) — plus
 ``Hardware.p2p_call_overhead_s`` of schedule work per crossing (calibrated; 0 in the GPU files). The
@@ -108,13 +115,14 @@ ranks' cores run the others). On GPU nodes (a device per rank) only the critical
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 from dataclasses import dataclass, field
 
 from ..comm.ledger import ring_wire_bytes
 from ..job_layout import micro_batches_per_step
-from ..theory import CommVolume, tp1d, tp2d
+from ..theory import CommVolume, tp1d, tp2d, tp3d
 from ..theory import context as ctx_theory
 from ..theory.pipeline import boundary_bytes, bubble_fraction
 from ..theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token
@@ -196,6 +204,23 @@ def tensor_comm_2d(cfg, layout: Layout, seq: int, layers: int, first: bool, last
             tp2d.linear2d_comm(n, h, tp2d.padded_vocab(cfg.vocab_size, q), q)
         parts += [tp2d.rmsnorm2d_comm(n, h, q), head, tp2d.cross_entropy2d_comm(n, q)]
     return [tp2d.total(p) for p in parts]
+
+
+def tensor_comm_3d(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> dict:
+    """Per-axis volumes (axis → CommVolume, :data:`gridshard.theory.tp3d.AXES`) of one micro-batch on a
+    3D rank holding ``layers`` decoder layers: :func:`~gridshard.theory.tp3d.block3d_comm` per layer
+    (+ :func:`~gridshard.theory.tp3d.block3d_recompute_comm` with full recompute) and
+    :func:`~gridshard.theory.tp3d.ends3d_comm` on the end stages. The axes keep their own group sizes
+    (q or q²) and are priced on their own links (:func:`link_levels`, ``tensor_axes``)."""
+    q = layout.mode.cube_side(layout.tensor)
+    m, h, f = layout.micro_batch, cfg.hidden, cfg.ffn_hidden
+    block = tp3d.block3d_comm(m, seq, h, f, q, heads=cfg.heads, kv_heads=cfg.kv_heads)
+    parts = [block] * layers
+    if layout.recompute == "full":
+        parts += [tp3d.block3d_recompute_comm(m, seq, h, f, q, heads=cfg.heads, kv_heads=cfg.kv_heads)] * layers
+    parts.append(tp3d.ends3d_comm(m, seq, h, cfg.vocab_size, q, first=first, last=last,
+                                  tied=bool(cfg.tie_embeddings)))
+    return tp3d.combine(*parts)
 
 
 def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
@@ -291,14 +316,33 @@ def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
     world, CT = layout.world, layout.context * layout.tensor
     per_node = max(1, world // max(1, nodes))
     inside = lambda span: "intra" if span <= per_node else "inter"  # noqa: E731
-    return {"tensor": inside(layout.layer_tensor), "context": inside(CT), "pipeline": inside(CT * layout.pipeline),
-            "data": inside(world if layout.data > 1 else CT)}
+    levels = {"tensor": inside(layout.layer_tensor), "context": inside(CT), "pipeline": inside(CT * layout.pipeline),
+              "data": inside(world if layout.data > 1 else CT)}
+    if layout.mode.is_cube:
+        levels["tensor_axes"] = cube_axis_levels(layout.mode.cube_side(layout.tensor), world, per_node)
+    return levels
+
+
+@functools.lru_cache(maxsize=256)
+def cube_axis_levels(q: int, world: int, per_node: int) -> dict:
+    """Link of each 3D axis (:data:`gridshard.theory.tp3d.AXES`): ``inter`` when any of its groups, in
+    any of the world's tensor blocks (T = q³ consecutive ranks, the tensor dims innermost in the
+    order (weight, input, output): :func:`gridshard.theory.tp3d.axis_groups`), has ranks on two
+    nodes of ``per_node`` consecutive ranks, else ``intra``. So ``output`` (q consecutive ranks) is
+    the last to leave a node, then ``input`` (q²), then ``weight`` and the two q²-rank flattened axes
+    (the whole cube)."""
+    T = q ** 3
+    out = {}
+    for axis, groups in tp3d.axis_groups(q).items():
+        split = any(len({(b * T + t) // per_node for t in g}) > 1 for b in range(max(1, world // T)) for g in groups)
+        out[axis] = "inter" if split else "intra"
+    return out
 
 
 def gemm_flops(cfg, layout: Layout, seq: int) -> float:
     """FLOPs of one of the rank's gate|up GEMMs (the module docstring's G)."""
     N, h, f = layout.micro_batch * seq // layout.context, cfg.hidden, cfg.ffn_hidden
-    if layout.mode.is_grid:
+    if layout.mode.is_grid:          # 3D: P_ijl = X_il·A_lj, [N/q, h/q]·[h/q, f/q] = 2·N·h·f/q³ = 2·N·h·f/T (below)
         q = layout.mode.grid_side(layout.tensor)
         return 2.0 * N * h * f / q ** 3
     return 2.0 * N * h * f / layout.tensor
@@ -409,12 +453,21 @@ def tensor_volumes(cfg, layout: Layout, seq: int, layers: int, first: bool, last
         return tensor_comm_1d(cfg, layout, seq, layers, first, last)
     if layout.mode.is_grid and T > 1:
         return tensor_comm_2d(cfg, layout, seq, layers, first, last)
+    if layout.mode.is_cube:
+        return list(tensor_comm_3d(cfg, layout, seq, layers, first, last).values())
     return []
 
 
 def _tensor_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, first: bool, last: bool) -> tuple:
     """(critical-path seconds, busy CPU seconds) of one micro-batch's tensor-parallel collectives."""
     hw = pr.hw
+    if layout.mode.is_cube:                 # each cube axis on its own link
+        axes = tensor_comm_3d(cfg, layout, seq, layers, first, last)
+        levels = pr.levels["tensor_axes"]
+        around = sum(sum(v.calls.values()) for v in axes.values()) * \
+            hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
+        return (sum(comm_seconds([v], hw, levels[a], pr.skew) for a, v in axes.items()) + around * pr.stretch,
+                sum(comm_cpu_seconds([v], hw, levels[a]) for a, v in axes.items()) + around)
     vols = tensor_volumes(cfg, layout, seq, layers, first, last)
     around = sum(sum(v.calls.values()) for v in vols) * hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
     level = pr.levels["tensor"]
@@ -430,7 +483,7 @@ def context_comm(cfg, layout: Layout, seq: int, layers: int, precision: str) -> 
     if C == 1:
         return None, None
     e = 2 if precision in ("bf16", "fp16") else FP32
-    m = layout.micro_batch // (mode.grid_side(T) if mode.is_grid else 1)
+    m = layout.micro_batch // mode.batch_split(T)          # 2D: m/q rows, 3D: m/q²
     H, K = cfg.heads // mode.head_split(T), mode.local_kv_heads(cfg.kv_heads, T)
     if layout.context_mode == "all_to_all":
         vol = ctx_theory.all_to_all_attention_volume(C, m, seq // C, H, K, cfg.head_dim, e)

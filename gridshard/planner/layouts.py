@@ -16,7 +16,10 @@ combination the device count allows:
   shape rules on one depth layer's q² ranks and whose micro_batch is a multiple of d·q, and refuse
   the compositions not built (``validate._depth_refusals``: today a ViT), so the
   enumeration follows them as they change. A 2.5D layout is priced as what each rank runs,
-  :meth:`Layout.layer_layout`;
+  :meth:`Layout.layer_layout`; and ``3d`` when T = q³ with q ≥ 2 (``TensorMode.check_tensor_size``;
+  issue 24), which the config rules keep when the model fits 3D's layout rules
+  (:func:`gridshard.nn.shape_rules.layout_rules`) and the composition is built — sequence parallelism
+  is never in effect there (``sequence_parallel_in_effect``), so only ``3d`` without it;
 * ZeRO 0–3 when D > 1 (with D = 1 every stage holds the same bytes: only 0);
 * recompute none / selective / full;
 * micro_batch: every divisor of global_batch / D (up to ``max_micro_batch``, 16 by default);

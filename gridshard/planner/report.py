@@ -74,6 +74,7 @@ def explain(result: PlanResult) -> str:
                      f"(cost_time: two bounds)")
     lines += _context_reason(result)
     lines += _depth_reason(result)
+    lines += _cube_reason(result)
     lines += _grad_reduce_reason(result)
     others = []
     for c in result.candidates[1:]:
@@ -199,6 +200,67 @@ def _depth_reason(result: PlanResult) -> list:
         f"reduction) {a.data_comm_s:.3g} vs {b.data_comm_s:.3g} s, params {gib(deep.memory.params)} vs "
         f"{gib(flat.memory.params)} and memory {gib(deep.predicted_mem_bytes)} vs {gib(flat.predicted_mem_bytes)} "
         f"per rank")
+    return out
+
+
+def _layer_traffic(result: PlanResult, c: Candidate) -> tuple:
+    """(ring wire bytes, of them on links across nodes, calls) one rank's tensor group moves per decoder
+    layer and micro-batch (:func:`~gridshard.planner.cost_time.tensor_volumes` of the layout each rank
+    runs; at 3D each cube axis on its own link, :func:`~gridshard.planner.cost_time.tensor_comm_3d`)."""
+    from .cost_time import tensor_comm_3d, tensor_volumes
+
+    L, links = c.layout.layer_layout(), c.step.details["links"]
+    mc, s = result.config.model.resolve(), result.config.data.seq_len // L.context
+    if L.mode.is_cube:
+        axes = tensor_comm_3d(mc, L, s, 1, False, False)
+        wire = {a: v.wire_bytes() for a, v in axes.items()}
+        return (sum(wire.values()), sum(w for a, w in wire.items() if links["tensor_axes"][a] == "inter"),
+                sum(sum(v.calls.values()) for v in axes.values()))
+    vols = tensor_volumes(mc, L, s, 1, False, False)
+    wire = sum(v.wire_bytes() for v in vols)
+    return wire, wire if links["tensor"] == "inter" else 0.0, sum(sum(v.calls.values()) for v in vols)
+
+
+def _cube_reason(result: PlanResult) -> list:
+    """3D against 2D / 2.5D at the same T (docs/planner.md, "3D"): the fastest feasible 3D layout and
+    the fastest feasible 2D or 2.5D layout with the same D, P, C and T (else 1D), with what decides
+    between them — tensor bytes and calls per decoder layer and micro-batch, which cube axes leave a
+    node, parameter bytes (1/T against 1/q² or 1/T); or why no 3D layout runs."""
+    best = result.best
+    cube = _fastest(result.candidates, lambda l: l.mode.is_cube)
+    if cube is None:
+        refused = [c for c in result.rejected if c.layout.mode.is_cube]
+        if not refused:
+            return []
+        why = collections.Counter(c.reason.split(" Fix:")[0] if c.memory is None else "memory" for c in refused)
+        return [f"  3D: none of {len(refused)} layouts runs; the most common reason: {why.most_common(1)[0][0]}"]
+    L = cube.layout
+    q = L.mode.cube_side(L.tensor)
+    same = lambda l: (not l.mode.is_cube and (l.data, l.pipeline, l.context, l.tensor) ==  # noqa: E731
+                      (L.data, L.pipeline, L.context, L.tensor))
+    other = _fastest(result.candidates, lambda l: same(l) and (l.mode.is_grid or l.mode.has_depth)) or \
+        _fastest(result.candidates, same)
+    verdict = "is the best layout" if cube is best else \
+        f"takes {cube.predicted_step_s / best.predicted_step_s:.2f}× the best step"
+    axes = cube.step.details["links"].get("tensor_axes", {})
+    inter = [a for a, lv in axes.items() if lv == "inter"]
+    out = [f"  3D: {L.label()} (q = {q}: a {q}×{q}×{q} cube, every weight and activation 1/T per rank, "
+           f"m/q² = {L.micro_batch / (q * q):g} sequences per rank) {verdict}; cube axes across nodes: "
+           f"{', '.join(inter) if inter else 'none'}"]
+    if other is None:
+        return out + [f"  no other layout at D{L.data} P{L.pipeline} C{L.context} T{L.tensor} passes the rules and "
+                      f"fits, to compare with"]
+    a, b = cube.step, other.step
+    (wa, xa, ca), (wb, xb, cb) = _layer_traffic(result, cube), _layer_traffic(result, other)
+    wins = cube.predicted_step_s < other.predicted_step_s
+    mib = lambda n: f"{n / (1 << 20):,.4g}"  # noqa: E731
+    out.append(
+        f"  {'wins' if wins else 'loses'} against {other.layout.label()} at the same T: {cube.predicted_step_s:.4g} "
+        f"vs {other.predicted_step_s:.4g} s per step; tensor comm {a.tensor_comm_s:.3g} vs {b.tensor_comm_s:.3g} s "
+        f"— per rank, decoder layer and micro-batch {mib(wa)} vs {mib(wb)} MiB on the wire, of which {mib(xa)} vs "
+        f"{mib(xb)} MiB across nodes, {ca} vs {cb} calls; compute {a.compute_s:.3g} vs {b.compute_s:.3g} s, params "
+        f"{gib(cube.memory.params)} vs {gib(other.memory.params)} and memory {gib(cube.predicted_mem_bytes)} vs "
+        f"{gib(other.predicted_mem_bytes)} per rank")
     return out
 
 

@@ -108,6 +108,17 @@ per rank is R = N·h (none, 1D), N·h/T (1D+SP: the sequence is split), N·h/q²
 H_r, K_r, f_r the rank's heads, kv heads and MLP width: (H, K, f) without tensor
 parallelism, (H/T, K/min(T, K), f/T) in 1D (kv heads replicated in groups when T > K),
 (H/q, K/q, f/q) in 2D.
+3D (T = q³, issue 24; the layers of docs/tp3d.md): N_r = N/q² (batch block i·q + j of q²), R = N·h/q³,
+(H/q, K/q, f/q), logits V_p/q with V_p = ⌈V/q⌉·q. Every Linear3D keeps only its input block
+(N·in/q³, 1/T of one device's; the gathered X and W are gathered again in backward; V_p = ⌈V/q²⌉·q²
+with a tied head, the embedding's padding), which is a
+tensor the table below already counts (the norm output, the attention output, silu(g)·u); the norms
+and the loss are 2D's functions on the cube's ``output`` axis (2D's rows below with q the cube side);
+the embedding gathers the whole micro-batch's ids over ``batch`` (N·8 + the N·1 mask, as 2D's);
+no weight copies (the matmul saves the parameter block and casts inside); under ``selective`` the
+3D norms' outputs are rebuilt as 2D's are; a tied head keeps a copy of its weight slice of the gathered
+table (:func:`tied_head3d_saved_bytes`). Asserted against the meter on all 8 ranks of a q = 2 cube,
+every recompute mode, fp32 and bf16, tied and untied (``tests/test_planner_3d.py``, wide).
 
 * **RMSNorm** (twice per layer). It keeps its input x (R·e) and the reciprocal rms (R/h·4, one
   per token); in fp32 also the normalised x̂ = x·rstd (R·4: ``F.rms_norm`` on CPU runs as pow,
@@ -507,6 +518,10 @@ def _rank_shape(cfg, mode, T: int, sequence_parallel: bool, tokens: int) -> _Ran
     if mode.is_1d:
         R = tokens * h // T if mode.sequence_parallel_in_effect(sequence_parallel, T) else tokens * h
         return _RankShape(tokens, R, H // T, mode.local_kv_heads(K, T), f // T, padded_vocab_size(V, T) // T)
+    if mode.is_cube:                       # batch block of q², heads / neurons / vocab over q
+        q = mode.cube_side(T)              # (a tied head keeps the embedding's padding, ⌈V/q²⌉·q²)
+        vp = padded_vocab_size(V, q * q if getattr(cfg, "tie_embeddings", False) else q)
+        return _RankShape(tokens // (q * q), tokens * h // T, H // q, K // q, f // q, vp // q)
     q = _grid_side(T)
     return _RankShape(tokens // q, tokens * h // T, H // q, K // q, f // q, padded_vocab_size(V, q) // q)
 
@@ -525,9 +540,10 @@ def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: in
     layer's norm under ``selective``, :mod:`gridshard.nn.rebuild`): y is not kept."""
     r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
     h = cfg.hidden
+    mode = TensorMode.parse(mode)
     consumer_input = 0 if rebuilt else r.residual * e   # y itself (under SP its sequence block, re-gathered)
-    if TensorMode.parse(mode).is_grid:
-        q = _grid_side(T)
+    if mode.is_grid or mode.is_cube:        # 2D's norm function (3D: on the cube's output axis)
+        q = _grid_side(T) if mode.is_grid else mode.cube_side(T)
         return r.residual * e + consumer_input + r.token_rows * FP32 + (h // q) * FP32
     x_hat = r.residual * e if e == FP32 else 0       # bf16/fp16: rebuilt in backward (nn.norm.rms_norm)
     return r.residual * e + x_hat + (r.residual // h) * FP32 + consumer_input
@@ -574,9 +590,9 @@ def weight_copy_bytes(cfg, mode: str, T: int, layers: int, has_head: bool, recom
     copies"): 0 when parameters are already e-byte; else the weights multiplied through
     ``F.linear``/SUMMA (none and 2D: all; 1D: the row layers o_proj and down_proj), per decoder
     layer unless ``full`` recompute, and the head's on the last stage (none, 2D)."""
-    if e >= param_bytes:
-        return 0
     mode = TensorMode.parse(mode)
+    if e >= param_bytes or mode.is_cube:   # 3D: the matmul saves the fp32 parameter block, casts inside
+        return 0
     r = _rank_shape(cfg, mode, T, False, 0)
     h, d = cfg.hidden, cfg.head_dim
     if mode.splits_weights and mode.is_1d:
@@ -593,12 +609,24 @@ def embedding_saved_bytes(mode: str, T: int, tokens: int) -> int:
     return tokens * INDEX_BYTES + (tokens * MASK_BYTES if split else 0)
 
 
-def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int) -> int:
+def tied_head3d_saved_bytes(cfg, T: int, e: int = FP32) -> int:
+    """What a 3D tied head (:mod:`gridshard.nn.tied_head_3d`) keeps beyond an untied one, per micro-batch:
+    its product saves the weight slice [V_p/q, h/q²] (V_p = ⌈V/q²⌉·q²) cut from the table gathered over
+    ``batch`` [V_p, h/q], copied (contiguous, then cast to the activations' dtype), so V_p·h/q³·e."""
+    q = TensorMode.THREE_D.cube_side(T)
+    vp = padded_vocab_size(cfg.vocab_size, q * q)
+    return vp * cfg.hidden // q ** 3 * e
+
+
+def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int, e: int = FP32) -> int:
     """The fp32 (log-)softmax over this rank's logits block and the loss's targets/masks (any precision:
-    the loss upcasts the logits)."""
+    the loss upcasts the logits); at 3D with a tied head also :func:`tied_head3d_saved_bytes`."""
     r = _rank_shape(cfg, mode, T, False, tokens)
     n = r.token_rows
     mode = TensorMode.parse(mode)
+    if mode.is_cube and getattr(cfg, "tie_embeddings", False):
+        return n * r.vocab_block * FP32 + n * INDEX_BYTES + 2 * n * MASK_BYTES + FP32 + \
+            tied_head3d_saved_bytes(cfg, T, e)
     if not mode.splits_weights:
         return n * r.vocab_block * FP32 + n * INDEX_BYTES + FP32
     if mode.is_1d:
@@ -631,7 +659,7 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
         rope_tables=2 * s_r * cfg.head_dim * e if L else 0,
         embedding=embedding_saved_bytes(mode, T, N) if has_embedding else 0,
         final_norm=norm_saved_bytes(cfg, mode, T, sp, N, e) if has_head else 0,
-        head_and_loss=head_and_loss_saved_bytes(cfg, mode, T, N) if has_head else 0,
+        head_and_loss=head_and_loss_saved_bytes(cfg, mode, T, N, e) if has_head else 0,
         weight_copies=weight_copy_bytes(cfg, mode, T, L, has_head, recompute, e, param_bytes),
     )
 
@@ -687,7 +715,7 @@ def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, s
     attention keeps the C > 1 term of :func:`gridshard.theory.context.context_attention_saved_bytes`
     and its backward holds the buffers of :func:`gridshard.theory.context.context_transient_bytes`
     (they exist once the head's backward has freed the logits workspace: the caller counts only
-    what exceeds it)."""
+    what exceeds it); the ring's buffers hold the rank's sequences (m; m/q in 2D, m/q² in 3D) and heads."""
     s_r = seq_len // context
     acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
                             has_embedding=first, has_head=last, precision=precision, param_bytes=pb, context=context)
@@ -695,7 +723,7 @@ def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, s
     stage_buffers = 0 if P == 1 else stage_buffer_bytes(first, last, n_microbatches, in_flight, boundary_bytes(
         mode, sequence_parallel, T, micro_batch, s_r, cfg.hidden, precision))
     r = _rank_shape(cfg, mode, T, sequence_parallel, micro_batch * s_r)
-    ring = context_transient_bytes(context, context_mode, micro_batch, s_r, r.heads, r.kv_heads, cfg.head_dim,
+    ring = context_transient_bytes(context, context_mode, r.token_rows // s_r, s_r, r.heads, r.kv_heads, cfg.head_dim,
                                    activation_element_bytes(precision)) if layer_ids else 0
     return acts, workspace, stage_buffers, ring
 
@@ -780,4 +808,4 @@ __all__ = ["ParamBlock", "kv_replica_grad_extra", "ModelState", "model_state_byt
            "ActivationBytes", "activation_bytes", "activation_element_bytes", "layer_saved_bytes",
            "layer_saved_tensors", "norm_saved_bytes",
            "weight_copy_bytes", "embedding_saved_bytes",
-           "head_and_loss_saved_bytes", "logits_workspace_bytes", "RankMemory", "predict_rank_memory"]
+           "head_and_loss_saved_bytes", "tied_head3d_saved_bytes", "logits_workspace_bytes", "RankMemory", "predict_rank_memory"]

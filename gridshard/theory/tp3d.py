@@ -158,3 +158,187 @@ def linear3d_wire_bytes(tokens: int, in_features: int, out_features: int, q: int
 __all__ = ["AXES", "roles", "combine", "rounds", "wire_bytes", "linear3d_comm", "rmsnorm3d_comm",
            "layernorm3d_comm", "embedding3d_comm", "head3d_comm", "cross_entropy3d_comm", "linear3d_param_bytes",
            "linear3d_saved_activation_bytes", "linear3d_wire_bytes"]
+
+
+# ---------------------------------------------------------------------------------------
+# decoder block, whole model, cube groups (issue 24: the planner prices a 3D layout from these)
+# ---------------------------------------------------------------------------------------
+def linear3d_forward_comm(tokens: int, in_features: int, out_features: int, q: int, bytes_per_elem: int = 4,
+                          swapped: bool = False) -> dict:
+    """The forward half of :func:`linear3d_comm` (no bias): X all-gathered on ``input``
+    (N·in/q²·e), W on ``weight`` (in·out/q²·e), the product reduce-scattered on ``output``
+    (N·out/q²·e) — what ``recompute: full`` runs again."""
+    _blocks(q, tokens=(tokens, q * q), in_features=(in_features, q * q), out_features=(out_features, q))
+    e, r, v = bytes_per_elem, roles(swapped), _zero(q)
+    v[r["input"]].add("all_gather", tokens * in_features // q ** 2 * e)
+    v[r["weight"]].add("all_gather", in_features * out_features // q ** 2 * e)
+    v[r["output"]].add("reduce_scatter", tokens * out_features // q ** 2 * e)
+    return v
+
+
+def _kv_width(hidden: int, heads, kv_heads) -> int:
+    """K·d (d = h/H): the width of k_proj and v_proj; h for multi-head attention."""
+    if heads is None or kv_heads is None:
+        return hidden
+    return kv_heads * (hidden // heads)
+
+
+def block3d_comm(batch: int, seq: int, hidden: int, ffn: int, q: int, bytes_per_elem: int = 4,
+                 heads: int | None = None, kv_heads: int | None = None) -> dict:
+    """One Llama decoder block forward + backward on the cube, N = b·s tokens of the tensor group's
+    micro-batch. The layers as ``parallelize`` lays them out at 3D: RMSNorm3D (residual
+    orientation) → q_proj h→h, k_proj and v_proj h→K·d, three Linear3D on the residual orientation
+    (their outputs land in the swapped one: batch block i·q + l, heads block j) → the attention core,
+    local on H/q heads and K/q kv heads → o_proj h→h on the swapped orientation (back to the residual
+    layout); RMSNorm3D → gate_proj and up_proj h→f (residual orientation) → down_proj f→h (swapped).
+    Each projection is its own Linear3D, so each gathers its input itself (q, k, v: three gathers of
+    the same norm output; gate, up: two). Per axis (q ranks on ``weight``/``input``/``output``)::
+
+        input + output (the two activation axes, one Linear3D each way):
+            Σ_linears 3·N·in/q²·e + 2·N·out/q²·e            (8 calls per linear)
+        weight:  Σ_linears 3·in·out/q²·e
+        output (residual norms): 2 × two all-reduces of N/q² fp32; batch: 2 × (h/q·e gather + scatter)
+    """
+    n, e = batch * seq, bytes_per_elem
+    kv = _kv_width(hidden, heads, kv_heads)
+    norm = rmsnorm3d_comm(n, hidden, q, e)
+    return combine(norm, linear3d_comm(n, hidden, hidden, q, e), linear3d_comm(n, hidden, kv, q, e),
+                   linear3d_comm(n, hidden, kv, q, e), linear3d_comm(n, hidden, hidden, q, e, swapped=True),
+                   norm, linear3d_comm(n, hidden, ffn, q, e), linear3d_comm(n, hidden, ffn, q, e),
+                   linear3d_comm(n, ffn, hidden, q, e, swapped=True))
+
+
+def block3d_recompute_comm(batch: int, seq: int, hidden: int, ffn: int, q: int, bytes_per_elem: int = 4,
+                           heads: int | None = None, kv_heads: int | None = None) -> dict:
+    """What ``recompute: full`` repeats per 3D decoder block (the 1D/2D rule): the forward
+    products of q, k, v, o, gate and up (:func:`linear3d_forward_comm`; the down projection's input
+    is the last tensor backward needs) and the two norms' forward: one all-reduce of N/q² fp32
+    statistics on ``output`` and the weight's gather h/q·e on ``batch`` each."""
+    n, e = batch * seq, bytes_per_elem
+    kv = _kv_width(hidden, heads, kv_heads)
+    norm = _zero(q)
+    norm["output"].add("all_reduce", n // q ** 2 * 4)
+    norm["weight_input"].add("all_gather", hidden // q * e)
+    fwd = lambda i, o, sw=False: linear3d_forward_comm(n, i, o, q, e, swapped=sw)  # noqa: E731
+    return combine(norm, fwd(hidden, hidden), fwd(hidden, kv), fwd(hidden, kv), fwd(hidden, hidden, True),
+                   norm, fwd(hidden, ffn), fwd(hidden, ffn))
+
+
+def tied_head3d_comm(tokens: int, hidden: int, vocab: int, q: int, bytes_per_elem: int = 4) -> dict:
+    """TiedVocabHead3D (:mod:`gridshard.nn.tied_head_3d`): the embedding's table blocks all-gathered
+    over the residual orientation's ``batch`` axis to the hidden block [V_pad, h/q] (V_pad = ⌈V/q²⌉·q²,
+    the embedding's padding) and reduce-scattered back in backward (V_pad·h/q·e each), then the 3D
+    product h → V_pad on the kept slice with a Linear3D's eight calls."""
+    vp, e = padded_vocab_size(vocab, q * q), bytes_per_elem
+    v = linear3d_comm(tokens, hidden, vp, q, e)
+    v[roles(False)["batch"]].add("all_gather", vp * hidden // q * e).add("reduce_scatter", vp * hidden // q * e)
+    return v
+
+
+def ends3d_comm(batch: int, seq: int, hidden: int, vocab: int, q: int, bytes_per_elem: int = 4,
+                first: bool = True, last: bool = True, tied: bool = False) -> dict:
+    """The model's ends on the cube: the embedding (first stage; :func:`embedding3d_comm`) and the
+    final RMSNorm3D, the head h → V_pad = ⌈V/q⌉·q on the residual orientation (a Linear3D,
+    :func:`head3d_comm`; ``tied``: :func:`tied_head3d_comm`, on a rank holding both ends) and the loss
+    on its swapped logits (:func:`cross_entropy3d_comm`) (last stage)."""
+    n, e = batch * seq, bytes_per_elem
+    parts = [_zero(q)]
+    if first:
+        parts.append(embedding3d_comm(batch, seq, hidden, q, e))
+    if last:
+        head = tied_head3d_comm(n, hidden, vocab, q, e) if tied and first else head3d_comm(n, hidden, vocab, q, e)
+        parts += [rmsnorm3d_comm(n, hidden, q, e), head, cross_entropy3d_comm(n, q, swapped=True)]
+    return combine(*parts)
+
+
+def transformer3d_comm(layers: int, batch: int, seq: int, hidden: int, ffn: int, vocab: int, q: int,
+                       tied: bool = False, bytes_per_elem: int = 4, heads: int | None = None,
+                       kv_heads: int | None = None) -> dict:
+    """One micro-batch's forward + backward + loss of ``gridshard.models.Transformer`` on a q×q×q
+    cube: ``layers`` × :func:`block3d_comm` + :func:`ends3d_comm` (the signature of
+    :func:`gridshard.theory.tp2d.transformer2d_comm`)."""
+    block = block3d_comm(batch, seq, hidden, ffn, q, bytes_per_elem, heads, kv_heads)
+    return combine(ends3d_comm(batch, seq, hidden, vocab, q, bytes_per_elem, tied=tied), *([block] * layers))
+
+
+def block3d_param_bytes(hidden: int, ffn: int, q: int, bytes_per_elem: int = 4, heads: int | None = None,
+                        kv_heads: int | None = None) -> int:
+    """((2h + 2·K·d)·h + 3·h·f + 2h)/q³ elements per rank: every weight and norm vector 1/T."""
+    kv = _kv_width(hidden, heads, kv_heads)
+    return ((2 * hidden + 2 * kv) * hidden + 3 * hidden * ffn + 2 * hidden) // q ** 3 * bytes_per_elem
+
+
+def axis_groups(q: int) -> dict:
+    """Axis name → its groups, each a tuple of tensor ranks t = (i·q + j)·q + l (i weight, j input,
+    l output: :mod:`gridshard.comm.mesh_3d`). ``output`` groups are q consecutive ranks, ``input``
+    groups stride q within a block of q², ``weight`` stride q²; ``weight_input`` (l fixed) and
+    ``weight_output`` (j fixed) span the whole cube. Which groups cross a node boundary follows."""
+    t = lambda i, j, l: (i * q + j) * q + l  # noqa: E731
+    r = range(q)
+    return {"output": [tuple(t(i, j, l) for l in r) for i in r for j in r],
+            "input": [tuple(t(i, j, l) for j in r) for i in r for l in r],
+            "weight": [tuple(t(i, j, l) for i in r) for j in r for l in r],
+            "weight_input": [tuple(t(i, j, l) for i in r for j in r) for l in r],
+            "weight_output": [tuple(t(i, j, l) for i in r for l in r) for j in r]}
+
+
+__all__ += ["linear3d_forward_comm", "block3d_comm", "block3d_recompute_comm", "tied_head3d_comm", "ends3d_comm",
+            "transformer3d_comm",
+            "block3d_param_bytes", "axis_groups"]
+
+
+# ---------------------------------------------------------------------------------------
+# the ViT path on the cube: patch embedding, classifier, classification loss (gridshard.nn.vision_3d)
+# ---------------------------------------------------------------------------------------
+def patch_embedding3d_comm(batch: int, hidden: int, channels: int, patch: int, seq: int, q: int,
+                           bytes_per_elem: int = 4, swapped: bool = False, image_grad: bool = False) -> dict:
+    """PatchEmbedding3D forward + backward, all but the image gradient on the layer's ``batch`` role
+    (q² ranks): the kernel [h, C, P, P], bias, class token and positions [s, h] all-gathered to
+    hidden block l and their gradients reduce-scattered, 4 calls each way of (K + 2 + s)·h/q·e
+    bytes in all (K = C·P², s = 1 + n): independent of the batch; no activation moves. With
+    ``image_grad`` (images that require a gradient) one all-reduce on ``output`` of the image
+    block, b/q²·C·H·W·e = b/q²·K·(s − 1)·e."""
+    _blocks(q, batch=(batch, q * q), hidden=(hidden, q ** 3))
+    e, r, v = bytes_per_elem, roles(swapped), _zero(q)
+    k = channels * patch * patch
+    for size in (k, 1, 1, seq):                    # kernel, bias, class token, positions: size·h/q·e each
+        v[r["batch"]].add("all_gather", size * hidden // q * e).add("reduce_scatter", size * hidden // q * e)
+    if image_grad:
+        v[r["output"]].add("all_reduce", batch // q ** 2 * k * (seq - 1) * e)
+    return v
+
+
+def classifier3d_comm(rows: int, hidden: int, classes: int, q: int, bytes_per_elem: int = 4, bias: bool = True,
+                      swapped: bool = False) -> dict:
+    """Classifier3D / ClsClassifier3D forward + backward over ``rows`` inputs (b images for the class
+    token head): the weight [K, h] all-gathered on ``batch`` to [K, h/q] and its gradient
+    reduce-scattered (K·h/q·e each); the partial logits all-reduced on ``output`` (rows/q²·K·e,
+    forward only: the dual is identity); the replicated bias's gradient all-reduced on ``batch``
+    (K·e)."""
+    _blocks(q, rows=(rows, q * q), hidden=(hidden, q ** 3))
+    e, r, v = bytes_per_elem, roles(swapped), _zero(q)
+    v[r["batch"]].add("all_gather", classes * hidden // q * e).add("reduce_scatter", classes * hidden // q * e)
+    v[r["output"]].add("all_reduce", rows // q ** 2 * classes * e)
+    if bias:
+        v[r["batch"]].add("all_reduce", classes * e)
+    return v
+
+
+def classification_loss3d_comm(q: int, reduction: str = "mean", swapped: bool = False) -> dict:
+    """classification_loss_3d on the classifier's orientation: the fp32 loss sum all-reduced on
+    ``batch`` (4 bytes; backward identity) and, for ``"mean"``, the valid count (float64, 8 bytes)."""
+    r, v = roles(swapped), _zero(q)
+    v[r["batch"]].add("all_reduce", 4)
+    if reduction == "mean":
+        v[r["batch"]].add("all_reduce", 8)
+    return v
+
+
+def patch_embedding3d_param_bytes(hidden: int, channels: int, patch: int, seq: int, q: int,
+                                  bytes_per_elem: int = 4) -> int:
+    """(C·P² + 2 + s)·h/q³ elements per rank: 1/T of the layer (kernel, bias, class token, positions)."""
+    return (channels * patch * patch + 2 + seq) * hidden // q ** 3 * bytes_per_elem
+
+
+__all__ += ["patch_embedding3d_comm", "classifier3d_comm", "classification_loss3d_comm",
+            "patch_embedding3d_param_bytes"]

@@ -46,9 +46,13 @@ fragmented heap. Three owners here take ZeRO-3's own memory out of that heap:
   finds the state there). Memory accounting counts each carved view's own bytes (its byte range
   in the arena) instead of the arena's whole storage (:meth:`ChunkArena.byte_range`).
 
-:func:`heap_trimmer` gives the reducer glibc's ``malloc_trim``, called once after construction:
-the original parameters freed there leave the resident set. The heap then holds only a step's
-transients (activations, gathered-and-freed scratch), as at ZeRO-0.
+:func:`heap_trimmer` gives the reducer glibc's ``malloc_trim``, called once after construction
+(the original parameters freed there leave the resident set) and as the backward reaches each
+of its first layers (:meth:`gridshard.zero.gather.ParameterGather.trim_before_regather`). The
+heap then holds only a step's transients (activations, gathered-and-freed scratch), as at
+ZeRO-0, and hands the activations the backward frees back while the backward's own gradient
+buffers and gathers (outside it) grow: without those trims the step's resident peak was there
+(docs/memory.md "ZeRO-3's host pages": 0.81 → about 1.1 of the predicted saving).
 
 Safety: a released parameter buffer reads zeros instead of raising, so a missing gather
 changes the loss, which the exactness tests (ZeRO-3 against one process) catch.
@@ -205,3 +209,21 @@ def heap_trimmer(device) -> Optional[Callable[[int], int]]:
         return None
     trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
     return trim
+
+
+class StagingSlots:
+    """What a reducer part that stages collectives does with ``self.staging`` — a
+    :class:`StagingPool` or None (host pages off, or D = 1: every collective allocates its own)."""
+
+    staging: Optional[StagingPool]
+
+    def _take_slot(self, kind: str) -> Optional[tuple]:
+        """A free slot of the staging pool (host pages at D > 1), else None: the collective allocates."""
+        return self.staging.take(kind) if self.staging is not None else None
+
+    def _slot_view(self, slot: Optional[tuple], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        return self.staging.view(slot, dtype) if slot is not None else None
+
+    def _give_slot(self, slot: Optional[tuple]) -> None:
+        if slot is not None:
+            self.staging.give(slot)

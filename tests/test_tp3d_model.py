@@ -1,0 +1,378 @@
+"""3D tensor parallelism in training: ``parallel.tensor_mode: 3d`` (T = q³) is the one-process run,
+step by step, and its checkpoints resume at 2.5D, 2D and 1D (and a one-process checkpoint at 3D).
+
+The job mesh lays the tensor dim out as a q×q×q cube (data, pipeline, weight, input, output); the
+model is laid out by ``parallelize`` on ``mesh.cube`` (docs/tp3d.md "In training"): column
+projections on the residual orientation, row projections on the swapped one, norms, embedding and
+head on the residual one; the logits come out in the swapped orientation, so a rank's targets are
+batch block i·q + l (``ParallelContext.shard_targets``) while its tokens are block i·q + j. Model:
+grouped-query attention (4 heads over 2 kv heads), an odd vocabulary (259: padded to 260 in 3D),
+data: Python's standard library as bytes with ``data.ignore_token: 32`` (about one target in six
+masked, unevenly over the q² = 4 batch blocks), 10 steps of AdamW with clipping active. Compared
+with one process: loss and global gradient norm within 1e-5 relative per step, the final gathered
+parameters within 1e-5 (relative Frobenius).
+
+make test: the config rules and layout facts (no ranks), and ONE 8-rank test: (D, P, T) = (1, 1, 8)
+q = 2 at ZeRO-0 against one process, and its step-5 checkpoint resumed at 2.5D (q = 2, d = 2) in
+the same 8-rank worker pool. Wide (``-m wide``): ZeRO-3 with selective recompute; the step-5
+checkpoint resumed at 2D (T = 4) and 1D + sequence parallelism (T = 2), and the one-process run's at
+3D; Hugging Face ``LlamaForCausalLM`` (GQA, vocabulary 259) tied and untied; 16 ranks: pipeline
+(1, 2, 8) under 1F1B with tied embeddings and validation, data (2, 1, 8) at ZeRO-3, context
+(1, C = 2, 8) with ring attention for our Llama and the Hugging Face one.
+"""
+import json
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from gridshard.testing import run_on_ranks
+
+MODEL = {"preset": None, "vocab_size": 259, "hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2,
+         "ffn_hidden": 64, "max_seq_len": 16}
+BASE = {"model": MODEL,
+        "data": {"kind": "stdlib", "seq_len": 16, "max_bytes": 50_000, "ignore_token": 32},
+        "train": {"global_batch": 8, "micro_batch": 4, "steps": 10, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3,
+                  "grad_clip": 0.5, "log_interval": 1, "seed": 7, "precision": "fp32", "save_interval": 5}}
+TOL = 1e-5
+
+
+def _config(T=1, mode="none", depth=1, zero=0, D=1, sp=False, C=1, **train):
+    return {**BASE, "train": {**BASE["train"], "zero": zero, **train},
+            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "tensor_depth": depth,
+                         "sequence_parallel": sp, "context": C}}
+
+
+def _facts(trainer) -> dict:
+    """What this rank's mesh says about the 3D layout, and what the reducer steps."""
+    m = trainer.mesh
+    cube = m.cube
+    stepped = sum(t.numel() for _, t in trainer.reducer.optimizer_tensors())
+    return {"rank": dist.get_rank(), "tensor": (m.tensor.size, m.tensor.rank),
+            "cube": cube.coords() if cube is not None else None,
+            "batch": (m.batch_blocks, m.batch_index, m.logits_batch_index),
+            "replicas": (m.data_context.size, m.data_context.ranks), "mode": str(m.tensor_mode),
+            "local_numel": sum(p.numel() for p in trainer.params), "stepped_numel": stepped}
+
+
+def _train_body(cfg, run_dir):
+    from gridshard import gathered_state_dict
+    from gridshard.engine import Trainer
+
+    trainer = Trainer(cfg, run_dir=run_dir, progress=False)
+    losses = trainer.run()
+    final = gathered_state_dict(trainer.model)
+    h = trainer.history
+    return losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h], final, _facts(trainer)
+
+
+_RESULTS = {}
+
+
+def _run(cfg, run_dir=None):
+    """(losses, grad norms, valid counts, final parameters, every rank's facts) of ``cfg``, run once."""
+    key = json.dumps(cfg, sort_keys=True)
+    if key not in _RESULTS:
+        p = cfg["parallel"]
+        per_rank = run_on_ranks(p["data"] * p.get("pipeline", 1) * p["context"] * p["tensor"], _train_body, cfg, run_dir,
+                                timeout=900)
+        for other in per_rank[1:]:
+            assert other[:3] == per_rank[0][:3], "ranks disagree on the loss/grad-norm history"
+        _RESULTS[key] = (*per_rank[0][:4], [r[4] for r in per_rank])
+    return _RESULTS[key]
+
+
+def _max_rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _param_rel(got, ref):
+    assert sorted(got) == sorted(ref)
+    return max(float((got[k].double() - v.double()).norm() / v.double().norm()) for k, v in ref.items())
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """The one-process run, checkpointing at steps 5 and 10, and its run directory."""
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    ref = _run(_config(), str(run_dir))
+    assert min(ref[2]) < BASE["train"]["global_batch"] * BASE["data"]["seq_len"], "no target is masked"
+    assert max(ref[1]) > BASE["train"]["grad_clip"], "clipping must be active"
+    return run_dir, ref
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[1]
+
+
+@pytest.fixture(scope="module")
+def run_3d(tmp_path_factory):
+    """The 3D (q = 2) ZeRO-0 run, checkpointing at steps 5 and 10, and its run directory."""
+    run_dir = tmp_path_factory.mktemp("tp3d") / "run"
+    start = time.perf_counter()
+    out = _run(_config(8, "3d"), str(run_dir))
+    print(f"3D (1, 1, 8) 10 steps: {time.perf_counter() - start:.1f} s wall")
+    return run_dir, out
+
+
+def _check_layout_facts(facts, D=1):
+    """Rank = 8·data index + t, t = (i·q + j)·q + l; tokens block i·q + j, targets block i·q + l;
+    the reducer spans the D ranks at my cube position (no tensor-axis replicas)."""
+    for f in facts:
+        t = f["rank"] % 8
+        i, j, l = t // 4, (t // 2) % 2, t % 2
+        assert f["tensor"] == (8, t) and f["cube"] == {"weight": i, "input": j, "output": l}, f
+        assert f["batch"] == (4, 2 * i + j, 2 * i + l) and f["mode"] == "3d", f
+        assert f["replicas"] == (D, tuple(8 * a + t for a in range(D))), f
+
+
+def _check_against(ref, got, what):
+    ref_loss, ref_norm, ref_valid, ref_params, _ = ref
+    loss, norm, valid, params, _ = got
+    assert valid == ref_valid
+    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    print(f"{what}: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
+    assert dl <= TOL and dn <= TOL and dp <= TOL, (what, dl, dn, dp)
+
+
+def _resume(run_dir, full, target, tmp_path, what):
+    """Resume ``run_dir``'s step-5 checkpoint at ``target`` = (T, mode, depth, sp): steps 6-10 and the
+    final parameters are the uninterrupted run's ``full``."""
+    from gridshard.checkpoint.files import checkpoints_root
+
+    step5 = os.path.join(checkpoints_root(str(run_dir)), "step_5")
+    T, mode, depth, sp = target
+    loss, _, _, params, _ = _run(_config(T, mode, depth, sp=sp, resume=step5), str(tmp_path / "resumed"))
+    assert len(loss) == 5
+    dl, dp = _max_rel(loss, full[0][5:]), _param_rel(params, full[3])
+    print(f"{what}: loss {dl:.1e}, final params {dp:.1e}")
+    assert dl <= TOL and dp <= TOL, (what, dl, dp)
+
+
+def test_3d_training_gives_the_one_process_run_and_resumes_at_2p5d(reference, run_3d, tmp_path):
+    """make test's one 8-rank case: (1, 1, 8) q = 2 at ZeRO-0, 10 steps as one process (GQA, odd
+    vocabulary, masked targets, clipping active), every parameter stepped whole on its rank (1/8 of
+    the model); its step-5 checkpoint resumed at 2.5D (q = 2, d = 2) in the same worker pool."""
+    _check_against(reference, run_3d[1], "3D (1, 1, 8) q=2 ZeRO-0")
+    facts = run_3d[1][4]
+    _check_layout_facts(facts)
+    padding = 2 * MODEL["hidden"]                 # one zero row in the table and one in the head: 260 = ⌈259/q²⌉·q²
+    assert sum(f["local_numel"] for f in facts) == sum(v.numel() for v in reference[3].values()) + padding
+    for f in facts:
+        assert f["stepped_numel"] == f["local_numel"], f
+    _resume(run_3d[0], run_3d[1], (8, "2.5d", 2, False), tmp_path, "3D step 5 → 2.5D q=2 d=2")
+
+
+@pytest.mark.wide
+def test_3d_zero3_selective_recompute_gives_the_one_process_run(reference):
+    """(1, 1, 8) at ZeRO-3 with selective recompute (D = 1: ZeRO-3 holds whole blocks)."""
+    got = _run(_config(8, "3d", zero=3, recompute="selective"))
+    _check_against(reference, got, "3D (1, 1, 8) ZeRO-3 selective")
+    _check_layout_facts(got[4])
+
+
+@pytest.mark.wide
+def test_3d_data_parallel_zero3_gives_the_one_process_run(reference):
+    """16 ranks: (2, 1, 8) at ZeRO-3: the reducer shards over the D = 2 ranks at my cube position."""
+    got = _run(_config(8, "3d", zero=3, D=2))
+    _check_against(reference, got, "3D (2, 1, 8) ZeRO-3")
+    _check_layout_facts(got[4], D=2)
+    for f in got[4]:
+        n = f["local_numel"] / 2
+        assert n <= f["stepped_numel"] <= n + 64, f
+
+
+@pytest.mark.wide
+def test_3d_context_parallel_gives_the_one_process_run(reference):
+    """16 ranks: (D, C, T) = (1, 2, 8): every sequence split over the C = 2 context ranks (chunks i and
+    2C − 1 − i), each running 3D on its chunks with the attention crossing the context axis (ring:
+    all_to_all needs C to divide the rank's K/q = 1 kv head, refused by the config); the reducer's group
+    is data × context (2 ranks)."""
+    got = _run(_config(8, "3d", C=2))
+    _check_against(reference, got, "3D (1, C=2, 8) ring")
+    for f in got[4]:
+        t = f["rank"] % 8
+        assert f["tensor"] == (8, t) and f["replicas"] == (2, (t, 8 + t)), f
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("source,target", [("3d", (4, "2d", 1, False)), ("3d", (2, "1d", 1, True)),
+                                           ("one", (8, "3d", 1, False))],
+                         ids=["3d-to-2d-T4", "3d-to-1d-SP-T2", "one-to-3d"])
+def test_3d_checkpoint_resumes_at_other_layouts(run_3d, reference_run, source, target, tmp_path):
+    """A 3D checkpoint is the canonical tensors' boxes (``ShardSpec.canonical_box`` of the cube
+    coordinates): resumed from step 5 at 2D and at 1D with sequence parallelism, steps 6-10 and the
+    final parameters are the uninterrupted run's; a one-process checkpoint resumes at 3D the same way."""
+    run_dir, full = run_3d if source == "3d" else (reference_run[0], reference_run[1])
+    _resume(run_dir, full, target, tmp_path, f"{source} step 5 → {target[1]} T={target[0]}")
+
+
+HF = {"model_type": "llama", "vocab_size": 259, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_3d_hugging_face_llama_gives_the_one_process_run(tmp_path, tied):
+    """A Hugging Face ``LlamaForCausalLM`` (GQA, odd vocabulary, tied or untied embeddings) at 3D
+    through the same HF plan table: 10 steps as one process."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**HF, "tie_word_embeddings": tied}))
+
+    def cfg(*layout):
+        return {**_config(*layout), "model": {"hf_config": str(path)}}
+
+    ref = _run(cfg())
+    got = _run(cfg(8, "3d"))
+    assert min(ref[2]) < 8 * 16
+    _check_against(ref, got, f"HF 3D q=2 {'tied' if tied else 'untied'}")
+    _check_layout_facts(got[4])
+
+
+@pytest.mark.wide
+def test_3d_hugging_face_llama_context_parallel_gives_the_one_process_run(tmp_path):
+    """16 ranks: a Hugging Face ``LlamaForCausalLM`` (tied) at (1, C = 2, 8) 3D with ring context
+    attention (its global positions reach the rotary embedding as ``position_ids``): as one process."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**HF, "tie_word_embeddings": True}))
+
+    def cfg(*layout, **kw):
+        return {**_config(*layout, **kw), "model": {"hf_config": str(path)}}
+
+    ref = _run(cfg())
+    got = _run(cfg(8, "3d", C=2))
+    _check_against(ref, got, "HF 3D (1, C=2, 8) ring tied")
+
+
+def _pipeline_config(P=1, T=1, mode="none", schedule="1f1b", zero=0):
+    """Tied embeddings, a validation pass every 5 steps (through the stages at P > 1)."""
+    cfg = _config(T, mode, zero=zero, eval_interval=5, eval_batches=1)
+    cfg["model"] = {**MODEL, "tie_embeddings": True}
+    cfg["data"] = {**cfg["data"], "val_fraction": 0.1}
+    cfg["parallel"] = {**cfg["parallel"], "pipeline": P, "pipeline_schedule": schedule}
+    return cfg
+
+
+def _pipeline_body(cfg):
+    """(losses, grad norms, valid counts, validation losses, the whole model's final parameters
+    merged over the stages, this rank's pipeline group and send bytes)."""
+    from gridshard import gathered_state_dict
+    from gridshard.engine import Trainer
+
+    trainer = Trainer(cfg, progress=False)
+    losses = trainer.run()
+    parts = [None] * trainer.mesh.pipeline.size
+    dist.all_gather_object(parts, gathered_state_dict(trainer.model), group=trainer.mesh.pipeline.group)
+    final = {k: v for part in parts for k, v in part.items()}
+    h = trainer.history
+    facts = {"pipe": trainer.mesh.pipeline.ranks, "sends": trainer.ledger.payload_bytes(op="send", axis="pipeline"),
+             "stages": trainer.pipeline.stage_indices} if trainer.pipeline else None
+    return (losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h],
+            [r.get("val_loss") for r in h], final, facts)
+
+
+@pytest.mark.wide
+def test_3d_pipeline_1f1b_gives_the_one_process_run():
+    """(D, P, T) = (1, 2, 8), q = 2 (16 ranks), 1F1B, tied embeddings (the last stage's TiedVocabHead3D
+    reads its copy of the table, summed with the first stage's), masked targets, validation through
+    the stages: cube position (i, j, l) sends its [m/q², s, h/q] block to (i, j, l) of the next stage
+    (the ledger's sends = the formula); losses, gradient norms, validation losses and final parameters
+    within 1e-5 of one process."""
+    from gridshard.theory.pipeline import boundary_bytes, step_send_bytes
+
+    ref = run_on_ranks(1, _pipeline_body, _pipeline_config(), timeout=600)[0]
+    got = run_on_ranks(16, _pipeline_body, _pipeline_config(2, 8, "3d"), timeout=900)
+    loss, norm, valid, val, params, _ = got[-1]           # the last stage's rank
+    assert valid == ref[2] and min(valid) < 8 * 16 and max(ref[1]) > BASE["train"]["grad_clip"]
+    assert [v is None for v in val] == [v is None for v in ref[3]] and val[4] is not None
+    dl, dn, dp = _max_rel(loss, ref[0]), _max_rel(norm, ref[1]), _param_rel(params, ref[4])
+    dv = _max_rel([v for v in val if v is not None], [v for v in ref[3] if v is not None])
+    print(f"3D P=2 1f1b tied: loss {dl:.1e}, grad norm {dn:.1e}, val loss {dv:.1e}, final params {dp:.1e}")
+    assert max(dl, dn, dp, dv) <= TOL, (dl, dn, dv, dp)
+    per = boundary_bytes("3d", False, 8, BASE["train"]["micro_batch"], 16, MODEL["hidden"])
+    assert per == 1 * 16 * 16 * 4                          # [m/q², s, h/q] fp32
+    for r, out in enumerate(got):
+        f = out[5]
+        t = r % 8
+        assert f["pipe"] == (t, 8 + t), f                  # same cube position on both stages
+        forward_only = 2 * 2 * per * sum(s < 1 for s in f["stages"])     # 2 validation passes, A = 2
+        assert f["sends"] == BASE["train"]["steps"] * step_send_bytes(f["stages"], 2, 2, per) + forward_only, \
+            (r, f["sends"])
+
+
+def _error(cfg, world):
+    from gridshard.config import resolve_config
+    from gridshard.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        resolve_config(cfg, world_size=world, cuda_available=False)
+    return str(info.value)
+
+
+def test_3d_config_rules_and_layout_facts():
+    """One-line errors naming the valid values before any process group; the job layout's and the
+    shape-only mesh's 3D facts; parallelize's 3D wording; the stage-boundary block."""
+    import torch
+
+    from gridshard.config import resolve_config
+    from gridshard.errors import LayoutError
+    from gridshard.job_layout import JobLayout, TensorMode
+    from gridshard.mesh import ShapeMesh
+    from gridshard.models import ModelConfig, Transformer
+    from gridshard.nn.sharding import mesh_coords, tensor_rank_coords
+    from gridshard.parallel import parallelize
+
+    cfg = resolve_config(_config(8, "3d"), world_size=8, cuda_available=False)
+    layout = JobLayout.from_config(cfg)
+    assert (str(layout.mode), layout.mode.cube_side(8), layout.layer_tensor) == ("3d", 2, 8)
+    assert "T must be q³ with q >= 2 (valid: 8, 27, 64, 125, ...). Fix: use tensor=8" in _error(_config(4, "3d"), 4)
+    assert "micro_batch=2 is not divisible by q²=4" in _error(_config(8, "3d", micro_batch=2), 8)
+    assert "ffn_hidden=66 is not divisible by q²=4" in \
+        _error({**_config(8, "3d"), "model": {**MODEL, "ffn_hidden": 66}}, 8)
+    assert "hidden=36 is not divisible by q³=8" in \
+        _error({**_config(8, "3d"), "model": {**MODEL, "hidden": 36, "heads": 2}}, 8)
+    assert "parallel.sequence_parallel=True is invalid" in _error(_config(8, "3d", sp=True), 8)
+    base = _config(8, "3d")
+    assert "context_mode='all_to_all' with context=2: a rank's 1 k/v heads" in \
+        _error({**base, "parallel": {**base["parallel"], "context": 2, "context_mode": "all_to_all"}}, 16)
+    # the shape-only mesh: rank t = (i·q + j)·q + l, tokens block i·q + j, targets block i·q + l
+    for t in range(8):
+        mesh = ShapeMesh(tensor=8, tensor_mode="3d", tensor_rank=t)
+        i, j, l = t // 4, (t // 2) % 2, t % 2
+        assert mesh.cube.coords() == {"weight": i, "input": j, "output": l}
+        assert (mesh.batch_blocks, mesh.batch_index, mesh.logits_batch_index) == (4, 2 * i + j, 2 * i + l)
+        assert mesh_coords(mesh)[0] == tensor_rank_coords(mesh, t)
+    # parallelize on meta: every block 1/8 of the model's (the vocabulary padded to 260 = ⌈259/q²⌉·q²)
+    model_cfg = ModelConfig(vocab_size=259, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2, max_seq_len=16)
+    with torch.device("meta"):
+        plain = Transformer(model_cfg)
+    full = sum(p.numel() for p in plain.parameters())
+    model = parallelize(plain, ShapeMesh(tensor=8, tensor_mode="3d", tensor_rank=5), device="meta")
+    assert sum(p.numel() for p in model.parameters()) * 8 == full + 2 * 32      # 1 padding row in table + head
+    with torch.device("meta"):
+        bad = Transformer(ModelConfig(vocab_size=259, hidden=32, heads=6, kv_heads=2, ffn_hidden=64, layers=1,
+                                      max_seq_len=16))
+    with pytest.raises(LayoutError, match="hidden=32 on a q=3 cube: 3D norm weights are stored in q³ blocks"):
+        parallelize(bad, ShapeMesh(tensor=27, tensor_mode="3d"), device="meta")
+    assert TensorMode("3d").boundary_block(8, False, 4, 16, 32) == (1, 16, 16)
+
+
+def test_cross_entropy_3d_names_itself_in_a_bad_target_error():
+    """The 3D loss runs the 2D loss's function; a bad target's error names cross_entropy_3d (a
+    one-rank orientation: every axis of size 1, so no collective runs)."""
+    import torch
+    from types import SimpleNamespace
+
+    from gridshard.errors import ShapeError
+    from gridshard.mesh import Axis
+    from gridshard.nn.cross_entropy_3d import cross_entropy_3d
+
+    one = Axis("output", 1, 0, (0,), None)
+    mesh = SimpleNamespace(q=1, output=one, batch=one, batch_index=0, hidden_index=0)
+    logits, targets = torch.zeros(2, 3, 5), torch.tensor([[0, 1, 7], [2, 3, 4]])
+    with pytest.raises(ShapeError, match=r"^cross_entropy_3d targets: id 7 is outside the vocabulary \[0, 5\)"):
+        cross_entropy_3d(logits, targets, mesh, 5)
