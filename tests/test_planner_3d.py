@@ -4,11 +4,13 @@
   the layouts whose model and micro-batch fit the cube (hidden % q³, heads and kv heads % q, ffn % q²,
   micro-batch % q²);
 * pricing: a decoder layer's tensor comm per cube axis equals :func:`gridshard.theory.tp3d.block3d_comm`
-  (whose ring bytes are the per-linear closed form plus the norms), the model's ends and full recompute
+  (whose ring bytes are the per-linear closed form plus the norms, split over ``input`` / ``output`` by each
+  projection's orientation, by hand), the model's ends and full recompute
   their theory functions, each axis priced on its own link (``output`` innermost, the last to leave a
   node), compute 1/T of one device's FLOPs, stage sends the [m/q², s, h/q] block;
 * memory: parameters 1/T of one device's, equal to a model laid out at 3D on the meta device; the
-  activations per layer the 3D formula (N/q² token rows, H/q heads, f/q neurons); the written config
+  activations per layer the 3D formula (N/q² token rows, H/q heads, f/q neurons), a tied head's copy of its
+  weight slice by hand; the written config
   validates and the launch check prices it alike; wide: the memory model and the whole model's
   ``tp3d.transformer3d_comm`` (tied and untied) against the tensors and the ledger of 8 real ranks;
 * ``--explain``: names 3D's place against 2D / 2.5D at the same T and why it wins (Llama 7B on 64 H100
@@ -36,7 +38,7 @@ from gridshard.nn.tied_head_3d import tied_head_extra_bytes
 from gridshard.theory import tp3d
 from gridshard.theory.context import ring_block_bytes
 from gridshard.theory.vocab import padded_vocab_size
-from gridshard.theory.memory import layer_saved_bytes
+from gridshard.theory.memory import activation_bytes, layer_saved_bytes
 from gridshard.theory.pipeline import boundary_bytes
 
 CUBE = Layout(1, 1, 8, "3d", False, 0, "none", 4)          # q = 2, m/q² = 1 sequence per rank
@@ -77,6 +79,14 @@ def test_3d_priced_from_its_theory_axis_by_axis():
     linears = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
     norms = 2 * ((q - 1) / q * 2 * 2 * n // q ** 2 * 4 + 2 * (q * q - 1) / (q * q) * h // q * 4)
     assert math.isclose(tp3d.wire_bytes(layer), sum(tp3d.linear3d_wire_bytes(n, i, o, q) for i, o in linears) + norms)
+    # ... on their orientations' axes: q, k, v, gate, up read the residual layout (X gathered twice and dX
+    # scattered on input, Y scattered and dY gathered on output); o and down, built on the swapped one, the reverse
+    col, row = [linears[k] for k in (0, 1, 2, 4, 5)], [linears[k] for k in (3, 6)]
+    by_hand = lambda reads, writes: {  # noqa: E731
+        "all_gather": sum(2 * n * i // q ** 2 * 4 for i, _ in reads) + sum(n * o // q ** 2 * 4 for _, o in writes),
+        "reduce_scatter": sum(n * i // q ** 2 * 4 for i, _ in reads) + sum(n * o // q ** 2 * 4 for _, o in writes)}
+    assert dict(layer["input"].payload) == by_hand(col, row)
+    assert {k: layer["output"].payload[k] for k in ("all_gather", "reduce_scatter")} == by_hand(row, col)
     # the whole model (both ends on this rank) and full recompute
     assert _same(tensor_comm_3d(mc, CUBE, s, mc.layers, True, True),
                  tp3d.transformer3d_comm(mc.layers, m, s, h, f, mc.vocab_size, q, heads=mc.heads, kv_heads=mc.kv_heads))
@@ -132,6 +142,10 @@ def test_3d_memory_is_one_over_t_and_the_meta_model_s():
     want = 2 * norm + Nr * d * (2 * Hr + 2 * Kr) * 4 + Nr * Hr * 4 + 4 * Nr * fr * 4
     assert layer_saved_bytes(mc, "3d", 8, False, N) == mem.details["per_layer"] == want
     assert layer_saved_bytes(mc, "3d", 8, False, N, "full") == R * 4
+    # a tied head keeps one more tensor: its product's copy of the weight slice [V_p/q, h/q²] (V_p = 256)
+    tied = load_config("configs/tiny.yaml", ["model.tie_embeddings=true"]).model.resolve()
+    head = lambda c: activation_bytes(c, CUBE.micro_batch, s, "3d", 8).head_and_loss  # noqa: E731
+    assert head(tied) - head(mc) == V // q * h // q ** 2 * 4
     # --write: the written config validates at 3D and the launch check prices it as the planner did
     hw = load_hardware("cpu")
     cand = evaluate(cfg, CUBE, hw, 8)
@@ -215,7 +229,7 @@ def test_3d_memory_model_equals_the_tensors_of_eight_ranks():
     after one AdamW step (parameters, gradients, optimizer), on every rank."""
     from gridshard.parallel.rank_blocks import rank_parameter_blocks
     from gridshard.testing import run_on_ranks
-    from gridshard.theory.memory import activation_bytes, model_state_bytes
+    from gridshard.theory.memory import model_state_bytes
 
     got = run_on_ranks(8, _measure_3d, CASES)
     for tied, precision, recompute in CASES:

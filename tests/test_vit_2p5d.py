@@ -4,7 +4,7 @@ single-process run's per-step loss and gradient norm within 1e-5 relative (fp32,
 its validation loss and final gathered parameters within 1e-5 (relative Frobenius, every tensor but
 the key biases, whose gradient is exactly zero and whose AdamW steps are rounding noise), and the
 same training and validation accuracies; so does ZeRO-3 with selective recompute (ZeRO then shards
-over the depth replicas).
+over the depth replicas), and (2, 1, 8) data parallelism at ZeRO-2 (16 ranks).
 
 How: depth layer k of the 2.5D group is a 2D grid (q² = 4 ranks) with the same weights on image
 batch block k·q + i of d·q = 4 (``ParallelContext.shard_tokens``, the same split as the Llama's
@@ -86,3 +86,11 @@ def test_vit_2p5d_training_matches_one_process(train):
     blocks = check_vit_run({"tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}, train)
     # every rank feeds its own batch block k·q + i of d·q = 4, and the gradients are summed over the 2 depth layers
     assert sorted(blocks) == sorted((4, 2 * k + i, 2) for k in range(2) for i in range(2) for _ in range(2))
+
+
+@pytest.mark.wide                      # 16 ranks
+def test_vit_2p5d_data_parallel_zero2_matches_one_process():
+    """(D, P, T) = (2, 1, 8) at 2.5D (q = 2, d = 2), ZeRO-2: each data replica's 8 ranks read half the batch, depth
+    layer k's grid position (i, j) its block k·q + i; the reducer sums over data × depth (4 ranks)."""
+    blocks = check_vit_run({"data": 2, "tensor": 8, "tensor_mode": "2.5d", "tensor_depth": 2}, {"zero": 2}, ranks=16)
+    assert sorted(blocks) == sorted((4, 2 * k + i, 4) for k in range(2) for i in range(2) for _ in range(4))

@@ -2,8 +2,8 @@
 bundled digits, 10 steps at (D, P, T) = (1, 1, 8), ``tensor_mode: 3d`` (q = 2), against the
 single-process run: per-step loss and gradient norm within 1e-5 relative (fp32, clipping active), the
 same accuracies, the validation losses and the final gathered parameters within 1e-5 (the key biases
-aside, as in :mod:`tests.test_vit_2p5d`), also at ZeRO-3 with selective recompute and with two
-pipeline stages (1F1B, 16 ranks). Without ranks
+aside, as in :mod:`tests.test_vit_2p5d`), also at ZeRO-3 with selective recompute, with two
+pipeline stages (1F1B, 16 ranks) and with data parallelism at ZeRO-2 ((2, 1, 8), 16 ranks). Without ranks
 (make test): the ViT config rules at 2.5D / 3D.
 
 How: ``parallelize`` maps the ViT plan's kinds to the 3D layers (:func:`gridshard.parallel.swap.build_3d`):
@@ -52,3 +52,12 @@ def test_vit_3d_pipeline_stages_match_one_process():
     [m/q², s, h/q]; the last stage's labels are the images' block (the head reads the residual orientation)."""
     blocks = check_vit_run({"tensor": 8, "tensor_mode": "3d", "pipeline": 2}, ranks=16)
     assert sorted(blocks) == sorted((4, b, 1) for b in range(4) for _ in range(4))
+
+
+@pytest.mark.wide                      # 16 ranks
+def test_vit_3d_data_parallel_zero2_matches_one_process():
+    """(D, P, T) = (2, 1, 8) at 3D, ZeRO-2: each data replica's cube reads half the batch (global 8 = 2 replicas
+    × one micro-batch of q² = 4 images), rank (i, j, l) its block i·q + j; the reducer sums over the D = 2 ranks
+    at the same cube position."""
+    blocks = check_vit_run({"data": 2, "tensor": 8, "tensor_mode": "3d"}, {"zero": 2}, ranks=16)
+    assert sorted(blocks) == sorted((4, b, 2) for b in range(4) for _ in range(4))

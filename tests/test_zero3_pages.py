@@ -1,15 +1,16 @@
-"""``train.zero3_host_memory: pages`` (issue 23, :mod:`gridshard.zero.pages`): ZeRO-3's memory
-outside glibc's heap on a Linux CPU, as an opt-in.
+"""``train.zero3_host_memory`` (issue 23, :mod:`gridshard.zero.pages`): ZeRO-3's memory outside
+glibc's heap on a Linux CPU, the default there (unset → pages for ZeRO-3 on a Linux CPU).
 
 * One process (D = 1): released buffers leave the resident set and read zeros; the long-lived
   chunks and AdamW's moments are carved from one arena of the documented size, AdamW steps in it,
   and memory accounting counts each carved view once.
-* D = 2 ZeRO-3, 2 micro-batches, 2 steps: pages and heap trainers in the same processes give
+* D = 2 ZeRO-3, 2 micro-batches, 2 steps: default (pages) and heap trainers in the same processes give
   bit-identical losses, norms and parameter chunks; the staging pool holds at most its 2 + 3
   slots of the largest unit, resident; the held bytes still equal the formula; the heap is
   trimmed as each backward reaches its first layers.
 * Checkpoints (wide): a pages run saved at step 3 resumes bit for bit, under pages and heap.
-* The config: refused for ZeRO ≠ 3, a warning and no effect off a Linux CPU.
+* The config: explicit pages refused for ZeRO ≠ 3, a warning and no effect off a Linux CPU; the
+  default resolves to pages exactly where they act and never warns nor is refused.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from gridshard.theory.memory import model_state_bytes
 from gridshard.zero import build_reducer
 from gridshard.zero.data_parallel import MAX_IN_FLIGHT
 from gridshard.zero.gather import TRIMMED_LAYERS
-from gridshard.zero.pages import ALIGN, ChunkArena, FlatPages, host_pages_note
+from gridshard.zero.pages import ALIGN, ChunkArena, FlatPages, host_pages_in_effect, host_pages_note
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings: Linux")
 
@@ -105,10 +106,10 @@ def test_zero3_chunks_and_adam_moments_live_in_the_arena():
 
 
 def _pair_body():
-    """A heap and a pages ZeRO-3 trainer on the same ranks, one after the other: losses, norms,
-    parameter chunks, held vs formula bytes, and the pages trainer's staging pool."""
+    """A heap and a default (unset: pages) ZeRO-3 trainer on the same ranks, one after the other:
+    losses, norms, parameter chunks, held vs formula bytes, and the pages trainer's staging pool."""
     out = {}
-    for memory in ("heap", "pages"):
+    for memory in ("heap", None):
         trainer = Trainer(_cfg(2, memory, steps=2), progress=False)
         gathering, trims = trainer.reducer.gathering, []
         if gathering.trimmer is not None:              # count the heap trims (pages: in each backward)
@@ -120,7 +121,7 @@ def _pair_body():
         st = model_state_bytes(blocks, 3, 2, trainer.mesh.data.rank)
         got = model_state_tensor_bytes(trainer.model, trainer.optimizer, trainer.reducer.memory_tensors())
         pool = trainer.reducer.staging
-        out[memory] = {"losses": losses, "norms": [h["grad_norm"] for h in trainer.history],
+        out[memory or "pages"] = {"losses": losses, "norms": [h["grad_norm"] for h in trainer.history],
                        "chunks": [u.param_chunk.clone() for u in units],
                        "held": (sum(got.values()), st.held), "arena": trainer.reducer.arena is not None,
                        "pool": None if pool is None else (pool.nbytes, pool.nbytes_held(), dict(pool.free)),
@@ -132,7 +133,7 @@ def _pair_body():
 
 def test_pages_equal_heap_bit_for_bit_at_d2_with_a_resident_staging_pool():
     """D = 2 ZeRO-3, 2 micro-batches per rank, 2 steps (prefetch and sharded accumulation on):
-    pages against heap bit for bit; the pool is 2 send + (MAX_IN_FLIGHT + 1) receive slots of
+    the default (pages on a Linux CPU) against explicit heap bit for bit; the pool is 2 send + (MAX_IN_FLIGHT + 1) receive slots of
     4·(largest unit's padded numel) bytes, all free again after the run, and what it made is
     at most that many slots (whole pages) — reused, not one per collective. Pages trim the heap
     as each micro-batch's backward reaches its first ``TRIMMED_LAYERS`` layers (min(layers,
@@ -179,3 +180,32 @@ def test_pages_are_refused_below_zero3_and_say_they_do_nothing_off_a_linux_cpu()
         resolve_config(_cfg(2, "pages", zero=2), world_size=2)
     resolve_config(_cfg(2, "pages"), world_size=2)
     assert "changes nothing" in host_pages_note(torch.device("cuda"))
+
+
+def test_the_default_is_pages_exactly_where_they_act_and_never_warns():
+    """Unset → pages for ZeRO-3 on a Linux CPU only; explicit heap never; explicit pages on CUDA
+    resolves to heap with one warning from the composer, the default there none; the default is
+    accepted at every stage."""
+    import types
+    import warnings
+
+    from gridshard.config import resolve_config
+    from gridshard.engine.job import _host_pages
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert host_pages_in_effect(None, 3, cpu) and host_pages_in_effect("pages", 3, cpu)
+    assert not any(host_pages_in_effect(None, stage, cpu) for stage in (0, 1, 2))
+    assert not host_pages_in_effect("heap", 3, cpu)
+    assert not host_pages_in_effect(None, 3, cuda) and not host_pages_in_effect("pages", 3, cuda)
+    for zero in (0, 1, 2, 3):
+        assert resolve_config(_cfg(2, None, zero=zero), world_size=2).train.zero3_host_memory is None
+    job = lambda setting, device: types.SimpleNamespace(                                 # noqa: E731
+        cfg=types.SimpleNamespace(train=types.SimpleNamespace(zero3_host_memory=setting, zero=3)),
+        device=device, rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _host_pages(job(None, cpu)) and not _host_pages(job(None, cuda))
+        assert not _host_pages(job("heap", cpu))
+        assert not caught
+        assert not _host_pages(job("pages", cuda))
+    assert len(caught) == 1 and "changes nothing" in str(caught[0].message)

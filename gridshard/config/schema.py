@@ -187,11 +187,12 @@ class TrainSection(BaseModel):
                                                       "2 + gradients | 3 + parameters sharded by rows")
     offload: Literal["none", "optimizer"] = Field("none", description="optimizer: AdamW's state and step in host "
                                                                       "memory (GPU runs; no change on CPU)")
-    zero3_host_memory: Literal["heap", "pages"] = Field("heap", description="ZeRO-3 on a Linux CPU: heap (torch's "
-                                                        "allocations) | pages (chunks and AdamW moments in one "
-                                                        "arena mapping, layer buffers released by madvise: the "
-                                                        "resident saving ZeRO-3 predicts, at a step-time cost; "
-                                                        "docs/memory.md). No effect on CUDA")
+    zero3_host_memory: Optional[Literal["heap", "pages"]] = Field(
+        None, description="ZeRO-3's host memory on a Linux CPU: unset (default) = pages for ZeRO-3 on a Linux "
+                          "CPU, heap elsewhere, silently | pages (chunks and AdamW moments in one arena mapping, "
+                          "layer buffers released by madvise: the resident saving ZeRO-3 predicts, at 2-7 % "
+                          "more CPU per step; docs/memory.md; refused below ZeRO-3, warns on CUDA / off Linux) "
+                          "| heap (torch's allocations through glibc's malloc)")
     keep_checkpoints: int = Field(3, description="complete checkpoints kept (oldest removed first); 0 = keep all")
     resume: str = Field("never", description="never | auto (the run directory's latest complete checkpoint, if "
                                              "any) | PATH (a checkpoint folder or a run directory)")

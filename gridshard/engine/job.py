@@ -295,19 +295,18 @@ def _reducer(job: Job) -> None:
 
 
 def _host_pages(job: Job) -> bool:
-    """``train.zero3_host_memory: pages`` where it acts (ZeRO-3 on a Linux CPU); elsewhere one warning
-    on rank 0 and False (:func:`gridshard.zero.pages.host_pages_note`)."""
-    if job.cfg.train.zero3_host_memory != "pages":
-        return False
-    import warnings
+    """``train.zero3_host_memory`` resolved (:func:`gridshard.zero.pages.host_pages_in_effect`: unset →
+    pages for ZeRO-3 on a Linux CPU, heap elsewhere, silently); an explicit ``pages`` where it does not
+    act (CUDA, not Linux) gives one warning on rank 0 (:func:`gridshard.zero.pages.host_pages_note`)."""
+    from ..zero.pages import host_pages_in_effect, host_pages_note
 
-    from ..zero.pages import host_pages_note, mappable
+    setting = job.cfg.train.zero3_host_memory
+    on = host_pages_in_effect(setting, job.cfg.train.zero, job.device)
+    if setting == "pages" and not on and job.rank == 0:
+        import warnings
 
-    if mappable(job.device):
-        return True
-    if job.rank == 0:
         warnings.warn(host_pages_note(job.device), RuntimeWarning, stacklevel=2)
-    return False
+    return on
 
 
 def _optimizer(job: Job) -> None:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .gather import ParameterGather
-from .pages import StagingPool, heap_trimmer, mappable
+from .pages import StagingPool, heap_trimmer, pages_act
 from .reducer import whole_parameters
 from .reduction import GradientReduction
 from .settings import MAX_IN_FLIGHT, ReadsSettings, ZeroSettings
@@ -53,7 +53,8 @@ class ZeroDataParallel(ReadsSettings):
     bucket size. ``overlap``: issue each unit's reduction in the backward as soon as its
     gradients are complete; ``defer_root``: not the root unit's
     (:meth:`~.reduction.GradientReduction._shards_now`). ``host_pages``
-    (``train.zero3_host_memory: pages``; ZeRO-3 on a Linux CPU, else no effect): ZeRO-3's own
+    (``train.zero3_host_memory`` resolved by :func:`~.pages.host_pages_in_effect`; ZeRO-3 on a
+    Linux CPU, else no effect): ZeRO-3's own
     memory outside glibc's heap (:mod:`gridshard.zero.pages`). ``self.stage``, ``self.overlap``,
     ... are :attr:`settings`' fields."""
 
@@ -66,7 +67,7 @@ class ZeroDataParallel(ReadsSettings):
         self.settings = ZeroSettings.of(stage, data_axis, overlap, param_dtype, grad_reduce_dtype, defer_root)
         # ZeRO-3 host pages: chunks and AdamW moments in one mapping, staging slots (gridshard.zero.pages)
         device = next(model.parameters()).device
-        self.host_pages = host_pages and stage == 3 and mappable(device)
+        self.host_pages = host_pages and pages_act(stage, device)
         layout = UnitLayout(self.settings, self.host_pages)
         self.units = layout.units(model, bucket_bytes)
         self.arena = layout.plan_arena(self.units, device) if stage == 3 else None

@@ -1,5 +1,5 @@
 """ZeRO-3 parameters (:class:`ParameterGather`). Between uses a unit's parameter buffer is
-*released*: storage size 0, or with host pages (``train.zero3_host_memory: pages``, a Linux CPU)
+*released*: storage size 0, or with host pages (the default on a Linux CPU, :mod:`.pages`)
 its own mapping with its pages handed back (:class:`~.pages.FlatPages`; the unit's ``gathered``
 flag says which, and :meth:`~.data_parallel.ZeroDataParallel.released_tensors` lets memory
 accounting count it 0). The parameter objects, their names and autograd identity stay; every view

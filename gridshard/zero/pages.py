@@ -1,6 +1,7 @@
 """ZeRO-3's memory outside glibc's heap on CPU: released flat buffers, one arena, a staging pool
-(issue 23). An opt-in: ``train.zero3_host_memory: pages`` (the reducer's ``host_pages``); the
-default ``heap`` uses plain tensors everywhere. Measured cost and saving: docs/memory.md.
+(issue 23). The default for ZeRO-3 on a Linux CPU (``train.zero3_host_memory`` unset or ``pages``,
+resolved by :func:`host_pages_in_effect` into the reducer's ``host_pages``); ``heap`` (and every other
+stage or device) uses plain tensors everywhere. Measured cost and saving: docs/memory.md.
 
 On CPU PyTorch's tensors come from glibc's ``malloc``; freed heap memory stays resident, and
 glibc's dynamic mmap threshold sends blocks below the largest mapped block freed so far (≤ 32 MiB)
@@ -71,6 +72,22 @@ ALIGN = 64
 
 def mappable(device) -> bool:
     return torch.device(device).type == "cpu" and sys.platform.startswith("linux")
+
+
+def pages_act(stage: int, device) -> bool:
+    """Where host pages change anything: ZeRO-3 (the only stage with released buffers) on a Linux
+    CPU (:func:`mappable`; CUDA has its caching allocator)."""
+    return stage == 3 and mappable(device)
+
+
+def host_pages_in_effect(setting: Optional[str], stage: int, device) -> bool:
+    """``train.zero3_host_memory`` resolved, once, for a reducer of ``stage`` on ``device``:
+    ``None`` (the default) → pages wherever they act (:func:`pages_act`), heap elsewhere, silently;
+    ``"pages"`` → the same (where they do not act the composer warns once, :func:`host_pages_note`;
+    below ZeRO-3 the config is refused before this); ``"heap"`` → never. Every composition that
+    runs ZeRO-3 on CPU takes pages (``train.offload=optimizer`` acts on CUDA only, where pages do
+    not)."""
+    return setting != "heap" and pages_act(stage, device)
 
 
 def _anonymous(nbytes: int) -> tuple:
@@ -196,7 +213,7 @@ def host_pages_note(device) -> str:
     """The warning for ``train.zero3_host_memory: pages`` where it changes nothing (not a Linux CPU)."""
     return (f"train.zero3_host_memory=pages: this run is on {torch.device(device).type} "
             f"({sys.platform}); host pages act on a Linux CPU only (glibc's heap), so the setting changes "
-            "nothing here. Fix: leave it at heap")
+            "nothing here. Fix: leave the key unset (or heap)")
 
 
 def heap_trimmer(device) -> Optional[Callable[[int], int]]:

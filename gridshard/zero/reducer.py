@@ -85,7 +85,7 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
     parameter of ``model`` in bf16 — the one cast of the run; what it steps is the masters, and
     :meth:`~.data_parallel.ZeroDataParallel.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
     gradients are reduced in (``train.grad_reduce_dtype``). ``host_pages``: ZeRO-3's memory outside glibc's heap on
-    a Linux CPU (``train.zero3_host_memory: pages``, :mod:`gridshard.zero.pages`)."""
+    a Linux CPU (``train.zero3_host_memory`` through :func:`gridshard.zero.pages.host_pages_in_effect`)."""
     from .data_parallel import ZeroDataParallel
 
     reducer = ZeroDataParallel(model, data_axis, zero, bucket_bytes, overlap=overlap, param_dtype=param_dtype,
