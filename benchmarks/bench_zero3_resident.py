@@ -27,7 +27,8 @@ resident pool) and ``heap`` (the default: every buffer and chunk a ``torch`` ten
 ``resize_``, the collectives allocating their own transients); the median step time of each and
 their ratio, ``--rounds`` × ``--steps`` timed steps after 2 warm-up steps.
 ``--allocators pages``: glibc's default malloc with ``train.zero3_host_memory: pages`` for ZeRO-3
-(ZeRO-0 as under glibc default; the memory part's saving and ratio for the opt-in).
+(ZeRO-0 as under glibc default; the memory part's saving and ratio for pages, ZeRO-3's default
+on a Linux CPU since c636b87).
 
 ``--part cpu``: what a ZeRO-3 ``pages`` step costs this process, free of the machine's load: rank
 0's CPU seconds (user + system, every thread: ``getrusage``) and minor page faults around each
