@@ -68,6 +68,7 @@ def test_summa_products_q2(overlap):
     assert all(run_on_ranks(4, _products, 2, [(4, 6, 8), (10, 2, 6), (6, 8, 2)], overlap, seed))
 
 
+@pytest.mark.wide
 def test_summa_products_q3():
     seed = fresh_seed()
     assert all(run_on_ranks(9, _products, 3, [(6, 9, 3)], True, seed))

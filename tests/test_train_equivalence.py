@@ -98,7 +98,7 @@ def test_reference_run_learns():
 
 # in `make test-all` only: each composition here has a representative above that covers it
 # (1D by 1D+SP and D×1D+SP, accumulation by D2-T2-1d-SP-acc2)
-WIDE = {"D1-T2-1d", "D2-T2-1d", "D2-T1-none-acc2"}
+WIDE = {"D1-T2-1d", "D2-T2-1d", "D2-T1-none-acc2", "D1-T9-2d-q3"}     # q3: the 3×3 grid, 9 ranks (make test-all)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.wide) if n in WIDE else n for n in LAYOUTS])
