@@ -7,11 +7,12 @@ reads them (as torchtitan's ``ParallelDims``):
 ================================  ============================================================
 fact                              rule
 ================================  ============================================================
-tensor mode                       :class:`TensorMode` (``none`` | ``1d`` | ``2d`` | ``2.5d`` | ``3d``), parsed
-                                  once from ``parallel.tensor_mode``; its string is the config's and
-                                  the metrics' value (``str(mode)``), its methods the rules below
-grid side q                       2D: T = q², q = √T (``mode.grid_side(T)``)
-cube side q                       3D: T = q³, q = ∛T (``mode.cube_side(T)``); a rank holds 1/T of
+tensor mode                       the registered scheme (:mod:`gridshard.tensor_scheme`, ``TensorMode``:
+                                  ``none`` | ``1d`` | ``2d`` | ``2.5d`` | ``3d`` | a registered one),
+                                  parsed once from ``parallel.tensor_mode``; its string is the config's
+                                  and the metrics' value, its methods the rules below
+grid side q                       2D: T = q², q = √T (``mode.side(T)``)
+cube side q                       3D: T = q³, q = ∛T (``mode.side(T)``); a rank holds 1/T of
                                   every weight and [b/q², s, h/q] of an activation: tokens of batch
                                   block i·q + j, logits (and so targets) of block i·q + l (the
                                   mesh's ``batch_index`` / ``logits_batch_index``, :mod:`gridshard.mesh`)
@@ -58,186 +59,7 @@ from enum import Enum
 from typing import Optional, Sequence
 
 from .errors import ConfigError, LayoutError
-
-
-class TensorMode(str, Enum):
-    """How a tensor-parallel group of T ranks splits a layer. Compares equal to (and prints
-    as) its config string, so ``parallel.tensor_mode``, checkpoint meta and metrics keep
-    their values; code decides through the methods, not by comparing strings."""
-
-    NONE = "none"
-    ONE_D = "1d"
-    TWO_D = "2d"
-    TWO_P5_D = "2.5d"
-    THREE_D = "3d"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def parse(cls, value) -> "TensorMode":
-        """The mode named by a config string (or a mode); LayoutError for an unknown name."""
-        try:
-            return cls(value)
-        except ValueError:
-            names = tuple(m.value for m in cls)
-            raise LayoutError(f"tensor_mode={value!r} is unknown: it must be one of {names}. "
-                              f"Fix: use '1d' (Megatron column/row), '2d' (SUMMA on a q×q grid), '2.5d' "
-                              f"(d depth layers of a q×q grid) or '3d' (a q×q×q cube).") from None
-
-    @property
-    def splits_weights(self) -> bool:
-        """Whether the T ranks hold blocks of the weights (1d, 2d, 2.5d, 3d) rather than replicas."""
-        return self is not TensorMode.NONE
-
-    @property
-    def has_depth(self) -> bool:
-        """2.5D (Tesseract): d depth layers of a q×q grid, T = q²·d."""
-        return self is TensorMode.TWO_P5_D
-
-    def layer_layout(self, T: int, depth: int = 1) -> tuple:
-        """(mode, tensor size) of the layout one depth layer's model is built with: (2d, T/d) at
-        2.5d — depth layer k is a complete 2D grid on batch slice k with the same weights, so the
-        layers, shape rules, stage boundaries and the memory model are 2D's on q² ranks —, else
-        (self, T). Every other method below but :meth:`boundary_block` takes a layer mode, never 2.5d itself."""
-        return (TensorMode.TWO_D, T // depth) if self.has_depth else (self, T)
-
-    def _layer_only(self, what: str) -> None:
-        if self.has_depth:
-            raise LayoutError(f"TensorMode('2.5d').{what}: 2.5D rules are 2D's on one depth layer. Fix: call "
-                              f"mode.layer_layout(T, depth) first and ask the 2D mode it returns.")
-
-    @property
-    def is_1d(self) -> bool:
-        """Megatron column/row split: whole heads and neurons per rank, vocabulary-parallel loss."""
-        return self is TensorMode.ONE_D
-
-    @property
-    def is_grid(self) -> bool:
-        """SUMMA on a q×q grid: weights and activations split in both dims."""
-        return self is TensorMode.TWO_D
-
-    @property
-    def is_cube(self) -> bool:
-        """3D on a q×q×q cube (:mod:`gridshard.comm.mesh_3d`): every weight split q³ ways, an
-        activation [b, s, h] held as [b/q², s, h/q]."""
-        return self is TensorMode.THREE_D
-
-    def grid_side(self, T: int) -> Optional[int]:
-        """q = √T on a grid, else None."""
-        self._layer_only("grid_side")
-        return math.isqrt(T) if self.is_grid else None
-
-    def cube_side(self, T: int) -> Optional[int]:
-        """q = ∛T on a cube, else None."""
-        return _icbrt(T) if self.is_cube else None
-
-    def check_tensor_size(self, T: int, depth: int = 1) -> None:
-        """LayoutError unless T fits the mode: T = 1 without tensor parallelism, T = q² in 2d,
-        T = q²·d with q ≥ 2 in 2.5d (``depth`` d ≥ 1, which only 2.5d may set above 1)."""
-        if depth != 1 and not self.has_depth:
-            raise LayoutError(f"tensor_depth={depth} with tensor_mode={self.value!r}: only 2.5D has depth layers. "
-                              f"Fix: set tensor_mode to '2.5d', or tensor_depth=1.")
-        if self.has_depth:
-            _check_2p5d_size(T, depth)
-            return
-        if self is TensorMode.NONE and T != 1:
-            raise LayoutError(f"tensor_mode='none' with tensor={T}: without tensor parallelism T must be 1. "
-                              f"Fix: set tensor_mode to '1d' or '2d', or tensor=1.")
-        if self.is_cube:
-            q = _icbrt(T)
-            if q < 2 or q ** 3 != T:
-                lo = max(2, q) ** 3 if q ** 3 < T else None
-                near = ", ".join(str(k ** 3) for k in range(2, 6))
-                raise LayoutError(f"tensor={T} with tensor_mode='3d': 3D lays the T ranks out as a q×q×q cube, so T "
-                                  f"must be q³ with q >= 2 (valid: {near}, ...). Fix: use tensor={lo or 8}, or "
-                                  f"tensor_mode='1d' / '2d'.")
-            return
-        if self.is_grid and math.isqrt(T) ** 2 != T:
-            r = math.isqrt(T)
-            lo, hi = max(1, r * r), (r + 1) ** 2
-            raise LayoutError(f"tensor={T} is not a perfect square: 2D tensor parallelism lays the T ranks out "
-                              f"as a q×q grid, so T must be q². Fix: use tensor={lo} or tensor={hi}, or "
-                              f"tensor_mode='1d'.")
-
-    def sequence_parallel_in_effect(self, requested: bool, T: int) -> bool:
-        """Sequence parallelism splits the 1d group's activations: on only when asked for, in
-        1d, with T > 1 (at T = 1 there is nothing to split)."""
-        return bool(requested) and self.is_1d and T > 1
-
-    def head_split(self, T: int) -> int:
-        """Ranks that one head (or neuron) dimension is split over: T in 1d, q in 2d and 3d, 1 in none."""
-        self._layer_only("head_split")
-        if self.is_1d:
-            return T
-        if self.is_cube:
-            return self.cube_side(T)
-        return self.grid_side(T) if self.is_grid else 1
-
-    def batch_split(self, T: int) -> int:
-        """Blocks a micro-batch is split into along the batch dim: q in 2d (grid rows), q² in 3d
-        (batch block i·q + j of rank (i, j, l)), else 1."""
-        self._layer_only("batch_split")
-        if self.is_cube:
-            return self.cube_side(T) ** 2
-        return self.grid_side(T) if self.is_grid else 1
-
-    def local_kv_heads(self, kv_heads: int, T: int) -> int:
-        """kv heads one rank holds: K/T (1d, T divides K) or one shared head (1d, K divides T);
-        K/q in 2d; K without tensor parallelism."""
-        return max(1, kv_heads // self.head_split(T))
-
-    def kv_replication(self, kv_heads: int, T: int) -> int:
-        """Ranks that share one kv head: T/K in 1d when K < T (K divides T), else 1."""
-        return T // kv_heads if self.is_1d and T > kv_heads else 1
-
-    def boundary_block(self, T: int, sequence_parallel: bool, micro: int, seq: int, hidden: int,
-                       depth: int = 1) -> tuple:
-        """One rank's block of a micro-batch's [m, s, h] hidden state (at a pipeline stage
-        boundary): [m/q, s, h/q] in 2d, [m/q², s, h/q] in 3d (the residual stream's layout, the
-        cube's unswapped orientation), [m, s/T, h] under sequence parallelism (in effect),
-        else the whole [m, s, h]. 2.5d (T = q²·d, ``depth`` d): depth layer k is the 2D layout
-        on q² ranks over its m/d rows (:meth:`layer_layout`), so [m/(d·q), s, h/q]; grid position
-        (k, i, j) sends it to (k, i, j) of the next stage. Its first dim is also the rank's rows
-        of the stage input (tokens [m', s])."""
-        if self.has_depth:
-            mode, layer_T = self.layer_layout(T, depth)
-            return mode.boundary_block(layer_T, sequence_parallel, micro // depth, seq, hidden)
-        if self.is_grid or self.is_cube:
-            return (micro // self.batch_split(T), seq, hidden // self.head_split(T))
-        if self.sequence_parallel_in_effect(sequence_parallel, T):
-            return (micro, seq // T, hidden)
-        return (micro, seq, hidden)
-
-
-def _icbrt(n: int) -> int:
-    """⌊∛n⌋ for n ≥ 0, exactly (no float rounding)."""
-    q = round(n ** (1.0 / 3.0)) if n > 0 else 0
-    while q ** 3 > n:
-        q -= 1
-    while (q + 1) ** 3 <= n:
-        q += 1
-    return q
-
-
-def _check_2p5d_size(T: int, d: int) -> None:
-    """LayoutError unless T = q²·d with q ≥ 2 and d ≥ 1 (2.5D), naming the valid T for this d."""
-    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-        raise LayoutError(f"tensor_depth={d!r} is invalid: the 2.5D depth d is an integer >= 1 (d = 1 is 2D). "
-                          f"Fix: set parallel.tensor_depth to 1 or more.")
-    layer = T // d if T % d == 0 else 0
-    q = math.isqrt(layer)
-    if q < 2 or q * q != layer:
-        valid = ", ".join(str(k * k * d) for k in range(2, 6))
-        raise LayoutError(f"tensor={T} with tensor_mode='2.5d' and tensor_depth={d}: 2.5D lays the T ranks out as "
-                          f"d={d} depth layers of a q×q grid, so T must be q²·d with q >= 2. Fix: use tensor in "
-                          f"({valid}, ...) for d={d}, or change tensor_depth.")
+from .tensor_scheme import TensorMode
 
 
 class ContextMode(str, Enum):
@@ -429,7 +251,8 @@ class JobLayout:
 
     @property
     def q(self) -> Optional[int]:
-        return self.layer_mode.grid_side(self.layer_tensor)
+        """The grid or cube side of one layer's tensor group (None without one)."""
+        return self.layer_mode.side(self.layer_tensor)
 
     @property
     def virtual_stages(self) -> int:

@@ -7,18 +7,11 @@ consecutive global ranks and stays inside a node::
 
     global_rank = (d * P + p) * T + t
 
-For 2D tensor parallelism (SUMMA) the tensor dim is itself laid out as a q×q grid,
-``T = q²``, and the mesh has shape ``(D, P, q, q)`` with dims
-``("data", "pipeline", "grid_row", "grid_col")`` plus the flattened ``"tensor"``
-dim. The rank at grid position (i, j) has tensor rank ``t = i*q + j``.
-
-Naming of the 2D groups follows the SUMMA text, not the mesh dim:
-
-* ``row`` axis: the q ranks that share my grid row i (they differ in column j);
-  it is the group *along* the mesh dim ``grid_col``. SUMMA broadcasts A's panels
-  along it.
-* ``col`` axis: the q ranks that share my grid column j (they differ in row i);
-  it is the group along ``grid_row``. SUMMA broadcasts B's panels along it.
+A tensor mode lays the tensor dim out as its scheme says (``TensorScheme.tensor_dims``; more
+than one dim is flattened into ``"tensor"`` too) and sets its own attributes on the mesh
+(``attach_axes``): 2D's q×q grid and its ``row``/``col`` axes (:mod:`gridshard.tensor.tp2d.scheme`),
+2.5D's depth layers (:mod:`gridshard.tensor.tp2p5d.scheme`), 3D's cube (:mod:`gridshard.tensor.tp3d.scheme`).
+The mesh knows no mode: it asks the scheme.
 
 Context parallelism (``parallel.context`` C > 1) adds a ``"context"`` dim between pipeline
 and tensor: shape ``(D, P, C, T)`` (2D: ``(D, P, C, q, q)``), so
@@ -31,42 +24,14 @@ data ranks, so gradients are reduced over the flattened ``data_context`` axis (D
 size-1 axis without a group and ``data_context`` *is* ``data``, so a job without context
 parallelism is laid out exactly as before.
 
-2.5D tensor parallelism (``tensor_mode: 2.5d``, ``tensor_depth`` d, T = q²·d) lays the tensor
-dim out as d depth layers of a q×q grid: shape ``(D, P, [C,] d, q, q)`` with dims
-``("data", "pipeline", ["context",] "depth", "grid_row", "grid_col")``, so
-
-    global_rank = (((d_ * P + p) * C + c) * d + k) * q² + i * q + j     (d_: data index, k: depth layer)
-
-and tensor rank t = k·q² + i·q + j (:mod:`gridshard.comm.mesh_2p5d`'s order; one depth layer is
-q² consecutive ranks). Depth layer k is a complete 2D grid on batch slice k of every micro-batch
-with the *same* weights, so in training the depth is a data-parallel axis inside the tensor
-group: the model sees the mesh as its layer's 2D mesh (``tensor_mode`` 2d, ``tensor`` the
-flattened q² grid of my layer, ``q``, ``row``, ``col``), ``depth`` is the d ranks at my grid
-position, and the reducer's ``data_context`` is data × context × depth flattened (D·C·d ranks):
-the one place where the depth sum of the weight gradients happens in training (ZeRO then shards
-over the depth replicas too). ``job_mode`` keeps the config's 2.5d.
-
-3D tensor parallelism (``tensor_mode: 3d``, T = q³) lays the tensor dim out as a q×q×q cube:
-shape ``(D, P, [C,] q, q, q)`` with dims ``("data", "pipeline", ["context",] "weight", "input",
-"output")``, the order :mod:`gridshard.comm.mesh_3d` argues for (the two activation dims innermost,
-one block of q² consecutive ranks), so
-
-    global_rank = ((d_ * P + p) * C + c) * q³ + (i * q + j) * q + l     (i, j, l: weight, input, output)
-
-and tensor rank t = (i·q + j)·q + l. ``tensor`` is the flattened cube; the model-facing object is
-``mesh.cube``, a :class:`Mesh3D` over the job mesh's three sub-dims in the
-residual stream's orientation (built once with the mesh: its two flattened groups are made here,
-never per call). Every 3D weight is split q³ ways (no tensor-axis replicas), so the reducer's
-``data_context`` is data [× context] as in 1D. The residual stream's batch block is i·q + j of
-q² (``batch_index``); the LM head's logits come out in the swapped orientation, batch block
-i·q + l (``logits_batch_index``), which is therefore the block of the targets.
+A mode's depth layers (2.5D) add a ``"depth"`` dim outside the tensor dims, and the dims over which
+a mode replicates its weights (``weight_replica_dims``) join ``data_context``.
 
 All size checks happen in :func:`validate_layout`, before any process group is
 created, so a bad layout fails with a message instead of hanging.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -78,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .device import check_ranks_per_node, device_for_backend, rank_device, resolve_backend
-from .errors import LayoutError, check_divisible
+from .errors import LayoutError
 from .job_layout import TensorMode
 from .netutil import free_port
 
@@ -212,122 +177,13 @@ def elastic_attempt_store(timeout):
     return dist.PrefixStore(f"gridshard/attempt_{attempt}", client)
 
 
-def _axis(mesh: DeviceMesh, dim: Optional[str], name: Optional[str] = None, ledger=None) -> Axis:
+def device_axis(mesh: DeviceMesh, dim: Optional[str], name: Optional[str] = None, ledger=None) -> Axis:
     """The Axis of ``mesh[dim]`` (or of ``mesh`` itself, a 1-D mesh, when ``dim`` is None)."""
     sub = mesh if dim is None else mesh[dim]
     size = sub.size()
     ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
     rank = ranks.index(dist.get_rank())
     return Axis(name or dim, size, rank, ranks, sub.get_group() if size > 1 else None, ledger)
-
-
-#: the cube's dims, outermost first (3D tensor parallelism; :mod:`gridshard.comm.mesh_3d`)
-CUBE_DIMS = ("weight", "input", "output")
-
-
-def _check_cube_dims(device_mesh: DeviceMesh) -> None:
-    names = tuple(device_mesh.mesh_dim_names or ())
-    sizes = tuple(device_mesh.mesh.shape)
-    if names != CUBE_DIMS or len(set(sizes)) != 1 or sizes[0] < 2:
-        raise LayoutError(f"a 3D mesh needs dims {CUBE_DIMS} of sizes (q, q, q) with q ≥ 2, got {names} of sizes "
-                          f"{sizes}. Fix: init_device_mesh(device, (q, q, q), mesh_dim_names={CUBE_DIMS}).")
-
-
-class Mesh3D:
-    """One orientation of the 3D axes of this rank (:mod:`gridshard.comm.mesh_3d`'s docstring: the
-    cube's rank order, activation layout and the swapped orientation).
-
-    Attributes: ``q``; ``input``, ``weight``, ``output``, ``batch`` (axes); ``is_swapped``;
-    ``batch_index`` (my batch block of q², = ``batch.rank``) and ``hidden_index`` (my hidden
-    block of q, = ``output.rank``) of this orientation's activation layout. ``swapped()`` is the
-    other orientation (same groups). ``coords()`` / ``sizes()``: the physical coordinates
-    ``{"weight", "input", "output"}`` that :class:`gridshard.nn.sharding.ShardSpec` splits name."""
-
-    def __init__(self, device_mesh: DeviceMesh, flat_wi: DeviceMesh, flat_wo: DeviceMesh, ledger=None,
-                 swapped: bool = False):
-        _check_cube_dims(device_mesh)
-        phys = {n: _axis(device_mesh, n, n, ledger) for n in CUBE_DIMS}
-        flat = {"weight_input": _axis(flat_wi, None, "weight_input", ledger),
-                "weight_output": _axis(flat_wo, None, "weight_output", ledger)}
-        self._orient(device_mesh.size(0), {**phys, **flat}, ledger, swapped, device_mesh, (flat_wi, flat_wo))
-
-    def _orient(self, q: int, physical: dict, ledger, swapped: bool, device_mesh=None, flat=(None, None)) -> None:
-        """Set this orientation's role axes from the five physical axes (``physical``: name → Axis)."""
-        self.device_mesh, self.ledger, self.is_swapped, self._flat = device_mesh, ledger, swapped, flat
-        self.q = q
-        self.physical = physical
-        self.weight = physical["weight"]
-        self.input, self.output = (physical["output"], physical["input"]) if swapped \
-            else (physical["input"], physical["output"])
-        self.batch = physical["weight_output"] if swapped else physical["weight_input"]
-        self.batch_index, self.hidden_index = self.batch.rank, self.output.rank
-        assert self.batch_index == self.weight.rank * self.q + self.input.rank, "batch members are ordered (i, j)"
-
-    @classmethod
-    def from_device_mesh(cls, device_mesh: DeviceMesh, ledger=None) -> "Mesh3D":
-        """The axes of a DeviceMesh with dims ``("weight", "input", "output")`` (e.g. a slice of a
-        larger mesh, :func:`gridshard.mesh.layout_mesh` at ``tensor_mode: 3d``). Flattens two of its
-        sub-meshes, which creates their process groups: call it once per mesh and reuse the result
-        (:meth:`with_ledger`, :meth:`swapped`)."""
-        _check_cube_dims(device_mesh)                 # before the flattening creates any group
-        flat_wi = device_mesh["weight", "input"]._flatten("tp3d_weight_input")
-        flat_wo = device_mesh["weight", "output"]._flatten("tp3d_weight_output")
-        return cls(device_mesh, flat_wi, flat_wo, ledger)
-
-    @classmethod
-    def of_shape(cls, q: int, tensor_rank: int = 0) -> "Mesh3D":
-        """The axes of cube rank t = (i·q + j)·q + l with no process group (``group=None``): what the
-        layers read to lay a model out on the meta device for a layout nobody launched
-        (:class:`gridshard.mesh.ShapeMesh`). It lays out; it never runs a collective."""
-        ij, l = divmod(tensor_rank, q)
-        i, j = divmod(ij, q)
-        me = {"weight": i, "input": j, "output": l, "weight_input": i * q + j, "weight_output": i * q + l}
-        physical = {n: Axis(n, q * q if "_" in n else q, r, tuple(range(q * q if "_" in n else q)), None)
-                    for n, r in me.items()}
-        mesh = cls.__new__(cls)
-        mesh._orient(q, physical, None, False)
-        return mesh
-
-    def _reoriented(self, ledger, swapped: bool) -> "Mesh3D":
-        mesh = Mesh3D.__new__(Mesh3D)
-        physical = self.physical if ledger is self.ledger else \
-            {n: dataclasses.replace(a, ledger=ledger) for n, a in self.physical.items()}
-        mesh._orient(self.q, physical, ledger, swapped, self.device_mesh, self._flat)
-        return mesh
-
-    def with_ledger(self, ledger) -> "Mesh3D":
-        """The same groups and orientation, recording into ``ledger``."""
-        return self._reoriented(ledger, self.is_swapped)
-
-    def swapped(self) -> "Mesh3D":
-        """The other orientation: ``input`` and ``output`` exchanged (the layout a linear layer
-        on this mesh produces), same groups and ledger."""
-        return self._reoriented(self.ledger, not self.is_swapped)
-
-    def coords(self) -> dict:
-        """My physical coordinates, the names a 3D :class:`ShardSpec` splits by."""
-        return {n: self.physical[n].rank for n in CUBE_DIMS}
-
-    def sizes(self) -> dict:
-        return {n: self.q for n in CUBE_DIMS}
-
-    def groups(self) -> list:
-        """The distinct process groups of this rank's axes (none on a shape-only mesh)."""
-        return [a.group for a in self.physical.values() if a.group is not None]
-
-    def batch_block(self, t: torch.Tensor, dim: int = 0, hidden: bool = True) -> torch.Tensor:
-        """My block of a tensor every rank holds whole, in this orientation's activation layout:
-        batch block ``batch_index`` of q² along ``dim`` and (``hidden``) hidden block
-        ``hidden_index`` of q along the last dim. A plain slice, for inputs and targets."""
-        check_divisible(t.shape[dim], self.q ** 2, "batch", "q² (the 3D batch blocks)",
-                        f"use a batch that is a multiple of q² = {self.q ** 2}")
-        t = t.chunk(self.q ** 2, dim)[self.batch_index]
-        return t.chunk(self.q, -1)[self.hidden_index] if hidden else t
-
-    def __repr__(self) -> str:
-        c = self.coords()
-        return (f"Mesh3D(q={self.q}, i={c['weight']}, j={c['input']}, l={c['output']}"
-                f"{', swapped' if self.is_swapped else ''})")
 
 
 class ParallelMesh:
@@ -352,7 +208,7 @@ class ParallelMesh:
 
     def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str,
                  flat_tensor_mesh: Optional[DeviceMesh] = None, ledger=None, context: int = 1,
-                 flat_data_context_mesh: Optional[DeviceMesh] = None, depth: int = 1, cube=None):
+                 flat_data_context_mesh: Optional[DeviceMesh] = None, depth: int = 1, tensor_submesh=None):
         self.device_mesh = device_mesh
         self.flat_tensor_mesh = flat_tensor_mesh
         self.flat_data_context_mesh = flat_data_context_mesh
@@ -362,27 +218,21 @@ class ParallelMesh:
         self.tensor_depth = depth
         self.tensor_mode, layer_tensor = self.job_mode.layer_layout(tensor, depth)
         self.ledger = ledger
-        self.data = _axis(device_mesh, "data", ledger=ledger)
-        self.pipeline = _axis(device_mesh, "pipeline", ledger=ledger)
+        self.data = device_axis(device_mesh, "data", ledger=ledger)
+        self.pipeline = device_axis(device_mesh, "pipeline", ledger=ledger)
         me = (dist.get_rank(),)
-        self.context = _axis(device_mesh, "context", ledger=ledger) if context > 1 \
+        self.context = device_axis(device_mesh, "context", ledger=ledger) if context > 1 \
             else Axis("context", 1, 0, me, None, ledger)      # module docstring: a context dim only when C > 1
-        self.depth = _axis(device_mesh, "depth", ledger=ledger) if depth > 1 else Axis("depth", 1, 0, me, None, ledger)
-        self.data_context = _axis(flat_data_context_mesh, None, "data_context", ledger) \
+        self.depth = device_axis(device_mesh, "depth", ledger=ledger) if depth > 1 else Axis("depth", 1, 0, me, None, ledger)
+        self.data_context = device_axis(flat_data_context_mesh, None, "data_context", ledger) \
             if flat_data_context_mesh is not None else self.data
         # 2D: the flattened grid, kept from _flatten (slicing it from the root by name is deprecated)
-        self.tensor = _axis(flat_tensor_mesh, None, "tensor", ledger) if flat_tensor_mesh is not None \
-            else _axis(device_mesh, "tensor", ledger=ledger)
-        self.q = self.tensor_mode.grid_side(layer_tensor)
-        self.batch_blocks, self.batch_index = 1, 0
-        if self.tensor_mode.is_grid:
-            self.row = _axis(device_mesh, "grid_col", "row", ledger)
-            self.col = _axis(device_mesh, "grid_row", "col", ledger)
-            self.grid_row = self.col.rank
-            self.grid_col = self.row.rank
-            assert self.tensor.rank == self.grid_row * self.q + self.grid_col
-            self.batch_blocks, self.batch_index = depth * self.q, self.depth.rank * self.q + self.grid_row
-        _set_cube(self, cube.with_ledger(ledger) if cube is not None else None)
+        self.tensor = device_axis(flat_tensor_mesh, None, "tensor", ledger) if flat_tensor_mesh is not None \
+            else device_axis(device_mesh, "tensor", ledger=ledger)
+        _tensor_defaults(self)
+        self.tensor_submesh = tensor_submesh
+        self.tensor_axes = self.tensor_mode.attach_axes(self, device_mesh, tensor_submesh, ledger)
+        self.logits_batch_index = self.tensor_mode.logits_batch_index(self)
 
     @property
     def world_size(self) -> int:
@@ -390,9 +240,8 @@ class ParallelMesh:
 
     def groups(self) -> list:
         """The distinct process groups of this rank's axes (size-1 axes have none)."""
-        axes = [self.data, self.pipeline, self.tensor] + ([self.row, self.col] if self.tensor_mode.is_grid else [])
-        axes += [self.context, self.depth, self.data_context]
-        axes += list(self.cube.physical.values()) if self.cube is not None else []
+        axes = [self.data, self.pipeline, self.tensor, *self.tensor_axes, self.context, self.depth,
+                self.data_context]
         out = []
         for g in (a.group for a in axes):
             if g is not None and all(g is not h for h in out):
@@ -426,7 +275,7 @@ def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: O
     if ledger is None:
         return mesh
     return ParallelMesh(mesh.device_mesh, data, pipeline, tensor, tensor_mode, mesh.flat_tensor_mesh, ledger,
-                        context, mesh.flat_data_context_mesh, depth, mesh.cube)
+                        context, mesh.flat_data_context_mesh, depth, mesh.tensor_submesh)
 
 
 @functools.lru_cache(maxsize=32)
@@ -446,25 +295,17 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     outer, outer_names = ((data, pipeline, context), ("data", "pipeline", "context")) if context > 1 \
         else ((data, pipeline), ("data", "pipeline"))
     layer_mode, layer_tensor = tensor_mode.layer_layout(tensor, depth)
-    cube = None
     if depth > 1:                    # 2.5D: the depth layers outside my layer's grid (module docstring)
         outer, outer_names = outer + (depth,), outer_names + ("depth",)
-    if layer_mode.is_grid:
-        q = layer_mode.grid_side(layer_tensor)
-        dm = init_device_mesh(device_type, outer + (q, q), mesh_dim_names=outer_names + ("grid_row", "grid_col"))
-        flat = dm["grid_row", "grid_col"]._flatten("tensor")
-    elif layer_mode.is_cube:
-        q = layer_mode.cube_side(layer_tensor)
-        dm = init_device_mesh(device_type, outer + (q, q, q), mesh_dim_names=outer_names + CUBE_DIMS)
-        flat = dm[CUBE_DIMS]._flatten("tensor")
-        cube = Mesh3D.from_device_mesh(dm[CUBE_DIMS])
-    else:
-        dm = init_device_mesh(device_type, outer + (tensor,), mesh_dim_names=outer_names + ("tensor",))
-        flat = None
+    names, sizes = zip(*layer_mode.tensor_dims(layer_tensor))
+    dm = init_device_mesh(device_type, outer + sizes, mesh_dim_names=outer_names + names)
+    flat = dm[names]._flatten("tensor") if len(names) > 1 else None
+    submesh = layer_mode.tensor_submesh(dm[names])
     replicas = tuple(n for n in outer_names if n != "pipeline")       # data, [context,] [depth]: weights replicated
+    replicas += layer_mode.weight_replica_dims()                        # a mode's own replicas join the reduction
     flat_dc = dm[replicas]._flatten("data_context") if len(replicas) > 1 else None
     mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, context=context,
-                        flat_data_context_mesh=flat_dc, depth=depth, cube=cube)
+                        flat_data_context_mesh=flat_dc, depth=depth, tensor_submesh=submesh)
     world_timeout = group_timeout_s(world_group)
     if world_timeout is not None:
         set_collective_timeout(mesh.groups(), world_timeout)
@@ -517,20 +358,15 @@ class ShapeMesh:
         self.tensor_mode.check_tensor_size(tensor)
         self.sizes = (data, pipeline, tensor)
         self.ledger = None
-        self.data, self.pipeline = _shape_axis("data", data, 0), _shape_axis("pipeline", pipeline, 0)
+        self.data, self.pipeline = shape_axis("data", data, 0), shape_axis("pipeline", pipeline, 0)
         self.context_size = context
-        self.context = _shape_axis("context", context, context_rank)
-        self.data_context = _shape_axis("data_context", data * context, context_rank) if context > 1 else self.data
-        self.tensor = _shape_axis("tensor", tensor, tensor_rank)
-        self.q = self.tensor_mode.grid_side(tensor)
-        self.depth, self.tensor_depth, self.batch_blocks, self.batch_index = _shape_axis("depth", 1, 0), 1, 1, 0
-        if self.tensor_mode.is_grid:
-            self.grid_row, self.grid_col = divmod(tensor_rank, self.q)
-            self.row = _shape_axis("row", self.q, self.grid_col)
-            self.col = _shape_axis("col", self.q, self.grid_row)
-            self.batch_blocks, self.batch_index = self.q, self.grid_row
-        _set_cube(self, Mesh3D.of_shape(self.tensor_mode.cube_side(tensor), tensor_rank)
-                  if self.tensor_mode.is_cube else None)
+        self.context = shape_axis("context", context, context_rank)
+        self.data_context = shape_axis("data_context", data * context, context_rank) if context > 1 else self.data
+        self.tensor = shape_axis("tensor", tensor, tensor_rank)
+        self.depth, self.tensor_depth = shape_axis("depth", 1, 0), 1
+        _tensor_defaults(self)
+        self.tensor_mode.attach_shape_axes(self, tensor_rank)
+        self.logits_batch_index = self.tensor_mode.logits_batch_index(self)
 
     @property
     def world_size(self) -> int:
@@ -541,17 +377,12 @@ class ShapeMesh:
         return f"ShapeMesh(D={d}, P={p}, T={t}, mode={self.tensor_mode!r}, tensor_rank={self.tensor.rank})"
 
 
-def _set_cube(mesh, cube) -> None:
-    """The 3D attributes of a :class:`ParallelMesh` or :class:`ShapeMesh` (``cube`` None outside
-    3D): ``cube``, ``cube_side``, the residual batch block i·q + j of q² and the logits' (targets')
-    batch block i·q + l (class docstring)."""
-    mesh.cube = cube
-    mesh.cube_side = cube.q if cube is not None else None
-    if cube is not None:
-        assert mesh.tensor.rank == cube.batch_index * cube.q + cube.hidden_index, "t = (i·q + j)·q + l"
-        mesh.batch_blocks, mesh.batch_index = cube.q ** 2, cube.batch_index
-    mesh.logits_batch_index = cube.swapped().batch_index if cube is not None else mesh.batch_index
+def _tensor_defaults(mesh) -> None:
+    """What a mesh of a mode without a grid or cube says: one batch block, no side, no cube (a
+    scheme's ``attach_axes`` / ``attach_shape_axes`` overrides them)."""
+    mesh.q, mesh.cube, mesh.cube_side = None, None, None
+    mesh.batch_blocks, mesh.batch_index = 1, 0
 
 
-def _shape_axis(name: str, size: int, rank: int) -> Axis:
+def shape_axis(name: str, size: int, rank: int) -> Axis:
     return Axis(name, size, rank, tuple(range(size)), None)

@@ -211,12 +211,12 @@ MUTANTS = [
            ("tests/test_checkpoint.py::test_resume_is_bit_exact_at_the_same_layout[D1-T4-1d]",),
            "AdamW's second moment is left out of the checkpoint (resume silently resets it)"),
     # ---- trust (issue 21): bytes from disk are data, a diverged run keeps its good checkpoints ----
-    Mutant("ckpt-nontensor-entry-admitted", "gridshard/checkpoint/files.py",
+    Mutant("ckpt-nontensor-entry-admitted", "gridshard/checkpoint/dcp_metadata.py",
            (("        if not isinstance(md, TensorStorageMetadata):\n            raise Refused(",
              "        if False:\n            raise Refused("),),
            ("tests/test_checkpoint_trust.py::test_each_layer_alone_refuses_a_bytes_entry",),
            "a .metadata entry that is not a tensor (DCP torch.loads it with weights_only=False) is admitted"),
-    Mutant("ckpt-latest-any-name", "gridshard/checkpoint/files.py",
+    Mutant("ckpt-latest-any-name", "gridshard/checkpoint/folders.py",
            (("(name and not _STEP_DIR.match(name))", "False"),),
            ("tests/test_checkpoint_trust.py::test_every_in_process_reader_refuses[latest_dotdot]",),
            "`latest` may name any path (../.., an absolute path): readers leave the run directory"),
@@ -543,7 +543,7 @@ MUTANTS = [
            ("tests/test_tp3d_model.py::test_3d_training_gives_the_one_process_run_and_resumes_at_2p5d",),
            "the trainer cuts targets with shard_tokens (right in every mode but 3D, where the logits come out "
            "in the swapped orientation)"),
-    Mutant("tp3d-row-on-residual-orientation", "gridshard/parallel/swap.py",
+    Mutant("tp3d-row-on-residual-orientation", "gridshard/tensor/tp3d/build.py",
            (('        on = mesh.swapped() if kind == "row" else mesh\n', "        on = mesh\n"),),
            ("tests/test_tp3d_model.py::test_3d_training_gives_the_one_process_run_and_resumes_at_2p5d",),
            "build_3d lays o_proj / down_proj on the residual orientation: they read the attention / MLP output "
@@ -555,9 +555,8 @@ MUTANTS = [
            "the tied 3D head keeps hidden sub-block l of the gathered table (its own hidden block's index) "
            "instead of sub-block i, the weight coordinate its product contracts"),
     Mutant("tp3d-clip-origin-only", "gridshard/engine/clip.py",
-           (('basis = {"grid_row", "grid_col"} if "grid_row" in index else CUBE_COORDS if "weight" in index '
-             'else {"tensor"}',
-             'basis = {"grid_row", "grid_col"} if "grid_row" in index else {"tensor"}'),),
+           (('basis = set(index) - {"tensor"} or {"tensor"}',
+             'basis = set(index) - {"tensor", "weight", "input", "output"} or {"tensor"}'),),
            ("tests/test_tp3d_model.py::test_3d_training_gives_the_one_process_run_and_resumes_at_2p5d",),
            "3D clipping falls back to 1D's tensor coordinate: a cube-split block is counted by tensor rank 0 only "
            "(global norm too small, clipping too weak)"),

@@ -21,7 +21,9 @@ import json
 import pytest
 import torch
 
-from .test_context_training import _max_rel, _param_rel, run_config
+from gridshard.testing.compare import max_rel, max_rel_tensors
+
+from .test_context_training import run_config
 
 pytest.importorskip("transformers")
 TOL = 1e-5
@@ -75,7 +77,7 @@ def test_hf_context_layout_gives_the_one_process_run(hf_json, name, tied):
     assert max(ref_norm) > BASE["train"]["grad_clip"], "clipping must be active"
     loss, norm, valid, params = _run(path, **LAYOUTS[name])
     assert valid == ref_valid
-    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    dl, dn, dp = max_rel(loss, ref_loss), max_rel(norm, ref_norm), max_rel_tensors(params, ref_params)
     print(f"HF {name} {'tied' if tied else 'untied'}: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
     assert sorted(params) == sorted(ref_params)
     assert dl <= TOL, f"{name}: loss differs by {dl:.2e}"
@@ -101,7 +103,7 @@ def test_hf_interleaved_1f1b_at_c2_gives_the_one_process_run(tmp_path):
     piped["parallel"].update(pipeline_schedule="interleaved_1f1b", virtual_stages=2)
     loss, norm, valid, params = run_config(piped)
     assert valid == ref_valid and sorted(params) == sorted(ref_params)
-    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    dl, dn, dp = max_rel(loss, ref_loss), max_rel(norm, ref_norm), max_rel_tensors(params, ref_params)
     print(f"HF P2-C2-interleaved untied: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
     assert max(dl, dn, dp) <= TOL, (dl, dn, dp)
 

@@ -14,12 +14,12 @@ bubble also all_to_all), (2, 1, 2, 1) ZeRO-2, (1, 1, 2, 1) ZeRO-3, (1, 1, 2, 2) 
 parallelism (ring and all_to_all), C = 2 with selective (ring) and full (all_to_all) recompute: the
 attention, collectives included, runs again in backward on every context rank in the same order.
 """
-import json
-
 import pytest
 import torch
 
 from gridshard.testing import run_on_ranks
+from gridshard.testing.compare import max_rel, max_rel_tensors
+from gridshard.testing.train_cache import TrainCache
 
 MODEL = {"preset": None, "vocab_size": 256, "hidden": 64, "layers": 2, "heads": 8, "kv_heads": 4,
          "ffn_hidden": 128, "max_seq_len": 32}
@@ -52,41 +52,28 @@ def _train_body(cfg):
     return losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h], final, sends
 
 
-_RESULTS, _CONTEXT_LEDGERS = {}, {}
+def _results_and_ledgers(per_rank):
+    params = {k: v for r in per_rank for k, v in r[3].items()}     # pipeline: each rank its stage's
+    return (*per_rank[0][:3], params), [r[4] for r in per_rank]
+
+
+_RUNS = TrainCache(_train_body, agree=3, combine=_results_and_ledgers, timeout=300)
 
 
 def run_config(cfg):
     """(losses, grad norms, valid-target counts, final parameters) of ``cfg``'s run, run once per
     config (tests/test_context_hf.py shares it); every rank must report the same history."""
-    key = json.dumps(cfg, sort_keys=True)
-    if key not in _RESULTS:
-        p = cfg["parallel"]
-        per_rank = run_on_ranks(p["data"] * p["pipeline"] * p["context"] * p["tensor"], _train_body, cfg,
-                                timeout=300)
-        for other in per_rank[1:]:
-            assert other[:3] == per_rank[0][:3], f"{p}: ranks disagree on the loss/grad-norm history"
-        params = {k: v for r in per_rank for k, v in r[3].items()}     # pipeline: each rank its stage's
-        _RESULTS[key] = (*per_rank[0][:3], params)
-        _CONTEXT_LEDGERS[key] = [r[4] for r in per_rank]
-    return _RESULTS[key]
+    return _RUNS(cfg)[0]
 
 
 def context_ledgers(cfg) -> list:
     """Per rank, {op: (calls, payload bytes)} of the context axis over ``cfg``'s whole run
     (:func:`run_config` first)."""
-    return _CONTEXT_LEDGERS[json.dumps(cfg, sort_keys=True)]
+    return _RUNS(cfg)[1]
 
 
 def _run(**layout):
     return run_config(_config(**layout))
-
-
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _param_rel(got, ref):
-    return max(float((got[k].double() - v.double()).norm() / v.double().norm()) for k, v in ref.items())
 
 
 LAYOUTS = {  # name: _config's arguments
@@ -112,7 +99,7 @@ def test_context_layout_gives_the_one_process_run(name):
     assert max(ref_norm) > BASE["train"]["grad_clip"], "clipping must be active"
     loss, norm, valid, params = _run(**LAYOUTS[name])
     assert valid == ref_valid
-    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    dl, dn, dp = max_rel(loss, ref_loss), max_rel(norm, ref_norm), max_rel_tensors(params, ref_params)
     print(f"{name}: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
     assert sorted(params) == sorted(ref_params)
     assert dl <= TOL, f"{name}: loss differs by {dl:.2e}"
@@ -168,7 +155,7 @@ def test_interleaved_and_zero_bubble_at_c2_give_the_one_process_run(name):
     cfg = _deep(**SCHEDULES[name])
     loss, norm, valid, params = run_config(cfg)
     assert valid == ref_valid and sorted(params) == sorted(ref_params)
-    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    dl, dn, dp = max_rel(loss, ref_loss), max_rel(norm, ref_norm), max_rel_tensors(params, ref_params)
     print(f"{name}: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
     assert max(dl, dn, dp) <= TOL, (name, dl, dn, dp)
     want = _expected_context_ledger(SCHEDULES[name].get("mode", "ring"))
@@ -282,7 +269,7 @@ def test_checkpoint_saved_at_c4_resumes_at_c1_and_at_c2_t2(tmp_path):
     for C, T, sp in ((1, 1, False), (2, 2, True)):
         losses, sq = run_on_ranks(C * T, _ckpt_body, cfg(C, T, sp, resume=step3), str(tmp_path / f"c{C}"),
                                   timeout=300)[0]
-        rel = _max_rel(losses, full[3:])
+        rel = max_rel(losses, full[3:])
         assert len(losses) == 3 and rel <= TOL, (C, T, rel)
         assert all(float(v.norm()) > 0 for v in sq.values())                        # moments loaded, not reset
 

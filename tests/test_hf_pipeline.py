@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from gridshard.testing import run_on_ranks
+from gridshard.testing.train_cache import train_on_ranks
 
 transformers = pytest.importorskip("transformers")
 RTOL = 1e-5
@@ -50,8 +50,7 @@ def _train(cfg, run_dir=None):
 
 
 def _run(cfg, run_dir=None):
-    p = cfg["parallel"]
-    return run_on_ranks(p["data"] * p["pipeline"] * p["tensor"], _train, cfg, run_dir, timeout=300)[0]
+    return train_on_ranks(_train, cfg, run_dir, timeout=300)[0]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,8 @@ def test_tensor_mode_round_trips_the_config_string(name):
     assert mode is TensorMode(name) and TensorMode.parse(mode) is mode
     assert mode == name and str(mode) == name and f"{mode}" == name and repr(mode) == repr(name)
     assert json.dumps({"tensor_mode": mode}) == json.dumps({"tensor_mode": name})
-    assert mode.splits_weights == (name != "none") and mode.is_grid == (name == "2d") and mode.is_1d == (name == "1d")
+    assert mode.splits_weights == (name != "none") and (mode.side(4) == 2) == (name == "2d")
+    assert mode.sequence_parallel_in_effect(True, 2) == (name == "1d")
 
 
 def test_unknown_mode_and_bad_sizes_are_named():
@@ -41,7 +42,7 @@ def test_unknown_mode_and_bad_sizes_are_named():
     with pytest.raises(LayoutError, match=r"tensor_mode='none' with tensor=2"):
         TensorMode.NONE.check_tensor_size(2)
     TensorMode.ONE_D.check_tensor_size(3)
-    assert TensorMode.TWO_D.grid_side(9) == 3 and TensorMode.ONE_D.grid_side(4) is None
+    assert TensorMode.TWO_D.side(9) == 3 and TensorMode.ONE_D.side(4) is None
 
 
 def test_sequence_parallel_in_effect_only_in_1d_with_more_than_one_rank():
@@ -98,8 +99,8 @@ def test_three_d_mode_facts():
     """3D (T = q³): cube side, head split q, batch split q², K/q kv heads, the [m/q², s, h/q] boundary block,
     and the size check naming the valid cubes."""
     mode = TensorMode.parse("3d")
-    assert mode.is_cube and not mode.is_grid and mode.splits_weights and str(mode) == "3d"
-    assert (mode.cube_side(8), mode.cube_side(27), mode.head_split(27), mode.batch_split(27)) == (2, 3, 3, 9)
+    assert mode.where(8) == "on a q=2 cube" and mode.splits_weights and str(mode) == "3d"
+    assert (mode.side(8), mode.side(27), mode.head_split(27), mode.batch_split(27)) == (2, 3, 3, 9)
     assert (mode.local_kv_heads(6, 27), mode.kv_replication(2, 8)) == (2, 1)
     assert not mode.sequence_parallel_in_effect(True, 8)
     assert mode.boundary_block(27, False, 18, 16, 36) == (2, 16, 12)

@@ -19,6 +19,7 @@ from gridshard.engine import Trainer
 from gridshard.errors import ConfigError
 from gridshard.parallel import gathered_state_dict
 from gridshard.testing import run_on_ranks
+from gridshard.testing.train_cache import train_on_ranks
 from gridshard.theory.pipeline import boundary_bytes, peak_in_flight, step_send_bytes
 from gridshard.zero.data_parallel import MAX_IN_FLIGHT
 
@@ -83,8 +84,7 @@ def _probe_between_micro_batches(trainer) -> list:
 
 
 def _run(cfg, run_dir=None):
-    p = cfg["parallel"]
-    return run_on_ranks(p["data"] * p["pipeline"] * p["tensor"], _train_body, cfg, run_dir, timeout=300)
+    return train_on_ranks(_train_body, cfg, run_dir, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from gridshard.errors import ConfigError
 from gridshard.planner import PlanError, evaluate, load_hardware, plan
 from gridshard.planner.cost_memory import stage_layers_of_rank
 from gridshard.planner.calibrate_reference import reference_step_s as _priced
-from gridshard.planner.cost_time import rank_cost, step_time, tensor_comm_1d, tensor_comm_2d
+from gridshard.planner.cost_time import rank_cost, step_time
 from gridshard.planner.layouts import Layout, apply_layout, enumerate_layouts, factorisations, layout_problem
 from gridshard.planner.report import as_json, write_config
 from gridshard.parallel.rank_blocks import rank_parameter_blocks
@@ -46,11 +46,9 @@ CPU = load_hardware("cpu")
 
 def tensor_calls_per_layer(cfg, layout: Layout, seq: int) -> int:
     """Tensor-parallel collectives of one decoder layer in one micro-batch's forward and
-    backward (``tensor_comm_1d`` / ``tensor_comm_2d`` of one middle layer)."""
-    if layout.tensor <= 1 or not layout.mode.splits_weights:
-        return 0
-    comm = tensor_comm_1d if layout.mode.is_1d else tensor_comm_2d
-    return sum(sum(v.calls.values()) for v in comm(cfg, layout, seq, 1, False, False))
+    backward (the mode's ``tensor_comm`` of one middle layer: ``tensor_comm_1d`` / ``tensor_comm_2d``)."""
+    per_axis = layout.mode.tensor_comm(cfg, layout, seq, 1, False, False)
+    return sum(sum(v.calls.values()) for vols in per_axis.values() for v in vols)
 
 
 def test_factorisations_and_enumeration():
@@ -206,7 +204,7 @@ def test_zero3_gathers_grow_with_layers_times_micro_batches():
 def test_sync_skew_is_paid_per_priced_call():
     """A 2D layout's SUMMA broadcasts/reduces: tensor comm rises by A × calls × skew, from the
     theory.tp2d call counts (cost_time.tensor_comm_2d)."""
-    from gridshard.planner.cost_time import tensor_comm_2d
+    from gridshard.tensor.tp2d.cost import tensor_comm_2d
 
     mc = load_config("configs/tiny.yaml").model.resolve()
     lay = Layout(1, 1, 4, "2d", False, 0, "none", 4)
@@ -284,7 +282,8 @@ def test_collective_cpu_seconds_and_tensor_call_overhead():
     assert wall_only.cpu_seconds(1e6, 3, 4) == wall_only.seconds(1e6, 3, 4)
     both = LinkCost(1e9, 1e-4, 1e-5, cpu_bandwidth=2e9, cpu_latency_s=5e-5, cpu_latency_per_rank_s=2e-6)
     assert both.cpu_seconds(1e6, 3, 4) == pytest.approx(3 * (5e-5 + 2 * 2e-6) + 1e6 / 2e9)
-    from gridshard.planner.cost_time import comm_cpu_seconds, comm_seconds, tensor_comm_1d
+    from gridshard.planner.cost_time import comm_cpu_seconds, comm_seconds
+    from gridshard.tensor.tp1d.cost import tensor_comm_1d
 
     mc = load_config("configs/tiny.yaml").model.resolve()
     lay = Layout(2, 1, 2, "1d", False, 0, "none", 4)

@@ -28,8 +28,9 @@ from gridshard.models.llama import Transformer
 from gridshard.parallel import parallelize
 from gridshard.planner import evaluate, load_hardware
 from gridshard.planner.cost_memory import layout_memory
-from gridshard.planner.cost_time import (comm_seconds, context_comm, cube_axis_levels, link_levels, microbatch_flops,
-                                         rank_cost, tensor_comm_3d, tensor_volumes)
+from gridshard.planner.cost_time import (comm_seconds, context_comm, link_levels, microbatch_flops, rank_cost,
+                                         tensor_volumes)
+from gridshard.tensor.tp3d.cost import cube_axis_levels, tensor_comm_3d
 from gridshard.planner.fit import config_layout
 from gridshard.planner.layouts import Layout, enumerate_layouts, layout_problem
 from gridshard.planner.report import explain, written_config

@@ -94,8 +94,8 @@ def _errors(T):
         bad = [r for r in model_shape_rules("1d", T, True, **{**ok, "hidden": T + 1, "heads": 1}) if not r.holds]
         assert any(r.message().startswith(f"hidden={T + 1} is not divisible by tensor={T}: ") for r in bad), \
             [r.message() for r in bad]
-        _raises(ShapeError, rf"heads={T + 1} is not divisible by tensor={T}: 1D tensor parallelism gives every "
-                            rf"rank whole heads",
+        _raises(ShapeError, rf"heads={T + 1} is not divisible by tensor={T}: 1D gives every "
+                            rf"rank whole attention heads",
                 lambda: check_sp(**{**ok, "hidden": 8 * (T + 1), "heads": T + 1}))
         _raises(ShapeError, rf"ffn_hidden={4 * T + 1} is not divisible by tensor={T}",
                 lambda: check_sp(**{**ok, "ffn": 4 * T + 1}))

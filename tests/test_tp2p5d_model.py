@@ -27,20 +27,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gridshard.testing import run_on_ranks
+from gridshard.testing.compare import max_rel
 
-MODEL = {"preset": None, "vocab_size": 259, "hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2,
-         "ffn_hidden": 64, "max_seq_len": 16}
-BASE = {"model": MODEL,
-        "data": {"kind": "stdlib", "seq_len": 16, "max_bytes": 50_000, "ignore_token": 32},
-        "train": {"global_batch": 8, "micro_batch": 4, "steps": 10, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3,
-                  "grad_clip": 0.5, "log_interval": 1, "seed": 7, "precision": "fp32", "save_interval": 5}}
-TOL = 1e-5
-
-
-def _config(T=1, mode="none", depth=1, zero=0, D=1, C=1, **train):
-    return {**BASE, "train": {**BASE["train"], "zero": zero, **train},
-            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "tensor_depth": depth, "context": C}}
+from .tp_model_runs import (BASE, HF, TOL, check_pipeline_run, config, config_error, model_runs, param_rel,
+                            reference_fixtures)
 
 
 def _facts(trainer) -> dict:
@@ -56,61 +46,16 @@ def _facts(trainer) -> dict:
             "local_numel": sum(p.numel() for p in trainer.params), "stepped_numel": stepped}
 
 
-def _train_body(cfg, run_dir):
-    from gridshard import gathered_state_dict
-    from gridshard.engine import Trainer
-
-    trainer = Trainer(cfg, run_dir=run_dir, progress=False)
-    losses = trainer.run()
-    final = gathered_state_dict(trainer.model)
-    h = trainer.history
-    return losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h], final, _facts(trainer)
-
-
-_RESULTS = {}
-
-
-def _run(cfg, run_dir=None):
-    """(losses, grad norms, valid counts, final parameters, every rank's facts) of ``cfg``, run once."""
-    key = json.dumps(cfg, sort_keys=True)
-    if key not in _RESULTS:
-        p = cfg["parallel"]
-        per_rank = run_on_ranks(p["data"] * p["context"] * p["tensor"], _train_body, cfg, run_dir, timeout=600)
-        for other in per_rank[1:]:
-            assert other[:3] == per_rank[0][:3], "ranks disagree on the loss/grad-norm history"
-        _RESULTS[key] = (*per_rank[0][:4], [r[4] for r in per_rank])
-    return _RESULTS[key]
-
-
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _param_rel(got, ref):
-    assert sorted(got) == sorted(ref)
-    return max(float((got[k].double() - v.double()).norm() / v.double().norm()) for k, v in ref.items())
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    """The one-process run, checkpointing at steps 5 and 10, and its run directory."""
-    run_dir = tmp_path_factory.mktemp("one") / "run"
-    ref = _run(_config(), str(run_dir))
-    assert min(ref[2]) < BASE["train"]["global_batch"] * BASE["data"]["seq_len"], "no target is masked"
-    assert max(ref[1]) > BASE["train"]["grad_clip"], "clipping must be active"
-    return run_dir, ref
-
-
-@pytest.fixture(scope="module")
-def reference(reference_run):
-    return reference_run[1]
+# (losses, grad norms, valid counts, final parameters, every rank's facts) of a config, run once
+_run = model_runs(_facts, timeout=600)
+reference_run, reference = reference_fixtures(_run, config())
 
 
 @pytest.fixture(scope="module")
 def run_2p5d(tmp_path_factory):
     """The 2.5D (q = 2, d = 2) ZeRO-0 run, checkpointing at steps 5 and 10, and its run directory."""
     run_dir = tmp_path_factory.mktemp("tp2p5d") / "run"
-    return run_dir, _run(_config(8, "2.5d", 2), str(run_dir))
+    return run_dir, _run(config(8, "2.5d", 2), str(run_dir))
 
 
 def _check_layout_facts(facts, D=1):
@@ -133,9 +78,9 @@ def test_2p5d_training_gives_the_one_process_run(reference, run_2p5d, zero, D, C
     ZeRO-2 and (1, 2, 8), context parallelism (ring) over 2.5D."""
     ref_loss, ref_norm, ref_valid, ref_params, _ = reference
     loss, norm, valid, params, facts = run_2p5d[1] if (zero, D, C) == (0, 1, 1) else \
-        _run(_config(8, "2.5d", 2, zero=zero, D=D, C=C, recompute="selective" if zero == 3 else "none"))
+        _run(config(8, "2.5d", 2, zero=zero, D=D, C=C, recompute="selective" if zero == 3 else "none"))
     assert valid == ref_valid
-    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    dl, dn, dp = max_rel(loss, ref_loss), max_rel(norm, ref_norm), param_rel(params, ref_params)
     what = f"2.5D D={D} C={C} q=2 d=2 ZeRO-{zero}{' selective recompute' if zero == 3 else ''}"
     print(f"{what}: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
     assert dl <= TOL and dn <= TOL and dp <= TOL, (dl, dn, dp)
@@ -161,15 +106,11 @@ def test_2p5d_checkpoint_resumes_at_2d_and_1d(run_2p5d, reference_run, source, t
     run_dir, (full_loss, _, _, full_params, _) = run_2p5d if source == "2.5d" else reference_run
     step5 = os.path.join(checkpoints_root(str(run_dir)), "step_5")
     T, mode, depth = target
-    loss, _, _, params, _ = _run(_config(T, mode, depth, resume=step5), str(tmp_path / "resumed"))
+    loss, _, _, params, _ = _run(config(T, mode, depth, resume=step5), str(tmp_path / "resumed"))
     assert len(loss) == 5
-    dl, dp = _max_rel(loss, full_loss[5:]), _param_rel(params, full_params)
+    dl, dp = max_rel(loss, full_loss[5:]), param_rel(params, full_params)
     print(f"{source} step 5 → {mode} T={T}: loss {dl:.1e}, final params {dp:.1e}")
     assert dl <= TOL and dp <= TOL, (dl, dp)
-
-
-HF = {"model_type": "llama", "vocab_size": 259, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, "tie_word_embeddings": True}
 
 
 @pytest.mark.wide
@@ -178,45 +119,18 @@ def test_2p5d_hugging_face_llama_gives_the_one_process_run(tmp_path):
     same HF plan table: 10 steps as one process."""
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(HF))
+    path.write_text(json.dumps({**HF, "tie_word_embeddings": True}))
 
     def cfg(*layout):
-        return {**_config(*layout), "model": {"hf_config": str(path)}}
+        return {**config(*layout), "model": {"hf_config": str(path)}}
 
     ref_loss, ref_norm, ref_valid, ref_params, _ = _run(cfg())
     loss, norm, valid, params, facts = _run(cfg(8, "2.5d", 2))
     assert valid == ref_valid and min(ref_valid) < 8 * 16
-    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    dl, dn, dp = max_rel(loss, ref_loss), max_rel(norm, ref_norm), param_rel(params, ref_params)
     print(f"HF 2.5D q=2 d=2 tied: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
     assert dl <= TOL and dn <= TOL and dp <= TOL, (dl, dn, dp)
     _check_layout_facts(facts)
-
-
-def _pipeline_config(P=1, T=1, mode="none", depth=1, schedule="1f1b", V=1, layers=2, zero=0):
-    """Tied embeddings, a validation pass every 5 steps (through the stages at P > 1)."""
-    cfg = _config(T, mode, depth, zero=zero, eval_interval=5, eval_batches=1)
-    cfg["model"] = {**MODEL, "layers": layers, "tie_embeddings": True}
-    cfg["data"] = {**cfg["data"], "val_fraction": 0.1}
-    cfg["parallel"] = {**cfg["parallel"], "pipeline": P, "pipeline_schedule": schedule, "virtual_stages": V}
-    return cfg
-
-
-def _pipeline_body(cfg):
-    """(losses, grad norms, valid counts, validation losses, the whole model's final parameters
-    merged over the stages, this rank's facts with its stages and pipeline send bytes)."""
-    from gridshard import gathered_state_dict
-    from gridshard.engine import Trainer
-
-    trainer = Trainer(cfg, progress=False)
-    losses = trainer.run()
-    parts = [None] * trainer.mesh.pipeline.size
-    dist.all_gather_object(parts, gathered_state_dict(trainer.model), group=trainer.mesh.pipeline.group)
-    final = {k: v for part in parts for k, v in part.items()}
-    h = trainer.history
-    facts = {**_facts(trainer), "pipe": trainer.mesh.pipeline.ranks, "stages": trainer.pipeline.stage_indices,
-             "sends": trainer.ledger.payload_bytes(op="send", axis="pipeline")} if trainer.pipeline else None
-    return (losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h],
-            [r.get("val_loss") for r in h], final, facts)
 
 
 @pytest.mark.wide
@@ -230,39 +144,14 @@ def test_2p5d_pipeline_stages_give_the_one_process_run(schedule, V, layers, zero
     pair at the same (k, i, j), the depth summed by the reducer; losses, gradient norms,
     validation losses and final parameters within 1e-5 of one process; ZeRO-3 (GPipe) and ZeRO-2
     (zero bubble) shard over the d depth replicas of a stage's block."""
-    from gridshard.theory.pipeline import boundary_bytes, step_send_bytes
-
-    ref = run_on_ranks(1, _pipeline_body, _pipeline_config(layers=layers), timeout=600)[0]
-    got = run_on_ranks(16, _pipeline_body, _pipeline_config(2, 8, "2.5d", 2, schedule, V, layers, zero),
-                       timeout=900)
-    loss, norm, valid, val, params, _ = got[-1]           # the last stage's rank
-    assert valid == ref[2] and min(valid) < 8 * 16 and max(ref[1]) > BASE["train"]["grad_clip"]
-    assert [v is None for v in val] == [v is None for v in ref[3]] and val[4] is not None
-    dl, dn, dp = _max_rel(loss, ref[0]), _max_rel(norm, ref[1]), _param_rel(params, ref[4])
-    dv = _max_rel([v for v in val if v is not None], [v for v in ref[3] if v is not None])
-    print(f"2.5D P=2 {schedule} ZeRO-{zero} tied: loss {dl:.1e}, grad norm {dn:.1e}, val loss {dv:.1e}, final params {dp:.1e}")
-    assert max(dl, dn, dp, dv) <= TOL, (dl, dn, dv, dp)
-    per = boundary_bytes("2.5d", False, 8, BASE["train"]["micro_batch"], 16, MODEL["hidden"], depth=2)
-    assert per == 1 * 16 * 16 * 4
+    got = check_pipeline_run("2.5d", 2, schedule, V, layers, zero, f"2.5D P=2 {schedule} ZeRO-{zero} tied",
+                             facts=_facts)
     for r, out in enumerate(got):
         f = out[5]
         p, t = divmod(r, 8)
         k, rest = divmod(t, 4)
         assert f["pipe"] == (t, 8 + t) and f["batch"] == (4, 2 * k + rest // 2), f     # same (k, i, j) per stage
         assert f["replicas"] == (2, (8 * p + rest, 8 * p + 4 + rest)) and f["depth_calls"] == 0, f
-        # 10 steps' forward and backward sends, and the 2 validation passes' forward sends (A = 2 each)
-        forward_only = 2 * 2 * per * sum(s < 2 * V - 1 for s in f["stages"])
-        assert f["sends"] == BASE["train"]["steps"] * step_send_bytes(f["stages"], 2 * V, 2, per) + forward_only, \
-            (r, f["sends"])
-
-
-def _error(cfg, world):
-    from gridshard.config import resolve_config
-    from gridshard.errors import ConfigError
-
-    with pytest.raises(ConfigError) as info:
-        resolve_config(cfg, world_size=world, cuda_available=False)
-    return str(info.value)
 
 
 def test_2p5d_config_rules_and_layout_facts():
@@ -274,20 +163,20 @@ def test_2p5d_config_rules_and_layout_facts():
     from gridshard.planner.fit import config_layout
     from gridshard.theory.pipeline import boundary_bytes
 
-    cfg = resolve_config(_config(8, "2.5d", 2), world_size=8, cuda_available=False)
+    cfg = resolve_config(config(8, "2.5d", 2), world_size=8, cuda_available=False)
     layout = JobLayout.from_config(cfg)
     assert (layout.depth, str(layout.layer_mode), layout.layer_tensor, layout.q) == (2, "2d", 4, 2)
     priced = config_layout(cfg)
     assert (priced.data, priced.tensor, priced.tensor_mode, priced.micro_batch) == (2, 4, "2d", 2)
     with pytest.raises(LayoutError, match="call mode.layer_layout"):
-        TensorMode("2.5d").grid_side(8)
-    assert "use tensor in (12, 27, 48, 75, ...) for d=3" in _error(_config(8, "2.5d", 3), 8)
-    assert "tensor=8 is not a perfect square" in _error(_config(8, "2d"), 8)
-    assert "tensor_depth=2 with tensor_mode='2d': only 2.5D has depth layers" in _error(_config(4, "2d", 2), 4)
-    assert "tensor=4 with tensor_mode='2.5d' and tensor_depth=4" in _error(_config(4, "2.5d", 4), 4)
+        TensorMode("2.5d").side(8)
+    assert "use tensor in (12, 27, 48, 75, ...) for d=3" in config_error(config(8, "2.5d", 3), 8)
+    assert "tensor=8 is not a perfect square" in config_error(config(8, "2d"), 8)
+    assert "tensor_depth=2 with tensor_mode='2d': only 2.5D has depth layers" in config_error(config(4, "2d", 2), 4)
+    assert "tensor=4 with tensor_mode='2.5d' and tensor_depth=4" in config_error(config(4, "2.5d", 4), 4)
     assert "splits each micro-batch into d·q = 4 row blocks. Fix: use a multiple of 4" in \
-        _error(_config(8, "2.5d", 2, micro_batch=2), 8)
-    base = _config(8, "2.5d", 2)
+        config_error(config(8, "2.5d", 2, micro_batch=2), 8)
+    base = config(8, "2.5d", 2)
     piped = resolve_config({**base, "parallel": {**base["parallel"], "pipeline": 2}}, world_size=16,
                            cuda_available=False)            # pipeline stages at 2.5D: accepted
     assert JobLayout.from_config(piped).split.counts == (1, 1)
@@ -298,4 +187,4 @@ def test_2p5d_config_rules_and_layout_facts():
     assert boundary_bytes("2.5d", False, 8, 4, 16, 32, depth=2) == 1 * 16 * 16 * 4
     assert boundary_bytes("2.5d", False, 18, 6, 16, 30, dtype="bf16", depth=2) == 1 * 16 * 10 * 2     # q = 3
     assert "parallel.sequence_parallel=True is invalid" in \
-        _error({**base, "parallel": {**base["parallel"], "sequence_parallel": True}}, 8)
+        config_error({**base, "parallel": {**base["parallel"], "sequence_parallel": True}}, 8)

@@ -28,21 +28,14 @@ import time
 import pytest
 import torch.distributed as dist
 
-from gridshard.testing import run_on_ranks
+from gridshard.testing.compare import max_rel
 
-MODEL = {"preset": None, "vocab_size": 259, "hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2,
-         "ffn_hidden": 64, "max_seq_len": 16}
-BASE = {"model": MODEL,
-        "data": {"kind": "stdlib", "seq_len": 16, "max_bytes": 50_000, "ignore_token": 32},
-        "train": {"global_batch": 8, "micro_batch": 4, "steps": 10, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3,
-                  "grad_clip": 0.5, "log_interval": 1, "seed": 7, "precision": "fp32", "save_interval": 5}}
-TOL = 1e-5
+from .tp_model_runs import (HF, MODEL, TOL, check_pipeline_run, config, config_error, model_runs, param_rel,
+                            reference_fixtures)
 
 
 def _config(T=1, mode="none", depth=1, zero=0, D=1, sp=False, C=1, **train):
-    return {**BASE, "train": {**BASE["train"], "zero": zero, **train},
-            "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "tensor_depth": depth,
-                         "sequence_parallel": sp, "context": C}}
+    return config(T, mode, depth, zero, D, C, sp=sp, **train)
 
 
 def _facts(trainer) -> dict:
@@ -57,61 +50,15 @@ def _facts(trainer) -> dict:
             "local_numel": sum(p.numel() for p in trainer.params), "stepped_numel": stepped}
 
 
-def _train_body(cfg, run_dir):
-    from gridshard import gathered_state_dict
-    from gridshard.engine import Trainer
-
-    if cfg["train"].get("compile"):
-        import torch
-
-        torch._dynamo.reset()                     # a pooled worker: no graph cached by an earlier test
-    trainer = Trainer(cfg, run_dir=run_dir, progress=False)
-    losses = trainer.run()
-    final = gathered_state_dict(trainer.model)
-    h = trainer.history
+def _run_facts(trainer) -> dict:
+    """:func:`_facts` and the run's collective counts per (op, axis), the world axis left out."""
     calls = {k: v.count for k, v in trainer.ledger.entries.items() if k[1] != "world"}
-    facts = {**_facts(trainer), "calls": calls}
-    return losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h], final, facts
+    return {**_facts(trainer), "calls": calls}
 
 
-_RESULTS = {}
-
-
-def _run(cfg, run_dir=None):
-    """(losses, grad norms, valid counts, final parameters, every rank's facts) of ``cfg``, run once."""
-    key = json.dumps(cfg, sort_keys=True)
-    if key not in _RESULTS:
-        p = cfg["parallel"]
-        per_rank = run_on_ranks(p["data"] * p.get("pipeline", 1) * p["context"] * p["tensor"], _train_body, cfg, run_dir,
-                                timeout=900)
-        for other in per_rank[1:]:
-            assert other[:3] == per_rank[0][:3], "ranks disagree on the loss/grad-norm history"
-        _RESULTS[key] = (*per_rank[0][:4], [r[4] for r in per_rank])
-    return _RESULTS[key]
-
-
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _param_rel(got, ref):
-    assert sorted(got) == sorted(ref)
-    return max(float((got[k].double() - v.double()).norm() / v.double().norm()) for k, v in ref.items())
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    """The one-process run, checkpointing at steps 5 and 10, and its run directory."""
-    run_dir = tmp_path_factory.mktemp("one") / "run"
-    ref = _run(_config(), str(run_dir))
-    assert min(ref[2]) < BASE["train"]["global_batch"] * BASE["data"]["seq_len"], "no target is masked"
-    assert max(ref[1]) > BASE["train"]["grad_clip"], "clipping must be active"
-    return run_dir, ref
-
-
-@pytest.fixture(scope="module")
-def reference(reference_run):
-    return reference_run[1]
+# (losses, grad norms, valid counts, final parameters, every rank's facts) of a config, run once
+_run = model_runs(_run_facts, timeout=900)
+reference_run, reference = reference_fixtures(_run, _config())
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +86,7 @@ def _check_against(ref, got, what):
     ref_loss, ref_norm, ref_valid, ref_params, _ = ref
     loss, norm, valid, params, _ = got
     assert valid == ref_valid
-    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    dl, dn, dp = max_rel(loss, ref_loss), max_rel(norm, ref_norm), param_rel(params, ref_params)
     print(f"{what}: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
     assert dl <= TOL and dn <= TOL and dp <= TOL, (what, dl, dn, dp)
 
@@ -153,7 +100,7 @@ def _resume(run_dir, full, target, tmp_path, what):
     T, mode, depth, sp = target
     loss, _, _, params, _ = _run(_config(T, mode, depth, sp=sp, resume=step5), str(tmp_path / "resumed"))
     assert len(loss) == 5
-    dl, dp = _max_rel(loss, full[0][5:]), _param_rel(params, full[3])
+    dl, dp = max_rel(loss, full[0][5:]), param_rel(params, full[3])
     print(f"{what}: loss {dl:.1e}, final params {dp:.1e}")
     assert dl <= TOL and dp <= TOL, (what, dl, dp)
 
@@ -212,7 +159,7 @@ def test_3d_compiled_layers_train_like_eager_and_one_process(reference, run_3d):
     got = _run(_config(8, "3d", compile=True))
     _check_against(reference, got, "3D (1, 1, 8) compiled")
     eager = run_3d[1]
-    dl, dn = _max_rel(got[0], eager[0]), _max_rel(got[1], eager[1])
+    dl, dn = max_rel(got[0], eager[0]), max_rel(got[1], eager[1])
     print(f"3D compiled vs eager: loss {dl:.1e}, grad norm {dn:.1e}")
     assert dl <= TOL and dn <= TOL, (dl, dn)
     for f, e in zip(got[4], eager[4]):
@@ -230,10 +177,6 @@ def test_3d_checkpoint_resumes_at_other_layouts(run_3d, reference_run, source, t
     final parameters are the uninterrupted run's; a one-process checkpoint resumes at 3D the same way."""
     run_dir, full = run_3d if source == "3d" else (reference_run[0], reference_run[1])
     _resume(run_dir, full, target, tmp_path, f"{source} step 5 → {target[1]} T={target[0]}")
-
-
-HF = {"model_type": "llama", "vocab_size": 259, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
 
 
 @pytest.mark.wide
@@ -271,33 +214,6 @@ def test_3d_hugging_face_llama_context_parallel_gives_the_one_process_run(tmp_pa
     _check_against(ref, got, "HF 3D (1, C=2, 8) ring tied")
 
 
-def _pipeline_config(P=1, T=1, mode="none", schedule="1f1b", zero=0, V=1, layers=2):
-    """Tied embeddings, a validation pass every 5 steps (through the stages at P > 1)."""
-    cfg = _config(T, mode, zero=zero, eval_interval=5, eval_batches=1)
-    cfg["model"] = {**MODEL, "layers": layers, "tie_embeddings": True}
-    cfg["data"] = {**cfg["data"], "val_fraction": 0.1}
-    cfg["parallel"] = {**cfg["parallel"], "pipeline": P, "pipeline_schedule": schedule, "virtual_stages": V}
-    return cfg
-
-
-def _pipeline_body(cfg):
-    """(losses, grad norms, valid counts, validation losses, the whole model's final parameters
-    merged over the stages, this rank's pipeline group and send bytes)."""
-    from gridshard import gathered_state_dict
-    from gridshard.engine import Trainer
-
-    trainer = Trainer(cfg, progress=False)
-    losses = trainer.run()
-    parts = [None] * trainer.mesh.pipeline.size
-    dist.all_gather_object(parts, gathered_state_dict(trainer.model), group=trainer.mesh.pipeline.group)
-    final = {k: v for part in parts for k, v in part.items()}
-    h = trainer.history
-    facts = {"pipe": trainer.mesh.pipeline.ranks, "sends": trainer.ledger.payload_bytes(op="send", axis="pipeline"),
-             "stages": trainer.pipeline.stage_indices} if trainer.pipeline else None
-    return (losses, [r["grad_norm"] for r in h], [r["valid_tokens"] for r in h],
-            [r.get("val_loss") for r in h], final, facts)
-
-
 @pytest.mark.wide
 def test_3d_pipeline_1f1b_gives_the_one_process_run():
     """(D, P, T) = (1, 2, 8), q = 2 (16 ranks), 1F1B, tied embeddings (the last stage's TiedVocabHead3D
@@ -311,27 +227,11 @@ def test_3d_pipeline_1f1b_gives_the_one_process_run():
 def _check_pipeline(schedule, zero=0, V=1, layers=2):
     """(1, 2, 8) under ``schedule`` (``V`` stages per rank, ``layers`` layers) against one process: the
     1F1B test's checks, the sends over the 2·V stages."""
-    from gridshard.theory.pipeline import boundary_bytes, step_send_bytes
-
-    ref = run_on_ranks(1, _pipeline_body, _pipeline_config(layers=layers), timeout=600)[0]
-    got = run_on_ranks(16, _pipeline_body, _pipeline_config(2, 8, "3d", schedule, zero, V, layers), timeout=900)
-    loss, norm, valid, val, params, _ = got[-1]           # the last stage's rank
-    assert valid == ref[2] and min(valid) < 8 * 16 and max(ref[1]) > BASE["train"]["grad_clip"]
-    assert [v is None for v in val] == [v is None for v in ref[3]] and val[4] is not None
-    dl, dn, dp = _max_rel(loss, ref[0]), _max_rel(norm, ref[1]), _param_rel(params, ref[4])
-    dv = _max_rel([v for v in val if v is not None], [v for v in ref[3] if v is not None])
-    print(f"3D P=2 {schedule} V={V} ZeRO-{zero} tied: loss {dl:.1e}, grad norm {dn:.1e}, val loss {dv:.1e}, "
-          f"final params {dp:.1e}")
-    assert max(dl, dn, dp, dv) <= TOL, (dl, dn, dv, dp)
-    per = boundary_bytes("3d", False, 8, BASE["train"]["micro_batch"], 16, MODEL["hidden"])
-    assert per == 1 * 16 * 16 * 4                          # [m/q², s, h/q] fp32
+    got = check_pipeline_run("3d", 1, schedule, V, layers, zero, f"3D P=2 {schedule} V={V} ZeRO-{zero} tied",
+                             sp=False)
     for r, out in enumerate(got):
-        f = out[5]
         t = r % 8
-        assert f["pipe"] == (t, 8 + t), f                  # same cube position on both stages
-        forward_only = 2 * 2 * per * sum(s < 2 * V - 1 for s in f["stages"])     # 2 validation passes, A = 2
-        assert f["sends"] == BASE["train"]["steps"] * step_send_bytes(f["stages"], 2 * V, 2, per) + forward_only, \
-            (r, f["sends"])
+        assert out[5]["pipe"] == (t, 8 + t), out[5]                  # same cube position on both stages
 
 
 @pytest.mark.wide
@@ -344,15 +244,6 @@ def test_3d_pipeline_schedules_give_the_one_process_run(schedule, V, layers, zer
     and final parameters within 1e-5 of one process (zero bubble's split backward runs each 3D layer's dual
     backward once: a repeat would double its gradients), the sends = the formula over the 2·V stages."""
     _check_pipeline(schedule, zero, V, layers)
-
-
-def _error(cfg, world):
-    from gridshard.config import resolve_config
-    from gridshard.errors import ConfigError
-
-    with pytest.raises(ConfigError) as info:
-        resolve_config(cfg, world_size=world, cuda_available=False)
-    return str(info.value)
 
 
 def test_3d_config_rules_and_layout_facts():
@@ -370,17 +261,18 @@ def test_3d_config_rules_and_layout_facts():
 
     cfg = resolve_config(_config(8, "3d"), world_size=8, cuda_available=False)
     layout = JobLayout.from_config(cfg)
-    assert (str(layout.mode), layout.mode.cube_side(8), layout.layer_tensor) == ("3d", 2, 8)
-    assert "T must be q³ with q >= 2 (valid: 8, 27, 64, 125, ...). Fix: use tensor=8" in _error(_config(4, "3d"), 4)
-    assert "micro_batch=2 is not divisible by q²=4" in _error(_config(8, "3d", micro_batch=2), 8)
+    assert (str(layout.mode), layout.mode.side(8), layout.layer_tensor) == ("3d", 2, 8)
+    assert "T must be q³ with q >= 2 (valid: 8, 27, 64, 125, ...). Fix: use tensor=8" in \
+        config_error(_config(4, "3d"), 4)
+    assert "micro_batch=2 is not divisible by q²=4" in config_error(_config(8, "3d", micro_batch=2), 8)
     assert "ffn_hidden=66 is not divisible by q²=4" in \
-        _error({**_config(8, "3d"), "model": {**MODEL, "ffn_hidden": 66}}, 8)
+        config_error({**_config(8, "3d"), "model": {**MODEL, "ffn_hidden": 66}}, 8)
     assert "hidden=36 is not divisible by q³=8" in \
-        _error({**_config(8, "3d"), "model": {**MODEL, "hidden": 36, "heads": 2}}, 8)
-    assert "parallel.sequence_parallel=True is invalid" in _error(_config(8, "3d", sp=True), 8)
+        config_error({**_config(8, "3d"), "model": {**MODEL, "hidden": 36, "heads": 2}}, 8)
+    assert "parallel.sequence_parallel=True is invalid" in config_error(_config(8, "3d", sp=True), 8)
     base = _config(8, "3d")
     assert "context_mode='all_to_all' with context=2: a rank's 1 k/v heads" in \
-        _error({**base, "parallel": {**base["parallel"], "context": 2, "context_mode": "all_to_all"}}, 16)
+        config_error({**base, "parallel": {**base["parallel"], "context": 2, "context_mode": "all_to_all"}}, 16)
     # the shape-only mesh: rank t = (i·q + j)·q + l, tokens block i·q + j, targets block i·q + l
     for t in range(8):
         mesh = ShapeMesh(tensor=8, tensor_mode="3d", tensor_rank=t)
@@ -403,7 +295,7 @@ def test_3d_config_rules_and_layout_facts():
     assert TensorMode("3d").boundary_block(8, False, 4, 16, 32) == (1, 16, 16)
 
 
-def test_cross_entropy_3d_names_itself_in_a_bad_target_error():
+def test_cross_entropy_3d_names_itself_in_a_bad_targetconfig_error():
     """The 3D loss runs the 2D loss's function; a bad target's error names cross_entropy_3d (a
     one-rank orientation: every axis of size 1, so no collective runs)."""
     import torch
@@ -453,7 +345,7 @@ def test_3d_run_generates_and_exports_as_the_one_process_run(reference_run, run_
     assert sorted(exported["3d"]) == sorted(final_3d) == sorted(exported["one"])
     for k, v in final_3d.items():
         assert torch.equal(exported["3d"][k], v), k
-    dp = _param_rel(exported["3d"], exported["one"])
+    dp = param_rel(exported["3d"], exported["one"])
     models = {name: load_model(os.path.join(checkpoints_root(str(d)), "step_10"))[0] for name, d in runs.items()}
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, MODEL["vocab_size"], (2, MODEL["max_seq_len"]), generator=gen)

@@ -24,7 +24,8 @@ by 1e-2 or more.
 import pytest
 
 from gridshard.engine import Trainer
-from gridshard.testing import run_on_ranks
+from gridshard.testing.compare import max_rel, max_rel_tensors
+from gridshard.testing.train_cache import TrainCache
 
 BASE = {"model": {"preset": "tiny"}, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 200_000},
         "train": {"global_batch": 4, "micro_batch": 2, "steps": 30, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5,
@@ -67,25 +68,11 @@ def _train_body(cfg):
     return losses, [h["grad_norm"] for h in trainer.history], [h["lr"] for h in trainer.history], final
 
 
-_RESULTS = {}
+_RUNS = TrainCache(_train_body, agree=3, timeout=300)
 
 
 def _run(family, D=1, T=1, mode="none", sp=False):
-    key = (family, D, T, mode, sp)
-    if key not in _RESULTS:
-        per_rank = run_on_ranks(D * T, _train_body, _config(family, D, T, mode, sp), timeout=300)
-        for other in per_rank[1:]:
-            assert other[:3] == per_rank[0][:3], f"{key}: ranks disagree on the loss/grad-norm history"
-        _RESULTS[key] = per_rank[0]
-    return _RESULTS[key]
-
-
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _param_rel(got, ref):
-    return max(float((got[k].double() - v.double()).norm() / v.double().norm()) for k, v in ref.items())
+    return _RUNS(_config(family, D, T, mode, sp))
 
 
 def test_reference_run_learns():
@@ -107,7 +94,7 @@ def test_layout_gives_the_same_run(name):
     ref_loss, ref_norm, ref_lr, ref_params = _run(family)
     loss, norm, lr, params = _run(family, D, T, mode, sp)
     assert lr == ref_lr
-    dl, dn, dp = _max_rel(loss, ref_loss), _max_rel(norm, ref_norm), _param_rel(params, ref_params)
+    dl, dn, dp = max_rel(loss, ref_loss), max_rel(norm, ref_norm), max_rel_tensors(params, ref_params)
     print(f"{name}: loss {dl:.1e}, grad norm {dn:.1e}, final params {dp:.1e}")
     assert list(params) == list(ref_params)
     assert dl <= LOSS_TOL, f"{name}: loss differs by {dl:.2e}"

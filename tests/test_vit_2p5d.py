@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("sklearn")
 
 from gridshard.testing import run_on_ranks  # noqa: E402
+from gridshard.testing.compare import max_rel  # noqa: E402
 
 from .test_vit_train import CFG, TOL  # noqa: E402
 
@@ -37,10 +38,6 @@ def _body(parallel, train):
             "blocks": (trainer.mesh.batch_blocks, trainer.mesh.batch_index, trainer.mesh.data_context.size)}
 
 
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 _REFERENCE = {}
 
 
@@ -58,11 +55,11 @@ def check_vit_run(parallel, train=None, ranks: int = 8) -> list:
             [got[k] for k in ("loss", "norm", "evals", "val")], "ranks disagree on losses / norms / accuracy"
     what = f"ViT {parallel} {train}"
     assert len(got["loss"]) == 10 and max(ref["norm"]) > CFG["train"]["grad_clip"], "clipping must be active"
-    assert _max_rel(got["loss"], ref["loss"]) <= TOL, f"{what}: losses {got['loss']} vs {ref['loss']}"
-    assert _max_rel(got["norm"], ref["norm"]) <= TOL, f"{what}: grad norms {got['norm']} vs {ref['norm']}"
+    assert max_rel(got["loss"], ref["loss"]) <= TOL, f"{what}: losses {got['loss']} vs {ref['loss']}"
+    assert max_rel(got["norm"], ref["norm"]) <= TOL, f"{what}: grad norms {got['norm']} vs {ref['norm']}"
     assert [len(e) for e in got["evals"]] == [2, 2] and got["evals"] == ref["evals"], \
         f"{what}: accuracy {got['evals']} vs {ref['evals']}"
-    assert len(got["val"]) == 2 and _max_rel(got["val"], ref["val"]) <= TOL, f"{what}: val_loss {got['val']}"
+    assert len(got["val"]) == 2 and max_rel(got["val"], ref["val"]) <= TOL, f"{what}: val_loss {got['val']}"
     params, ref_params = {}, ref["params"]
     for r in per_rank:                                # pipeline stages: each holds its own layers (global names)
         params.update(r["params"])
@@ -75,8 +72,8 @@ def check_vit_run(parallel, train=None, ranks: int = 8) -> list:
     assert len(errors) == len(ref_params) - CFG["model"]["layers"]
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, f"{what}: final {worst} differs by {errors[worst]:.2e} ({errors})"
-    print(f"\n{what}: loss {_max_rel(got['loss'], ref['loss']):.1e}, grad norm {_max_rel(got['norm'], ref['norm']):.1e}"
-          f", val_loss {_max_rel(got['val'], ref['val']):.1e}, params {errors[worst]:.1e} ({worst})")
+    print(f"\n{what}: loss {max_rel(got['loss'], ref['loss']):.1e}, grad norm {max_rel(got['norm'], ref['norm']):.1e}"
+          f", val_loss {max_rel(got['val'], ref['val']):.1e}, params {errors[worst]:.1e} ({worst})")
     return [r["blocks"] for r in per_rank]
 
 

@@ -11,6 +11,8 @@ pytest.importorskip("sklearn")
 
 from gridshard.engine import Trainer  # noqa: E402
 from gridshard.testing import run_on_ranks  # noqa: E402
+from gridshard.testing.compare import max_rel  # noqa: E402
+from gridshard.testing.train_cache import TrainCache  # noqa: E402
 
 # 12×12 images in 4×4 patches: 10 tokens (sequence parallelism at T=2); hidden 32 = 8·q² (2D, q=2)
 CFG = {"model": {"kind": "vit", "image_size": 12, "patch_size": 4, "channels": 1, "num_classes": 10, "hidden": 32,
@@ -22,38 +24,32 @@ CFG = {"model": {"kind": "vit", "image_size": 12, "patch_size": 4, "channels": 1
 TOL = 1e-5
 
 
-def _train_body(D, T, mode, sp, zero=0, P=1, schedule="1f1b"):
-    cfg = {**CFG, "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp, "pipeline": P,
-                               "pipeline_schedule": schedule},
-           "train": {**CFG["train"], "zero": zero}}
+def _config(D, T, mode, sp, zero=0, P=1, schedule="1f1b"):
+    return {**CFG, "parallel": {"data": D, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp, "pipeline": P,
+                                "pipeline_schedule": schedule},
+            "train": {**CFG["train"], "zero": zero}}
+
+
+def _train_body(cfg):
     trainer = Trainer(cfg, progress=False)
     losses = trainer.run()
     evals = [(h["accuracy"], h["val_accuracy"]) for h in trainer.history if "val_loss" in h]
     return losses, [h["grad_norm"] for h in trainer.history], evals
 
 
-_RUNS = {}
+_RUNS = TrainCache(_train_body, agree="all", what="losses / norms / accuracy", timeout=300)
 
 
 def _run(D=1, T=1, mode="none", sp=False, zero=0, P=1, schedule="1f1b"):
-    key = (D, T, mode, sp, zero, P, schedule)
-    if key not in _RUNS:
-        per_rank = run_on_ranks(D * P * T, _train_body, D, T, mode, sp, zero, P, schedule, timeout=300)
-        assert all(r == per_rank[0] for r in per_rank[1:]), f"{key}: ranks disagree on losses / norms / accuracy"
-        _RUNS[key] = per_rank[0]
-    return _RUNS[key]
-
-
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return _RUNS(_config(D, T, mode, sp, zero, P, schedule))
 
 
 def _check(layout):
     ref_loss, ref_norm, ref_evals = _run()
     loss, norm, evals = _run(*layout)
     assert len(loss) == 10 and max(ref_norm) > CFG["train"]["grad_clip"], "clipping must be active"
-    assert _max_rel(loss, ref_loss) <= TOL, f"{layout}: losses {loss} vs {ref_loss}"
-    assert _max_rel(norm, ref_norm) <= TOL, f"{layout}: grad norms {norm} vs {ref_norm}"
+    assert max_rel(loss, ref_loss) <= TOL, f"{layout}: losses {loss} vs {ref_loss}"
+    assert max_rel(norm, ref_norm) <= TOL, f"{layout}: grad norms {norm} vs {ref_norm}"
     assert [len(e) for e in evals] == [2, 2] and evals == ref_evals, f"{layout}: accuracy {evals} vs {ref_evals}"
     assert all(0.0 <= a <= 1.0 for e in evals for a in e)
 
@@ -128,7 +124,7 @@ def test_checkpoint_saved_at_2d_resumes_at_1d_exactly(tmp_path):
     step5 = str(tmp_path / "grid" / "checkpoints" / "step_5")
     losses, start = run_on_ranks(4, _train_saving, 1, 4, "1d", str(tmp_path / "row"), step5, timeout=300)[0]
     assert start == 5 and len(losses) == 5
-    assert _max_rel(losses, ref_loss[5:]) <= TOL, f"resumed {losses} vs {ref_loss[5:]}"
+    assert max_rel(losses, ref_loss[5:]) <= TOL, f"resumed {losses} vs {ref_loss[5:]}"
 
 
 @pytest.mark.wide
@@ -140,7 +136,7 @@ def test_checkpoint_saved_with_pipeline_stages_resumes_at_1d_exactly(tmp_path):
     step5 = str(tmp_path / "pipe" / "checkpoints" / "step_5")
     losses, start = run_on_ranks(2, _train_saving, 1, 2, "1d", str(tmp_path / "row"), step5, timeout=300)[0]
     assert start == 5 and len(losses) == 5
-    assert _max_rel(losses, ref_loss[5:]) <= TOL, f"resumed {losses} vs {ref_loss[5:]}"
+    assert max_rel(losses, ref_loss[5:]) <= TOL, f"resumed {losses} vs {ref_loss[5:]}"
 
 
 def test_predict_prints_the_trained_models_top_classes(tmp_path):

@@ -98,8 +98,8 @@ def _written_once(model: torch.nn.Module, name: str) -> bool:
 
 
 def _stepped(model: torch.nn.Module, reducer) -> list:
-    """What ``reducer`` steps (:class:`gridshard.zero.reducer.SteppedTensor`), without one every parameter."""
-    from ..zero.reducer import whole_parameters
+    """What ``reducer`` steps (:class:`gridshard.zero.stepped.SteppedTensor`), without one every parameter."""
+    from ..zero.stepped import whole_parameters
 
     return reducer.stepped() if reducer is not None else list(whole_parameters(model))
 

@@ -15,8 +15,9 @@ from typing import Iterable, Optional, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LayoutError
 from ..models.presets import preset_names
+from ..tensor_scheme import tensor_scheme
 from .schema import TrainConfig
 
 
@@ -121,6 +122,10 @@ def from_dict(raw: Optional[dict]) -> TrainConfig:
         errors = e.errors()
         more = f" ({len(errors) - 1} more problem(s) after this one)" if len(errors) > 1 else ""
         raise ConfigError(_error_message(errors[0]) + more) from None
+    try:
+        tensor_scheme(cfg.parallel.tensor_mode)           # a registered scheme (gridshard/tensor_scheme.py)
+    except LayoutError as e:
+        raise ConfigError(f"parallel.tensor_mode={cfg.parallel.tensor_mode!r} is not allowed: {e}") from None
     if cfg.model.preset is not None and cfg.model.preset not in preset_names():
         close = difflib.get_close_matches(cfg.model.preset, preset_names(), n=1)
         raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown: presets are {preset_names()}. "

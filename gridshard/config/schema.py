@@ -30,9 +30,10 @@ class ParallelSection(BaseModel):
     model_config = _STRICT
     data: int = Field(1, description="data-parallel replicas D")
     tensor: int = Field(1, description="tensor-parallel ranks T (q² in 2d, q²·d in 2.5d, q³ in 3d)")
-    tensor_mode: Literal["none", "1d", "2d", "2.5d", "3d"] = Field(
-        "none", description="none | 1d (Megatron) | 2d (SUMMA) | 2.5d (Tesseract: tensor_depth layers of a q×q "
-                            "grid; docs/tp2p5d.md) | 3d (a q×q×q cube; docs/tp3d.md)")
+    tensor_mode: str = Field(
+        "none", description="a registered tensor scheme (gridshard/tensor/): none | 1d (Megatron) | 2d (SUMMA) | "
+                            "2.5d (Tesseract: tensor_depth layers of a q×q grid; docs/tp2p5d.md) | 3d (a q×q×q "
+                            "cube; docs/tp3d.md)")
     tensor_depth: int = Field(1, description="2.5d only: depth layers d (T = q²·d, q >= 2); 1 is 2D")
     sequence_parallel: bool = Field(False, description="1d only: split the residual stream along the sequence")
     context: int = Field(1, description="context-parallel ranks C: every sequence split into 2C chunks, rank i "

@@ -74,37 +74,10 @@ def _layout(cfg: TrainConfig, world_size: int):
         validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode, p.context, p.tensor_depth)
     except LayoutError as e:
         raise ConfigError(f"parallel section: {e} (world size {world_size} = --nproc or WORLD_SIZE)") from None
-    for field, value, why in _depth_refusals(cfg):
-        _fail(field, value, f"tensor_mode=2.5d is built for gridshard's and Hugging Face's Llama and the ViT with "
-              f"data, context and pipeline parallelism (every schedule), any ZeRO stage and recompute, and {why}",
-              "use tensor_mode=2d (or 1d), or change this field")
-    for field, value, why in _cube_refusals(cfg):
-        _fail(field, value, f"tensor_mode=3d is built for gridshard's and Hugging Face's Llama with data, "
-              f"context and pipeline parallelism (every schedule), any ZeRO stage and recompute, and for "
-              f"gridshard's ViT, but {why}",
-              "use tensor_mode=2d, 2.5d or 1d, or change this field")
     if p.sequence_parallel and not TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(True, p.tensor):
         _fail("parallel.sequence_parallel", True,
               f"sequence parallelism splits the 1d tensor group's activations, but tensor_mode={p.tensor_mode!r} "
               f"and tensor={p.tensor}", "set parallel.sequence_parallel=false, or tensor_mode=1d with tensor>1")
-
-
-def _depth_refusals(cfg: TrainConfig) -> list:
-    """(field, value, why) of every composition 2.5D is not built for yet (docs/tp2p5d.md)."""
-    p, m = cfg.parallel, cfg.model
-    if not TensorMode.parse(p.tensor_mode).has_depth:
-        return []
-    return [(f, v, why) for f, v, why, refused in (        # none today: a ViT trains at 2.5D too
-    ) if refused]
-
-
-def _cube_refusals(cfg: TrainConfig) -> list:
-    """(field, value, why) of every composition 3D is not built for yet (docs/tp3d.md)."""
-    p, m = cfg.parallel, cfg.model
-    if not TensorMode.parse(p.tensor_mode).is_cube:
-        return []
-    return [(f, v, why) for f, v, why, refused in (
-    ) if refused]
 
 
 def _context_refusals(cfg: TrainConfig) -> list:
@@ -198,11 +171,12 @@ def _shapes(cfg: TrainConfig):
     """The model's shape rules for the mode; at 2.5D those of 2D on one depth layer's q² ranks, whose
     micro-batch is m/d rows (so m must be a multiple of d·q)."""
     p, m = cfg.parallel, cfg.model.resolve()
-    mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, p.tensor_depth)
-    d, micro, q = p.tensor_depth, cfg.train.micro_batch, mode.grid_side(T)
-    if d > 1 and micro % (d * q):
-        _fail("train.micro_batch", micro, f"2.5D with tensor_depth={d} on a q={q} grid splits each micro-batch "
-              f"into d·q = {d * q} row blocks", f"use a multiple of {d * q}")
+    job_mode = TensorMode.parse(p.tensor_mode)
+    mode, T = job_mode.layer_layout(p.tensor, p.tensor_depth)
+    d, micro = p.tensor_depth, cfg.train.micro_batch
+    for rule in job_mode.depth_rules(p.tensor, d, micro):
+        if not rule.holds:
+            _fail("train.micro_batch", micro, rule.why, rule.fix)
     rules = model_shape_rules(mode, T, p.sequence_parallel, micro // d,
                               cfg.data.seq_len, m.hidden, m.heads, m.ffn_hidden, m.kv_heads)
     if cfg.model.kind == "vit":      # no rotary embeddings (any head_dim); its token count: _vit_shapes
@@ -225,8 +199,8 @@ _IMAGE_DATA = ("digits", "images")
 
 def _vit_shapes(cfg: TrainConfig, m) -> None:
     """What a ViT needs of the layout beyond the shared rules: under sequence parallelism whole
-    blocks of its 1 + (image/patch)² tokens (the shared rule, said in the ViT's terms), in 2D the
-    MLP width in q² blocks (the bias of intermediate.dense is a Linear2D bias)."""
+    blocks of its 1 + (image/patch)² tokens (the shared rule, said in the ViT's terms), and the MLP
+    width in the blocks the mode stores a bias in (the scheme's ``bias_rules``: 2D q², 3D q³)."""
     p = cfg.parallel
     mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, p.tensor_depth)    # 2.5d: 2D on q²
     sp = mode.sequence_parallel_in_effect(p.sequence_parallel, T)
@@ -235,14 +209,9 @@ def _vit_shapes(cfg: TrainConfig, m) -> None:
               f"sequence parallelism splits the ViT's 1 + (image_size/patch_size)² = {m.seq_len} tokens into "
               f"tensor={p.tensor} blocks", "choose sizes whose token count is a multiple of the tensor size "
               "(e.g. image 12, patch 4: 10 tokens for tensor=2), or parallel.sequence_parallel=false")
-    q = mode.grid_side(T)
-    if q and m.ffn_hidden % (q * q):
-        _fail("model.ffn_hidden", m.ffn_hidden, f"in 2D the MLP's first bias is stored in q²={q * q} blocks",
-              f"use a multiple of {q * q}")
-    c = mode.cube_side(T)
-    if c and m.ffn_hidden % c ** 3:
-        _fail("model.ffn_hidden", m.ffn_hidden, f"in 3D the MLP's first bias is stored in q³={c ** 3} blocks",
-              f"use a multiple of {c ** 3}")
+    for rule in mode.bias_rules(T, m.ffn_hidden):
+        if not rule.holds:
+            _fail("model.ffn_hidden", m.ffn_hidden, rule.why, rule.fix)
     if cfg.data.kind not in _IMAGE_DATA:
         _fail("data.kind", cfg.data.kind, "model.kind=vit learns from labelled images", "use digits or images")
 

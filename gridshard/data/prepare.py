@@ -42,16 +42,14 @@ from typing import Iterator, List, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
-
-META, TOKENS, DOC_STARTS, TOKENIZER = "meta.json", "tokens.bin", "doc_starts.npy", "tokenizer.json"
-FORMAT = "gridshard-prepared-1"
+# the folder's names and its readers live in .prepared_folder (tokenizer, sources read them too): importable here
+from .prepared_folder import DOC_STARTS, FORMAT, META, TOKENIZER, TOKENS, open_prepared, read_meta  # noqa: F401
+from .sources import _walk_files
+from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, prepared_tokenizer, train_bpe  # noqa: F401
 
 
 def input_files(inputs: Sequence[str]) -> List[str]:
     """Every regular file named or under a named folder (sorted walk, hidden entries skipped)."""
-    from .sources import _walk_files
-
     out = []
     for path in inputs:
         if os.path.isdir(path):
@@ -346,40 +344,6 @@ def _peak_rss() -> dict:
     scale = 1 if sys.platform == "darwin" else 1024
     return {"main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
             "largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale}
-
-
-def read_meta(folder: str, check_tokens: bool = True) -> dict:
-    """``meta.json`` of a prepared folder; ConfigError if it is not one (or, with
-    ``check_tokens``, if tokens.bin's size disagrees with it)."""
-    path = os.path.join(folder, META)
-    if not os.path.isfile(path):
-        raise ConfigError(f"data.path={folder!r} is not a prepared data folder (no {META}). Fix: create it with "
-                          f"`gridshard prepare-data INPUT... --out {folder}`.")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{path} has format {meta.get('format')!r}, not {FORMAT!r}. Fix: prepare the data again "
-                          f"with this gridshard version.")
-    if not check_tokens:
-        return meta
-    size = os.path.getsize(os.path.join(folder, TOKENS)) if os.path.isfile(os.path.join(folder, TOKENS)) else -1
-    if size != meta["n_tokens"] * np.dtype(meta["token_dtype"]).itemsize:
-        raise ConfigError(f"{os.path.join(folder, TOKENS)} has {size} bytes but {META} says {meta['n_tokens']} "
-                          f"{meta['token_dtype']} tokens (an interrupted or edited preparation). Fix: run "
-                          f"`gridshard prepare-data` again.")
-    return meta
-
-
-def open_prepared(folder: str) -> np.ndarray:
-    """The read-only memmap of a prepared folder's whole token stream."""
-    meta = read_meta(folder)
-    if meta["n_tokens"] == 0:
-        return np.zeros(0, dtype=meta["token_dtype"])
-    return np.memmap(os.path.join(folder, TOKENS), dtype=meta["token_dtype"], mode="r")
-
-
-def prepared_tokenizer(folder: str):
-    return load_tokenizer(folder, read_meta(folder, check_tokens=False))
 
 
 def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str, chunk: int = 1 << 26) -> None:

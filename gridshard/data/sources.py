@@ -8,7 +8,8 @@
 * ``tokens``: a flat binary file of ``uint16``/``uint32`` token ids, read lazily with
   ``numpy.memmap`` (nothing is loaded until a batch touches it; no cap).
 * ``prepared``: a folder written by ``gridshard prepare-data`` (:mod:`gridshard.data.prepare`):
-  its ``tokens.bin`` as a memmap; vocabulary, dtype and train/validation split from ``meta.json``.
+  its ``tokens.bin`` as a memmap; vocabulary, dtype and train/validation split from ``meta.json``
+  (read by :mod:`gridshard.data.prepared_folder`).
 
 Every source is a 1-D numpy array of token ids. :func:`load_split` cuts it into the training
 and validation parts (``data.val_fraction`` / ``data.val_path``, :func:`split_sizes`).
@@ -22,6 +23,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..errors import ConfigError
+from .prepared_folder import open_prepared, read_meta
 
 
 def stdlib_root() -> str:
@@ -117,8 +119,6 @@ def load_tokens(kind: str, path: Optional[str] = None, token_dtype: str = "uint1
     if kind == "tokens":
         return open_token_file(path, token_dtype)
     if kind == "prepared":
-        from .prepare import open_prepared
-
         return open_prepared(path)
     return read_bytes_corpus(kind, path, max_bytes)
 
@@ -129,8 +129,6 @@ def _cut(n: int, data) -> Optional[int]:
     if data.val_path is not None:
         return None
     if data.val_fraction is None and data.kind == "prepared":
-        from .prepare import read_meta
-
         start = read_meta(data.path)["split"]["val"][0]
         return start if start < n else None
     n_val = int(round((data.val_fraction or 0.0) * n))
@@ -142,8 +140,6 @@ def split_sizes(data) -> tuple:
     and metadata only (for validation before anything is read)."""
     def size(path):
         if data.kind == "prepared":
-            from .prepare import read_meta
-
             return read_meta(path)["n_tokens"]
         return source_size_tokens(data.kind, path, data.token_dtype, data.max_bytes)
 

@@ -18,6 +18,7 @@ import os
 from typing import Iterable, List, Optional
 
 from ..errors import ConfigError
+from .prepared_folder import read_meta
 
 EOS = "<|endoftext|>"
 
@@ -113,6 +114,11 @@ def load_tokenizer(folder: str, meta: dict):
     return HFTokenizer.from_file(os.path.join(folder, spec["file"]))
 
 
+def prepared_tokenizer(folder: str):
+    """The tokenizer of the prepared folder ``folder`` (the one its ``meta.json`` names)."""
+    return load_tokenizer(folder, read_meta(folder, check_tokens=False))
+
+
 def run_tokenizer(config: dict, folder: str):
     """The tokenizer the run trained with: bytes for ``stdlib``/``text``; for ``prepared`` the
     copy in the run directory (``RUN_DIR/tokenizer``) or else the data folder itself."""
@@ -120,8 +126,6 @@ def run_tokenizer(config: dict, folder: str):
     if data["kind"] in ("stdlib", "text"):
         return ByteTokenizer()
     if data["kind"] == "prepared":
-        from .prepare import prepared_tokenizer
-
         run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
         for candidate in (os.path.join(run_dir, "tokenizer"), data["path"]):
             if os.path.isfile(os.path.join(candidate, "meta.json")):

@@ -28,14 +28,11 @@ from ..comm import collectives as C
 from ..nn.sharding import get_spec, mesh_coords
 
 
-CUBE_COORDS = frozenset(("weight", "input", "output"))      # 3D: the cube's physical coordinates
-
-
 def counts_here(p: torch.Tensor, mesh, spec=None) -> bool:
     """Whether this rank adds ``p``'s block to the global norm (module docstring); ``spec``
     is the parameter's layout (``model.parallel_context.layouts``), else its ``shard_spec``."""
     index, _ = mesh_coords(mesh)
-    basis = {"grid_row", "grid_col"} if "grid_row" in index else CUBE_COORDS if "weight" in index else {"tensor"}
+    basis = set(index) - {"tensor"} or {"tensor"}       # the tensor dims: 1D tensor, 2D grid, 3D cube
     spec = spec if spec is not None else get_spec(p)
     split = {coord for _, coord in spec.splits} if spec is not None else set()
     if "tensor" in split:

@@ -219,22 +219,20 @@ def accuracy_metrics(job) -> dict:
 
 
 def _accuracy(job, plan) -> float:
-    from ..nn.classification_loss import correct_count
-
     ctx, hits, n = job.context, torch.zeros((), dtype=torch.float64, device=job.device), 0
     with torch.no_grad(), job.ledger.paused():
         for j in range(job.cfg.train.eval_batches):
             micro, n_valid = plan.step_batches(j)
             n += n_valid
             if job.pipeline is not None:                # P > 1: counted at the last stage (its rank only)
-                count = lambda logits, y: correct_count(logits, y, ctx.mode, ctx.mesh)      # noqa: E731
+                count = lambda logits, y: ctx.mode.correct_count(logits, y, ctx.mesh)      # noqa: E731
                 hits += sum(c.double() for c in job.pipeline.evaluate(micro, job.device, measure=count))
                 continue
             for images, labels in micro:
                 images = batch_to_device(ctx.shard_tokens(images), job.device)
                 labels = batch_to_device(ctx.shard_tokens(labels), job.device)
                 with job.precision.autocast():
-                    hits += correct_count(ctx.logits(job.model, images), labels, ctx.mode, ctx.mesh)
+                    hits += ctx.mode.correct_count(ctx.logits(job.model, images), labels, ctx.mesh)
         job.reducer.free_all()                          # ZeRO-3: the root stays gathered after a forward
         hits = C.all_reduce(hits.reshape(1), job.mesh.data_context, inplace=True)     # 2.5D: × depth layers
         hits = C.all_reduce(hits, job.mesh.pipeline, inplace=True)      # P > 1: only the last stage counted

@@ -58,6 +58,16 @@ HF_CONFIG_KEYS = {"vocab_size": ("vocab_size", None), "hidden": ("hidden_size", 
                   "init_std": ("initializer_range", 0.02)}
 
 
+def sliding_window_in_effect(fields: dict):
+    """The sliding window some layer of this Hugging Face config (``config.json``'s fields, or
+    ``config.to_dict()``) attends through (Mistral's ``sliding_window``, Qwen2's with
+    ``use_sliding_window``), or None: every layer attends with the plain causal mask."""
+    model_type, sliding = fields.get("model_type", "llama"), fields.get("sliding_window")
+    if sliding is not None and (model_type == "mistral" or fields.get("use_sliding_window", False)):
+        return sliding
+    return None
+
+
 def model_config_of_hf_json(path: str) -> ModelConfig:
     """The dimensions of a Hugging Face Llama-family config as a :class:`ModelConfig` (used for
     validation, FLOPs and parameter counts; the model itself is Hugging Face's)."""
@@ -136,8 +146,6 @@ def attend_over_context(model, attention_modules, attend) -> None:
     function under a fixed name (idempotent); what a module attends with is its own attribute.
     LayoutError, before any collective, for a config with a sliding window in effect or attention
     dropout."""
-    from .hf_stages import sliding_window_in_effect
-
     _need_transformers()
     from transformers import AttentionInterface
 

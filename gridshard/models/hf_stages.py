@@ -31,16 +31,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-
-
-def sliding_window_in_effect(fields: dict):
-    """The sliding window some layer of this Hugging Face config (``config.json``'s fields, or
-    ``config.to_dict()``) attends through (Mistral's ``sliding_window``, Qwen2's with
-    ``use_sliding_window``), or None: every layer attends with the plain causal mask."""
-    model_type, sliding = fields.get("model_type", "llama"), fields.get("sliding_window")
-    if sliding is not None and (model_type == "mistral" or fields.get("use_sliding_window", False)):
-        return sliding
-    return None
+from .hf import position_ids as hf_position_ids
+from .hf import sliding_window_in_effect    # a config reader (hf.py); gridshard.config.validate imports it from here
 
 
 def check_stageable(fields: dict) -> None:
@@ -73,8 +65,6 @@ class LlamaStagePieces:
         """The decoder layers' keyword arguments for a whole sequence of ``seq_len`` positions
         (under context parallelism: the rank's 2c tokens at their global positions, and no mask,
         :data:`gridshard.models.hf.CONTEXT_ATTENTION`)."""
-        from .hf import position_ids as hf_position_ids
-
         position_ids = hf_position_ids(seq_len, self.context_split, x.device)
         try:
             from transformers.masking_utils import create_causal_mask

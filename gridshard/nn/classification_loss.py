@@ -35,36 +35,37 @@ from ..comm.dual_ops import reduce_from_group
 from ..errors import ShapeError
 
 
-def classification_loss(logits: torch.Tensor, labels: torch.Tensor, mode, mesh, ignore_index: int = -100,
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, axis=None, ignore_index: int = -100,
                         reduction: str = "mean") -> torch.Tensor:
-    """The table's loss for this rank's ``logits`` [b', K] and ``labels`` [b'] (module docstring)."""
+    """The table's loss for this rank's ``logits`` [b', K] and ``labels`` [b'] (module docstring):
+    ``axis`` the one the tensor group's batch blocks are summed over (2D: ``mesh.col``; None: one block,
+    the scheme's :meth:`~gridshard.tensor.base.Scheme.batch_block_axis`)."""
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ShapeError(f"classification loss: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
                          f"disagree: logits must be [b, classes] and labels [b]. Fix: pass one label per image "
                          f"(2D: this grid row's batch block, parallel_context.shard_tokens(labels)).")
-    if mode.is_cube:
-        from .vision_3d import classification_loss_3d
-
-        return classification_loss_3d(logits, labels, mesh.cube, ignore_index, reduction)
     total = F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
     count = (labels != ignore_index).sum()
-    if mode.is_grid:
-        total = reduce_from_group(total, mesh.col)
+    if axis is not None:
+        total = reduce_from_group(total, axis)
         with torch.no_grad():
-            count = C.all_reduce(count.reshape(1).double(), mesh.col, inplace=True)[0]
+            count = C.all_reduce(count.reshape(1).double(), axis, inplace=True)[0]
     if reduction == "sum":
         return total
-    mean = total / count.clamp(min=1).to(total.dtype)       # finite upstream weight: zero grads at N = 0
+    return masked_mean(total, count)
+
+
+def masked_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """total / count, NaN when count = 0, with a finite upstream weight (zero gradients at N = 0)."""
+    mean = total / count.clamp(min=1).to(total.dtype)
     return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
 
 
-def correct_count(logits: torch.Tensor, labels: torch.Tensor, mode, mesh) -> torch.Tensor:
+def correct_count(logits: torch.Tensor, labels: torch.Tensor, axis=None) -> torch.Tensor:
     """How many inputs of the tensor group's batch the classifier gets right (argmax = label), a
-    float64 scalar, the same on every tensor rank (2D: each grid row's count summed along the
-    column, 3D: each batch block's over the cube's ``batch`` axis; one all-reduce of one number)."""
+    float64 scalar, the same on every tensor rank (each batch block's count summed over ``axis``:
+    2D ``mesh.col``, 3D the cube's ``batch``; one all-reduce of one number)."""
     hits = (logits.argmax(-1) == labels).sum().double().reshape(1)
-    if mode.is_grid:
-        hits = C.all_reduce(hits, mesh.col, inplace=True)
-    if mode.is_cube:                                         # the q² batch blocks of the classifier's orientation
-        hits = C.all_reduce(hits, mesh.cube.batch, inplace=True)
+    if axis is not None:
+        hits = C.all_reduce(hits, axis, inplace=True)
     return hits[0]

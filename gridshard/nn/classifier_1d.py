@@ -26,8 +26,7 @@ from torch import nn
 
 from ..comm.dual_ops import gather_from_group
 from ..errors import LayoutError
-from ..job_layout import TensorMode
-from .sharding import ShardSpec, set_spec
+from .sharding import ShardSpec, set_spec, sequence_parallel_on
 
 
 class Classifier1D(nn.Module):
@@ -40,8 +39,7 @@ class Classifier1D(nn.Module):
             raise LayoutError("Classifier1D(sequence_parallel=True) needs the mesh: the class token lives in tensor "
                               "rank 0's sequence block. Fix: pass mesh=<ParallelMesh>.")
         self.in_features, self.num_classes = in_features, num_classes
-        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(
-            sequence_parallel, mesh.tensor.size if mesh is not None else 1)
+        self.sequence_parallel = sequence_parallel_on(mesh, sequence_parallel)
         self.axis = mesh.tensor if mesh is not None else None
         self.weight = set_spec(nn.Parameter(torch.empty(num_classes, in_features, dtype=dtype, device=device)),
                                ShardSpec((num_classes, in_features)))

@@ -30,10 +30,9 @@ from torch import nn
 
 from ..comm.dual_ops import reduce_from_group, reduce_scatter_sequence
 from ..errors import ShapeError
-from ..job_layout import TensorMode
 from .linear_1d import check_sequence_divisible
 from ..theory.vocab import padded_vocab_size
-from .sharding import ShardSpec, sharded_parameter
+from .sharding import ShardSpec, sharded_parameter, sequence_parallel_on
 
 
 def padded_normal_init(vocab_size: int, std: float):
@@ -83,7 +82,7 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = self.padded_vocab // T
         self.vocab_start = self.axis.rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
-        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
+        self.sequence_parallel = sequence_parallel_on(mesh, sequence_parallel)
         spec = ShardSpec((self.padded_vocab, hidden), ((0, "tensor"),), canonical_shape=(vocab_size, hidden))
         self.weight = sharded_parameter(spec, mesh, padded_normal_init(vocab_size, init_std), dtype, device)
 

@@ -73,9 +73,8 @@ from ..comm.dual_ops import (copy_to_group, gather_from_group, reduce_from_group
                              sum_over_replicas)
 from ..comm.input_grad_overlap import column_input
 from ..errors import LayoutError, ShapeError, check_divisible
-from ..job_layout import TensorMode
 from .precomputed import PrecomputedOutput
-from .sharding import ShardSpec, sharded_parameter
+from .sharding import ShardSpec, sharded_parameter, sequence_parallel_on
 
 T_NAME = "tensor-parallel size T"
 
@@ -244,7 +243,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_local = out_features // blocks
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
+        self.sequence_parallel = sequence_parallel_on(mesh, sequence_parallel)
         self.overlap_input_grad = overlap_input_grad
         self.precomputed = PrecomputedOutput()    # shared-input parents leave outputs here
         w_spec = ShardSpec((out_features, in_features), ((0, "tensor"),), replicate=replicate,
@@ -317,7 +316,7 @@ class RowParallelLinear(nn.Module):
         self.axis = mesh.tensor
         T = self.axis.size
         check_divisible(in_features, T, "RowParallelLinear in_features", T_NAME)
-        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel, T)
+        self.sequence_parallel = sequence_parallel_on(mesh, sequence_parallel)
         if self.sequence_parallel and not input_is_parallel:
             raise LayoutError("RowParallelLinear(sequence_parallel=True, input_is_parallel=False): under sequence "
                               "parallelism the row layer's input must be the column-split activation. "

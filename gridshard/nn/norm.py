@@ -43,9 +43,8 @@ from torch import nn
 
 from ..comm.dual_ops import copy_to_group
 from ..errors import LayoutError
-from ..job_layout import TensorMode
 from .rebuild import RebuildRegion, offer_to
-from .sharding import ShardSpec, set_spec
+from .sharding import ShardSpec, set_spec, sequence_parallel_on
 
 
 class _LowPrecisionRMSNorm(torch.autograd.Function):
@@ -109,8 +108,7 @@ class RMSNorm(nn.Module):
             raise LayoutError("RMSNorm(sequence_parallel=True) needs the mesh: its weight gradient is a partial "
                               "sum over the tensor group. Fix: pass mesh=<ParallelMesh>.")
         self.hidden, self.eps = hidden, eps
-        self.sequence_parallel = TensorMode.ONE_D.sequence_parallel_in_effect(sequence_parallel,
-                                                                   mesh.tensor.size if mesh is not None else 1)
+        self.sequence_parallel = sequence_parallel_on(mesh, sequence_parallel)
         self.axis = mesh.tensor if mesh is not None else None
         spec = ShardSpec((hidden,), (), partial_grad_axes=("tensor",) if self.sequence_parallel else ())
         self.weight = set_spec(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), spec)

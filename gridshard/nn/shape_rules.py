@@ -28,51 +28,14 @@ split (padding rows are zero and never targeted).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from ..job_layout import TensorMode
+from ..tensor_scheme import DivisibilityRule, TensorMode
 
 
 # the size each rule is about -> the keyword of model_shape_rules that sets it
 _FIELD_ARGS = {"hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "ffn_hidden": "ffn",
                "seq_len": "seq", "micro_batch": "batch"}
-
-
-@dataclass(frozen=True)
-class DivisibilityRule:
-    """``value`` (the size called ``what``) must be a multiple of ``divisor`` (called ``by``;
-    a plain number such as ``"2"`` when the divisor is a constant).
-
-    ``suggest`` / ``suggest_for``: values of the size ``suggest_for`` (default ``what``) near
-    the current one that fix every rule about that size and break none that held, the other
-    sizes unchanged (filled in by :func:`model_shape_rules` for broken rules), so a fix never
-    trades one broken rule for another. ``head_dim`` is not set directly: its fix names ``hidden``
-    (``alternative``: another size the fix may change instead)."""
-
-    what: str
-    value: int
-    divisor: int
-    by: str
-    why: str
-    suggest: tuple = ()
-    suggest_for: str = ""
-    alternative: str = ""
-
-    @property
-    def holds(self) -> bool:
-        return self.divisor > 0 and self.value % self.divisor == 0
-
-    def message(self) -> str:
-        constant = self.by == str(self.divisor)
-        by = self.by if constant else f"{self.by}={self.divisor}"
-        field = self.suggest_for or self.what
-        fixes = [f"use {field} in {list(self.suggest)}"] if self.suggest else []
-        if not constant:
-            fixes.append(f"change {self.by}")
-        if self.alternative:
-            fixes.append(f"change {self.alternative}")
-        fix = " or ".join(fixes) or f"change {field}"
-        return f"{self.what}={self.value} is not divisible by {by}: {self.why}. Fix: {fix}."
 
 
 def layout_rules(mode, tensor: int, hidden: int, heads: int, ffn: int, kv_heads=None) -> list:
@@ -81,35 +44,8 @@ def layout_rules(mode, tensor: int, hidden: int, heads: int, ffn: int, kv_heads=
     docstring). The one list of them: the config validator reads it through
     :func:`model_shape_rules`, ``parallelize`` through :func:`gridshard.parallel.check_layout`."""
     kv_heads = kv_heads or heads
-    mode = TensorMode.parse(mode)
     rules = [DivisibilityRule("heads", heads, kv_heads, "kv_heads", "each kv head serves a whole group of heads")]
-    if mode.is_1d:
-        why = "1D tensor parallelism gives every rank whole heads and whole MLP neurons"
-        rules += [DivisibilityRule("heads", heads, tensor, "tensor", why),
-                  DivisibilityRule("ffn_hidden", ffn, tensor, "tensor", why),
-                  DivisibilityRule("hidden", hidden, tensor, "tensor", why)]
-        if kv_heads % tensor and tensor % kv_heads:
-            rules.append(DivisibilityRule("kv_heads", kv_heads, tensor, "tensor",
-                                          "kv heads are split over T (T divides them) or replicated in groups "
-                                          "(they divide T)"))
-    elif mode.is_grid:
-        q = mode.grid_side(tensor)
-        why = "2D tensor parallelism splits the projection widths into q blocks (q = sqrt(tensor))"
-        rules += [DivisibilityRule("hidden", hidden, q * q, "q²",
-                                   "2D norm weights (like Linear2D biases) are stored in q² blocks"),
-                  DivisibilityRule("heads", heads, q, "q", why),
-                  DivisibilityRule("ffn_hidden", ffn, q, "q", why),
-                  DivisibilityRule("kv_heads", kv_heads, q, "q", why)]
-    elif mode.is_cube:
-        q = mode.cube_side(tensor)
-        why = "3D tensor parallelism gives every rank 1/q of the heads (q = cube root of tensor)"
-        rules += [DivisibilityRule("hidden", hidden, q ** 3, "q³",
-                                   "3D norm weights (like Linear3D biases) are stored in q³ blocks"),
-                  DivisibilityRule("heads", heads, q, "q", why),
-                  DivisibilityRule("ffn_hidden", ffn, q * q, "q²",
-                                   "3D splits the down projection's input (ffn_hidden) into q² blocks"),
-                  DivisibilityRule("kv_heads", kv_heads, q, "q", why)]
-    return rules
+    return rules + TensorMode.parse(mode).layout_rules(tensor, hidden, heads, ffn, kv_heads)
 
 
 def _rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int, hidden: int, heads: int,
@@ -120,17 +56,7 @@ def _rules(mode: str, tensor: int, sequence_parallel: bool, batch: int, seq: int
     if heads > 0 and hidden % heads == 0:
         rules.append(DivisibilityRule("head_dim", hidden // heads, 2, "2",
                                       "rotary embeddings rotate channel pairs (head_dim = hidden/heads)"))
-    rules += splits
-    if mode.is_1d and sequence_parallel:
-        rules.append(DivisibilityRule("seq_len", seq, tensor, "tensor",
-                                      "sequence parallelism splits the residual stream along the sequence"))
-    elif mode.is_grid:
-        rules.append(DivisibilityRule("micro_batch", batch, mode.grid_side(tensor), "q",
-                                      "2D tensor parallelism splits each micro-batch over the q grid rows"))
-    elif mode.is_cube:
-        rules.append(DivisibilityRule("micro_batch", batch, mode.cube_side(tensor) ** 2, "q²",
-                                      "3D tensor parallelism splits each micro-batch into q² batch blocks"))
-    return rules
+    return rules + splits + mode.batch_rules(tensor, sequence_parallel, batch, seq)
 
 
 def _mentions(rule: DivisibilityRule, field: str) -> bool:

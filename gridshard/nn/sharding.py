@@ -11,7 +11,7 @@ A spec is a global shape plus an ordered list of splits ``(tensor_dim, coord)``.
 ``coord`` names a mesh coordinate: ``"tensor"`` (1D tensor rank t of T),
 ``"grid_row"`` (row index i of q) or ``"grid_col"`` (column index j of q); in 3D the
 cube's physical coordinates ``"weight"``, ``"input"``, ``"output"`` (each of q,
-:mod:`gridshard.comm.mesh_3d`; :func:`mesh_coords` reads them from ``mesh.cube``). Splits
+:mod:`gridshard.comm.mesh_3d`; :func:`mesh_coords` reads them from the scheme's tensor dims). Splits
 apply in order, each narrowing the block left by the previous ones. Examples:
 
 * column-parallel weight [out, in]: ``((0, "tensor"),)`` → rank t holds rows
@@ -119,31 +119,35 @@ class ShardSpec:
         return canon.t() if self.transposed else canon
 
 
+def sequence_parallel_on(mesh, requested: bool) -> bool:
+    """Whether sequence parallelism is in effect for a layer on ``mesh``: the rule of the mesh's tensor
+    scheme (1D with T > 1, :meth:`gridshard.tensor_scheme.TensorScheme.sequence_parallel_in_effect`);
+    False without a mesh."""
+    return mesh is not None and mesh.tensor_mode.sequence_parallel_in_effect(requested, mesh.tensor.size)
+
+
 def mesh_coords(mesh) -> Tuple[dict, dict]:
-    """(index, size) dicts of the coordinates a spec can name, for this rank of ``mesh``."""
-    idx = {"tensor": mesh.tensor.rank}
-    size = {"tensor": mesh.tensor.size}
-    if getattr(mesh, "q", None):
-        idx.update(grid_row=mesh.grid_row, grid_col=mesh.grid_col)
-        size.update(grid_row=mesh.q, grid_col=mesh.q)
-    cube = getattr(mesh, "cube", None)
-    if cube is not None:                       # 3D: the physical coordinates (weight, input, output)
-        idx.update(cube.coords())
-        size.update(cube.sizes())
-    return idx, size
+    """(index, size) dicts of the coordinates a spec can name, for this rank of ``mesh``: ``tensor``,
+    and the tensor dims of the mesh's scheme when there are several (``TensorScheme.tensor_dims``:
+    2D ``grid_row``/``grid_col``, 3D the cube's ``weight``/``input``/``output``)."""
+    dims = _split_dims(mesh)
+    return tensor_rank_coords(mesh, mesh.tensor.rank), {"tensor": mesh.tensor.size, **dict(dims)}
 
 
 def tensor_rank_coords(mesh, r: int) -> dict:
-    """The coordinates (:func:`mesh_coords`' index) of tensor rank ``r`` of ``mesh``'s tensor group:
-    t = i·q + j in 2D, t = (i·q + j)·q + l in 3D (weight i, input j, output l)."""
+    """The coordinates (:func:`mesh_coords`' index) of tensor rank ``r`` of ``mesh``'s tensor group: r in
+    mixed radix over the scheme's tensor dims, outermost first (t = i·q + j in 2D, t = (i·q + j)·q + l
+    in 3D: weight i, input j, output l)."""
     idx = {"tensor": r}
-    if getattr(mesh, "q", None):
-        idx.update(grid_row=r // mesh.q, grid_col=r % mesh.q)
-    cube = getattr(mesh, "cube", None)
-    if cube is not None:
-        ij, l = divmod(r, cube.q)
-        idx.update(weight=ij // cube.q, input=ij % cube.q, output=l)
+    for name, n in reversed(_split_dims(mesh)):
+        r, idx[name] = divmod(r, n)
     return idx
+
+
+def _split_dims(mesh) -> tuple:
+    """The scheme's tensor dims when the tensor dim is laid out on several, else ()."""
+    dims = mesh.tensor_mode.tensor_dims(mesh.tensor.size)
+    return tuple(dims) if len(dims) > 1 else ()
 
 
 def take_shard(full: torch.Tensor, spec: ShardSpec, index: dict, size: dict) -> torch.Tensor:

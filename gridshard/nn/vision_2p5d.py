@@ -87,7 +87,7 @@ def classification_loss_2p5d(logits: torch.Tensor, labels: torch.Tensor, mesh, i
                              reduction: str = "mean") -> torch.Tensor:
     """The loss of the micro-batch's d·q blocks, the same scalar on every rank (module docstring)."""
     if mesh.d == 1:
-        return classification_loss(logits, labels, mesh.grid.tensor_mode, mesh.grid, ignore_index, reduction)
+        return classification_loss(logits, labels, mesh.grid.col, ignore_index, reduction)
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ShapeError(f"classification_loss_2p5d: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
                          f"disagree: logits must be [b, classes] and labels [b]. Fix: pass this rank's labels "

@@ -47,16 +47,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..comm.grid_ops import GatheredVectors
 from ..context import shard_sequence
 from ..errors import LayoutError, ShapeError, check_divisible
 from ..job_layout import TensorMode
-from ..nn.classification_loss import classification_loss
-from ..nn.cross_entropy_1d import vocab_parallel_cross_entropy
-from ..nn.cross_entropy_2d import REDUCTIONS, cross_entropy_2d
-from ..nn.cross_entropy_3d import cross_entropy_3d
+from ..nn.cross_entropy_2d import REDUCTIONS
 
 
 @dataclass
@@ -99,12 +95,11 @@ class ParallelContext:
         context = self.mesh.context
         if context.size > 1:
             tokens = shard_sequence(tokens, context.size, context.rank, dim=1).contiguous()
-        if not (self.mode.is_grid or self.mode.is_cube):
-            return tokens
         n = self.mesh.batch_blocks                 # 2D: q grid rows; 2.5D: d·q, block k·q + i; 3D: q²
-        by = "grid side q" if n == self.mesh.q else "3D batch blocks q²" if self.mode.is_cube \
-            else "2.5D batch blocks d·q"
-        check_divisible(tokens.shape[0], n, "batch", by, f"use a batch that is a multiple of {n}")
+        if n == 1:
+            return tokens
+        check_divisible(tokens.shape[0], n, "batch", self.mode.batch_blocks_name(self.mesh),
+                        f"use a batch that is a multiple of {n}")
         return tokens.chunk(n, 0)[index].contiguous()
 
     def logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -129,23 +124,8 @@ class ParallelContext:
             raise ShapeError(f"ParallelContext.loss: reduction={reduction!r} is not one of {REDUCTIONS}. Fix: use "
                              f"'mean' or 'sum'.")
         if self.objective == "classify":
-            return classification_loss(logits, targets, self.mode, self.mesh, ignore_index, reduction)
-        if not self.mode.splits_weights:
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                   ignore_index=ignore_index, reduction=reduction)
-        if self.mode.is_1d:
-            per_token = vocab_parallel_cross_entropy(logits, targets, self.mesh.tensor, ignore_index,
-                                                     vocab_size=self.vocab_size)
-            total = per_token.sum()
-            if reduction == "sum":
-                return total
-            count = (targets != ignore_index).sum()
-            mean = total / count.clamp(min=1).to(total.dtype)       # finite upstream weight: zero grads at N = 0
-            return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
-        if self.mode.is_cube:
-            return cross_entropy_3d(logits, targets, self.mesh.cube.swapped(), self.vocab_size, ignore_index,
-                                    reduction)
-        return cross_entropy_2d(logits, targets, self.mesh, self.vocab_size, ignore_index, reduction)
+            return self.mode.classification_loss(logits, targets, self.mesh, ignore_index, reduction)
+        return self.mode.lm_loss(logits, targets, self, ignore_index, reduction)
 
     def model_loss(self, model, tokens, targets, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
         return self.loss(self.logits(model, tokens), targets, ignore_index, reduction)

@@ -38,7 +38,8 @@ from ..nn.sharding import ShardSpec
 
 def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
     """DTensor placements of the canonical tensor on the tensor dims of the device mesh
-    (``tensor`` in 1D, ``(grid_row, grid_col)`` in 2D), or None."""
+    (:func:`tensor_dim_names`: ``tensor`` in 1D, ``(grid_row, grid_col)`` in 2D), or None: a block
+    split twice by one coordinate, or one dim split by two."""
     if spec.replicate > 1:
         return None
     ndim = len(spec.global_shape)
@@ -46,17 +47,18 @@ def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
     def canon_dim(d):
         return ndim - 1 - d if spec.transposed else d
 
-    if not mesh.tensor_mode.is_grid:
-        if not spec.splits:
-            return (Replicate(),)
-        if len(spec.splits) == 1 and spec.splits[0][1] == "tensor":
-            return (Shard(canon_dim(spec.splits[0][0])),)
-        return None
+    names = tensor_dim_names(mesh)
     by_coord = {}
     for d, coord in spec.splits:
-        if coord in by_coord or coord not in ("grid_row", "grid_col"):
+        if coord in by_coord or coord not in names:
             return None
         by_coord[coord] = d
     if len(set(by_coord.values())) != len(by_coord):
         return None                                   # two coords on one dim: not mesh-ordered
-    return tuple(Shard(canon_dim(by_coord[c])) if c in by_coord else Replicate() for c in ("grid_row", "grid_col"))
+    return tuple(Shard(canon_dim(by_coord[c])) if c in by_coord else Replicate() for c in names)
+
+
+def tensor_dim_names(mesh) -> tuple:
+    """The device-mesh dims the tensor group is laid out on (the scheme's ``tensor_dims``):
+    ``("tensor",)`` in 1D, ``("grid_row", "grid_col")`` in 2D, the cube's three in 3D."""
+    return tuple(name for name, _ in mesh.tensor_mode.tensor_dims(mesh.tensor.size))

@@ -11,8 +11,9 @@ Steps, all local to the rank (no collective runs before the first forward):
    parallelism is in effect and how kv heads are shared; each layer gets those facts as
    constructor arguments;
 2. swap each planned module for the gridshard layer of the mesh's tensor mode
-   (:mod:`gridshard.parallel.swap`), built on the meta device (3D: on ``mesh.cube``, column
-   projections on its residual orientation and row projections on the swapped one, ``build_3d``).
+   (the scheme's :meth:`~gridshard.tensor_scheme.TensorScheme.build_layer`, ``gridshard/tensor/<mode>/build.py``),
+   built on the meta device (3D: on ``mesh.cube``, column projections on its residual orientation and
+   row projections on the swapped one).
    Options reach the layers as constructor arguments: ``overlap_input_grad`` (1D column
    layers), ``summa_overlap`` and the model's one
    :class:`gridshard.comm.grid_ops.GatheredVectors` (2D layers), which the context shares;
@@ -45,11 +46,11 @@ from ..errors import LayoutError
 from ..job_layout import ContextMode
 from ..nn.shape_rules import layout_rules
 from ..nn.sharding import get_spec, mesh_coords
+from ..tensor.layer_build import LayerBuild
 from .context import ParallelContext
 from .materialize import init_laws, materialize
 from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, VIT_PLAN, Plan
 from .shared_input import install_shared_input
-from .swap import build_1d, build_2d, build_3d
 
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
@@ -100,37 +101,11 @@ def default_plan(model: nn.Module, dims: ModelDims) -> Plan:
                       f"mapping its module names to kinds.")
 
 
-# parallelize's wording of the layout rules (gridshard.nn.shape_rules.layout_rules holds the rules themselves):
-# (layer family, rule's size) → (rule, fix); {v}: the size's value, {q2}: the rule's divisor (q² for 2D
-# hidden, q³ for 3D hidden, q² for 3D ffn_hidden); the family is _family(mode)
-_WORDING = {
-    ("1d", "heads"): ("1D gives every rank whole attention heads", "use a tensor size that divides {v}"),
-    ("1d", "kv_heads"): ("kv heads are split over T when T divides them, or replicated in groups of T/kv_heads "
-                         "when kv_heads divides T", "use a tensor size that divides or is a multiple of {v}"),
-    ("1d", "ffn_hidden"): ("1D gives every rank whole MLP neurons", "use a tensor size that divides {v}"),
-    ("1d", "hidden"): ("1D splits the hidden size into T blocks", "use a tensor size that divides {v}"),
-    ("2d", "heads"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
-    ("2d", "kv_heads"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
-    ("2d", "ffn_hidden"): ("2D splits it into q column blocks", "use a grid side q that divides {v}"),
-    ("2d", "hidden"): ("2D norm weights are stored in q² blocks", "use hidden a multiple of {q2}"),
-    ("3d", "heads"): ("3D gives every rank 1/q of the heads", "use a cube side q that divides {v}"),
-    ("3d", "kv_heads"): ("3D gives every rank 1/q of the kv heads", "use a cube side q that divides {v}"),
-    ("3d", "ffn_hidden"): ("3D splits the down projection's input into q² blocks",
-                           "use ffn_hidden a multiple of {q2}"),
-    ("3d", "hidden"): ("3D norm weights are stored in q³ blocks", "use hidden a multiple of {q2}"),
-}
-
-
-def _family(mode) -> str:
-    """The key of a layer mode's wording in :data:`_WORDING`."""
-    return "3d" if mode.is_cube else "2d" if mode.is_grid else "1d"
-
-
 def check_layout(dims: ModelDims, mesh, sequence_parallel: bool) -> None:
     """The layout rules of the mesh's tensor mode (:func:`gridshard.nn.shape_rules.layout_rules`,
     the ones the config validator checks too), each broken one raised as a LayoutError."""
     mode, T = mesh.tensor_mode, mesh.tensor.size
-    if sequence_parallel and not mode.is_1d:
+    if sequence_parallel and not mode.sequence_parallel_in_effect(True, max(T, 2)):
         raise LayoutError(f"parallelize(sequence_parallel=True) on tensor_mode={mode!r}: sequence parallelism "
                           f"splits the 1D tensor group's activations. Fix: use a 1d mesh with tensor>1, or "
                           f"sequence_parallel=False.")
@@ -140,40 +115,27 @@ def check_layout(dims: ModelDims, mesh, sequence_parallel: bool) -> None:
                           f"needs kv_heads to divide heads. Fix: choose kv_heads among the divisors of heads.")
     for rule in splits:
         if not rule.holds:
-            what, fix = _WORDING[(_family(mode), rule.what)]
-            where = f"on a q={mode.grid_side(T)} grid" if mode.is_grid else \
-                f"on a q={mode.cube_side(T)} cube" if mode.is_cube else f"on T={T}"
-            raise LayoutError(f"parallelize: {rule.what}={rule.value} {where}: {what}. "
-                              f"Fix: {fix.format(v=rule.value, q2=rule.divisor)}.")
+            raise LayoutError(f"parallelize: {rule.what}={rule.value} {mode.where(T)}: {rule.why}. "
+                              f"Fix: {rule.fix}.")
 
 
 def _check_covered(model: nn.Module, plan: Plan, mode, sequence_parallel: bool = False) -> dict:
     """name → kind for every planned module; an unplanned module with parameters is an error
-    (except in mode 'none', where nothing is split)."""
+    where the mode must know how to split every weight (the scheme's ``check_unplanned``; ``none``
+    splits nothing)."""
     planned = {}
     for name, module in model.named_modules():
         kind = plan.kind_of(name) if name else None
         if kind is not None:
             planned[name] = kind
-    if not mode.splits_weights:
-        return planned
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
         covered = any(name == p or name.startswith(p + ".") for p in planned)
         if not covered:
-            raise LayoutError(f"parallelize: module {name!r} ({type(module).__name__}) has parameters but the plan "
-                              f"has no rule for it, so gridshard cannot know how to split it. Fix: pass "
-                              f"plan=<plan>.with_rules({{{name!r}: 'column' | 'row' | 'norm' | 'replicate' ...}}).")
-        kind = planned.get(name)
-        if kind == "replicate" and mode.is_grid:
-            build_2d(name, module, kind, None)          # raises the 2D message
-        if kind == "replicate" and mode.is_cube:
-            build_3d(name, module, kind, None)          # raises the 3D message
-        if kind == "replicate" and sequence_parallel:
-            raise LayoutError(f"parallelize: module {name!r} is planned as 'replicate', but under sequence "
-                              f"parallelism its input is a sequence block, not the whole activation. Fix: map "
-                              f"it to column/row/norm, or turn sequence_parallel off.")
+            mode.check_unplanned(name, module)
+        if planned.get(name) == "replicate":
+            mode.check_replicated(name, module, sequence_parallel)
     return planned
 
 
@@ -224,21 +186,13 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     sources = dict(model.named_parameters(remove_duplicate=False))
     vector_cache = GatheredVectors()           # the 2D layers' and the context's: one window per step
 
-    if mode.splits_weights:
-        def build(name, module, kind, tied):
-            if mode.is_1d:
-                return build_1d(name, module, kind, mesh, sp, plan.sequence_scatter == "embedding",
-                                mode.kv_replication(dims.kv_heads, T), overlap_input_grad=overlap_input_grad,
-                                tied_embedding=tied)
-            if mode.is_cube:
-                return build_3d(name, module, kind, mesh.cube, tied_embedding=tied, vector_cache=vector_cache)
-            return build_2d(name, module, kind, mesh, tied_embedding=tied, overlap=summa_overlap,
-                            vector_cache=vector_cache)
-
-        _swap_planned(model, planned, build, mode)
-        _hook_planned_parents(model, plan, dims, mode, T)
-        if sp and plan.sequence_scatter != "embedding":
-            _install_sequence_scatter(model, plan.sequence_scatter, mesh)
+    build = LayerBuild(mesh, sp, plan.sequence_scatter == "embedding", mode.kv_replication(dims.kv_heads, T),
+                       overlap_input_grad, summa_overlap, vector_cache)
+    _swap_planned(model, planned, lambda name, module, kind, tied:
+                  mode.build_layer(name, module, kind, build, tied))
+    _hook_planned_parents(model, plan, dims, mode, T)
+    if sp and plan.sequence_scatter != "embedding":
+        _install_sequence_scatter(model, plan.sequence_scatter, mesh)
 
     _rebuild_meta_buffers(model)
     materialize(model, sources, laws, mesh_coords(mesh), seed, device)
@@ -287,7 +241,7 @@ def _split_sequence(model: nn.Module, dims: ModelDims, mesh, context_mode: Conte
             module.attend_over_context(attend)
 
 
-def _swap_planned(model: nn.Module, planned: dict, build, mode) -> None:
+def _swap_planned(model: nn.Module, planned: dict, build) -> None:
     """Replace every planned module (but ``replicate``) by ``build(name, module, kind, tied)``.
     Embeddings are built first, so a vocabulary head tied to one is built on it (``tied``: 1D
     shares its parameter, 2D reads its table in a TiedVocabHead2D)."""
@@ -327,7 +281,7 @@ def _hook_planned_parents(model: nn.Module, plan: Plan, dims: ModelDims, mode, T
                 raise LayoutError(f"parallelize: the plan's shared_inputs name children {list(children)} of "
                                   f"{name!r} ({type(module).__name__}), which has no {missing}. Fix: correct the "
                                   f"plan's shared_inputs pattern or children for this model.")
-            install_shared_input(module, children)
+            install_shared_input(module, children, mode)
         if plan.kv_group_attr and plan.is_attention(name):
             if getattr(module, plan.kv_group_attr, None) is None:
                 raise LayoutError(f"parallelize: attention module {name!r} ({type(module).__name__}) has no "

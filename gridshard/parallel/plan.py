@@ -24,7 +24,7 @@ kind               plain module                         1D (± sequence parallel
                    class token's row                    SP: finds the class token)
 =================  ===================================  ==========================  =====================
 
-3D (a q×q×q cube, :func:`gridshard.parallel.swap.build_3d`): ``column`` / ``kv_column`` → Linear3D
+3D (a q×q×q cube, :func:`gridshard.tensor.tp3d.build.build_3d`): ``column`` / ``kv_column`` → Linear3D
 on the residual orientation, ``row`` → Linear3D on the swapped one, ``norm`` → RMSNorm3D,
 ``vocab_embedding`` → VocabParallelEmbedding3D, ``vocab_head`` → VocabParallelClassifier3D /
 TiedVocabHead3D; the ViT kinds and ``replicate`` are refused.

@@ -71,8 +71,6 @@ def laid_out_model(cfg, mode="none", T: int = 1) -> LaidOutModel:
     from .parallelize import parallelize
 
     mode = TensorMode.parse(mode)
-    if not mode.splits_weights:
-        T = 1
     with torch.device("meta"):
         plain = Transformer(dataclasses.replace(cfg, layers=1))
     mesh = ShapeMesh(tensor=T, tensor_mode=mode)

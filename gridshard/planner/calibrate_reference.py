@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..job_layout import TensorMode
 
 REFERENCE_STEPS = 16
 
@@ -62,7 +61,7 @@ def reference_runs(world: int) -> list:
     L = REFERENCE_LAYERS
     runs = [("none", {}, L), (f"none_m{REFERENCE_WIDE_MICRO}", {"micro": REFERENCE_WIDE_MICRO}, L)]
     runs += [(m, {"mode": m}, L) for m, T in REFERENCE_TENSOR.items()
-             if TensorMode(m).splits_weights and world % T == 0]
+             if T > 1 and world % T == 0]
     P = REFERENCE_PIPELINE[0]
     if world % P == 0:
         runs.append(("pipeline", {"pipeline": P}, (P, 2 * P)))

@@ -1,4 +1,4 @@
-"""The body of ``gridshard plan`` (``gridshard/cli.py`` only declares the options)."""
+"""The body of ``gridshard plan`` (``gridshard/cli/commands.py`` only declares the options)."""
 from __future__ import annotations
 
 import os

@@ -115,14 +115,12 @@ ranks' cores run the others). On GPU nodes (a device per rank) only the critical
 """
 from __future__ import annotations
 
-import functools
-import math
 from typing import Optional
 from dataclasses import dataclass, field
 
 from ..comm.ledger import ring_wire_bytes
 from ..job_layout import micro_batches_per_step
-from ..theory import CommVolume, tp1d, tp2d, tp3d
+from ..theory import CommVolume
 from ..theory import context as ctx_theory
 from ..theory.pipeline import boundary_bytes, bubble_fraction
 from ..theory.training import bucket_partition, dp_gradient_allreduce, flops_per_token
@@ -165,64 +163,6 @@ class StepTime:
 # ---------------------------------------------------------------------------------------
 # byte counts (theory functions, composed per pipeline stage)
 # ---------------------------------------------------------------------------------------
-def tensor_comm_1d(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> list:
-    """CommVolumes of one micro-batch on a 1D rank holding ``layers`` decoder layers."""
-    T, sp, m, h = layout.tensor, layout.sequence_parallel, layout.micro_batch, cfg.hidden
-    vols = [tp1d.block_comm(m, seq, h, T, sp, heads=cfg.heads, kv_heads=cfg.kv_heads)] * layers
-    if layout.recompute == "full":
-        vols += [tp1d.block_recompute_comm(m, seq, h, T, sp)] * layers
-    if first:
-        vols.append(tp1d.embedding_comm(m, seq, h, T, sp))
-    if last:
-        vols += [tp1d.norm_comm(h, T, sp), tp1d.head_comm(m, seq, h, T, sp), tp1d.cross_entropy_comm(m * seq, T)]
-    return vols
-
-
-def recompute2d_comm(cfg, tokens: int, q: int) -> dict:
-    """Adapter (no theory function exists for it): what ``recompute=full`` repeats per 2D layer —
-    the forward SUMMA products of q|k|v, o and gate|up (the down projection's input is the last
-    tensor backward needs, as in 1D) and the two norms' forward row all-reduce of N/q·4 bytes."""
-    h, f, d = cfg.hidden, cfg.ffn_hidden, cfg.head_dim
-    qkv = h + 2 * cfg.kv_heads * d
-    norm = {"row": CommVolume(q).add("all_reduce", tokens // q * FP32, 2), "col": CommVolume(q)}
-    return tp2d.combine(tp2d.summa_ab_comm(tokens, h, qkv, q), tp2d.summa_ab_comm(tokens, h, h, q),
-                        tp2d.summa_ab_comm(tokens, h, 2 * f, q), norm)
-
-
-def tensor_comm_2d(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> list:
-    """Per-axis volumes of one micro-batch on a 2D rank, flattened to a CommVolume list (both
-    groups have q ranks and share the node's link)."""
-    q = math.isqrt(layout.tensor)
-    m, h, n = layout.micro_batch, cfg.hidden, layout.micro_batch * seq
-    parts = [tp2d.block2d_comm(m, seq, h, cfg.ffn_hidden, q, heads=cfg.heads, kv_heads=cfg.kv_heads)] * layers
-    if layout.recompute == "full":
-        parts += [recompute2d_comm(cfg, n, q)] * layers
-    if first:
-        parts.append(tp2d.embedding2d_comm(m, seq, h, q))
-    if last:
-        head = tp2d.tied_head2d_comm(n, h, cfg.vocab_size, q) if cfg.tie_embeddings and first else \
-            tp2d.linear2d_comm(n, h, tp2d.padded_vocab(cfg.vocab_size, q), q)
-        parts += [tp2d.rmsnorm2d_comm(n, h, q), head, tp2d.cross_entropy2d_comm(n, q)]
-    return [tp2d.total(p) for p in parts]
-
-
-def tensor_comm_3d(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> dict:
-    """Per-axis volumes (axis → CommVolume, :data:`gridshard.theory.tp3d.AXES`) of one micro-batch on a
-    3D rank holding ``layers`` decoder layers: :func:`~gridshard.theory.tp3d.block3d_comm` per layer
-    (+ :func:`~gridshard.theory.tp3d.block3d_recompute_comm` with full recompute) and
-    :func:`~gridshard.theory.tp3d.ends3d_comm` on the end stages. The axes keep their own group sizes
-    (q or q²) and are priced on their own links (:func:`link_levels`, ``tensor_axes``)."""
-    q = layout.mode.cube_side(layout.tensor)
-    m, h, f = layout.micro_batch, cfg.hidden, cfg.ffn_hidden
-    block = tp3d.block3d_comm(m, seq, h, f, q, heads=cfg.heads, kv_heads=cfg.kv_heads)
-    parts = [block] * layers
-    if layout.recompute == "full":
-        parts += [tp3d.block3d_recompute_comm(m, seq, h, f, q, heads=cfg.heads, kv_heads=cfg.kv_heads)] * layers
-    parts.append(tp3d.ends3d_comm(m, seq, h, cfg.vocab_size, q, first=first, last=last,
-                                  tied=bool(cfg.tie_embeddings)))
-    return tp3d.combine(*parts)
-
-
 def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
     """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step
     (over data × context: D·C ranks)."""
@@ -318,34 +258,16 @@ def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
     inside = lambda span: "intra" if span <= per_node else "inter"  # noqa: E731
     levels = {"tensor": inside(layout.layer_tensor), "context": inside(CT), "pipeline": inside(CT * layout.pipeline),
               "data": inside(world if layout.data > 1 else CT)}
-    if layout.mode.is_cube:
-        levels["tensor_axes"] = cube_axis_levels(layout.mode.cube_side(layout.tensor), world, per_node)
+    axes = layout.mode.tensor_axis_levels(layout.layer_tensor, world, per_node)
+    if axes is not None:                    # a mode whose tensor axes leave a node one by one (3D)
+        levels["tensor_axes"] = axes
     return levels
-
-
-@functools.lru_cache(maxsize=256)
-def cube_axis_levels(q: int, world: int, per_node: int) -> dict:
-    """Link of each 3D axis (:data:`gridshard.theory.tp3d.AXES`): ``inter`` when any of its groups, in
-    any of the world's tensor blocks (T = q³ consecutive ranks, the tensor dims innermost in the
-    order (weight, input, output): :func:`gridshard.theory.tp3d.axis_groups`), has ranks on two
-    nodes of ``per_node`` consecutive ranks, else ``intra``. So ``output`` (q consecutive ranks) is
-    the last to leave a node, then ``input`` (q²), then ``weight`` and the two q²-rank flattened axes
-    (the whole cube)."""
-    T = q ** 3
-    out = {}
-    for axis, groups in tp3d.axis_groups(q).items():
-        split = any(len({(b * T + t) // per_node for t in g}) > 1 for b in range(max(1, world // T)) for g in groups)
-        out[axis] = "inter" if split else "intra"
-    return out
 
 
 def gemm_flops(cfg, layout: Layout, seq: int) -> float:
     """FLOPs of one of the rank's gate|up GEMMs (the module docstring's G)."""
     N, h, f = layout.micro_batch * seq // layout.context, cfg.hidden, cfg.ffn_hidden
-    if layout.mode.is_grid:          # 3D: P_ijl = X_il·A_lj, [N/q, h/q]·[h/q, f/q] = 2·N·h·f/q³ = 2·N·h·f/T (below)
-        q = layout.mode.grid_side(layout.tensor)
-        return 2.0 * N * h * f / q ** 3
-    return 2.0 * N * h * f / layout.tensor
+    return 2.0 * N * h * f / layout.mode.gemm_split(layout.tensor)
 
 
 @dataclass
@@ -448,31 +370,20 @@ def tensor_volumes(cfg, layout: Layout, seq: int, layers: int, first: bool, last
     """CommVolumes of one micro-batch's tensor-parallel collectives on a rank of ``layout`` (a layer
     layout: 2.5D is priced through :meth:`~gridshard.planner.layouts.Layout.layer_layout`, 2D's
     SUMMA on m/d rows)."""
-    T = layout.tensor
-    if layout.mode.is_1d and T > 1:
-        return tensor_comm_1d(cfg, layout, seq, layers, first, last)
-    if layout.mode.is_grid and T > 1:
-        return tensor_comm_2d(cfg, layout, seq, layers, first, last)
-    if layout.mode.is_cube:
-        return list(tensor_comm_3d(cfg, layout, seq, layers, first, last).values())
-    return []
+    return [v for vols in layout.mode.tensor_comm(cfg, layout, seq, layers, first, last).values() for v in vols]
 
 
 def _tensor_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, first: bool, last: bool) -> tuple:
     """(critical-path seconds, busy CPU seconds) of one micro-batch's tensor-parallel collectives."""
     hw = pr.hw
-    if layout.mode.is_cube:                 # each cube axis on its own link
-        axes = tensor_comm_3d(cfg, layout, seq, layers, first, last)
-        levels = pr.levels["tensor_axes"]
-        around = sum(sum(v.calls.values()) for v in axes.values()) * \
-            hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
-        return (sum(comm_seconds([v], hw, levels[a], pr.skew) for a, v in axes.items()) + around * pr.stretch,
-                sum(comm_cpu_seconds([v], hw, levels[a]) for a, v in axes.items()) + around)
-    vols = tensor_volumes(cfg, layout, seq, layers, first, last)
-    around = sum(sum(v.calls.values()) for v in vols) * hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
-    level = pr.levels["tensor"]
-    return (comm_seconds(vols, hw, level, pr.skew) + around * pr.stretch,
-            comm_cpu_seconds(vols, hw, level) + around)
+    per_axis = layout.mode.tensor_comm(cfg, layout, seq, layers, first, last)       # axis → CommVolumes
+    levels = pr.levels.get("tensor_axes", {})                                          # 3D: each axis its own link
+    around = sum(sum(v.calls.values()) for vols in per_axis.values() for v in vols) * \
+        hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
+    return (sum(comm_seconds(vols, hw, levels.get(a, pr.levels["tensor"]), pr.skew) for a, vols in per_axis.items())
+            + around * pr.stretch,
+            sum(comm_cpu_seconds(vols, hw, levels.get(a, pr.levels["tensor"])) for a, vols in per_axis.items())
+            + around)
 
 
 def context_comm(cfg, layout: Layout, seq: int, layers: int, precision: str) -> tuple:
@@ -634,6 +545,6 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
 
 
 __all__ = ["StepTime", "RankCost", "step_time", "rank_cost", "node_step",
-           "microbatch_flops", "stage_crossings", "tensor_volumes", "comm_cpu_seconds", "tensor_comm_1d", "tensor_comm_2d",
-           "recompute2d_comm", "data_comm", "comm_seconds", "call_seconds", "trainer_bookkeeping", "link_levels",
+           "microbatch_flops", "stage_crossings", "tensor_volumes", "comm_cpu_seconds",
+           "data_comm", "comm_seconds", "call_seconds", "trainer_bookkeeping", "link_levels",
            "gemm_flops"]

@@ -54,6 +54,7 @@ from ..config import validate as rules
 from ..config.schema import TrainConfig
 from ..errors import ConfigError, LayoutError
 from ..job_layout import TensorMode, stage_layer_counts
+from ..tensor_scheme import tensor_schemes
 from ..theory.zero import sharded_accumulation
 
 RECOMPUTE = ("none", "selective", "full")
@@ -97,10 +98,10 @@ class Layout:
         the same weights (docs/tp2p5d.md), so a rank is a 2D rank on q² ranks with m/d rows per
         micro-batch among D·d data replicas — the same A = B/(m·D) micro-batches, and the reducer's
         and ZeRO's group data × context × depth of D·C·d ranks; every other layout is itself.
-        (:meth:`gridshard.job_layout.TensorMode.layer_layout` is the rule.)"""
-        if not self.mode.has_depth:
-            return self
+        (:meth:`gridshard.tensor_scheme.TensorScheme.layer_layout` is the rule.)"""
         mode, T = self.mode.layer_layout(self.tensor, self.tensor_depth)
+        if mode is self.mode:
+            return self
         d = self.tensor_depth
         return replace(self, data=self.data * d, tensor=T, tensor_mode=str(mode), micro_batch=self.micro_batch // d,
                        tensor_depth=1)
@@ -195,14 +196,14 @@ def _modes(T: int) -> list:
     rule T meets (a mode that splits weights only when T > 1), 1d also with sequence parallelism,
     2.5d once per depth d ≥ 2 with T = q²·d, q ≥ 2 (d = 1 is 2d)."""
     out = []
-    for mode in TensorMode:
-        for depth in (range(2, T // 4 + 1) if mode.has_depth else (1,)):
+    for mode in tensor_schemes():
+        for depth in mode.depth_choices(T):
             try:
                 mode.check_tensor_size(T, depth)
             except LayoutError:
                 continue
-            if mode.splits_weights == (T > 1):
-                out += [(mode.value, sp, depth) for sp in (False, True)
+            if mode.plannable(T):
+                out += [(str(mode), sp, depth) for sp in (False, True)
                         if not sp or mode.sequence_parallel_in_effect(sp, T)]
     return out
 

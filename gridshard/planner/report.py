@@ -8,6 +8,7 @@ import math
 
 import yaml
 
+from ..tensor_scheme import tensor_schemes
 from .search import Candidate, PlanResult, gib
 
 
@@ -74,7 +75,7 @@ def explain(result: PlanResult) -> str:
                      f"(cost_time: two bounds)")
     lines += _context_reason(result)
     lines += _depth_reason(result)
-    lines += _cube_reason(result)
+    lines += _mode_reasons(result)
     lines += _grad_reduce_reason(result)
     others = []
     for c in result.candidates[1:]:
@@ -180,7 +181,8 @@ def _depth_reason(result: PlanResult) -> list:
     L = deep.layout
     same = lambda l: (l.tensor_depth == 1 and (l.data, l.pipeline, l.context, l.tensor) ==  # noqa: E731
                       (L.data, L.pipeline, L.context, L.tensor))
-    flat = _fastest(result.candidates, lambda l: same(l) and l.mode.is_grid) or _fastest(result.candidates, same)
+    layer_mode = L.layer_layout().mode
+    flat = _fastest(result.candidates, lambda l: same(l) and l.mode == layer_mode) or _fastest(result.candidates, same)
     q = math.isqrt(L.tensor // L.tensor_depth)
     verdict = "is the best layout" if deep is best else \
         f"takes {deep.predicted_step_s / best.predicted_step_s:.2f}× the best step"
@@ -206,47 +208,43 @@ def _depth_reason(result: PlanResult) -> list:
 def _layer_traffic(result: PlanResult, c: Candidate) -> tuple:
     """(ring wire bytes, of them on links across nodes, calls) one rank's tensor group moves per decoder
     layer and micro-batch (:func:`~gridshard.planner.cost_time.tensor_volumes` of the layout each rank
-    runs; at 3D each cube axis on its own link, :func:`~gridshard.planner.cost_time.tensor_comm_3d`)."""
-    from .cost_time import tensor_comm_3d, tensor_volumes
-
+    runs: the scheme's ``tensor_comm``; at 3D each cube axis on its own link)."""
     L, links = c.layout.layer_layout(), c.step.details["links"]
     mc, s = result.config.model.resolve(), result.config.data.seq_len // L.context
-    if L.mode.is_cube:
-        axes = tensor_comm_3d(mc, L, s, 1, False, False)
-        wire = {a: v.wire_bytes() for a, v in axes.items()}
-        return (sum(wire.values()), sum(w for a, w in wire.items() if links["tensor_axes"][a] == "inter"),
-                sum(sum(v.calls.values()) for v in axes.values()))
-    vols = tensor_volumes(mc, L, s, 1, False, False)
-    wire = sum(v.wire_bytes() for v in vols)
-    return wire, wire if links["tensor"] == "inter" else 0.0, sum(sum(v.calls.values()) for v in vols)
+    per_axis = L.mode.tensor_comm(mc, L, s, 1, False, False)          # axis → CommVolumes
+    levels = links.get("tensor_axes", {})
+    wire = {a: sum(v.wire_bytes() for v in vols) for a, vols in per_axis.items()}
+    return (sum(wire.values()), sum(w for a, w in wire.items() if levels.get(a, links["tensor"]) == "inter"),
+            sum(sum(v.calls.values()) for vols in per_axis.values() for v in vols))
 
 
-def _cube_reason(result: PlanResult) -> list:
-    """3D against 2D / 2.5D at the same T (docs/planner.md, "3D"): the fastest feasible 3D layout and
-    the fastest feasible 2D or 2.5D layout with the same D, P, C and T (else 1D), with what decides
-    between them — tensor bytes and calls per decoder layer and micro-batch, which cube axes leave a
-    node, parameter bytes (1/T against 1/q² or 1/T); or why no 3D layout runs."""
+def _mode_reasons(result: PlanResult) -> list:
+    """:func:`_mode_reason` for every registered mode that summarises its layouts (``plan_summary``)."""
+    return [line for scheme in tensor_schemes() if scheme.plan_title for line in _mode_reason(result, scheme)]
+
+
+def _mode_reason(result: PlanResult, scheme) -> list:
+    """A mode against its rivals at the same T (docs/planner.md, "3D"): the fastest feasible layout of
+    ``scheme`` and the fastest feasible layout of one of its ``plan_rivals`` with the same D, P, C and T
+    (else any other), with what decides between them — tensor bytes and calls per decoder layer and
+    micro-batch, which tensor axes leave a node, parameter bytes; or why no layout of the mode runs."""
     best = result.best
-    cube = _fastest(result.candidates, lambda l: l.mode.is_cube)
+    cube = _fastest(result.candidates, lambda l: l.mode == scheme)
     if cube is None:
-        refused = [c for c in result.rejected if c.layout.mode.is_cube]
+        refused = [c for c in result.rejected if c.layout.mode == scheme]
         if not refused:
             return []
         why = collections.Counter(c.reason.split(" Fix:")[0] if c.memory is None else "memory" for c in refused)
-        return [f"  3D: none of {len(refused)} layouts runs; the most common reason: {why.most_common(1)[0][0]}"]
+        return [f"  {scheme.plan_title}: none of {len(refused)} layouts runs; the most common reason: "
+                f"{why.most_common(1)[0][0]}"]
     L = cube.layout
-    q = L.mode.cube_side(L.tensor)
-    same = lambda l: (not l.mode.is_cube and (l.data, l.pipeline, l.context, l.tensor) ==  # noqa: E731
+    same = lambda l: (l.mode != scheme and (l.data, l.pipeline, l.context, l.tensor) ==  # noqa: E731
                       (L.data, L.pipeline, L.context, L.tensor))
-    other = _fastest(result.candidates, lambda l: same(l) and (l.mode.is_grid or l.mode.has_depth)) or \
+    other = _fastest(result.candidates, lambda l: same(l) and l.mode in scheme.plan_rivals) or \
         _fastest(result.candidates, same)
     verdict = "is the best layout" if cube is best else \
         f"takes {cube.predicted_step_s / best.predicted_step_s:.2f}× the best step"
-    axes = cube.step.details["links"].get("tensor_axes", {})
-    inter = [a for a, lv in axes.items() if lv == "inter"]
-    out = [f"  3D: {L.label()} (q = {q}: a {q}×{q}×{q} cube, every weight and activation 1/T per rank, "
-           f"m/q² = {L.micro_batch / (q * q):g} sequences per rank) {verdict}; cube axes across nodes: "
-           f"{', '.join(inter) if inter else 'none'}"]
+    out = [f"  {scheme.plan_title}: {L.label()} {scheme.plan_summary(L, cube.step.details['links'], verdict)}"]
     if other is None:
         return out + [f"  no other layout at D{L.data} P{L.pipeline} C{L.context} T{L.tensor} passes the rules and "
                       f"fits, to compare with"]

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..nn.sharding import ShardSpec, mesh_coords
 from ..parallel.context import context_of
-from ..parallel.dtensor_view import placements_of
+from ..parallel.dtensor_view import placements_of, tensor_dim_names
 
 
 def _contiguous_stride(shape):
@@ -29,9 +29,8 @@ def _contiguous_stride(shape):
 
 def tensor_submesh(mesh):
     """The DeviceMesh of the tensor dims: ``tensor`` (1D) or ``(grid_row, grid_col)`` (2D)."""
-    if mesh.tensor_mode.is_grid:
-        return mesh.device_mesh["grid_row", "grid_col"]
-    return mesh.device_mesh["tensor"]
+    names = tensor_dim_names(mesh)
+    return mesh.device_mesh[names if len(names) > 1 else names[0]]
 
 
 def dtensor_view(t: torch.Tensor, spec: ShardSpec, mesh) -> Optional[DTensor]:
@@ -51,7 +50,7 @@ def dtensor_state_dict(model: torch.nn.Module) -> dict:
     """name → DTensor view (or None where the layout has no standard placements), for every
     entry of ``model.state_dict()``."""
     ctx = context_of(model)
-    if not ctx.mode.splits_weights:
+    if not any(spec.splits for spec in ctx.layouts.values()):          # nothing split: the plain tensors
         return dict(model.state_dict())
     return {name: dtensor_view(t, ctx.layouts[name], ctx.mesh)
             for name, t in model.state_dict(keep_vars=True).items()}

@@ -28,13 +28,13 @@ from .inputs import randint
 def gather_logits(logits: torch.Tensor, ctx) -> torch.Tensor:
     """This rank's logits block → the full [b, s, V] logits (cut to the real vocabulary)."""
     mesh, V = ctx.mesh, ctx.vocab_size
-    if not ctx.mode.splits_weights:
-        return logits.detach()
+    if mesh.tensor.size == 1:
+        return logits.detach()[..., :V]
     with LEDGER.paused():
         blocks = C.all_gather(logits.detach().contiguous().unsqueeze(0), mesh.tensor, 0)
-    if ctx.mode.is_1d:
-        return torch.cat(list(blocks), -1)[..., :V]
     q = mesh.q
+    if q is None:                                     # 1D: vocabulary block t of T
+        return torch.cat(list(blocks), -1)[..., :V]
     rows = [torch.cat([blocks[i * q + j] for j in range(q)], -1) for i in range(q)]
     return torch.cat(rows, 0)[..., :V]
 

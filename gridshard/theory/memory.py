@@ -117,7 +117,7 @@ and the loss are 2D's functions on the cube's ``output`` axis (2D's rows below w
 the embedding gathers the whole micro-batch's ids over ``batch`` (N·8 + the N·1 mask, as 2D's);
 no weight copies (the matmul saves the parameter block and casts inside); under ``selective`` the
 3D norms' outputs are rebuilt as 2D's are; a tied head keeps a copy of its weight slice of the gathered
-table (:func:`tied_head3d_saved_bytes`). Asserted against the meter on all 8 ranks of a q = 2 cube,
+table (:func:`gridshard.tensor.tp3d.scheme.tied_head_saved_bytes`). Asserted against the meter on all 8 ranks of a q = 2 cube,
 every recompute mode, fp32 and bf16, tied and untied (``tests/test_planner_3d.py``, wide).
 
 * **RMSNorm** (twice per layer). It keeps its input x (R·e) and the reciprocal rms (R/h·4, one
@@ -248,7 +248,6 @@ from ..job_layout import StageSplit, TensorMode
 from .context import context_attention_saved_bytes, context_transient_bytes
 from .zero import chunk_range, reduces_in_backward, unit_padded_numel, unit_shard_numel
 from .pipeline import DTYPE_BYTES, boundary_bytes, peak_in_flight, stage_buffer_bytes
-from .vocab import padded_vocab_size
 
 FP32 = 4
 ADAM_STATES = 2                     # exp_avg, exp_avg_sq
@@ -302,17 +301,11 @@ def kv_replica_grad_extra(cfg, mode, T: int) -> dict:
     rows: K·(n_k + n_v) elements per layer beyond the blocks."""
     mode = TensorMode.parse(mode)
     K = cfg.kv_heads
-    if not mode.splits_weights or mode.kv_replication(K, T) <= 1:
+    if mode.kv_replication(K, T) <= 1:
         return {}
     n_kv = mode.local_kv_heads(K, T) * cfg.head_dim * cfg.hidden
     return {"self_attn.q_proj.weight": 2 * n_kv, "self_attn.k_proj.weight": (K - 1) * n_kv,
             "self_attn.v_proj.weight": (K - 1) * n_kv}
-
-
-def _grid_side(T: int) -> int:
-    """q of a 2D grid of T = q² ranks (LayoutError, a ValueError, when T is not a square)."""
-    TensorMode.TWO_D.check_tensor_size(T)
-    return TensorMode.TWO_D.grid_side(T)
 
 
 # ---------------------------------------------------------------------------------------
@@ -499,8 +492,9 @@ class ActivationBytes:
 
 
 @dataclass(frozen=True)
-class _RankShape:
-    """Per-rank sizes of one micro-batch in one tensor mode (module docstring §2)."""
+class RankShape:
+    """Per-rank sizes of one micro-batch in one tensor mode (module docstring §2), answered by the
+    mode's scheme (:meth:`gridshard.tensor.base.Scheme.rank_shape`)."""
 
     token_rows: int           # N_r
     residual: int             # R elements of the residual stream
@@ -510,20 +504,8 @@ class _RankShape:
     vocab_block: int          # logits columns of this rank
 
 
-def _rank_shape(cfg, mode, T: int, sequence_parallel: bool, tokens: int) -> _RankShape:
-    h, H, K, f, V = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, cfg.vocab_size
-    mode = TensorMode.parse(mode)
-    if not mode.splits_weights:
-        return _RankShape(tokens, tokens * h, H, K, f, V)
-    if mode.is_1d:
-        R = tokens * h // T if mode.sequence_parallel_in_effect(sequence_parallel, T) else tokens * h
-        return _RankShape(tokens, R, H // T, mode.local_kv_heads(K, T), f // T, padded_vocab_size(V, T) // T)
-    if mode.is_cube:                       # batch block of q², heads / neurons / vocab over q
-        q = mode.cube_side(T)              # (a tied head keeps the embedding's padding, ⌈V/q²⌉·q²)
-        vp = padded_vocab_size(V, q * q if getattr(cfg, "tie_embeddings", False) else q)
-        return _RankShape(tokens // (q * q), tokens * h // T, H // q, K // q, f // q, vp // q)
-    q = _grid_side(T)
-    return _RankShape(tokens // q, tokens * h // T, H // q, K // q, f // q, padded_vocab_size(V, q) // q)
+def _rank_shape(cfg, mode, T: int, sequence_parallel: bool, tokens: int) -> RankShape:
+    return TensorMode.parse(mode).rank_shape(cfg, T, sequence_parallel, tokens)
 
 
 def activation_element_bytes(precision: str) -> int:
@@ -539,14 +521,8 @@ def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: in
     rstd and y, plus x̂ for fp32 (``F.rms_norm`` decomposed) outside 2D. ``rebuilt`` (a decoder
     layer's norm under ``selective``, :mod:`gridshard.nn.rebuild`): y is not kept."""
     r = _rank_shape(cfg, mode, T, sequence_parallel, tokens)
-    h = cfg.hidden
-    mode = TensorMode.parse(mode)
     consumer_input = 0 if rebuilt else r.residual * e   # y itself (under SP its sequence block, re-gathered)
-    if mode.is_grid or mode.is_cube:        # 2D's norm function (3D: on the cube's output axis)
-        q = _grid_side(T) if mode.is_grid else mode.cube_side(T)
-        return r.residual * e + consumer_input + r.token_rows * FP32 + (h // q) * FP32
-    x_hat = r.residual * e if e == FP32 else 0       # bf16/fp16: rebuilt in backward (nn.norm.rms_norm)
-    return r.residual * e + x_hat + (r.residual // h) * FP32 + consumer_input
+    return TensorMode.parse(mode).norm_saved_bytes(cfg, T, r, e, consumer_input)
 
 
 def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, recompute: str = "none",
@@ -590,48 +566,21 @@ def weight_copy_bytes(cfg, mode: str, T: int, layers: int, has_head: bool, recom
     copies"): 0 when parameters are already e-byte; else the weights multiplied through
     ``F.linear``/SUMMA (none and 2D: all; 1D: the row layers o_proj and down_proj), per decoder
     layer unless ``full`` recompute, and the head's on the last stage (none, 2D)."""
-    mode = TensorMode.parse(mode)
-    if e >= param_bytes or mode.is_cube:   # 3D: the matmul saves the fp32 parameter block, casts inside
+    if e >= param_bytes:
         return 0
-    r = _rank_shape(cfg, mode, T, False, 0)
-    h, d = cfg.hidden, cfg.head_dim
-    if mode.splits_weights and mode.is_1d:
-        per_layer, head = h * (r.heads * d + r.ffn), 0
-    else:
-        h_in = h // _grid_side(T) if mode.is_grid else h
-        per_layer, head = h_in * (d * (2 * r.heads + 2 * r.kv_heads) + 3 * r.ffn), h_in * r.vocab_block
+    per_layer, head = TensorMode.parse(mode).autocast_weight_elements(cfg, T)
     return e * ((0 if recompute == "full" else per_layer * layers) + (head if has_head else 0))
 
 
 def embedding_saved_bytes(mode: str, T: int, tokens: int) -> int:
     """Token ids (N·8), plus the out-of-range mask (N·1) when the table is split."""
-    split = TensorMode.parse(mode).splits_weights and T > 1
-    return tokens * INDEX_BYTES + (tokens * MASK_BYTES if split else 0)
-
-
-def tied_head3d_saved_bytes(cfg, T: int, e: int = FP32) -> int:
-    """What a 3D tied head (:mod:`gridshard.nn.tied_head_3d`) keeps beyond an untied one, per micro-batch:
-    its product saves the weight slice [V_p/q, h/q²] (V_p = ⌈V/q²⌉·q²) cut from the table gathered over
-    ``batch`` [V_p, h/q], copied (contiguous, then cast to the activations' dtype), so V_p·h/q³·e."""
-    q = TensorMode.THREE_D.cube_side(T)
-    vp = padded_vocab_size(cfg.vocab_size, q * q)
-    return vp * cfg.hidden // q ** 3 * e
+    return TensorMode.parse(mode).embedding_saved_bytes(T, tokens)
 
 
 def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int, e: int = FP32) -> int:
     """The fp32 (log-)softmax over this rank's logits block and the loss's targets/masks (any precision:
-    the loss upcasts the logits); at 3D with a tied head also :func:`tied_head3d_saved_bytes`."""
-    r = _rank_shape(cfg, mode, T, False, tokens)
-    n = r.token_rows
-    mode = TensorMode.parse(mode)
-    if mode.is_cube and getattr(cfg, "tie_embeddings", False):
-        return n * r.vocab_block * FP32 + n * INDEX_BYTES + 2 * n * MASK_BYTES + FP32 + \
-            tied_head3d_saved_bytes(cfg, T, e)
-    if not mode.splits_weights:
-        return n * r.vocab_block * FP32 + n * INDEX_BYTES + FP32
-    if mode.is_1d:
-        return n * r.vocab_block * FP32 + n * INDEX_BYTES + 2 * n * MASK_BYTES
-    return n * r.vocab_block * FP32 + n * INDEX_BYTES + 2 * n * MASK_BYTES + FP32
+    the loss upcasts the logits); at 3D with a tied head also :func:`gridshard.tensor.tp3d.scheme.tied_head_saved_bytes` (the scheme's ``head_and_loss_saved_bytes``)."""
+    return TensorMode.parse(mode).head_and_loss_saved_bytes(cfg, T, _rank_shape(cfg, mode, T, False, tokens), e)
 
 
 def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T: int = 1,
@@ -808,4 +757,4 @@ __all__ = ["ParamBlock", "kv_replica_grad_extra", "ModelState", "model_state_byt
            "ActivationBytes", "activation_bytes", "activation_element_bytes", "layer_saved_bytes",
            "layer_saved_tensors", "norm_saved_bytes",
            "weight_copy_bytes", "embedding_saved_bytes",
-           "head_and_loss_saved_bytes", "tied_head3d_saved_bytes", "logits_workspace_bytes", "RankMemory", "predict_rank_memory"]
+           "head_and_loss_saved_bytes", "logits_workspace_bytes", "RankMemory", "predict_rank_memory"]

@@ -39,7 +39,7 @@ from torch import nn
 
 from .gather import ParameterGather
 from .pages import StagingPool, heap_trimmer, pages_act
-from .reducer import whole_parameters
+from .stepped import whole_parameters
 from .reduction import GradientReduction
 from .settings import MAX_IN_FLIGHT, ReadsSettings, ZeroSettings
 from .units import Unit, UnitLayout

@@ -27,47 +27,20 @@ One step drives every stage alike::
     ‖g‖ over reducer.norm_tensors() (and over reducer.norm_axis); clip; optimizer.step()
     reducer.after_step()
 
-:class:`SteppedTensor` is the one record the optimizer, the norm and the checkpoint read: the
-parameter's name, the parameter, the tensor stepped and, for a ZeRO shard, the local elements
-``[a, b)`` of the parameter's flattened block it is (:mod:`gridshard.theory.zero`).
+:class:`SteppedTensor` (:mod:`.stepped`, importable from here) is the one record the optimizer,
+the norm and the checkpoint read: the parameter's name, the parameter, the tensor stepped and,
+for a ZeRO shard, the local elements ``[a, b)`` of the parameter's flattened block it is
+(:mod:`gridshard.theory.zero`).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
 
-from ..theory.zero import flat_range_boxes
+from .data_parallel import ZeroDataParallel
+from .stepped import SteppedTensor, whole_parameters   # noqa: F401 (importable from here: gridshard.zero, checkpoint)
 
-if TYPE_CHECKING:
-    from .data_parallel import ZeroDataParallel
-
-
-@dataclass(frozen=True)
-class SteppedTensor:
-    """What the optimizer steps for parameter ``name``: ``param`` itself (``elements`` None) or,
-    for a ZeRO shard, the local elements ``[a, b)`` of the parameter's flattened block
-    (``tensor`` 1-dim, b − a elements: a view into this rank's chunk of the unit's buffer)."""
-
-    name: str
-    param: nn.Parameter
-    tensor: torch.Tensor
-    elements: Optional[tuple] = None
-
-    def pieces(self, tensor: Optional[torch.Tensor] = None) -> list:
-        """(local box or None, the part of ``tensor`` — this one, or its AdamW moment — in it):
-        the whole block once, or the boxes of the element range
-        (:func:`gridshard.theory.zero.flat_range_boxes`: ≤ 3 for a matrix), each a view in the box's
-        shape. Each box is the parameter's layout narrowed once more
-        (:meth:`gridshard.nn.sharding.ShardSpec.canonical_box`)."""
-        t = self.tensor if tensor is None else tensor
-        if self.elements is None:
-            return [(None, t)]
-        a = self.elements[0]
-        return [(box, t[lo - a:hi - a].view(tuple(h - l for l, h in box)))
-                for box, (lo, hi) in flat_range_boxes(self.param.shape, *self.elements)]
+__all__ = ["SteppedTensor", "ZeroDataParallel", "build_reducer", "whole_parameters"]
 
 
 def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, overlap: bool,
@@ -86,8 +59,6 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
     :meth:`~.data_parallel.ZeroDataParallel.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
     gradients are reduced in (``train.grad_reduce_dtype``). ``host_pages``: ZeRO-3's memory outside glibc's heap on
     a Linux CPU (``train.zero3_host_memory`` through :func:`gridshard.zero.pages.host_pages_in_effect`)."""
-    from .data_parallel import ZeroDataParallel
-
     reducer = ZeroDataParallel(model, data_axis, zero, bucket_bytes, overlap=overlap, param_dtype=param_dtype,
                                grad_reduce_dtype=grad_reduce_dtype, defer_root=defer_root,
                                host_pages=host_pages)
@@ -97,9 +68,3 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
                 if p.is_floating_point() and p.dtype != param_dtype:
                     p.data = p.data.to(param_dtype)
     return reducer
-
-
-def whole_parameters(model: nn.Module) -> Iterator[SteppedTensor]:
-    """Every parameter of ``model`` as itself (the checkpoint's blocks without a reducer)."""
-    for name, p in model.named_parameters():
-        yield SteppedTensor(name, p, p)

@@ -24,7 +24,7 @@ ZeRO-0, whose every rank owns everything (:class:`~.flat_layout.FlatLayout`,
   while the parameter buffer's storage is freed.
 
 Data rank r owns elements ``[r·C_u, (r+1)·C_u)`` of each unit (ZeRO-0: all of them). What the
-optimizer steps (:class:`~.reducer.SteppedTensor`) is, per parameter, the part of that chunk
+optimizer steps (:class:`~.stepped.SteppedTensor`) is, per parameter, the part of that chunk
 inside it: ZeRO ≥ 1 a 1-dim view of the parameter chunk (ZeRO-1/2: of the parameter buffer
 itself), whose ``.grad`` is the same slice of the reduced chunk; parameters with no element in
 the chunk are not stepped here. AdamW is element-wise, so stepping element ranges is exactly a
@@ -55,8 +55,8 @@ from ..parallel.decoder_layers import decoder_layers
 from ..theory.training import bucket_partition
 from .flat_layout import FlatLayout
 from .pages import ChunkArena, FlatPages
-from .reducer import SteppedTensor
 from .settings import ReadsSettings, ZeroSettings
+from .stepped import SteppedTensor
 
 
 @dataclass

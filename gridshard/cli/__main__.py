@@ -1,0 +1,4 @@
+"""``python -m gridshard.cli ...`` = the ``gridshard`` command."""
+from .main import main
+
+main()

@@ -1,0 +1,91 @@
+"""The runtime half of the scheme protocol, with the defaults of a mode whose weights stay whole.
+
+:class:`gridshard.tensor_scheme.TensorScheme` (a leaf, no torch) answers the layout questions;
+:class:`Scheme` adds what needs layers and tensors: the loss of a language model's logits and of a
+classifier's, and a classifier's correct count. Every built-in mode subclasses it, and so does a mode
+a user registers (``tests/test_tensor_scheme.py``). Defaults: a rank's logits cover the whole
+vocabulary for its own rows; the rows of a tensor group's micro-batch are cut into
+``mesh.batch_blocks`` blocks summed over :meth:`batch_block_axis` (None: one block).
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from ..nn.classification_loss import classification_loss, correct_count
+from ..tensor_scheme import TensorScheme
+from ..theory.memory import FP32, INDEX_BYTES, MASK_BYTES, RankShape
+
+
+class Scheme(TensorScheme):
+    """A tensor scheme with the runtime defaults (module docstring)."""
+
+    def batch_block_axis(self, mesh):
+        """The axis over which the tensor group's batch blocks are summed (None: the group holds one block)."""
+        return None
+
+    def batch_blocks_name(self, mesh) -> str:
+        """What a message calls the blocks a micro-batch's rows are cut into (``mesh.batch_blocks``)."""
+        return "batch blocks"
+
+    def lm_loss(self, logits, targets, ctx, ignore_index: int, reduction: str):
+        """Cross-entropy of this rank's logits over the tensor group's targets, the same scalar on every
+        tensor rank (:meth:`gridshard.parallel.ParallelContext.loss`). Default: whole-vocabulary logits of
+        the rank's rows, summed over the batch blocks when there are several."""
+        axis = self.batch_block_axis(ctx.mesh)
+        if axis is None:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                   ignore_index=ignore_index, reduction=reduction)
+        flat = logits.reshape(-1, logits.shape[-1])
+        return classification_loss(flat, targets.reshape(-1), axis, ignore_index, reduction)
+
+    def classification_loss(self, logits, labels, mesh, ignore_index: int, reduction: str):
+        """A classifier's loss over the tensor group's labels (:mod:`gridshard.nn.classification_loss`)."""
+        return classification_loss(logits, labels, self.batch_block_axis(mesh), ignore_index, reduction)
+
+    def correct_count(self, logits, labels, mesh):
+        """How many of the tensor group's inputs the classifier gets right, the same on every tensor rank."""
+        return correct_count(logits, labels, self.batch_block_axis(mesh))
+
+    # ---- per-rank shapes and memory terms (gridshard/theory/memory.py §2) -------------------------
+    def rank_shape(self, cfg, T: int, sequence_parallel: bool, tokens: int) -> RankShape:
+        """One rank's rows N_r, residual elements R, heads H_r, kv heads K_r, neurons f_r and logits
+        columns V_r of a micro-batch of ``tokens`` tokens. Default: everything whole."""
+        h = cfg.hidden
+        return RankShape(tokens, tokens * h, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, cfg.vocab_size)
+
+    def norm_saved_bytes(self, cfg, T: int, r: RankShape, e: int, consumer_input: int) -> int:
+        """One RMSNorm's saved tensors and its consumer's input: x, x̂ (fp32 only: ``F.rms_norm``
+        decomposed), the fp32 rstd per row, and y (``consumer_input``, 0 when rebuilt)."""
+        x_hat = r.residual * e if e == FP32 else 0       # bf16/fp16: rebuilt in backward (nn.norm.rms_norm)
+        return r.residual * e + x_hat + (r.residual // cfg.hidden) * FP32 + consumer_input
+
+    def autocast_weight_elements(self, cfg, T: int) -> tuple:
+        """(per decoder layer, head) weight elements autocast copies to the compute dtype and autograd
+        keeps: every weight multiplied through ``F.linear`` (default: all of them, h_in = h)."""
+        return self._grid_weight_elements(cfg, T, cfg.hidden)
+
+    def _grid_weight_elements(self, cfg, T: int, h_in: int) -> tuple:
+        r = self.rank_shape(cfg, T, False, 0)
+        d = cfg.head_dim
+        return h_in * (d * (2 * r.heads + 2 * r.kv_heads) + 3 * r.ffn), h_in * r.vocab_block
+
+    def embedding_saved_bytes(self, T: int, tokens: int) -> int:
+        """Token ids (N·8), plus the out-of-range mask (N·1) of a table split over T > 1 ranks."""
+        return tokens * INDEX_BYTES + (tokens * MASK_BYTES if T > 1 else 0)
+
+    def head_and_loss_saved_bytes(self, cfg, T: int, r: RankShape, e: int) -> int:
+        """The fp32 (log-)softmax over this rank's logits block, the targets, and the loss's scalar."""
+        n = r.token_rows
+        return n * r.vocab_block * FP32 + n * INDEX_BYTES + FP32
+
+    @staticmethod
+    def masked_loss_bytes(r: RankShape) -> int:
+        """fp32 logits block, targets and two boolean masks (the vocabulary-parallel losses)."""
+        n = r.token_rows
+        return n * r.vocab_block * FP32 + n * INDEX_BYTES + 2 * n * MASK_BYTES
+
+    @staticmethod
+    def grid_norm_saved_bytes(cfg, r: RankShape, q: int, e: int, consumer_input: int) -> int:
+        """2D's norm function (3D: on the cube's output axis): x, y, the fp32 rstd per row and the
+        gathered fp32 weight block h/q."""
+        return r.residual * e + consumer_input + r.token_rows * FP32 + (cfg.hidden // q) * FP32

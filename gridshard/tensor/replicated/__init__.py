@@ -1,0 +1,1 @@
+"""``none``: no tensor parallelism (:mod:`gridshard.tensor.replicated.scheme`)."""

@@ -1,0 +1,1 @@
+"""``1d``: Megatron column/row tensor parallelism with optional sequence parallelism."""

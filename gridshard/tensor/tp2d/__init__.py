@@ -1,0 +1,1 @@
+"""``2d``: SUMMA tensor parallelism on a q×q grid."""

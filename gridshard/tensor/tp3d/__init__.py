@@ -1,0 +1,1 @@
+"""``3d``: tensor parallelism on a q×q×q cube."""
