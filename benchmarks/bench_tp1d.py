@@ -35,7 +35,7 @@ Columns:
   (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the unscattered
   input). gridshard: :data:`gridshard.LEDGER`; DTensor: its functional collectives counted
   by a dispatch mode (``_runner.CollectiveCounter``) on one extra untimed step.
-* ``theory MiB``: :mod:`gridshard.theory.tp1d`, when that module exists.
+* ``theory MiB``: :mod:`gridshard.tensor.tp1d.theory`, when that module exists.
 * ``param MiB``: parameter bytes held per rank.
 * ``max rel err``: max |y − y_ref| / max |y_ref| over the block output and the input
   gradient, against the single-device row (same global weights and inputs): proves each
@@ -132,7 +132,7 @@ def _build_gridshard(block, args, T, sp):
     from torch import nn
 
     from gridshard import build_mesh
-    from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+    from gridshard.tensor.tp1d.linear import ColumnParallelLinear, RowParallelLinear
 
     mesh = build_mesh(tensor=T, tensor_mode="1d")
     if block == "mlp":
@@ -235,7 +235,7 @@ def _sequence_first_layout() -> bool:
     """Whether this gridshard keeps SP activations sequence-first (commits before it did not)."""
     import importlib
 
-    return hasattr(importlib.import_module("gridshard.nn.linear_1d"), "is_sequence_first")
+    return hasattr(importlib.import_module("gridshard.tensor.tp1d.linear"), "is_sequence_first")
 
 
 def bench_variant(block: str, impl: str, T: int, sp: bool, args: dict) -> dict:
@@ -298,14 +298,14 @@ def bench_variant(block: str, impl: str, T: int, sp: bool, args: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------
-# Theory (gridshard/theory/tp1d.py, when it exists)
+# Theory (gridshard/tensor/tp1d/theory.py, when it exists)
 # --------------------------------------------------------------------------------------
 
 def theory_comm_bytes(block, args, T, sp):
     """Predicted payload bytes per rank per step for gridshard's block, or None when
-    ``gridshard.theory.tp1d`` does not exist (yet)."""
+    ``gridshard.tensor.tp1d.theory`` does not exist (yet)."""
     try:
-        from gridshard.theory import tp1d
+        from gridshard.tensor.tp1d import theory as tp1d
     except ImportError:
         return None
     return _theory_from_module(tp1d, block, args, T, sp)
@@ -336,7 +336,7 @@ def _gridshard_1d_available() -> bool:
     import importlib.util
 
     return all(importlib.util.find_spec(m) is not None
-               for m in ("gridshard.nn.linear_1d", "gridshard.parallel"))
+               for m in ("gridshard.tensor.tp1d.linear", "gridshard.parallel"))
 
 
 def _rel_err(a, b) -> float:

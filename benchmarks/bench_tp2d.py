@@ -34,7 +34,7 @@ Columns:
 * ``vs 1 dev``: step time / single-device step time (same run).
 * ``vs best other``: step time / the fastest other row at the same device count (same run).
 * ``comm MiB``: payload bytes per rank per step from the ledger (its convention);
-  ``theory MiB``: :mod:`gridshard.theory.tp2d` / :mod:`gridshard.theory.tp1d`.
+  ``theory MiB``: :mod:`gridshard.tensor.tp2d.theory` / :mod:`gridshard.tensor.tp1d.theory`.
 * ``wire MiB``: bytes one rank sends per step on bandwidth-optimal rings (the ledger's
   ``wire_bytes``: all-reduce 2(n−1)/n, the others (n−1)/n of the payload): the figure
   that sets the bandwidth time, and the fair 1D-vs-2D comparison.
@@ -152,7 +152,7 @@ def build(block, impl, q, args):
                                 plain_linear(4 * h, h, True, std)), None
         return _decoder_layer(args, build_mesh(tensor=1, tensor_mode="none")), None
     if impl.startswith("1d"):
-        from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+        from gridshard.tensor.tp1d.linear import ColumnParallelLinear, RowParallelLinear
 
         sp = impl == "1d+sp"
         mesh = build_mesh(tensor=q * q, tensor_mode="1d")
@@ -165,7 +165,7 @@ def build(block, impl, q, args):
                                 RowParallelLinear(4 * h, h, mesh, bias=True, sequence_parallel=sp, init_std=std),
                                 mesh.tensor if sp else None), mesh
         return _decoder_layer(args, mesh, sp), mesh
-    from gridshard.nn.linear_2d import Linear2D
+    from gridshard.tensor.tp2d.linear import Linear2D
 
     mesh = build_mesh(tensor=q * q, tensor_mode="2d")
     overlap = impl != "2d-blocking"       # double-buffered async SUMMA broadcasts, or blocking ones
@@ -173,7 +173,7 @@ def build(block, impl, q, args):
         return _mlp(Linear2D(h, 4 * h, mesh, bias=True, init_std=std, overlap=overlap),
                     Linear2D(4 * h, h, mesh, bias=True, init_std=std, overlap=overlap)), mesh
     if block == "prenorm_mlp":
-        from gridshard.nn.norm_2d import LayerNorm2D
+        from gridshard.tensor.tp2d.norm import LayerNorm2D
 
         return _prenorm_mlp(LayerNorm2D(h, mesh), Linear2D(h, 4 * h, mesh, bias=True, init_std=std, overlap=overlap),
                             Linear2D(4 * h, h, mesh, bias=True, init_std=std, overlap=overlap)), mesh
@@ -268,7 +268,7 @@ def theory_bytes(block, impl, q, args):
     if impl == "single":
         return 0
     if impl.startswith("1d"):
-        from gridshard.theory import tp1d
+        from gridshard.tensor.tp1d import theory as tp1d
 
         sp = impl == "1d+sp"
         if block == "mlp":
@@ -276,7 +276,7 @@ def theory_bytes(block, impl, q, args):
         if block == "prenorm_mlp":     # + the SP LayerNorm's weight and bias gradients, h·e each
             return tp1d.column_row_comm(b, s, h, q * q, sp, row_bias=True).payload_bytes() + (2 * h * 4 if sp else 0)
         return tp1d.block_comm(b, s, h, q * q, sp, heads=args["heads"], kv_heads=args["kv_heads"]).payload_bytes()
-    from gridshard.theory import tp2d
+    from gridshard.tensor.tp2d import theory as tp2d
 
     if block in ("mlp", "prenorm_mlp"):
         vol = tp2d.combine(tp2d.linear2d_comm(b * s, h, 4 * h, q, bias=True),

@@ -3,7 +3,7 @@ CPU/gloo (q = 2, 8 ranks by default).
 
 For each layer, one forward + backward on the same global batch of b sequences of s tokens
 (fp32, fresh weights from one seed, no GatheredVectors window), the same layers and sizes as
-``bench_tp2p5d_ledger.py`` so the rows can be read side by side:
+the former 2.5D layer-level ledger benchmark so the rows can be read side by side:
 
 * ``linear``: Linear3D h → f with bias; ``mlp``: Linear3D h → f (bias), GELU, Linear3D f → h
   (bias) on the swapped mesh (back to the input's layout);
@@ -12,7 +12,7 @@ For each layer, one forward + backward on the same global batch of b sequences o
 
 Columns: calls per physical ledger axis (weight / input / output / weight_input /
 weight_output), payload and ring wire KiB per rank (the ledger's own figures), ``= theory`` (the
-ledger equals :mod:`gridshard.theory.tp3d` call for call and byte for byte), parameter KiB per
+ledger equals :mod:`gridshard.tensor.tp3d.theory` call for call and byte for byte), parameter KiB per
 rank, saved-for-backward KiB per rank (``saved_tensors_hooks``, parameters excluded) and the
 largest relative error of the output and the gradients against one process.
 
@@ -34,9 +34,9 @@ def _layers(mesh, a):
     import torch
     from torch import nn
 
-    from gridshard.nn.embedding_3d import VocabParallelEmbedding3D
-    from gridshard.nn.linear_3d import Linear3D, VocabParallelClassifier3D
-    from gridshard.nn.norm_3d import RMSNorm3D
+    from gridshard.tensor.tp3d.embedding import VocabParallelEmbedding3D
+    from gridshard.tensor.tp3d.linear import Linear3D, VocabParallelClassifier3D
+    from gridshard.tensor.tp3d.norm import RMSNorm3D
     from gridshard.testing.plain import plain_embedding, plain_lm_head, plain_linear
 
     def pair(make_par, make_ref):
@@ -62,7 +62,7 @@ def _layers(mesh, a):
 
 
 def _theory(name, q, a):
-    from gridshard.theory import tp3d as T
+    from gridshard.tensor.tp3d import theory as T
 
     n = a.b * a.s
     return {"linear": lambda: T.linear3d_comm(n, a.h, a.f, q, bias=True),
@@ -85,7 +85,7 @@ def _run_one(mesh, par, ref, kind, a):
     import torch
     import torch.nn.functional as F
 
-    from gridshard.nn.cross_entropy_3d import cross_entropy_3d
+    from gridshard.tensor.tp3d.cross_entropy import cross_entropy_3d
     from gridshard.nn.sharding import take_shard
     from gridshard.testing.compare import relative_error
     from gridshard.testing.inputs import randint, randn
@@ -143,7 +143,7 @@ def _saved_bytes(module, fn):
 
 def _measure(q, a):
     from gridshard.comm import LEDGER
-    from gridshard.comm.mesh_3d import build_mesh_3d
+    from gridshard.tensor.tp3d.mesh import build_mesh_3d
 
     mesh = build_mesh_3d(q)
     rows = []

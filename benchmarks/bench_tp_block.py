@@ -26,11 +26,11 @@ block of X and G in the layout the model's own previous layer would hand it (1D+
 block stored sequence-first, as the SP embedding writes it).
 
 ``3d-layers``: the plain ``DecoderLayer`` with its modules swapped for
-the 3D layer family on a :class:`gridshard.comm.mesh_3d.Mesh3D` — the norms (``RMSNorm3D``) and
+the 3D layer family on a :class:`gridshard.tensor.tp3d.mesh.Mesh3D` — the norms (``RMSNorm3D``) and
 q, k, v, gate, up (``Linear3D``) on the residual orientation, ``o_proj`` and ``down_proj`` on the
 swapped one, so the residual stream keeps its layout; the attention core runs on the rank's heads
 (column block j) of its whole sequences (batch block i·q + l) — what ``parallelize`` builds at 3D
-(:func:`gridshard.parallel.swap.build_3d`). Each projection is its own 3D product (its own gathers
+(:func:`gridshard.tensor.tp3d.build.build_3d`). Each projection is its own 3D product (its own gathers
 of the input block: ``parallelize``'s shared input fuses q|k|v and gate|up in 1D and 2D only;
 concatenating the local weight blocks into one product would move less, but autograd would then
 keep the concatenated weight block as an activation). Weights are the reference model's, cut by
@@ -46,7 +46,7 @@ Per mode and rank (the table prints the max over ranks):
   rounds, while the other ranks wait at the next barrier.
 * ``wire KiB``, ``calls``: ring bytes one rank sends per step and its collective calls, from the
   ledger; ``= theory``: the ledger's total wire bytes and calls equal the theory modules'
-  (:func:`theory_volume`: :mod:`gridshard.theory.tp1d`, ``tp2d``, ``tp2p5d``, ``tp3d``).
+  (:func:`theory_volume`: :mod:`gridshard.tensor.tp1d.theory`, ``tp2d``, ``tp2p5d``, ``tp3d``).
 * ``peak MiB``: the peak of the tensor bytes one step allocates and keeps alive
   (:class:`gridshard.testing.live_bytes.LiveBytesMeter`): activations, workspaces, collective
   buffers and gradients, above the parameters (and the inputs).
@@ -131,7 +131,11 @@ def theory_volume(mode: str, a) -> tuple:
       all-reduce of the same parameter bytes over the d = 2 layers;
     * 3d: two ``tp3d.rmsnorm3d_comm`` and seven ``tp3d.linear3d_comm``: q h → h, k and v h → K·d,
       gate and up h → f on the residual orientation, o h → h and down f → h on the swapped one."""
-    from gridshard.theory import CommVolume, tp1d, tp2d, tp2p5d, tp3d
+    from gridshard.theory import CommVolume
+    from gridshard.tensor.tp1d import theory as tp1d
+    from gridshard.tensor.tp2d import theory as tp2d
+    from gridshard.tensor.tp2p5d import theory as tp2p5d
+    from gridshard.tensor.tp3d import theory as tp3d
 
     b, s, h, f, H, K = a.batch, a.seq, a.hidden, a.ffn, a.heads, a.kv_heads
     if mode in ("1d", "1d+sp"):
@@ -156,7 +160,8 @@ def theory_param_bytes(mode: str, a) -> int:
     """Parameter bytes per rank: ``tp1d.block_param_bytes`` on T = 8 (norms replicated, kv heads
     replicated when K < 8), ``tp2d.block2d_param_bytes`` on the q = 2 grid (2D and 2.5D: 1/q²),
     1/q³ of the block at 3D."""
-    from gridshard.theory import tp1d, tp2d
+    from gridshard.tensor.tp1d import theory as tp1d
+    from gridshard.tensor.tp2d import theory as tp2d
 
     if mode in ("1d", "1d+sp"):
         return tp1d.block_param_bytes(a.hidden, a.ffn, WORLD, heads=a.heads, kv_heads=a.kv_heads)
@@ -209,8 +214,8 @@ def build_3d_layer(ref_layer, cfg, mesh):
     """The plain DecoderLayer with ``ref_layer``'s weights, laid out on the 3D ``mesh`` (module
     docstring)."""
     from gridshard.models.llama import DecoderLayer
-    from gridshard.nn.linear_3d import Linear3D
-    from gridshard.nn.norm_3d import RMSNorm3D
+    from gridshard.tensor.tp3d.linear import Linear3D
+    from gridshard.tensor.tp3d.norm import RMSNorm3D
 
     refs = {n: p.detach() for n, p in ref_layer.named_parameters()}
     layer = DecoderLayer(cfg)
@@ -279,7 +284,7 @@ def _build(mode: str, a, cfg, ref_layer):
         mesh = build_mesh(1, 1, WORLD, "3d")
         model, cut, sync = _laid_out(cfg, mesh, False, a.seed), lambda t: mesh.cube.batch_block(t).contiguous(), None
     elif mode == "3d-layers":
-        from gridshard.comm.mesh_3d import build_mesh_3d
+        from gridshard.tensor.tp3d.mesh import build_mesh_3d
         from gridshard.nn.sharding import take_shard
 
         mesh = build_mesh_3d(Q)

@@ -5,7 +5,7 @@
 
 Each rank holds 1/T of both weights, checks its output and input gradient against the
 same MLP computed on one device from the same seed, and rank 0 prints what the
-communication ledger recorded next to the formula of gridshard.theory.tp1d.
+communication ledger recorded next to the formula of gridshard.tensor.tp1d.theory.
 """
 import argparse
 
@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import gridshard
-from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
-from gridshard.theory.tp1d import column_row_comm
+from gridshard.tensor.tp1d.linear import ColumnParallelLinear, RowParallelLinear
+from gridshard.tensor.tp1d.theory import column_row_comm
 
 p = argparse.ArgumentParser()
 p.add_argument("--hidden", type=int, default=256)
@@ -55,6 +55,6 @@ theory = column_row_comm(args.batch, args.seq, h, T, sp, row_bias=True)
 if dist.get_rank() == 0:
     print(f"T={T} sequence_parallel={sp}: rel. error output {err_y:.1e}, input grad {err_dx:.1e}")
     print(gridshard.LEDGER.summary())
-    print(f"theory (gridshard.theory.tp1d.column_row_comm): {theory}")
+    print(f"theory (gridshard.tensor.tp1d.theory.column_row_comm): {theory}")
 dist.barrier()
 dist.destroy_process_group()

@@ -191,19 +191,20 @@ class ParallelMesh:
 
     Build with :func:`build_mesh`. Attributes:
 
-    * ``data``, ``pipeline``, ``tensor``: axes; ``tensor`` is the flattened grid in 2D.
-    * ``context`` (size C; no group at C = 1) and ``data_context`` (data × context [× depth]
-      flattened, the reducer's axis; ``data`` itself at C = d = 1), ``context_size`` C (module docstring).
-    * ``tensor_mode``: the :class:`gridshard.job_layout.TensorMode` the model's layers are built for
-      (``none``, ``1d`` or ``2d``; ``2d`` at 2.5D); ``job_mode``: the config's (``2.5d`` there).
-    * 2D and 2.5D: ``q`` (grid side), ``grid_row``/``grid_col`` (my coordinates), and
-      ``row``/``col`` axes (see the module docstring for which ranks they hold).
-    * ``depth`` (size d, no group at d = 1), ``tensor_depth`` d; ``batch_blocks`` / ``batch_index``:
-      the blocks a micro-batch's rows are cut into and mine (2D: q and i; 2.5D: d·q and k·q + i;
-      3D: q² and i·q + j); ``logits_batch_index``: the block of the LM head's logits, and so of the
-      targets (3D: i·q + l, the swapped orientation; ``batch_index`` in every other mode).
-    * 3D: ``cube`` (a :class:`Mesh3D`, the residual orientation; None in
-      other modes) and ``cube_side`` q.
+    * ``data``, ``pipeline``, ``tensor``: axes; ``tensor`` is the flattened tensor dims when the mode lays
+      them out on several (the scheme's ``tensor_dims``: 2D's grid, 3D's cube).
+    * ``context`` (size C; no group at C = 1) and ``data_context`` (data × context [× depth] [× the mode's
+      ``weight_replica_dims``] flattened, the reducer's axis; ``data`` itself when that is all), ``context_size`` C.
+    * ``tensor_mode``: the registered scheme (:mod:`gridshard.tensor_scheme`) the model's layers are built
+      for (the layer layout's: ``2d`` at 2.5D); ``job_mode``: the config's (``2.5d`` there).
+    * ``depth`` (size d, no group at d = 1), ``tensor_depth`` d.
+    * set by the scheme (``attach_axes``), with these defaults: ``batch_blocks`` / ``batch_index`` (1, 0):
+      the blocks a micro-batch's rows are cut into and mine (2D: q and i; 2.5D: d·q and k·q + i; 3D: q²
+      and i·q + j); ``logits_batch_index``: the block of the LM head's logits, and so of the targets
+      (3D: i·q + l, the swapped orientation); ``q`` (None; 2D: the grid side, with ``grid_row``/``grid_col``
+      and the ``row``/``col`` axes); ``cube`` and ``cube_side`` (None; 3D: the residual orientation's
+      :class:`gridshard.tensor.tp3d.mesh.Mesh3D` and q); ``tensor_axes``: the extra axes whose groups
+      the mesh owns.
     """
 
     def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str,

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from gridshard.errors import ShapeError
-from gridshard.nn.cross_entropy_2d import cross_entropy_2d
-from gridshard.nn.embedding_2d import Embedding2D, VocabParallelEmbedding2D
+from gridshard.tensor.tp2d.cross_entropy import cross_entropy_2d
+from gridshard.tensor.tp2d.embedding import Embedding2D, VocabParallelEmbedding2D
 from gridshard.testing import run_on_ranks
 from gridshard.testing.inputs import randint, randn
 

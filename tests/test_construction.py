@@ -37,9 +37,9 @@ def _record_after_init(cls, attribute, seen):
 def _options_at_construction():
     from gridshard import build_mesh, parallelize
     from gridshard.errors import LayoutError
-    from gridshard.nn.linear_1d import ColumnParallelLinear
-    from gridshard.nn.linear_2d import Linear2D
-    from gridshard.nn.norm_2d import RMSNorm2D
+    from gridshard.tensor.tp1d.linear import ColumnParallelLinear
+    from gridshard.tensor.tp2d.linear import Linear2D
+    from gridshard.tensor.tp2d.norm import RMSNorm2D
     from gridshard.parallel.plan import LLAMA_PLAN
 
     seen = []

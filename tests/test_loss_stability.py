@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
+from gridshard.tensor.tp1d.cross_entropy import vocab_parallel_cross_entropy
 from gridshard.errors import ShapeError
-from gridshard.nn.cross_entropy_2d import cross_entropy_2d
-from gridshard.nn.embedding_1d import check_token_range
+from gridshard.tensor.tp2d.cross_entropy import cross_entropy_2d
+from gridshard.tensor.tp1d.embedding import check_token_range
 from gridshard.parallel import ParallelContext
 from gridshard.testing import run_on_ranks
 

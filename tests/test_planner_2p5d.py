@@ -3,7 +3,7 @@
 * enumeration: 2.5D with every depth d ≥ 2 where T = q²·d, q ≥ 2; the layout carries ``tensor_depth``;
 * pricing: a 2.5D layout is priced as the 2D layout each rank runs (``Layout.layer_layout``: q² ranks,
   m/d rows, D·d data replicas) — every step-time term equal to that layout's on one node, the SUMMA
-  comm equal to :mod:`gridshard.theory.tp2d` on m/d rows (which :mod:`gridshard.theory.tp2p5d` states
+  comm equal to :mod:`gridshard.tensor.tp2d.theory` on m/d rows (which :mod:`gridshard.tensor.tp2p5d.theory` states
   for each 2.5D layer), the gradient reduction over D·C·d ranks, the memory equal to
   :func:`gridshard.planner.fit.config_layout`'s of the config the planner writes, which validates;
 * ``--explain``: says why 2.5D wins against 2D at the same T (fewer SUMMA calls on a grid that stays
@@ -17,7 +17,8 @@ from gridshard.planner.fit import config_layout
 from gridshard.planner.layouts import Layout, enumerate_layouts
 from gridshard.planner.report import explain, written_config
 from gridshard.planner.search import PlanResult
-from gridshard.theory import tp2d, tp2p5d
+from gridshard.tensor.tp2d import theory as tp2d
+from gridshard.tensor.tp2p5d import theory as tp2p5d
 
 DEEP = Layout(1, 1, 8, "2.5d", False, 0, "none", 4, tensor_depth=2)          # q = 2, d = 2
 

@@ -3,7 +3,7 @@
 * enumeration: ``3d`` wherever T = q³ (q ≥ 2), never with sequence parallelism; the config rules keep
   the layouts whose model and micro-batch fit the cube (hidden % q³, heads and kv heads % q, ffn % q²,
   micro-batch % q²);
-* pricing: a decoder layer's tensor comm per cube axis equals :func:`gridshard.theory.tp3d.block3d_comm`
+* pricing: a decoder layer's tensor comm per cube axis equals :func:`gridshard.tensor.tp3d.theory.block3d_comm`
   (whose ring bytes are the per-linear closed form plus the norms, split over ``input`` / ``output`` by each
   projection's orientation, by hand), the model's ends and full recompute
   their theory functions, each axis priced on its own link (``output`` innermost, the last to leave a
@@ -35,8 +35,8 @@ from gridshard.planner.fit import config_layout
 from gridshard.planner.layouts import Layout, enumerate_layouts, layout_problem
 from gridshard.planner.report import explain, written_config
 from gridshard.planner.search import PlanResult
-from gridshard.nn.tied_head_3d import tied_head_extra_bytes
-from gridshard.theory import tp3d
+from gridshard.tensor.tp3d.tied_head import tied_head_extra_bytes
+from gridshard.tensor.tp3d import theory as tp3d
 from gridshard.theory.context import ring_block_bytes
 from gridshard.theory.vocab import padded_vocab_size
 from gridshard.theory.memory import activation_bytes, layer_saved_bytes

@@ -64,7 +64,7 @@ def test_recompute_is_exact_and_saves_activations(layout):
     assert {k: runs["selective"][3][k] for k in tensor_ops} == {k: ledger[k] for k in tensor_ops}
     assert sum(runs["full"][3][k][1] for k in tensor_ops) > sum(ledger[k][1] for k in tensor_ops)
     if mode == "1d":                  # the layers' forward collectives up to the last saved tensor, again
-        from gridshard.theory.tp1d import block_recompute_comm
+        from gridshard.tensor.tp1d.theory import block_recompute_comm
 
         t, m = BASE["train"], BASE["model"]
         micro = t["steps"] * t["global_batch"] // t["micro_batch"]

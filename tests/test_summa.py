@@ -2,18 +2,18 @@
 
 For q = 2 (several shapes) and q = 3 (one), double-buffered and blocking: the output
 block, both operand gradients (each backward is itself two SUMMA products) equal
-the blocks of the dense result; the ledger equals gridshard.theory.tp2d exactly; a
+the blocks of the dense result; the ledger equals gridshard.tensor.tp2d.theory exactly; a
 non-2D mesh or mismatched blocks fail before any collective.
 """
 import pytest
 import torch
 
 from gridshard.comm import LEDGER
-from gridshard.comm.summa import summa_ab, summa_abt, summa_atb
+from gridshard.tensor.tp2d.summa import summa_ab, summa_abt, summa_atb
 from gridshard.errors import LayoutError, ShapeError
 from gridshard.mesh import build_mesh
 from gridshard.testing import assert_close, run_on_ranks
-from gridshard.theory import tp2d
+from gridshard.tensor.tp2d import theory as tp2d
 
 from .test_tp2d_helpers import fresh_seed, ledger_matches, mesh_2d, randn
 
@@ -79,7 +79,7 @@ def _switch_and_errors():
     collective blocking, overlap=True asynchronously (forward: the q panel broadcasts per
     operand; backward: the panel all-gathers and the terms' reduce-scatters)."""
     import gridshard.comm.collectives as coll
-    from gridshard.nn.linear_2d import Linear2D
+    from gridshard.tensor.tp2d.linear import Linear2D
 
     mesh = mesh_2d(2)
     seen = []

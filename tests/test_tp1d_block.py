@@ -16,7 +16,7 @@ out at T=1 (same seed → the same global weights); logits block, loss and every
 parameter gradient.
 
 fp32 tolerance 1e-5. The ledger of one forward + backward, the parameter bytes per rank
-and the residual activation bytes must equal ``gridshard.theory.tp1d`` exactly.
+and the residual activation bytes must equal ``gridshard.tensor.tp1d.theory`` exactly.
 """
 import pytest
 import torch
@@ -28,7 +28,7 @@ from gridshard.models import ModelConfig, Transformer
 from gridshard.models.rope import rope_tables
 from gridshard.parallel import gather_canonical, parallelize
 from gridshard.testing import assert_close, run_on_ranks
-from gridshard.theory import tp1d
+from gridshard.tensor.tp1d import theory as tp1d
 
 from .test_tp1d_helpers import TOL, last_dim_shard, local_param_bytes, mesh_1d, pad_to, randint, randn, seq_block
 

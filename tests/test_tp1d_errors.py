@@ -11,9 +11,9 @@ import torch
 from gridshard.comm import LEDGER
 from gridshard.errors import LayoutError, ShapeError
 from gridshard.models import ModelConfig, Transformer
-from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
-from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
-from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+from gridshard.tensor.tp1d.cross_entropy import vocab_parallel_cross_entropy
+from gridshard.tensor.tp1d.embedding import VocabParallelEmbedding, padded_vocab_size
+from gridshard.tensor.tp1d.linear import ColumnParallelLinear, RowParallelLinear
 from gridshard.nn.norm import RMSNorm
 from gridshard.nn.shape_rules import model_shape_rules
 from gridshard.parallel import parallelize

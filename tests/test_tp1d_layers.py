@@ -4,7 +4,7 @@ For T ∈ {1, 2, 4}, with and without sequence parallelism, on fresh random inpu
 and two shapes each: forward output, input gradient and every parameter gradient
 of ColumnParallelLinear, RowParallelLinear, a column → row SwiGLU MLP,
 VocabParallelEmbedding, vocab_parallel_cross_entropy and RMSNorm equal the
-reference (fp32, relative error ≤ 1e-5), and the ledger equals gridshard.theory.tp1d.
+reference (fp32, relative error ≤ 1e-5), and the ledger equals gridshard.tensor.tp1d.theory.
 """
 import pytest
 import torch
@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridshard.comm import LEDGER
-from gridshard.nn.cross_entropy_1d import vocab_parallel_cross_entropy
-from gridshard.nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
-from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+from gridshard.tensor.tp1d.cross_entropy import vocab_parallel_cross_entropy
+from gridshard.tensor.tp1d.embedding import VocabParallelEmbedding, padded_vocab_size
+from gridshard.tensor.tp1d.linear import ColumnParallelLinear, RowParallelLinear
 from gridshard.nn.norm import RMSNorm
 from gridshard.testing.plain import plain_embedding, plain_linear
 from gridshard.parallel import ParallelContext
 from gridshard.testing import assert_close, run_on_ranks
-from gridshard.theory import tp1d
+from gridshard.tensor.tp1d import theory as tp1d
 
 from .test_tp1d_helpers import (TOL, compare_parameters, expected_shard, last_dim_shard, mesh_1d, pad_to,
                                 randint, randn, seq_block)
@@ -80,8 +80,8 @@ def _check_input_grad_overlap(mesh, sp, b, s, h, seed):
     input has a second consumer, the entry sees a gradient that is not the launched one and
     reduces the received sum instead (one extra collective, the same values)."""
     from gridshard.comm.dual_ops import copy_to_group, gather_sequence
-    from gridshard.comm.input_grad_overlap import column_input
-    from gridshard.nn.linear_1d import column_product
+    from gridshard.tensor.tp1d.input_grad_overlap import column_input
+    from gridshard.tensor.tp1d.linear import column_product
 
     parts = [randn((8, h), seed + 1), randn((4, h), seed + 2)]
     X, G, C2 = randn((b, s, h), seed + 3), randn((b, s, 12), seed + 4), randn((b, s, h), seed + 5)

@@ -13,13 +13,13 @@ from gridshard.comm.grid_ops import split_batch
 from gridshard.errors import LayoutError, ShapeError
 from gridshard.mesh import build_mesh
 from gridshard.models import ModelConfig, Transformer
-from gridshard.nn.classifier_2d import Classifier2D
-from gridshard.nn.cross_entropy_2d import cross_entropy_2d
-from gridshard.nn.embedding_2d import Embedding2D
-from gridshard.nn.linear_2d import Linear2D
-from gridshard.nn.norm_2d import LayerNorm2D, RMSNorm2D
-from gridshard.nn.patch_embedding_2d import PatchEmbedding2D
-from gridshard.nn.linear_1d import ColumnParallelLinear, RowParallelLinear
+from gridshard.tensor.tp2d.classifier import Classifier2D
+from gridshard.tensor.tp2d.cross_entropy import cross_entropy_2d
+from gridshard.tensor.tp2d.embedding import Embedding2D
+from gridshard.tensor.tp2d.linear import Linear2D
+from gridshard.tensor.tp2d.norm import LayerNorm2D, RMSNorm2D
+from gridshard.tensor.tp2d.patch_embedding import PatchEmbedding2D
+from gridshard.tensor.tp1d.linear import ColumnParallelLinear, RowParallelLinear
 from gridshard.parallel import ParallelContext, check_layout, model_dims, parallelize
 from gridshard.testing import run_on_ranks
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from gridshard.comm import LEDGER
 from gridshard.mesh import build_mesh
-from gridshard.nn.linear_2d import Linear2D
+from gridshard.tensor.tp2d.linear import Linear2D
 from gridshard.nn.sharding import get_spec, shard_from_global
 from gridshard.testing import assert_close
 from gridshard.testing.inputs import randint, randn  # noqa: F401  (re-exported to the test modules)

@@ -5,7 +5,7 @@ relative error ≤ 1e-5: forward output, input gradient and every parameter grad
 of Linear2D (with and without bias), RMSNorm2D, LayerNorm2D, VocabParallelEmbedding2D,
 Embedding2D, the vocab-parallel LM head (untied and tied) with the 2D cross-entropy
 (padded vocabulary, ignored targets), Classifier2D and PatchEmbedding2D. Linear2D's
-ledger equals gridshard.theory.tp2d exactly, its parameters are 1/q² of the layer
+ledger equals gridshard.tensor.tp2d.theory exactly, its parameters are 1/q² of the layer
 and its saved activations 1/q² of one device's (measured with saved_tensors_hooks). Under bf16
 autocast Linear2D returns F.linear's dtype (bf16), its bias added in that dtype.
 """
@@ -16,16 +16,16 @@ from torch import nn
 
 from gridshard.comm import LEDGER
 from gridshard.comm.grid_ops import gather_along, reduce_scatter_along, split_batch
-from gridshard.nn.classifier_2d import Classifier2D, TiedVocabHead2D, VocabParallelClassifier2D
-from gridshard.nn.cross_entropy_2d import cross_entropy_2d
-from gridshard.nn.embedding_2d import Embedding2D, VocabParallelEmbedding2D
-from gridshard.nn.linear_2d import Linear2D
-from gridshard.nn.norm_2d import LayerNorm2D, RMSNorm2D
-from gridshard.nn.patch_embedding_2d import PatchEmbedding2D
+from gridshard.tensor.tp2d.classifier import Classifier2D, TiedVocabHead2D, VocabParallelClassifier2D
+from gridshard.tensor.tp2d.cross_entropy import cross_entropy_2d
+from gridshard.tensor.tp2d.embedding import Embedding2D, VocabParallelEmbedding2D
+from gridshard.tensor.tp2d.linear import Linear2D
+from gridshard.tensor.tp2d.norm import LayerNorm2D, RMSNorm2D
+from gridshard.tensor.tp2d.patch_embedding import PatchEmbedding2D
 from gridshard.testing.plain import plain_embedding, plain_lm_head, plain_linear
 from gridshard.parallel import ParallelContext
 from gridshard.testing import assert_close, run_on_ranks
-from gridshard.theory import tp2d
+from gridshard.tensor.tp2d import theory as tp2d
 
 from .test_tp2d_helpers import (TOL, SavedActivations, block, compare_parameters, expected_shard, fresh_seed,
                                 ledger_matches, mesh_2d, pad_to, randint, randn)

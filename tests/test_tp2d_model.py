@@ -11,7 +11,7 @@ meta model laid out at T=1 (same seed → the same global weights): logits block
 every gathered parameter gradient. Multi-head and grouped-query attention.
 
 fp32, relative error ≤ 1e-5. The ledger of one forward+backward equals
-gridshard.theory.tp2d exactly, parameters per rank equal the formula (1/q² of the
+gridshard.tensor.tp2d.theory exactly, parameters per rank equal the formula (1/q² of the
 layer), and the block's saved activations per rank stay within 1.1 × one device's / q²
 (saved_tensors_hooks; parameters and the RoPE tables excluded).
 
@@ -29,7 +29,7 @@ from gridshard.models import ModelConfig, Transformer
 from gridshard.models.rope import rope_tables
 from gridshard.parallel import gather_canonical, parallelize
 from gridshard.testing import assert_close, run_on_ranks
-from gridshard.theory import tp2d
+from gridshard.tensor.tp2d import theory as tp2d
 
 from .test_tp2d_helpers import TOL, SavedActivations, block, fresh_seed, ledger_matches, mesh_2d, pad_to, randint, randn
 

@@ -6,7 +6,7 @@ Linear3D → RMSNorm3D → Linear3D chain (two accumulated micro-batches, the no
 the swapped mesh), LayerNorm3D and Linear3D without input gradient on both orientations, the
 vocabulary-parallel embedding → head → cross_entropy_3d (padded vocabulary, masked targets with
 a whole batch block masked, logits up to 1e4, mean and sum); the ledger equals
-gridshard.theory.tp3d exactly for each; parameters and the saved input are 1/q³ of one device's;
+gridshard.tensor.tp3d.theory exactly for each; parameters and the saved input are 1/q³ of one device's;
 a bad token or target in any batch block raises the same error on all ranks; the ViT path
 (PatchEmbedding3D → Linear3D → LayerNorm3D → ClsClassifier3D → classification_loss_3d, masked labels,
 both orientations, ledger = theory, the image gradient). `make test` runs only the checks without
@@ -18,16 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridshard.comm import LEDGER
-from gridshard.comm.mesh_3d import build_mesh_3d, valid_3d_sides, validate_3d
+from gridshard.tensor.tp3d.mesh import build_mesh_3d, valid_3d_sides, validate_3d
 from gridshard.errors import LayoutError, ShapeError
-from gridshard.nn.cross_entropy_3d import cross_entropy_3d
-from gridshard.nn.embedding_3d import VocabParallelEmbedding3D
-from gridshard.nn.linear_3d import Linear3D, VocabParallelClassifier3D
-from gridshard.nn.norm_3d import LayerNorm3D, RMSNorm3D
+from gridshard.tensor.tp3d.cross_entropy import cross_entropy_3d
+from gridshard.tensor.tp3d.embedding import VocabParallelEmbedding3D
+from gridshard.tensor.tp3d.linear import Linear3D, VocabParallelClassifier3D
+from gridshard.tensor.tp3d.norm import LayerNorm3D, RMSNorm3D
 from gridshard.nn.sharding import take_shard
 from gridshard.testing import assert_close, run_on_ranks
 from gridshard.testing.plain import plain_embedding, plain_lm_head, plain_linear
-from gridshard.theory import tp3d
+from gridshard.tensor.tp3d import theory as tp3d
 
 from .test_tp2d_helpers import TOL, SavedActivations, fresh_seed, pad_to, randint, randn
 
@@ -247,7 +247,7 @@ def _vit_path_3d(q, b, img, patch, chans, h, classes, swapped, reduction, seed):
     """Patch tokens, logits, loss, the image gradient and every parameter gradient equal one
     process's (labels masked, batch block 1 wholly); the embedding on ``mesh``, the head on the
     swapped orientation after a Linear3D; ledger = theory; the embedding stores 1/q³ of its layer."""
-    from gridshard.nn.vision_3d import ClsClassifier3D, PatchEmbedding3D, classification_loss_3d
+    from gridshard.tensor.tp3d.vision import ClsClassifier3D, PatchEmbedding3D, classification_loss_3d
 
     from .test_tp2d_layers import _PlainPatchEmbedding
 

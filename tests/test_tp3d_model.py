@@ -303,7 +303,7 @@ def test_cross_entropy_3d_names_itself_in_a_bad_targetconfig_error():
 
     from gridshard.errors import ShapeError
     from gridshard.mesh import Axis
-    from gridshard.nn.cross_entropy_3d import cross_entropy_3d
+    from gridshard.tensor.tp3d.cross_entropy import cross_entropy_3d
 
     one = Axis("output", 1, 0, (0,), None)
     mesh = SimpleNamespace(q=1, output=one, batch=one, batch_index=0, hidden_index=0)

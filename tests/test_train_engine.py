@@ -117,15 +117,12 @@ def test_weight_decay_only_on_matrices():
 
 
 def test_norm_ownership_counts_each_parameter_once():
-    class _Ax:
-        def __init__(self, r, n):
-            self.rank, self.size = r, n
-
-    class _Mesh2D:
-        def __init__(self, i, j):
-            self.q, self.grid_row, self.grid_col, self.tensor = 2, i, j, _Ax(2 * i + j, 4)
-
+    from gridshard.mesh import ShapeMesh
     from gridshard.nn.sharding import ShardSpec, set_spec
+
+    def _Mesh2D(i, j):                  # grid position (i, j) of a q = 2 grid, no process group
+        return ShapeMesh(tensor=4, tensor_mode="2d", tensor_rank=2 * i + j)
+
     specs = {"replicated": None, "col-split": ShardSpec((8,), ((0, "grid_col"),)),
              "both": ShardSpec((8, 8), ((0, "grid_row"), (1, "grid_col"))),
              "flat": ShardSpec((8,), ((0, "tensor"),))}

@@ -6,7 +6,7 @@ aside, as in :mod:`tests.test_vit_2p5d`), also at ZeRO-3 with selective recomput
 pipeline stages (1F1B, 16 ranks) and with data parallelism at ZeRO-2 ((2, 1, 8), 16 ranks). Without ranks
 (make test): the ViT config rules at 2.5D / 3D.
 
-How: ``parallelize`` maps the ViT plan's kinds to the 3D layers (:func:`gridshard.parallel.swap.build_3d`):
+How: ``parallelize`` maps the ViT plan's kinds to the 3D layers (:func:`gridshard.tensor.tp3d.build.build_3d`):
 ``ViTEmbeddings3D``, ``LayerNorm3D`` and ``ClsClassifier3D`` on the residual orientation, the projections to
 ``Linear3D`` (column on the residual orientation, row on the swapped one); rank (i, j, l) reads image batch
 block i·q + j of q² and its labels (the head's logits are in the same block), the loss is

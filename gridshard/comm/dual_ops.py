@@ -42,7 +42,7 @@ blocks straight into / out of one buffer, forward and backward, with no reorder 
 (:mod:`gridshard.comm.collectives`), and hand on the same layout. The 1D layers produce
 and consume it: the SP embedding looks up the transposed tokens, the row layer computes
 its partial product sequence-first, the column layer multiplies the [s, b, h] view
-(:func:`gridshard.nn.linear_1d.column_product`). Element-wise ops, RMSNorm and the
+(:func:`gridshard.tensor.tp1d.linear.column_product`). Element-wise ops, RMSNorm and the
 residual adds keep a dense layout, so the residual stream stays sequence-first. An input
 stored batch-first is still correct: the collectives then reorder it with one copy.
 """

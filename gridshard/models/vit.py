@@ -3,7 +3,7 @@ parallel code in it.
 
 :func:`gridshard.parallelize` lays it out for a mesh by swapping its modules for gridshard's
 1D / sequence-parallel / 2D layers (2.5D: 2D on each depth layer) or 3D layers
-(:mod:`gridshard.nn.vision_3d`; plan :data:`gridshard.parallel.plan.VIT_PLAN`). The module and
+(:mod:`gridshard.tensor.tp3d.vision`; plan :data:`gridshard.parallel.plan.VIT_PLAN`). The module and
 parameter names are those of Hugging Face's ``ViTForImageClassification``, so exporting to it or
 importing from it is a copy by name, never a reshape.
 
@@ -119,8 +119,8 @@ class ViTEmbeddings(nn.Module):
     so splitting it would save almost nothing and cost a collective. Its gradient is complete
     on every rank: the first column layer's input collective (an all-reduce of ∂L/∂x; under
     sequence parallelism the sequence scatter's all-gather) makes ∂L/∂x whole and identical
-    before it reaches here. In 2D it becomes :class:`gridshard.nn.patch_embedding_2d.ViTEmbeddings2D`, in
-    3D :class:`gridshard.nn.vision_3d.ViTEmbeddings3D`."""
+    before it reaches here. In 2D it becomes :class:`gridshard.tensor.tp2d.patch_embedding.ViTEmbeddings2D`, in
+    3D :class:`gridshard.tensor.tp3d.vision.ViTEmbeddings3D`."""
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()

@@ -1,7 +1,7 @@
 """Cross-entropy of a classifier's logits (one label per input), in every tensor mode.
 
-The classifier heads (:class:`gridshard.nn.classifier_1d.Classifier1D`,
-:class:`gridshard.nn.classifier_2d.ClsClassifier2D`) give every tensor rank *full* logits
+The classifier heads (:class:`gridshard.tensor.tp1d.classifier.Classifier1D`,
+:class:`gridshard.tensor.tp2d.classifier.ClsClassifier2D`) give every tensor rank *full* logits
 [b', K] for its inputs, K classes:
 
 ======  ========================  ==========================================================
@@ -15,7 +15,7 @@ none    [b, K] / [b]              Σ_i ℓ_i, ℓ_i = −log softmax(z_i)[y_i]
         q ranks of row i          one number, backward identity: rank (i, j) backpropagates
                                   its own block's logits only, as every rank of the grid holds
                                   the same total)
-3d      [b/q², K] / [b/q²]:       :func:`gridshard.nn.vision_3d.classification_loss_3d` on the
+3d      [b/q², K] / [b/q²]:       :func:`gridshard.tensor.tp3d.vision.classification_loss_3d` on the
         the images' batch block   residual orientation ``mesh.cube``: Σ over the block, summed
         i·q + j of the cube       over the q² blocks on its ``batch`` axis
 ======  ========================  ==========================================================

@@ -18,12 +18,12 @@ process-group timeout. Two ways to agree, used by the layers:
   member. ``cross_entropy_2d`` appends v to the column all-reduce it makes anyway (no extra
   collective); ``Embedding2D`` all-reduces it alone (16·n bytes);
 * check data every rank holds (:func:`check_blocks`, the same vector built locally):
-  :class:`gridshard.nn.embedding_2d.VocabParallelEmbedding2D` all-gathers the tokens along
+  :class:`gridshard.tensor.tp2d.embedding.VocabParallelEmbedding2D` all-gathers the tokens along
   the grid column anyway, so after that all-gather every rank of the tensor group holds
   the whole micro-batch and answers alike with no extra collective.
 
 (1D layers need none of this: their tokens and targets are replicated over the tensor
-group, so :func:`gridshard.nn.embedding_1d.check_token_range` on them agrees already.)
+group, so :func:`gridshard.tensor.tp1d.embedding.check_token_range` on them agrees already.)
 
 On CUDA the verdict is a device-side assertion on the summed vector (no host sync), which
 fails on every rank alike.

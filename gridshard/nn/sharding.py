@@ -11,7 +11,7 @@ A spec is a global shape plus an ordered list of splits ``(tensor_dim, coord)``.
 ``coord`` names a mesh coordinate: ``"tensor"`` (1D tensor rank t of T),
 ``"grid_row"`` (row index i of q) or ``"grid_col"`` (column index j of q); in 3D the
 cube's physical coordinates ``"weight"``, ``"input"``, ``"output"`` (each of q,
-:mod:`gridshard.comm.mesh_3d`; :func:`mesh_coords` reads them from the scheme's tensor dims). Splits
+:mod:`gridshard.tensor.tp3d.mesh`; :func:`mesh_coords` reads them from the scheme's tensor dims). Splits
 apply in order, each narrowing the block left by the previous ones. Examples:
 
 * column-parallel weight [out, in]: ``((0, "tensor"),)`` → rank t holds rows

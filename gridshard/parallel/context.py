@@ -52,7 +52,7 @@ from ..comm.grid_ops import GatheredVectors
 from ..context import shard_sequence
 from ..errors import LayoutError, ShapeError, check_divisible
 from ..job_layout import TensorMode
-from ..nn.cross_entropy_2d import REDUCTIONS
+from ..tensor.tp2d.cross_entropy import REDUCTIONS
 
 
 @dataclass
@@ -86,7 +86,7 @@ class ParallelContext:
         """Global targets [b, s] → what this rank's loss compares with its logits: the block of the
         head's logits (``mesh.logits_batch_index``: i·q + l in 3D, module docstring; the tokens'
         block in every other mode; a classifier's labels: the images' block, its head reads the residual
-        orientation, :mod:`gridshard.nn.vision_3d`)."""
+        orientation, :mod:`gridshard.tensor.tp3d.vision`)."""
         if self.objective == "classify":
             return self._shard(targets, self.mesh.batch_index)
         return self._shard(targets, getattr(self.mesh, "logits_batch_index", self.mesh.batch_index))

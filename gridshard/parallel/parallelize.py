@@ -165,7 +165,7 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     :func:`gridshard.device.rank_device`: ``cuda:LOCAL_RANK`` under nccl, the CPU under gloo); ``summa_overlap`` (2D) double-buffered async SUMMA
     broadcasts, or blocking ones when False; ``overlap_input_grad`` (1D) each column
     layer's input-gradient collective overlapped with its weight-gradient GEMM
-    (:mod:`gridshard.comm.input_grad_overlap`), or issued after it when False;
+    (:mod:`gridshard.tensor.tp1d.input_grad_overlap`), or issued after it when False;
     ``context_mode`` (a mesh with a context axis of C > 1) ``ring`` or ``all_to_all``.
     """
     from ..mesh import default_device

@@ -8,7 +8,7 @@
   tensor-parallel *forward* collectives therefore run twice per step (forward and
   recomputation: the same ops in the same order on every rank, so no rank waits on another);
   the step's tensor-group bytes grow by those forward collectives, up to the last tensor backward
-  needs (PyTorch stops the recomputation there: :func:`gridshard.theory.tp1d.block_recompute_comm`).
+  needs (PyTorch stops the recomputation there: :func:`gridshard.tensor.tp1d.theory.block_recompute_comm`).
 * ``selective``: the cheap, memory-heavy parts of each layer are recomputed, as Korthikanti
   et al. (2022) recompute the attention core and Megatron-core / torchtitan also the MLP
   activation; the projections (the FLOPs) and the norms keep their activations. Exactly:
@@ -124,7 +124,7 @@ def checkpoint_module(module: nn.Module) -> None:
 
 
 #: what offers its output to a decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` under
-#: ``selective``: the RMSNorms (:class:`gridshard.nn.norm.RMSNorm`, :class:`gridshard.nn.norm_2d.RMSNorm2D`)
+#: ``selective``: the RMSNorms (:class:`gridshard.nn.norm.RMSNorm`, :class:`gridshard.tensor.tp2d.norm.RMSNorm2D`)
 #: and the SwiGLU MLP (:class:`gridshard.models.llama.SwiGLUMLP`)
 REBUILD_SWITCH = "rebuild_output_in_backward"
 

@@ -15,7 +15,7 @@ Each mode's product is its scheme's (``shared_input_fusion``: ``gridshard/tensor
 * 1D: prepares x once (the sequence all-gather under sequence parallelism, else
   ``copy_to_group``) and computes ``x · [W_q; W_k; W_v]_tᵀ`` on the concatenated local
   blocks (+ the concatenated biases); under SP that one product keeps only the rank's
-  sequence block for backward and re-gathers it there (:mod:`gridshard.comm.input_grad_overlap`),
+  sequence block for backward and re-gathers it there (:mod:`gridshard.tensor.tp1d.input_grad_overlap`),
   so the gathered x replacing the parent's input lives only through the parent's forward;
 * 2D: computes one SUMMA A·B with B = [W_q | W_k | W_v] (the local [in/q, n/q] blocks
   side by side: column j of the grid holds block j of every part, so the product's
@@ -26,7 +26,7 @@ then splits the result into the children's output blocks (made contiguous: model
 and leaves each child its slice in the child's ``precomputed`` slot
 (:mod:`gridshard.nn.precomputed`). Communication per forward+backward is therefore
 that of one layer of width Σ out: the old fused-weight figures of
-:mod:`gridshard.theory.tp1d` / :mod:`gridshard.theory.tp2d`. If the parent calls a child
+:mod:`gridshard.tensor.tp1d.theory` / :mod:`gridshard.tensor.tp2d.theory`. If the parent calls a child
 with another tensor than its own input, the child just computes on its own (correct,
 only without the saving).
 """

@@ -24,12 +24,12 @@ where the node is not over-subscribed — see "Two bounds")::
     t_ops   = L_r · layer_overhead_s · (4/3 with full recompute)
 
 Tensor communication (exposed: it sits between dependent matmuls), per micro-batch:
-1D :func:`~gridshard.theory.tp1d.block_comm` per layer (+ embedding / final norm / head /
-cross-entropy on the end stages; + :func:`~gridshard.theory.tp1d.block_recompute_comm` per
-layer with full recompute); 2D the :mod:`~gridshard.theory.tp2d` pieces likewise (full
+1D :func:`~gridshard.tensor.tp1d.theory.block_comm` per layer (+ embedding / final norm / head /
+cross-entropy on the end stages; + :func:`~gridshard.tensor.tp1d.theory.block_recompute_comm` per
+layer with full recompute); 2D the :mod:`~gridshard.tensor.tp2d.theory` pieces likewise (full
 recompute repeats the q|k|v, o and gate|up forward products and the norms' forward reduce:
 :func:`recompute2d_comm`, an adapter composed of ``summa_ab_comm``/``rmsnorm2d_comm``).
-3D (T = q³, issue 24) the :mod:`~gridshard.theory.tp3d` block and ends (:func:`tensor_comm_3d`: every
+3D (T = q³, issue 24) the :mod:`~gridshard.tensor.tp3d.theory` block and ends (:func:`tensor_comm_3d`: every
 projection a Linear3D — 8 calls, X, W and the product each moved about twice — the norms' statistics on
 ``output``, vectors and embedding on the q²-rank ``batch`` axes), each axis on its own link:
 :func:`cube_axis_levels` says which axes' groups leave a node (``output`` innermost: q consecutive
@@ -41,7 +41,7 @@ plus ``Hardware.sync_skew_s`` per call: every collective the step prices here is
 at different times — on an over-subscribed CPU about a scheduler slice per call, measured by
 ``--calibrate``; 0 in the GPU files. With gloo's small payloads this, with the latency, is what
 2D's many SUMMA broadcasts/reduces cost (``calls × (latency + skew)``, from the
-:mod:`~gridshard.theory.tp2d` call counts).
+:mod:`~gridshard.tensor.tp2d.theory` call counts).
 
 Pipeline: each micro-batch crosses the rank's stage boundaries forward and backward,
 :func:`~gridshard.theory.pipeline.boundary_bytes` each (``send`` link), exposed — the rank's

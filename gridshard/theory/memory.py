@@ -127,7 +127,7 @@ every recompute mode, fp32 and bf16, tied and untied (``tests/test_planner_3d.py
   rebuilds x̂ (as a fused kernel does). The output y = x̂·w is kept by the
   projections that read it (R·e; under SP that is the sequence block, N·h/T·e: the column
   layers keep their block and all-gather it again in backward,
-  :mod:`gridshard.comm.input_grad_overlap`, instead of keeping the gathered N·h·e). 2D
+  :mod:`gridshard.tensor.tp1d.input_grad_overlap`, instead of keeping the gathered N·h·e). 2D
   (``RMSNorm2D``, one autograd function, fp32 arithmetic inside) keeps x (R·e), the rms
   (N_r·4), the gathered weight block (h/q·4) and, through the SUMMA product, y (R·e).
 * **q|k|v** (one matmul on the shared input): keeps that input (counted above). Their

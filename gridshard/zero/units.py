@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch import nn
 
 from ..parallel.decoder_layers import decoder_layers
 from ..theory.training import bucket_partition

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from ...errors import LayoutError
-from ...nn.classifier_1d import Classifier1D
-from ...nn.embedding_1d import VocabParallelEmbedding, padded_vocab_size
-from ...nn.linear_1d import ColumnParallelLinear, RowParallelLinear
-from ...nn.layer_norm import LayerNorm
+from .classifier import Classifier1D
+from .embedding import VocabParallelEmbedding, padded_vocab_size
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .layer_norm import LayerNorm
 from ...nn.norm import RMSNorm
 from ..layer_build import META, head_dims, linear_dims as _linear_dims, norm_eps
 

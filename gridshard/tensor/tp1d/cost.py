@@ -1,8 +1,8 @@
-"""1D's tensor-parallel bytes of one micro-batch on a rank, composed from :mod:`gridshard.theory.tp1d`
+"""1D's tensor-parallel bytes of one micro-batch on a rank, composed from :mod:`gridshard.tensor.tp1d.theory`
 (the functions the ledger tests assert). Imports no torch."""
 from __future__ import annotations
 
-from ...theory import tp1d
+from . import theory as tp1d
 
 
 def tensor_comm_1d(cfg, layout, seq: int, layers: int, first: bool, last: bool) -> list:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ...comm.dual_ops import copy_to_group
-from ...nn.linear_1d import ColumnParallelLinear, column_product, is_sequence_first
-from ...comm.input_grad_overlap import column_input
+from .linear import ColumnParallelLinear, column_product, is_sequence_first
+from .input_grad_overlap import column_input
 
 
 def fusion(children):
@@ -22,7 +22,7 @@ def fusion(children):
 def _prepare_1d(children, x):
     """(full input, handoff): the sequence all-gather under SP, else x itself; the handoff
     carries the input gradient's collective from the product to this entry (overlapped
-    with the weight gradient, :mod:`gridshard.comm.input_grad_overlap`) and, under SP, the
+    with the weight gradient, :mod:`gridshard.tensor.tp1d.input_grad_overlap`) and, under SP, the
     sequence block the product saves (re-gathered in backward) instead of the full input; or
     None for the two-node order without SP (``copy_to_group``)."""
     first = children[0]

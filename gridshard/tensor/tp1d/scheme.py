@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...errors import LayoutError
 from .build import build_1d
 from ...nn.classification_loss import masked_mean
-from ...nn.cross_entropy_1d import vocab_parallel_cross_entropy
+from .cross_entropy import vocab_parallel_cross_entropy
 from ...tensor_scheme import DivisibilityRule
 from ..base import Scheme
 from ...theory.memory import RankShape

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from ...errors import LayoutError
-from ...nn.classifier_2d import ClsClassifier2D, TiedVocabHead2D, VocabParallelClassifier2D
-from ...nn.embedding_2d import VocabParallelEmbedding2D
-from ...nn.linear_2d import Linear2D
-from ...nn.norm_2d import LayerNorm2D, RMSNorm2D
-from ...nn.patch_embedding_2d import ViTEmbeddings2D
+from .classifier import ClsClassifier2D, TiedVocabHead2D, VocabParallelClassifier2D
+from .embedding import VocabParallelEmbedding2D
+from .linear import Linear2D
+from .norm import LayerNorm2D, RMSNorm2D
+from .patch_embedding import ViTEmbeddings2D
 from ..layer_build import META, head_dims, linear_dims as _linear_dims, norm_eps
 
 

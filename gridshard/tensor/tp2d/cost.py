@@ -1,10 +1,11 @@
-"""2D's tensor-parallel bytes of one micro-batch on a rank, composed from :mod:`gridshard.theory.tp2d`
+"""2D's tensor-parallel bytes of one micro-batch on a rank, composed from :mod:`gridshard.tensor.tp2d.theory`
 (the functions the ledger tests assert). Imports no torch."""
 from __future__ import annotations
 
 import math
 
-from ...theory import CommVolume, tp2d
+from ...theory import CommVolume
+from . import theory as tp2d
 from ...theory.memory import FP32
 
 

@@ -2,8 +2,8 @@
 B = [W_q | W_k | W_v] (column j of the grid holds block j of every part), each part's bias gathered."""
 from __future__ import annotations
 
-from ...nn.linear_2d import Linear2D, gather_vector_2d
-from ...comm.summa import summa_ab_parts
+from .linear import Linear2D, gather_vector_2d
+from .summa import summa_ab_parts
 
 
 def fusion(children):

@@ -24,7 +24,7 @@ import math
 from ...errors import LayoutError
 from ...mesh import device_axis, shape_axis
 from .build import build_2d
-from ...nn.cross_entropy_2d import cross_entropy_2d
+from .cross_entropy import cross_entropy_2d
 from ...tensor_scheme import DivisibilityRule
 from ..base import Scheme
 from ...theory.memory import FP32, RankShape
@@ -114,7 +114,7 @@ class TwoDScheme(Scheme):
         return "grid side q" if mesh.batch_blocks == mesh.q else "2.5D batch blocks d·q"
 
     def lm_loss(self, logits, targets, ctx, ignore_index: int, reduction: str):
-        """:func:`gridshard.nn.cross_entropy_2d.cross_entropy_2d` over logits [b/q, s, V_p/q] of block (i, j)."""
+        """:func:`gridshard.tensor.tp2d.cross_entropy.cross_entropy_2d` over logits [b/q, s, V_p/q] of block (i, j)."""
         return cross_entropy_2d(logits, targets, ctx.mesh, ctx.vocab_size, ignore_index, reduction)
 
     def rank_shape(self, cfg, T: int, sequence_parallel: bool, tokens: int) -> RankShape:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from ...errors import LayoutError
-from ...nn.embedding_3d import VocabParallelEmbedding3D
-from ...nn.linear_3d import Linear3D, VocabParallelClassifier3D
-from ...nn.norm_3d import LayerNorm3D, RMSNorm3D
-from ...nn.tied_head_3d import TiedVocabHead3D
-from ...nn.vision_3d import ClsClassifier3D, ViTEmbeddings3D
+from .embedding import VocabParallelEmbedding3D
+from .linear import Linear3D, VocabParallelClassifier3D
+from .norm import LayerNorm3D, RMSNorm3D
+from .tied_head import TiedVocabHead3D
+from .vision import ClsClassifier3D, ViTEmbeddings3D
 from ..layer_build import META, head_dims, linear_dims as _linear_dims, norm_eps
 
 
@@ -17,8 +17,8 @@ def build_3d(name, module, kind, mesh, tied_embedding=None, vector_cache=None):
     attention core and the SwiGLU product run on whole heads and neurons of that layout; a row
     projection (o, down) is built on ``mesh.swapped()`` and writes the residual layout back; norms
     and the embedding live on the residual orientation; the head reads it and writes logits in
-    the swapped one (:class:`gridshard.nn.linear_3d.VocabParallelClassifier3D`, or tied to the
-    embedding's table: :class:`gridshard.nn.tied_head_3d.TiedVocabHead3D`)."""
+    the swapped one (:class:`gridshard.tensor.tp3d.linear.VocabParallelClassifier3D`, or tied to the
+    embedding's table: :class:`gridshard.tensor.tp3d.tied_head.TiedVocabHead3D`)."""
     if kind in ("column", "kv_column", "row"):
         n_in, n_out, bias = _linear_dims(name, module, kind)
         on = mesh.swapped() if kind == "row" else mesh
@@ -32,7 +32,7 @@ def build_3d(name, module, kind, mesh, tied_embedding=None, vector_cache=None):
         return VocabParallelClassifier3D(n_in, vocab, mesh, device=META)
     if kind == "norm":
         return RMSNorm3D(module.weight.shape[0], mesh, norm_eps(module), device=META, vector_cache=vector_cache)
-    if kind in ("patch_embedding", "layer_norm", "classifier"):     # the ViT (H3): gridshard/nn/vision_3d.py
+    if kind in ("patch_embedding", "layer_norm", "classifier"):     # the ViT (H3): gridshard/tensor/tp3d/vision.py
         return _vit_3d(name, module, kind, mesh, vector_cache)
     raise LayoutError(f"parallelize: kind {kind!r} of {name!r} cannot be laid out in 3D (3D is built for "
                       f"gridshard's and Hugging Face's Llama: column/kv_column/row/norm/vocab_embedding/vocab_head; "
@@ -43,9 +43,9 @@ def build_3d(name, module, kind, mesh, tied_embedding=None, vector_cache=None):
 
 def _vit_3d(name, module, kind, mesh, vector_cache=None):
     """The ViT's own kinds at 3D, all on the residual orientation ``mesh``: its embeddings
-    (:class:`gridshard.nn.vision_3d.ViTEmbeddings3D`: images of batch block i·q + j → tokens in the
+    (:class:`gridshard.tensor.tp3d.vision.ViTEmbeddings3D`: images of batch block i·q + j → tokens in the
     residual layout), LayerNorm3D, and the class-token head
-    (:class:`gridshard.nn.vision_3d.ClsClassifier3D`: full logits of batch block i·q + j)."""
+    (:class:`gridshard.tensor.tp3d.vision.ClsClassifier3D`: full logits of batch block i·q + j)."""
     if kind == "layer_norm":
         return LayerNorm3D(module.weight.shape[0], mesh, norm_eps(module), device=META, vector_cache=vector_cache)
     if kind == "classifier":

@@ -1,18 +1,18 @@
 """3D's tensor-parallel bytes of one micro-batch on a rank per cube axis, composed from
-:mod:`gridshard.theory.tp3d` (the functions the ledger tests assert), and the link of each axis.
+:mod:`gridshard.tensor.tp3d.theory` (the functions the ledger tests assert), and the link of each axis.
 Imports no torch."""
 from __future__ import annotations
 
 import functools
 
-from ...theory import tp3d
+from . import theory as tp3d
 
 
 def tensor_comm_3d(cfg, layout, seq: int, layers: int, first: bool, last: bool) -> dict:
-    """Per-axis volumes (axis → CommVolume, :data:`gridshard.theory.tp3d.AXES`) of one micro-batch on a
-    3D rank holding ``layers`` decoder layers: :func:`~gridshard.theory.tp3d.block3d_comm` per layer
-    (+ :func:`~gridshard.theory.tp3d.block3d_recompute_comm` with full recompute) and
-    :func:`~gridshard.theory.tp3d.ends3d_comm` on the end stages. The axes keep their own group sizes
+    """Per-axis volumes (axis → CommVolume, :data:`gridshard.tensor.tp3d.theory.AXES`) of one micro-batch on a
+    3D rank holding ``layers`` decoder layers: :func:`~gridshard.tensor.tp3d.theory.block3d_comm` per layer
+    (+ :func:`~gridshard.tensor.tp3d.theory.block3d_recompute_comm` with full recompute) and
+    :func:`~gridshard.tensor.tp3d.theory.ends3d_comm` on the end stages. The axes keep their own group sizes
     (q or q²) and are priced on their own links (:func:`link_levels`, ``tensor_axes``)."""
     q = layout.mode.side(layout.tensor)
     m, h, f = layout.micro_batch, cfg.hidden, cfg.ffn_hidden
@@ -27,9 +27,9 @@ def tensor_comm_3d(cfg, layout, seq: int, layers: int, first: bool, last: bool) 
 
 @functools.lru_cache(maxsize=256)
 def cube_axis_levels(q: int, world: int, per_node: int) -> dict:
-    """Link of each 3D axis (:data:`gridshard.theory.tp3d.AXES`): ``inter`` when any of its groups, in
+    """Link of each 3D axis (:data:`gridshard.tensor.tp3d.theory.AXES`): ``inter`` when any of its groups, in
     any of the world's tensor blocks (T = q³ consecutive ranks, the tensor dims innermost in the
-    order (weight, input, output): :func:`gridshard.theory.tp3d.axis_groups`), has ranks on two
+    order (weight, input, output): :func:`gridshard.tensor.tp3d.theory.axis_groups`), has ranks on two
     nodes of ``per_node`` consecutive ranks, else ``intra``. So ``output`` (q consecutive ranks) is
     the last to leave a node, then ``input`` (q²), then ``weight`` and the two q²-rank flattened axes
     (the whole cube)."""

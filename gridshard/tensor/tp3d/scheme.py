@@ -6,7 +6,7 @@ and neurons over q.
 
 The mesh. The tensor dim is laid out as a q×q×q cube:
 shape ``(D, P, [C,] q, q, q)`` with dims ``("data", "pipeline", ["context",] "weight", "input",
-"output")``, the order :mod:`gridshard.comm.mesh_3d` argues for (the two activation dims innermost,
+"output")``, the order :mod:`gridshard.tensor.tp3d.mesh` argues for (the two activation dims innermost,
 one block of q² consecutive ranks), so
 
     global_rank = ((d_ * P + p) * C + c) * q³ + (i * q + j) * q + l     (i, j, l: weight, input, output)
@@ -22,10 +22,10 @@ i·q + l (``logits_batch_index``), which is therefore the block of the targets.
 from __future__ import annotations
 
 from ...errors import LayoutError
-from ...comm.mesh_3d import CUBE_DIMS, Mesh3D
+from .mesh import CUBE_DIMS, Mesh3D
 from .build import build_3d
-from ...nn.cross_entropy_3d import cross_entropy_3d
-from ...nn.vision_3d import classification_loss_3d
+from .cross_entropy import cross_entropy_3d
+from .vision import classification_loss_3d
 from ...tensor_scheme import DivisibilityRule
 from ..base import Scheme
 from ...theory.memory import FP32, RankShape
@@ -124,11 +124,11 @@ class ThreeDScheme(Scheme):
         return "3D batch blocks q²"
 
     def lm_loss(self, logits, targets, ctx, ignore_index: int, reduction: str):
-        """:func:`gridshard.nn.cross_entropy_3d.cross_entropy_3d` on the head's swapped orientation."""
+        """:func:`gridshard.tensor.tp3d.cross_entropy.cross_entropy_3d` on the head's swapped orientation."""
         return cross_entropy_3d(logits, targets, ctx.mesh.cube.swapped(), ctx.vocab_size, ignore_index, reduction)
 
     def classification_loss(self, logits, labels, mesh, ignore_index: int, reduction: str):
-        """:func:`gridshard.nn.vision_3d.classification_loss_3d` on the classifier's (residual) orientation."""
+        """:func:`gridshard.tensor.tp3d.vision.classification_loss_3d` on the classifier's (residual) orientation."""
         return classification_loss_3d(logits, labels, mesh.cube, ignore_index, reduction)
 
     def rank_shape(self, cfg, T: int, sequence_parallel: bool, tokens: int) -> RankShape:
@@ -182,7 +182,7 @@ def _set_cube(mesh, cube) -> None:
 
 
 def tied_head_saved_bytes(cfg, T: int, e: int) -> int:
-    """What a 3D tied head (:mod:`gridshard.nn.tied_head_3d`) keeps beyond an untied one, per micro-batch:
+    """What a 3D tied head (:mod:`gridshard.tensor.tp3d.tied_head`) keeps beyond an untied one, per micro-batch:
     its product saves the weight slice [V_p/q, h/q²] (V_p = ⌈V/q²⌉·q²) cut from the table gathered over
     ``batch`` [V_p, h/q], copied (contiguous, then cast to the activations' dtype), so V_p·h/q³·e."""
     q = icbrt(T)

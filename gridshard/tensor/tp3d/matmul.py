@@ -1,7 +1,7 @@
 """The 3D matrix products: Y = X·A on a q×q×q cube, with its dual backward (A·Bᵀ, Aᵀ·B).
 
 Layout (rank (i, j, l) = (weight, input, output) coordinates of a :class:`Mesh3D`
-orientation, :mod:`gridshard.comm.mesh_3d`; X [M, K] token-major, A [K, N]):
+orientation, :mod:`gridshard.tensor.tp3d.mesh`; X [M, K] token-major, A [K, N]):
 
 * X: block X_ijl = X[row block i·q + j of q², column block l of q]         [M/q², K/q]
 * A: block A_lji = A[row block l·q + i of q², column block j of q]         [K/q², N/q]
@@ -39,13 +39,13 @@ forward input K·M/q²·e, weight K·N/q²·e (gather), output M·N/q²·e (redu
 output M·N/q²·e, weight K·N/q²·e (gather; for dX only), input 2·M·K/q²·e (gather + dX
 reduce-scatter; the reduce-scatter for dX only), weight K·N/q²·e (dA reduce-scatter). With
 every gradient: 8 calls, payload (3·M·K + 2·M·N + 3·K·N)/q²·e, ring wire (q − 1)/q of it
-(:func:`gridshard.theory.tp3d.linear3d_comm`).
+(:func:`gridshard.tensor.tp3d.theory.linear3d_comm`).
 """
 from __future__ import annotations
 
 import torch
 
-from . import collectives as C
+from ...comm import collectives as C
 
 
 def abt_3d(g: torch.Tensor, a: torch.Tensor, mesh, g_full: torch.Tensor = None) -> torch.Tensor:

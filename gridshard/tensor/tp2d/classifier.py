@@ -32,13 +32,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..comm.dual_ops import copy_to_group, reduce_from_group
-from ..comm.grid_ops import gather_along
-from ..comm.summa import summa_abt
-from ..errors import ShapeError, check_divisible
-from .embedding_2d import VocabParallelEmbedding2D, padded_table_init, padded_vocab
-from .linear_2d import Linear2D
-from .sharding import ShardSpec, sharded_parameter
+from ...comm.dual_ops import copy_to_group, reduce_from_group
+from ...comm.grid_ops import gather_along
+from .summa import summa_abt
+from ...errors import ShapeError, check_divisible
+from .embedding import VocabParallelEmbedding2D, padded_table_init, padded_vocab
+from .linear import Linear2D
+from ...nn.sharding import ShardSpec, sharded_parameter
 
 
 class Classifier2D(nn.Module):

@@ -1,6 +1,6 @@
 """Linear3D: y = x·W + b with x, W and y all split over the q×q×q cube (T = q³).
 
-Layout on a :class:`gridshard.comm.mesh_3d.Mesh3D` orientation (rank (i, j, l) = its weight,
+Layout on a :class:`gridshard.tensor.tp3d.mesh.Mesh3D` orientation (rank (i, j, l) = its weight,
 input and output coordinates; N = b·s tokens, batch-major):
 
 * input  x [b, s, in]  → block [b/q², s, in/q]  = x[batch block i·q + j, :, in block l];
@@ -12,7 +12,7 @@ input and output coordinates; N = b·s tokens, batch-major):
 * output y [b, s, out] → block [b/q², s, out/q] = y[batch block i·q + l, :, out block j]:
   the activation layout of ``mesh.swapped()``, so the next layer is built on the swapped mesh.
 
-Forward: :func:`gridshard.comm.matmul_3d.matmul_3d` (X all-gathered over ``input``, W over
+Forward: :func:`gridshard.tensor.tp3d.matmul.matmul_3d` (X all-gathered over ``input``, W over
 ``weight``, the local product reduce-scattered over ``output``); the bias is all-gathered to
 out block j over the output layout's ``batch`` axis (q² ranks) and added. Backward (autograd):
 dY all-gathered over ``output``, dX = dY·Wᵀ reduce-scattered over ``input``, dW = Xᵀ·dY
@@ -20,11 +20,11 @@ reduce-scattered over ``weight``, db = Σ_tokens dY reduce-scattered over the ba
 
 Per rank: parameters (in·out + out)/q³ elements (1/T of the layer); saved for backward the
 input block N·in/q³ elements (1/T of one device's). Communication:
-:func:`gridshard.theory.tp3d.linear3d_comm`.
+:func:`gridshard.tensor.tp3d.theory.linear3d_comm`.
 
 ``VocabParallelClassifier3D``: the LM head h → V_pad (no bias; V padded to a multiple of q with
 zero rows), logits block [b/q², s, V_pad/q] in the swapped layout, for
-:func:`gridshard.nn.cross_entropy_3d.cross_entropy_3d`.
+:func:`gridshard.tensor.tp3d.cross_entropy.cross_entropy_3d`.
 """
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..comm.grid_ops import GatheredVectors, gather_vector
-from ..comm.matmul_3d import matmul_3d
-from ..errors import ShapeError, check_divisible
-from ..theory.vocab import padded_vocab_size
-from .sharding import ShardSpec, set_spec, take_shard
+from ...comm.grid_ops import GatheredVectors, gather_vector
+from .matmul import matmul_3d
+from ...errors import ShapeError, check_divisible
+from ...theory.vocab import padded_vocab_size
+from ...nn.sharding import ShardSpec, set_spec, take_shard
 
 
 def weight_spec_3d(in_features: int, out_features: int, mesh, canonical_shape=None) -> ShardSpec:

@@ -12,7 +12,7 @@ collective (Megatron-LM's asynchronous tensor-parallel all-reduce, generalised t
 reduce-scatter of sequence parallelism).
 
 The pieces meet through an :class:`InputGradHandoff`, made per forward by :func:`column_input`
-and handed to the product (:func:`gridshard.nn.linear_1d.column_product`). Exactness does not
+and handed to the product (:func:`gridshard.tensor.tp1d.linear.column_product`). Exactness does not
 depend on autograd's routing: the entry uses the early result only if the gradient it
 receives *is* the tensor the product launched the collective on (the product was the input's
 only consumer); otherwise it reduces the gradient it received, as the two-node order does.
@@ -57,8 +57,8 @@ from typing import Optional
 
 import torch
 
-from ..mesh import Axis
-from . import collectives as C
+from ...mesh import Axis
+from ...comm import collectives as C
 
 
 class InputGradHandoff:

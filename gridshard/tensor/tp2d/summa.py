@@ -47,9 +47,9 @@ output, reduce-scatter: the unscattered input), for one product:
 The payloads equal those of the q broadcasts / q reduces they replace, and so do the ring
 wire bytes ((q−1)/q of the payload either way). A linear layer forward+backward (ab
 forward, abt + atb backward) is 2q + 4 calls (was 6q). The closed forms live in
-:mod:`gridshard.theory.tp2d`.
+:mod:`gridshard.tensor.tp2d.theory`.
 
-Overlap switch: ``overlap=False`` (per call; :class:`gridshard.nn.linear_2d.Linear2D`
+Overlap switch: ``overlap=False`` (per call; :class:`gridshard.tensor.tp2d.linear.Linear2D`
 and the 2D heads take it as a constructor argument, ``parallelize(summa_overlap=...)``
 and the config key ``parallel.summa_overlap`` set it for a model) makes the broadcasts of
 A·B blocking (the benchmark's baseline) and the backward of A·B run its two products one
@@ -64,8 +64,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ShapeError
-from . import collectives as C
+from ...errors import ShapeError
+from ...comm import collectives as C
 
 def _panel(x: torch.Tensor, axis, src: int, overlap: bool):
     """Broadcast member ``src``'s block along ``axis``; the source sends its own ``x``,
@@ -259,7 +259,7 @@ def _autocast_operands(a: torch.Tensor, *others: torch.Tensor):
 
 def _grid(mesh):
     if getattr(mesh, "q", None) is None:
-        from ..errors import LayoutError
+        from ...errors import LayoutError
 
         raise LayoutError(f"SUMMA needs a 2D mesh, got tensor_mode={mesh.tensor_mode!r}. "
                           f"Fix: build_mesh(..., tensor=q*q, tensor_mode='2d').")

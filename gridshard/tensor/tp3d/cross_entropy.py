@@ -1,12 +1,12 @@
 """Vocabulary-parallel cross-entropy on a 3D logits layout; never materialises full-vocab logits.
 
-The logits come from :class:`gridshard.nn.linear_3d.VocabParallelClassifier3D` built on a mesh
+The logits come from :class:`gridshard.tensor.tp3d.linear.VocabParallelClassifier3D` built on a mesh
 ``M``; they are in ``M.swapped()``'s layout — pass that orientation (``head.out_mesh``) here.
 Rank (i, j, l) then holds logits[batch block ``mesh.batch_index`` of q², :, vocab block
 ``mesh.hidden_index`` of q], [b/q², s, V_pad/q], and the targets of its batch block [b/q², s]
 (``mesh.batch_block(targets, hidden=False)``). Columns ≥ ``vocab_size`` are padding, set to −∞.
 
-It is the 2D loss (:mod:`gridshard.nn.cross_entropy_2d`, whose autograd function runs here
+It is the 2D loss (:mod:`gridshard.tensor.tp2d.cross_entropy`, whose autograd function runs here
 unchanged) with ``mesh.output`` (the q vocab blocks of a token) as the row and ``mesh.batch``
 (the q² batch blocks, one per member) as the column:
 
@@ -21,7 +21,7 @@ A target outside [0, V) (ignore_index excepted) raises the same error on every r
 ``batch`` all-reduce (its verdict slots ride along, 2q² float64).
 
 Communication (forward only): 2 all-reduces on ``output`` ([b/q², s] max, [2, b/q², s] fp32),
-1 on ``batch`` of (2 + 2q²) float64 (:func:`gridshard.theory.tp3d.cross_entropy3d_comm`).
+1 on ``batch`` of (2 + 2q²) float64 (:func:`gridshard.tensor.tp3d.theory.cross_entropy3d_comm`).
 """
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ShapeError
-from ..mesh import Axis
-from .cross_entropy_2d import REDUCTIONS, _CrossEntropy2DFn
+from ...mesh import Axis
+from ..tp2d.cross_entropy import _CrossEntropy2DFn, check_loss_inputs
 
 
 @dataclass(frozen=True)
@@ -53,19 +52,7 @@ def cross_entropy_3d(logits: torch.Tensor, targets: torch.Tensor, mesh, vocab_si
     """Cross-entropy over every non-ignored target of the cube's micro-batch, the same scalar on
     every rank (module docstring). ``mesh``: the orientation the logits are in (the head's
     ``out_mesh``)."""
-    if reduction not in REDUCTIONS:
-        raise ShapeError(f"cross_entropy_3d: reduction={reduction!r} is not one of {REDUCTIONS}. Fix: use 'mean' "
-                         f"or 'sum'.")
-    if logits.shape[:-1] != targets.shape:
-        raise ShapeError(f"cross_entropy_3d: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
-                         f"disagree: logits must be targets' shape plus a vocabulary block. Fix: pass this rank's "
-                         f"targets, mesh.batch_block(targets, hidden=False) on the head's out_mesh.")
-    if logits.shape[-1] * mesh.q < vocab_size:
-        raise ShapeError(f"cross_entropy_3d: vocab block {logits.shape[-1]} × q={mesh.q} < vocab_size={vocab_size}: "
-                         f"each rank must hold V_pad/q ≥ V/q columns. Fix: pass the logits block of a head built "
-                         f"for this vocabulary.")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ShapeError(f"cross_entropy_3d targets: ids must be an integer tensor, got dtype {targets.dtype}. "
-                         f"Fix: pass .long() ids.")
+    check_loss_inputs("cross_entropy_3d", logits, targets, mesh.q, vocab_size, reduction,
+                      "mesh.batch_block(targets, hidden=False) on the head's out_mesh")
     grid = _LossGrid(mesh.q ** 2, mesh.output, mesh.batch, mesh.batch_index, mesh.hidden_index)
     return _CrossEntropy2DFn.apply(logits, targets, grid, vocab_size, ignore_index, reduction)

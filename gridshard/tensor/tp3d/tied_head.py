@@ -1,11 +1,11 @@
 """TiedVocabHead3D: the LM head reading the 3D embedding's own table (tied embeddings).
 
 The tied head computes logits = x·Eᵀ with E [V_pad, h] the table of a
-:class:`gridshard.nn.embedding_3d.VocabParallelEmbedding3D` on the residual orientation ``M``
+:class:`gridshard.tensor.tp3d.embedding.VocabParallelEmbedding3D` on the residual orientation ``M``
 (rank (i, j, l) = weight, input, output coordinates). The two layers want different blocks of E:
 
 * the embedding holds  E[vocab block i·q + j of q², hidden block l of q]        [V_pad/q², h/q]
-* a 3D head on ``M`` (:class:`gridshard.nn.linear_3d.VocabParallelClassifier3D`, weight W = Eᵀ
+* a 3D head on ``M`` (:class:`gridshard.tensor.tp3d.linear.VocabParallelClassifier3D`, weight W = Eᵀ
   [h, V_pad]) multiplies W[in block l·q + i of q², out block j of q], i.e.
                          E[vocab block j of q, hidden block l·q + i of q²]ᵀ     [h/q², V_pad/q]
 
@@ -13,7 +13,7 @@ Both live in hidden block l (hidden block l·q + i of q² is sub-block i of bloc
 ranks of ``M.batch`` (same l, members i·q + j in vocab-block order) hold between them the whole
 hidden block l. So the head all-gathers the table blocks over ``batch`` (→ E[:, hidden block l],
 [V_pad, h/q]), keeps vocab block j and hidden sub-block i, and runs the 3D product
-(:func:`gridshard.comm.matmul_3d.matmul_3d`) on it. Backward is the dual: the product's dA
+(:func:`gridshard.tensor.tp3d.matmul.matmul_3d`) on it. Backward is the dual: the product's dA
 (reduce-scattered over ``weight``) lands in the kept slice, and the all-gather's dual
 reduce-scatters [V_pad, h/q] over ``batch``, so every table block gets the exact sum of the head's
 and the embedding's gradients (no second parameter, no gradient sync).
@@ -34,10 +34,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm.grid_ops import gather_along
-from ..comm.matmul_3d import matmul_3d
-from ..errors import ShapeError
-from .embedding_3d import VocabParallelEmbedding3D
+from ...comm.grid_ops import gather_along
+from .matmul import matmul_3d
+from ...errors import ShapeError
+from .embedding import VocabParallelEmbedding3D
 
 
 def tied_head_extra_bytes(padded_vocab: int, hidden: int, q: int, bytes_per_element: int = 4) -> dict:

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.grid_ops import gather_along
-from ..errors import ShapeError, check_divisible
-from .sharding import ShardSpec, sharded_parameter
+from ...comm.grid_ops import gather_along
+from ...errors import ShapeError, check_divisible
+from ...nn.sharding import ShardSpec, sharded_parameter
 
 
 def _hidden_split(shape, dim) -> ShardSpec:

@@ -11,7 +11,7 @@ Layout (rank (i, j) = (``mesh.grid_row``, ``mesh.grid_col``)):
 * output y [b, s, out] → block [b/q, s, out/q] = y[batch block i, :, out block j].
 
 Forward: the token matrix X [b·s, in] (rows ordered batch-major, so batch block i is
-row block i) times W by :func:`gridshard.comm.summa.summa_ab`; the bias is
+row block i) times W by :func:`gridshard.tensor.tp2d.summa.summa_ab`; the bias is
 all-gathered along the column (the q ranks holding out block j) to [out/q] and
 added once per output element (the gathered bias is cached until the optimizer
 changes the shard: one all-gather per step). Backward (autograd): dX = dY·Wᵀ (SUMMA ABᵀ),
@@ -19,7 +19,7 @@ dW = Xᵀ·dY (SUMMA AᵀB), db = reduce-scatter along the column of Σ_tokens d
 
 Per rank: parameters (in·out + out)/q² elements; saved for backward the input block
 b·s·in/q² elements (the weight block is a parameter). Communication:
-:func:`gridshard.theory.tp2d.linear2d_comm`.
+:func:`gridshard.tensor.tp2d.theory.linear2d_comm`.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..comm.grid_ops import GatheredVectors, gather_vector
-from ..comm.summa import summa_ab
-from ..errors import ShapeError, check_divisible
-from .precomputed import PrecomputedOutput
-from .sharding import ShardSpec, sharded_parameter
+from ...comm.grid_ops import GatheredVectors, gather_vector
+from .summa import summa_ab
+from ...errors import ShapeError, check_divisible
+from ...nn.precomputed import PrecomputedOutput
+from ...nn.sharding import ShardSpec, sharded_parameter
 
 
 def weight_spec_2d(in_features: int, out_features: int) -> ShardSpec:

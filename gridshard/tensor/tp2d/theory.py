@@ -9,7 +9,7 @@ reduce-scatter: the unscattered input); volumes are returned per axis as
 ``{"row": CommVolume, "col": CommVolume}`` so tests can compare with the ledger's
 (op, axis) entries exactly. With q = 1 nothing is communicated.
 
-One SUMMA product, per rank (:mod:`gridshard.comm.summa`):
+One SUMMA product, per rank (:mod:`gridshard.tensor.tp2d.summa`):
 
 ====================  =====================================  ======================================
 product               row                                    col
@@ -52,8 +52,8 @@ rank (2h² + 2·K·d·h + 3hf + 2h)/q².
 """
 from __future__ import annotations
 
-from . import CommVolume
-from .vocab import padded_vocab_size as padded_vocab  # noqa: F401 (2D name of the shared rule)
+from ...theory import CommVolume
+from ...theory.vocab import padded_vocab_size as padded_vocab
 
 AXES = ("row", "col")
 

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.dual_ops import copy_to_group
-from ..errors import LayoutError
-from .sharding import ShardSpec, set_spec, sequence_parallel_on
+from ...comm.dual_ops import copy_to_group
+from ...errors import LayoutError
+from ...nn.sharding import ShardSpec, set_spec, sequence_parallel_on
 
 
 class LayerNorm(nn.Module):

@@ -21,7 +21,7 @@ W[vocab block i, hidden block j], [V_pad/q, h/q] per rank.
     Backward: all-gather of the output gradient along the column (b·s·h/q
     elements), then a local masked embedding backward: the exact gradient of
     W[vocab block i, hidden block j]. This table can also serve as a tied LM head
-    (:class:`gridshard.nn.classifier_2d.TiedVocabHead2D`, a SUMMA A·Bᵀ).
+    (:class:`gridshard.tensor.tp2d.classifier.TiedVocabHead2D`, a SUMMA A·Bᵀ).
 
 ``Embedding2D``: full vocabulary, hidden split into q² blocks: rank (i, j) stores
 W[:, sub-block i of hidden block j] [V, h/q²]. Forward agrees on the token range (each
@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import collectives as C
-from ..comm.grid_ops import gather_along, reduce_scatter_along
-from ..errors import ShapeError, check_divisible
-from .id_range import bad_id_slots, check_blocks, raise_on_bad_ids
-from ..theory.vocab import padded_vocab_size as padded_vocab
-from .sharding import ShardSpec, sharded_parameter
+from ...comm import collectives as C
+from ...comm.grid_ops import gather_along, reduce_scatter_along
+from ...errors import ShapeError, check_divisible
+from ...nn.id_range import bad_id_slots, check_blocks, raise_on_bad_ids
+from ...theory.vocab import padded_vocab_size as padded_vocab
+from ...nn.sharding import ShardSpec, sharded_parameter
 
 
 def padded_table_init(vocab: int, hidden: int, std: float, padded: int):

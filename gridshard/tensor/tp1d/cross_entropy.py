@@ -33,10 +33,10 @@ from typing import Optional
 
 import torch
 
-from ..comm import collectives as C
-from ..errors import ShapeError
-from ..mesh import Axis
-from .embedding_1d import check_token_range
+from ...comm import collectives as C
+from ...errors import ShapeError
+from ...mesh import Axis
+from .embedding import check_token_range
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -15,7 +15,7 @@ sum of T partials: ``copy_to_group`` (forward identity, backward all-reduce of
 b·s·in).
 
 Under sequence parallelism the input arrives as the sequence block x_t
-[b, s/T, in]; the entry (:func:`gridshard.comm.input_grad_overlap.column_input`) all-gathers
+[b, s/T, in]; the entry (:func:`gridshard.tensor.tp1d.input_grad_overlap.column_input`) all-gathers
 the full x along dim 1 (forward, b·s·in) and reduce-scatters its gradient (backward, b·s·in)
 instead of the copy. The product keeps only x_t for backward (b·s/T·in, not the gathered
 b·s·in) and all-gathers it once more in backward for the weight gradient (b·s·in: the
@@ -68,13 +68,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.dual_ops import (copy_to_group, gather_from_group, reduce_from_group,
-                             reduce_scatter_sequence, reduce_scatter_sequence_bias, scatter_to_group,
-                             sum_over_replicas)
-from ..comm.input_grad_overlap import column_input
-from ..errors import LayoutError, ShapeError, check_divisible
-from .precomputed import PrecomputedOutput
-from .sharding import ShardSpec, sharded_parameter, sequence_parallel_on
+from ...comm.dual_ops import (copy_to_group, gather_from_group, reduce_from_group, reduce_scatter_sequence,
+                              reduce_scatter_sequence_bias, scatter_to_group, sum_over_replicas)
+from .input_grad_overlap import column_input
+from ...errors import LayoutError, ShapeError, check_divisible
+from ...nn.precomputed import PrecomputedOutput
+from ...nn.sharding import ShardSpec, sharded_parameter, sequence_parallel_on
 
 T_NAME = "tensor-parallel size T"
 
@@ -136,14 +135,14 @@ class _ColumnProduct(torch.autograd.Function):
     parts (parameters: no copy), not the joined weight, which is rebuilt in backward. A
     sequence-first x is multiplied as its contiguous [s, b, in] view and y comes back
     sequence-first. Backward: dx = dy·W first; with a ``handoff``
-    (:mod:`gridshard.comm.input_grad_overlap`) its collective starts now and runs while
+    (:mod:`gridshard.tensor.tp1d.input_grad_overlap`) its collective starts now and runs while
     dW = dyᵀ·x is computed — only if this backward will reach the entry node that waits for
     it (``torch._C._will_engine_execute_node``, as ``torch.autograd.graph.register_multi_grad_hook``
     uses it): a pass that wants only weight gradients (zero bubble's deferred weight pass,
     ``autograd.grad`` w.r.t. parameters) launches nothing. Under sequence parallelism x is the
     all-gather of the rank's sequence block x_t: only x_t is saved (s/T·b·in elements instead
     of s·b·in), and backward all-gathers it again — started before dx is computed, waited for
-    before dW (Megatron's choice; :mod:`gridshard.comm.input_grad_overlap`). Under autocast
+    before dW (Megatron's choice; :mod:`gridshard.tensor.tp1d.input_grad_overlap`). Under autocast
     both operands are cast to the autocast dtype, as ``F.linear`` would (the saved x or x_t in
     that dtype)."""
 
@@ -200,7 +199,7 @@ def _saved_block(x: torch.Tensor, handoff) -> Optional[torch.Tensor]:
 
 def column_product(x: torch.Tensor, parts, handoff=None) -> torch.Tensor:
     """x·[W₀; W₁; …]ᵀ in x's layout (:class:`_ColumnProduct`); ``handoff`` from
-    :func:`gridshard.comm.input_grad_overlap.column_input` overlaps the input-gradient
+    :func:`gridshard.tensor.tp1d.input_grad_overlap.column_input` overlaps the input-gradient
     collective with the weight-gradient GEMM."""
     return _ColumnProduct.apply(x, handoff, *parts)
 
@@ -216,7 +215,7 @@ class ColumnParallelLinear(nn.Module):
     ``normal_(0, init_std)``; ``shared_weight`` reuses an existing parameter of the same
     spec (e.g. a tied embedding) and draws nothing. ``overlap_input_grad``: in backward the
     input gradient's collective runs during the weight-gradient GEMM
-    (:mod:`gridshard.comm.input_grad_overlap`), or after it when False (exact either way).
+    (:mod:`gridshard.tensor.tp1d.input_grad_overlap`), or after it when False (exact either way).
     ``canonical_out``: the real row count of a weight whose ``out_features`` is padded (a
     vocabulary head padded so that T divides it): the spec's canonical shape is then
     [canonical_out, in] and the rows from it on are padding.

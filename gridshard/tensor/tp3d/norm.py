@@ -1,17 +1,17 @@
 """RMSNorm3D and LayerNorm3D on a 3D activation layout [b/q², s, h/q].
 
-On a :class:`gridshard.comm.mesh_3d.Mesh3D` orientation, rank (i, j, l) holds
+On a :class:`gridshard.tensor.tp3d.mesh.Mesh3D` orientation, rank (i, j, l) holds
 x[batch block i·q + j, :, hidden block l]: a token's hidden vector is spread over the q ranks of
 ``mesh.output`` (same batch block, the q hidden blocks), so the per-token statistics are
 all-reduced over ``output`` — the 2D norms' math with ``output`` in the role of the grid row,
-and the 2D autograd functions themselves (:mod:`gridshard.nn.norm_2d`, whose docstring has the
+and the 2D autograd functions themselves (:mod:`gridshard.tensor.tp2d.norm`, whose docstring has the
 forward and backward formulas) run here unchanged:
 
     RMSNorm:   r = (Σ_output Σ_local x²/h + ε)^(−1/2),  y = x·r·w
                dx = r·(g∘w) − x·r³·Σ_output(g∘w∘x)/h,  dw = Σ_tokens g∘x·r
     LayerNorm: μ, var over the full h (two all-reduces), one all-reduce of the two backward means
 
-The affine weight (and bias) [h] is a vector of the layout (:func:`gridshard.nn.linear_3d.vector_spec_3d`):
+The affine weight (and bias) [h] is a vector of the layout (:func:`gridshard.tensor.tp3d.linear.vector_spec_3d`):
 h/q³ per rank, all-gathered over ``mesh.batch`` (the q² ranks holding hidden block l) to
 [h/q]; backward reduce-scatters its gradient over the same q² ranks, which sums the q² batch
 blocks' contributions (every token of the micro-batch once).
@@ -19,7 +19,7 @@ blocks' contributions (every token of the micro-batch once).
 Communication per forward + backward, N = b·s tokens (stats in fp32 for RMSNorm, in x's dtype for
 LayerNorm): RMSNorm 2 all-reduces of N/q² elements on ``output``; LayerNorm 3 (N/q², N/q², 2N/q²);
 each vector one all-gather and one reduce-scatter of h/q·e on ``batch``
-(:func:`gridshard.theory.tp3d.rmsnorm3d_comm`). Saved per rank: x (or x̂) [b/q², s, h/q] and r.
+(:func:`gridshard.tensor.tp3d.theory.rmsnorm3d_comm`). Saved per rank: x (or x̂) [b/q², s, h/q] and r.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import ShapeError, check_divisible
-from .linear_3d import gather_vector_3d, sharded_parameter_3d, vector_spec_3d
-from .norm_2d import _LayerNorm2DFn, _RMSNorm2DFn
-from .rebuild import RebuildRegion
+from ...errors import ShapeError, check_divisible
+from .linear import gather_vector_3d, sharded_parameter_3d, vector_spec_3d
+from ..tp2d.norm import _LayerNorm2DFn, _RMSNorm2DFn
+from ...nn.rebuild import RebuildRegion
 
 
 class _Norm3DBase(nn.Module):

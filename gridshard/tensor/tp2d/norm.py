@@ -29,11 +29,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..comm import collectives as C
-from ..errors import ShapeError, check_divisible
-from .linear_2d import bias_spec_2d, gather_vector_2d
-from .rebuild import RebuildRegion, offer_to
-from .sharding import sharded_parameter
+from ...comm import collectives as C
+from ...errors import ShapeError, check_divisible
+from .linear import bias_spec_2d, gather_vector_2d
+from ...nn.rebuild import RebuildRegion, offer_to
+from ...nn.sharding import sharded_parameter
 
 
 class _RMSNorm2DFn(torch.autograd.Function):

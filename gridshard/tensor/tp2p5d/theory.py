@@ -1,13 +1,14 @@
 """2.5D (Tesseract) tensor parallelism on T = q²·d ranks: bytes moved and stored per rank.
 
-Notation as :mod:`gridshard.theory.tp2d` (grid side q, N = b·s tokens, e bytes per element,
+Notation as :mod:`gridshard.tensor.tp2d.theory` (grid side q, N = b·s tokens, e bytes per element,
 payloads in the ledger's convention) plus the depth d. Rank (k, i, j) holds the batch block
-k·q + i of d·q and the 2D blocks of the weights (:mod:`gridshard.comm.mesh_2p5d`). Volumes
+k·q + i of d·q and the 2D blocks of the weights (:mod:`gridshard.tensor.tp2p5d.scheme`). Volumes
 come per ledger axis: ``{"row", "col"}`` (q ranks, inside a depth layer), ``"depth"`` (d ranks
 at one grid position) and ``"depth_col"`` (my grid column in every layer, d·q ranks).
 
 Every 2.5D layer is its 2D layer on the depth layer's grid, over that layer's N/d tokens,
-plus the depth all-reduce of each parameter block's gradient (:mod:`gridshard.comm.depth_ops`):
+plus the depth sum of each parameter block's gradient (in training the reducer's, over data ×
+context × depth):
 
     vol_2.5D(N) = vol_2D(N/d) on row/col  +  Σ_params all-reduce(depth, local block·e)
 
@@ -33,9 +34,9 @@ all-reduce of (1 + 2·d·q)·8 bytes (valid count, verdicts) + one ``depth`` all
 """
 from __future__ import annotations
 
-from . import CommVolume, axes_rounds, axes_wire_bytes, combine_axes
-from . import tp2d
-from .vocab import padded_vocab_size
+from ...theory import CommVolume, axes_rounds, axes_wire_bytes, combine_axes
+from ..tp2d import theory as tp2d
+from ...theory.vocab import padded_vocab_size
 
 AXES = ("row", "col", "depth", "depth_col")
 

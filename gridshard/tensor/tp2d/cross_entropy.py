@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import collectives as C
-from ..errors import ShapeError
-from .id_range import bad_id_slots, raise_on_bad_ids
+from ...comm import collectives as C
+from ...errors import ShapeError
+from ...nn.id_range import bad_id_slots, raise_on_bad_ids
 
 REDUCTIONS = ("mean", "sum")
 
@@ -88,24 +88,32 @@ class _CrossEntropy2DFn(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None, None
 
 
+def check_loss_inputs(name: str, logits: torch.Tensor, targets: torch.Tensor, q: int, vocab_size: int,
+                      reduction: str, which_targets: str) -> None:
+    """ShapeError, naming ``name``, unless ``reduction`` is known, the logits are the targets' shape plus a
+    vocabulary block of at least V/q columns, and the targets are integer ids (``which_targets``: how
+    to get this rank's targets, for the fix)."""
+    if reduction not in REDUCTIONS:
+        raise ShapeError(f"{name}: reduction={reduction!r} is not one of {REDUCTIONS}. Fix: use 'mean' or 'sum'.")
+    if logits.shape[:-1] != targets.shape:
+        raise ShapeError(f"{name}: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: logits "
+                         f"must be targets' shape plus a vocabulary block. Fix: pass this rank's targets "
+                         f"({which_targets}).")
+    if logits.shape[-1] * q < vocab_size:
+        raise ShapeError(f"{name}: vocab block {logits.shape[-1]} × q={q} < vocab_size={vocab_size}: each rank must "
+                         f"hold V_pad/q ≥ V/q columns. Fix: pass the logits block of a head built for this "
+                         f"vocabulary.")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ShapeError(f"{name} targets: ids must be an integer tensor, got dtype {targets.dtype}. "
+                         f"Fix: pass .long() ids.")
+
+
 def cross_entropy_2d(logits: torch.Tensor, targets: torch.Tensor, mesh, vocab_size: int,
                      ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy over all global non-ignored targets of the grid's micro-batch, the same
     scalar on every rank: their mean (``reduction="mean"``, NaN with zero gradient when every
     target is ignored, as ``F.cross_entropy``) or their sum (``"sum"``, 0 then)."""
-    if reduction not in REDUCTIONS:
-        raise ShapeError(f"cross_entropy_2d: reduction={reduction!r} is not one of {REDUCTIONS}. Fix: use 'mean' "
-                         f"or 'sum'.")
-    if logits.shape[:-1] != targets.shape:
-        raise ShapeError(f"cross_entropy_2d: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
-                         f"disagree: logits must be targets' shape plus a vocabulary block. Fix: pass this "
-                         f"rank's targets (batch block {mesh.grid_row}, e.g. model.parallel_context.shard_tokens(targets)).")
-    if logits.shape[-1] * mesh.q < vocab_size:
-        raise ShapeError(f"cross_entropy_2d: vocab block {logits.shape[-1]} × q={mesh.q} < vocab_size="
-                         f"{vocab_size}: each rank must hold V_pad/q ≥ V/q columns. Fix: pass the logits block "
-                         f"of a head built for this vocabulary.")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ShapeError(f"cross_entropy_2d targets: ids must be an integer tensor, got dtype {targets.dtype}. "
-                         f"Fix: pass .long() ids.")
+    check_loss_inputs("cross_entropy_2d", logits, targets, mesh.q, vocab_size, reduction,
+                      f"batch block {mesh.grid_row}, e.g. model.parallel_context.shard_tokens(targets)")
     # the id range is checked inside the forward, agreed over the column (module docstring)
     return _CrossEntropy2DFn.apply(logits, targets, mesh, vocab_size, ignore_index, reduction)

@@ -1,6 +1,6 @@
 """The ViT path on a 3D cube (T = q³): patch embedding, few-class classifier, classification loss.
 
-Layout (a :class:`gridshard.comm.mesh_3d.Mesh3D` orientation; rank (i, j, l) = weight, input,
+Layout (a :class:`gridshard.tensor.tp3d.mesh.Mesh3D` orientation; rank (i, j, l) = weight, input,
 output coordinates): activations [b, s, h] are held as [b/q², s, h/q], batch block
 ``mesh.batch_index`` = i·q + j and hidden block ``mesh.hidden_index`` = l; images and labels are
 data, every rank slices its batch block itself (``mesh.batch_block(x, hidden=False)``).
@@ -9,7 +9,7 @@ data, every rank slices its batch block itself (``mesh.batch_block(x, hidden=Fal
 P×P pixels, K = C·P² numbers each). Parameters as PatchEmbedding2D's (global, drawn in this order
 from the default RNG): ``weight`` [h, C, P, P] ~ N(0, init_std²), ``bias`` [h] zeros, ``cls_token``
 [1, 1, h] and ``pos_embed`` [1, 1 + n, h] ~ N(0, init_std²). Each is cut on its hidden dim like a
-3D vector (:func:`gridshard.nn.linear_3d.vector_spec_3d`): hidden block l, then sub-block i·q + j
+3D vector (:func:`gridshard.tensor.tp3d.linear.vector_spec_3d`): hidden block l, then sub-block i·q + j
 (the member index of ``mesh.batch``), h/q³ channels per rank, so every rank stores 1/q³ of the
 layer. Forward all-gathers the four over ``mesh.batch`` (q² ranks) to hidden block l, runs the
 convolution locally on my batch block with the output channels of block l, prepends the class
@@ -54,8 +54,8 @@ its labels [b/q²] (−100 = ignored); Σ ℓ over the block, then over the q² 
 gradient; NaN with zero gradient when none is valid, as ``F.cross_entropy``). The same scalar on
 every rank of the cube.
 
-Communication: :func:`gridshard.theory.tp3d.patch_embedding3d_comm`,
-:func:`gridshard.theory.tp3d.classifier3d_comm`, :func:`gridshard.theory.tp3d.classification_loss3d_comm`.
+Communication: :func:`gridshard.tensor.tp3d.theory.patch_embedding3d_comm`,
+:func:`gridshard.tensor.tp3d.theory.classifier3d_comm`, :func:`gridshard.tensor.tp3d.theory.classification_loss3d_comm`.
 """
 from __future__ import annotations
 
@@ -63,13 +63,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import collectives as C
-from ..comm.dual_ops import copy_to_group, reduce_from_group
-from ..comm.grid_ops import gather_along
-from ..errors import ShapeError, check_divisible
-from .cross_entropy_2d import REDUCTIONS
-from .linear_3d import sharded_parameter_3d
-from .sharding import ShardSpec
+from ...comm import collectives as C
+from ...comm.dual_ops import copy_to_group, reduce_from_group
+from ...comm.grid_ops import gather_along
+from ...errors import ShapeError, check_divisible
+from ..tp2d.cross_entropy import REDUCTIONS
+from .linear import sharded_parameter_3d
+from ...nn.sharding import ShardSpec
 
 
 def hidden_spec_3d(shape: tuple, dim: int, mesh) -> ShardSpec:

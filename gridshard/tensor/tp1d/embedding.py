@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.dual_ops import reduce_from_group, reduce_scatter_sequence
-from ..errors import ShapeError
-from .linear_1d import check_sequence_divisible
-from ..theory.vocab import padded_vocab_size
-from .sharding import ShardSpec, sharded_parameter, sequence_parallel_on
+from ...comm.dual_ops import reduce_from_group, reduce_scatter_sequence
+from ...errors import ShapeError
+from .linear import check_sequence_divisible
+from ...theory.vocab import padded_vocab_size
+from ...nn.sharding import ShardSpec, sharded_parameter, sequence_parallel_on
 
 
 def padded_normal_init(vocab_size: int, std: float):

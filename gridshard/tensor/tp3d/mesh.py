@@ -12,7 +12,7 @@ weight blocks (fixed per layer), so ``weight`` is the outermost dim and the two 
 dims are the q² consecutive ranks of one block (one node when q² ranks fit in it).
 
 The names are the roles the three dims play in a linear layer Y = X·A on this mesh
-(:mod:`gridshard.comm.matmul_3d`): X is all-gathered over ``input`` (the q ranks differing in
+(:mod:`gridshard.tensor.tp3d.matmul`): X is all-gathered over ``input`` (the q ranks differing in
 j), A over ``weight`` (differing in i), and the partial product X_il·A_lj is reduce-scattered
 over ``output`` (differing in l).
 
@@ -56,11 +56,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..errors import LayoutError, check_divisible
-from ..mesh import Axis, device_axis, group_timeout_s, set_collective_timeout
+from ...errors import LayoutError, check_divisible
+from ...mesh import Axis, device_axis, group_timeout_s, set_collective_timeout
 
 
-#: the cube's dims, outermost first (3D tensor parallelism; :mod:`gridshard.comm.mesh_3d`)
+#: the cube's dims, outermost first (3D tensor parallelism; :mod:`gridshard.tensor.tp3d.mesh`)
 CUBE_DIMS = ("weight", "input", "output")
 
 
@@ -73,7 +73,7 @@ def _check_cube_dims(device_mesh: DeviceMesh) -> None:
 
 
 class Mesh3D:
-    """One orientation of the 3D axes of this rank (:mod:`gridshard.comm.mesh_3d`'s docstring: the
+    """One orientation of the 3D axes of this rank (:mod:`gridshard.tensor.tp3d.mesh`'s docstring: the
     cube's rank order, activation layout and the swapped orientation).
 
     Attributes: ``q``; ``input``, ``weight``, ``output``, ``batch`` (axes); ``is_swapped``;
@@ -208,7 +208,7 @@ def build_mesh_3d(q: int, ledger=None) -> Mesh3D:
 def layout_mesh_3d(world_group, q: int) -> Mesh3D:
     """The :class:`Mesh3D` of a validated q over ``world_group``: a memo keyed by the group and q
     (each DeviceMesh creates process groups that live as long as the process; every rank calls it
-    in the same order), as :func:`gridshard.comm.mesh_2p5d.layout_mesh_2p5d`. Its groups wait as
+    in the same order), as :func:`gridshard.mesh.layout_mesh` does. Its groups wait as
     long as ``world_group``."""
     device_type = "cuda" if dist.get_backend(world_group) == "nccl" else "cpu"
     mesh = Mesh3D.from_device_mesh(init_device_mesh(device_type, (q, q, q), mesh_dim_names=DIM_NAMES))

@@ -1,6 +1,6 @@
 """Vocabulary-parallel token embedding producing a 3D activation layout [b/q², s, h/q].
 
-On a :class:`gridshard.comm.mesh_3d.Mesh3D` orientation, rank (i, j, l) takes its tokens
+On a :class:`gridshard.tensor.tp3d.mesh.Mesh3D` orientation, rank (i, j, l) takes its tokens
 [b/q², s] (batch block i·q + j, :meth:`Mesh3D.batch_block` with ``hidden=False``) and returns
 x[batch block i·q + j, :, hidden block l].
 
@@ -20,7 +20,7 @@ role of the grid column:
 
 Backward: the reduce-scatter's dual all-gathers the output gradient over ``batch``
 (b·s·h/q·e), then a local masked embedding backward gives the exact gradient of my table block.
-Communication: :func:`gridshard.theory.tp3d.embedding3d_comm`.
+Communication: :func:`gridshard.tensor.tp3d.theory.embedding3d_comm`.
 """
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import collectives as C
-from ..comm.grid_ops import reduce_scatter_along
-from ..errors import ShapeError, check_divisible
-from ..theory.vocab import padded_vocab_size
-from .embedding_2d import padded_table_init
-from .id_range import check_blocks
-from .linear_3d import sharded_parameter_3d
-from .sharding import ShardSpec
+from ...comm import collectives as C
+from ...comm.grid_ops import reduce_scatter_along
+from ...errors import ShapeError, check_divisible
+from ...theory.vocab import padded_vocab_size
+from ..tp2d.embedding import padded_table_init
+from ...nn.id_range import check_blocks
+from .linear import sharded_parameter_3d
+from ...nn.sharding import ShardSpec
 
 
 def table_spec_3d(vocab: int, padded: int, hidden: int, mesh) -> ShardSpec:

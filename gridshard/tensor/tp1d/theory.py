@@ -13,7 +13,7 @@ Column → row pair (one MLP, or attention's qkv → proj), forward + backward
 * SP: the column input is all-gathered along the sequence forward (A) and its
   gradient reduce-scattered backward (A); the column layer keeps only its sequence
   block for backward and all-gathers it again there for the weight gradient (A,
-  Megatron's choice: :mod:`gridshard.comm.input_grad_overlap`); the row output is
+  Megatron's choice: :mod:`gridshard.tensor.tp1d.input_grad_overlap`); the row output is
   reduce-scattered forward (A) and its gradient all-gathered backward (A): 3
   all-gathers + 2 reduce-scatters of A. A row bias (replicated, added to the sequence
   block) needs no collective: its gradient is summed from the all-gathered output
@@ -66,7 +66,7 @@ With K = H (the default) all of this reduces to the multi-head figures.
 """
 from __future__ import annotations
 
-from . import CommVolume
+from ...theory import CommVolume
 
 
 def residual_bytes(batch: int, seq: int, hidden: int, bytes_per_elem: int = 4) -> int:

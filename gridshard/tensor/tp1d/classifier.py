@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.dual_ops import gather_from_group
-from ..errors import LayoutError
-from .sharding import ShardSpec, set_spec, sequence_parallel_on
+from ...comm.dual_ops import gather_from_group
+from ...errors import LayoutError
+from ...nn.sharding import ShardSpec, set_spec, sequence_parallel_on
 
 
 class Classifier1D(nn.Module):

@@ -2,14 +2,14 @@
 
 Notation: cube side q, N = b·s tokens, e bytes per element, payloads in the ledger's convention
 (all-gather: the gathered output; reduce-scatter: the unscattered input; all-reduce: the tensor).
-Volumes come per *physical* ledger axis (:mod:`gridshard.comm.mesh_3d`): ``"weight"``,
+Volumes come per *physical* ledger axis (:mod:`gridshard.tensor.tp3d.mesh`): ``"weight"``,
 ``"input"``, ``"output"`` (q ranks each) and the flattened ``"weight_input"``,
 ``"weight_output"`` (q² ranks each). A layer built on the swapped orientation
 (``swapped=True``) runs its ``input`` role on the physical ``output`` axis and vice versa, and
 its ``batch`` role on ``weight_output`` instead of ``weight_input``; every function takes the
 orientation of the mesh the layer was built on.
 
-Linear (in → out), forward + backward (:mod:`gridshard.comm.matmul_3d`):
+Linear (in → out), forward + backward (:mod:`gridshard.tensor.tp3d.matmul`):
 
 =========  ====================================================  =====================================
 role       forward                                               backward
@@ -37,8 +37,8 @@ on ``batch``. Cross-entropy (fp32 logits): two all-reduces on the logits' ``outp
 """
 from __future__ import annotations
 
-from . import CommVolume, axes_rounds, axes_wire_bytes, combine_axes
-from .vocab import padded_vocab_size
+from ...theory import CommVolume, axes_rounds, axes_wire_bytes, combine_axes
+from ...theory.vocab import padded_vocab_size
 
 AXES = ("weight", "input", "output", "weight_input", "weight_output")
 
@@ -225,7 +225,7 @@ def block3d_recompute_comm(batch: int, seq: int, hidden: int, ffn: int, q: int, 
 
 
 def tied_head3d_comm(tokens: int, hidden: int, vocab: int, q: int, bytes_per_elem: int = 4) -> dict:
-    """TiedVocabHead3D (:mod:`gridshard.nn.tied_head_3d`): the embedding's table blocks all-gathered
+    """TiedVocabHead3D (:mod:`gridshard.tensor.tp3d.tied_head`): the embedding's table blocks all-gathered
     over the residual orientation's ``batch`` axis to the hidden block [V_pad, h/q] (V_pad = ⌈V/q²⌉·q²,
     the embedding's padding) and reduce-scattered back in backward (V_pad·h/q·e each), then the 3D
     product h → V_pad on the kept slice with a Linear3D's eight calls."""
@@ -256,7 +256,7 @@ def transformer3d_comm(layers: int, batch: int, seq: int, hidden: int, ffn: int,
                        kv_heads: int | None = None) -> dict:
     """One micro-batch's forward + backward + loss of ``gridshard.models.Transformer`` on a q×q×q
     cube: ``layers`` × :func:`block3d_comm` + :func:`ends3d_comm` (the signature of
-    :func:`gridshard.theory.tp2d.transformer2d_comm`)."""
+    :func:`gridshard.tensor.tp2d.theory.transformer2d_comm`)."""
     block = block3d_comm(batch, seq, hidden, ffn, q, bytes_per_elem, heads, kv_heads)
     return combine(ends3d_comm(batch, seq, hidden, vocab, q, bytes_per_elem, tied=tied), *([block] * layers))
 
@@ -270,7 +270,7 @@ def block3d_param_bytes(hidden: int, ffn: int, q: int, bytes_per_elem: int = 4, 
 
 def axis_groups(q: int) -> dict:
     """Axis name → its groups, each a tuple of tensor ranks t = (i·q + j)·q + l (i weight, j input,
-    l output: :mod:`gridshard.comm.mesh_3d`). ``output`` groups are q consecutive ranks, ``input``
+    l output: :mod:`gridshard.tensor.tp3d.mesh`). ``output`` groups are q consecutive ranks, ``input``
     groups stride q within a block of q², ``weight`` stride q²; ``weight_input`` (l fixed) and
     ``weight_output`` (j fixed) span the whole cube. Which groups cross a node boundary follows."""
     t = lambda i, j, l: (i * q + j) * q + l  # noqa: E731
@@ -288,7 +288,7 @@ __all__ += ["linear3d_forward_comm", "block3d_comm", "block3d_recompute_comm", "
 
 
 # ---------------------------------------------------------------------------------------
-# the ViT path on the cube: patch embedding, classifier, classification loss (gridshard.nn.vision_3d)
+# the ViT path on the cube: patch embedding, classifier, classification loss (gridshard.tensor.tp3d.vision)
 # ---------------------------------------------------------------------------------------
 def patch_embedding3d_comm(batch: int, hidden: int, channels: int, patch: int, seq: int, q: int,
                            bytes_per_elem: int = 4, swapped: bool = False, image_grad: bool = False) -> dict:
