@@ -25,7 +25,8 @@ size-1 axis without a group and ``data_context`` *is* ``data``, so a job without
 parallelism is laid out exactly as before.
 
 A mode's depth layers (2.5D) add a ``"depth"`` dim outside the tensor dims, and the dims over which
-a mode replicates its weights (``weight_replica_dims``) join ``data_context``.
+a mode replicates its weights (``weight_replica_dims``) join ``data_context``. The outer dims, which
+are built when, and which replicate weights, are declared in :mod:`gridshard.mesh_dims`.
 
 All size checks happen in :func:`validate_layout`, before any process group is
 created, so a bad layout fails with a message instead of hanging.
@@ -45,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .device import check_ranks_per_node, device_for_backend, rank_device, resolve_backend
 from .errors import LayoutError
 from .job_layout import TensorMode
+from .mesh_dims import outer_layout, weight_replica_dims
 from .netutil import free_port
 
 
@@ -67,6 +69,12 @@ class Axis:
 
     def global_rank(self, index: int) -> int:
         return self.ranks[index]
+
+
+def world_axis(ledger=None) -> Axis:
+    """All ranks as one :class:`Axis` (for gathering metrics), recording into ``ledger``."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    return Axis("world", n, r, tuple(range(n)), dist.group.WORLD if n > 1 else None, ledger)
 
 
 def factorizations(world_size: int, pipeline: Optional[int] = None, square_tensor: bool = False):
@@ -293,17 +301,13 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     order, so the memo's hits and evictions are the same on every rank. The new groups wait as
     long as ``world_group`` (:func:`set_collective_timeout`), not torch's default for new groups."""
     device_type = "cuda" if dist.get_backend(world_group) == "nccl" else "cpu"
-    outer, outer_names = ((data, pipeline, context), ("data", "pipeline", "context")) if context > 1 \
-        else ((data, pipeline), ("data", "pipeline"))
+    outer_names, outer = zip(*outer_layout({"data": data, "pipeline": pipeline, "context": context, "depth": depth}))
     layer_mode, layer_tensor = tensor_mode.layer_layout(tensor, depth)
-    if depth > 1:                    # 2.5D: the depth layers outside my layer's grid (module docstring)
-        outer, outer_names = outer + (depth,), outer_names + ("depth",)
     names, sizes = zip(*layer_mode.tensor_dims(layer_tensor))
     dm = init_device_mesh(device_type, outer + sizes, mesh_dim_names=outer_names + names)
     flat = dm[names]._flatten("tensor") if len(names) > 1 else None
     submesh = layer_mode.tensor_submesh(dm[names])
-    replicas = tuple(n for n in outer_names if n != "pipeline")       # data, [context,] [depth]: weights replicated
-    replicas += layer_mode.weight_replica_dims()                        # a mode's own replicas join the reduction
+    replicas = weight_replica_dims(outer_names) + layer_mode.weight_replica_dims()   # data, [context,] [depth], …
     flat_dc = dm[replicas]._flatten("data_context") if len(replicas) > 1 else None
     mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, context=context,
                         flat_data_context_mesh=flat_dc, depth=depth, tensor_submesh=submesh)

@@ -98,3 +98,14 @@ def test_3d_cube_dims_and_groups():
         assert ranks["weight_input"] == tuple(a * 4 + b * 2 + l for a in range(2) for b in range(2))
         assert ranks["weight_output"] == tuple(a * 4 + j * 2 + b for a in range(2) for b in range(2))
         assert batch == (4, 2 * i + j, 2 * i + l) and dc == 1
+
+
+def test_outer_dims_are_declared_once():
+    """The mesh builds the outer dims gridshard.mesh_dims declares: data and pipeline always, context
+    and depth only above 1; parameters replicated (gradients reduced) along data, context, depth."""
+    from gridshard.mesh_dims import outer_layout, weight_replica_dims
+    assert outer_layout({"data": 2, "pipeline": 1}) == (("data", 2), ("pipeline", 1))
+    assert outer_layout({"data": 1, "pipeline": 2, "context": 2, "depth": 2}) == \
+        (("data", 1), ("pipeline", 2), ("context", 2), ("depth", 2))
+    assert outer_layout({"context": 1, "depth": 3}) == (("data", 1), ("pipeline", 1), ("depth", 3))
+    assert weight_replica_dims(("data", "pipeline", "context", "depth", "grid_row")) == ("data", "context", "depth")

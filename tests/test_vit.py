@@ -254,7 +254,7 @@ def test_vit_flops_per_token_counts_what_the_model_computes():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from gridshard.engine.trainer import model_flops_per_token
+    from gridshard.theory.training import model_flops_per_token
     from gridshard.models.vit import VisionTransformer, vit_config
 
     mc = vit_config({"image_size": 16, "patch_size": 4, "channels": 3, "num_classes": 5, "hidden": 32,

@@ -41,7 +41,7 @@ overlapped reduction as usual), the optimizer still steps (AdamW's momentum and 
 decay act, as in a plain loop whose ``F.cross_entropy`` returns zero gradients), its
 loss is reported as ``None`` (null in ``metrics.jsonl``) and rank 0 warns.
 A micro-batch or 2D block with no valid target gets exactly zero gradient from the loss
-(:mod:`gridshard.parallel.context`), never NaN.
+(:mod:`gridshard.parallel.model_context`), never NaN.
 
 The micro-batches are driven one way for every layout: ``job.driver`` is a
 :class:`MicroBatchLoop` (P = 1: one micro-batch after the other on the whole model, the

@@ -66,28 +66,12 @@ import torch.distributed as dist
 from ..checkpoint.faults import hit
 from ..comm import collectives as C
 from ..errors import NonFiniteError
-from ..mesh import Axis
-from ..theory.training import flops_per_token, mfu, vit_flops_per_token
+from ..mesh import world_axis
+from ..theory.training import mfu, model_flops_per_token
 from . import control
 from .job import Job, build_job
 from .metrics import RunFiles, device_peak_flops, format_postfix, interval_memory_peaks
 from .step import accuracy_metrics, evaluate, global_losses, train_step
-
-
-def world_axis(ledger=None) -> Axis:
-    """All ranks as one :class:`Axis` (for gathering metrics), recording into ``ledger``."""
-    n, r = dist.get_world_size(), dist.get_rank()
-    return Axis("world", n, r, tuple(range(n)), dist.group.WORLD if n > 1 else None, ledger)
-
-
-def model_flops_per_token(kind: str, mc, seq: int) -> float:
-    """Training FLOPs per token of the model family ``kind`` (``model.kind``) for MFU: a decoder's
-    :func:`~gridshard.theory.training.flops_per_token` (SwiGLU, vocabulary head), a ViT's
-    :func:`~gridshard.theory.training.vit_flops_per_token` (GELU MLP, patch projection, classifier)."""
-    if kind == "vit":
-        return vit_flops_per_token(mc.hidden, mc.layers, mc.ffn_hidden, seq, mc.channels * mc.patch_size ** 2,
-                                   mc.num_classes)
-    return flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, seq, mc.kv_heads * mc.head_dim)
 
 
 class Trainer:

@@ -25,7 +25,7 @@ Precision: under ``torch.autocast`` (``train.precision: bf16 | fp16``) the activ
 compute dtype c: the embedding output is cast to c, so the residual stream, the norms' outputs
 (computed in fp32 inside, :func:`gridshard.nn.norm.rms_norm`), the projections and the RoPE tables
 (cached in c, built in fp32) are all in c; only the loss upcasts the logits to fp32
-(:meth:`gridshard.parallel.context.ParallelContext.model_loss`). Parameters keep their own dtype.
+(:meth:`gridshard.parallel.model_context.ParallelContext.model_loss`). Parameters keep their own dtype.
 Without autocast nothing is cast: an fp32 run is what it was, bit for bit.
 """
 from __future__ import annotations

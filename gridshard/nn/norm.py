@@ -91,7 +91,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-class RMSNorm(nn.Module):
+class ReplicatedNorm(nn.Module):
+    """The none / 1D norms: vectors of [hidden] replicated on every tensor rank (ones, and zeros for
+    a bias), used through ``copy_to_group`` under sequence parallelism so that their gradients are
+    summed over the tensor group inside the layer (module docstring); ``mesh`` is needed only
+    then. A sequence-first input (SP storage) is normalised as its contiguous [s, b, h] view."""
+
+    #: whether the norm has a bias vector beside its weight
+    has_bias = False
+
+    def __init__(self, hidden: int, eps: float = 1e-5, mesh=None, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        if sequence_parallel and mesh is None:
+            raise LayoutError(f"{type(self).__name__}(sequence_parallel=True) needs the mesh: its vectors' "
+                              "gradients are partial sums over the tensor group. Fix: pass mesh=<ParallelMesh>.")
+        self.hidden, self.eps = hidden, eps
+        self.sequence_parallel = sequence_parallel_on(mesh, sequence_parallel)
+        self.axis = mesh.tensor if mesh is not None else None
+        spec = ShardSpec((hidden,), (), partial_grad_axes=("tensor",) if self.sequence_parallel else ())
+        self.weight = set_spec(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), spec)
+        if self.has_bias:
+            self.bias = set_spec(nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)), spec)
+
+    def normalise(self, fn, x: torch.Tensor, *vectors) -> torch.Tensor:
+        """``fn(x, *vectors)`` with each vector through ``copy_to_group`` under SP, on x's
+        contiguous [s, b, h] view when x is stored sequence-first (the output keeps that layout)."""
+        if self.sequence_parallel:
+            vectors = tuple(copy_to_group(v, self.axis) for v in vectors)
+        if x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
+            return fn(x.transpose(0, 1), *vectors).transpose(0, 1)
+        return fn(x, *vectors)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class RMSNorm(ReplicatedNorm):
     """RMSNorm over the last dim with a replicated ``weight`` [hidden] (ones).
 
     ``mesh`` is only needed with ``sequence_parallel=True`` (the weight gradient is
@@ -100,18 +136,6 @@ class RMSNorm(nn.Module):
     effect is the job layout's rule
     (:meth:`gridshard.job_layout.TensorMode.sequence_parallel_in_effect`: off at T = 1).
     """
-
-    def __init__(self, hidden: int, eps: float = 1e-5, mesh=None, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
-        if sequence_parallel and mesh is None:
-            raise LayoutError("RMSNorm(sequence_parallel=True) needs the mesh: its weight gradient is a partial "
-                              "sum over the tensor group. Fix: pass mesh=<ParallelMesh>.")
-        self.hidden, self.eps = hidden, eps
-        self.sequence_parallel = sequence_parallel_on(mesh, sequence_parallel)
-        self.axis = mesh.tensor if mesh is not None else None
-        spec = ShardSpec((hidden,), (), partial_grad_axes=("tensor",) if self.sequence_parallel else ())
-        self.weight = set_spec(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), spec)
 
     #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` this norm offers its output
     #: to (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
@@ -122,11 +146,4 @@ class RMSNorm(nn.Module):
         self.rebuild = region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = copy_to_group(self.weight, self.axis) if self.sequence_parallel else self.weight
-        if x.dim() >= 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
-            # sequence-first storage (SP): normalise the contiguous [s, b, h] view, keep the layout
-            return rms_norm(x.transpose(0, 1), w, self.eps, self.rebuild).transpose(0, 1)
-        return rms_norm(x, w, self.eps, self.rebuild)
-
-    def extra_repr(self) -> str:
-        return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+        return self.normalise(lambda x, w: rms_norm(x, w, self.eps, self.rebuild), x, self.weight)

@@ -1,5 +1,5 @@
 """From a plain model to a laid-out one: plans, ``parallelize``, canonical state dicts."""
-from .context import ParallelContext, context_of
+from .model_context import ParallelContext, context_of
 from .parallelize import ModelDims, check_layout, model_dims, parallelize
 from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, VIT_PLAN, Plan
 from .state_dict import gather_canonical, gathered_state_dict

@@ -47,7 +47,7 @@ from ..job_layout import ContextMode
 from ..nn.shape_rules import layout_rules
 from ..nn.sharding import get_spec, mesh_coords
 from ..tensor.layer_build import LayerBuild
-from .context import ParallelContext
+from .model_context import ParallelContext
 from .materialize import init_laws, materialize
 from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, VIT_PLAN, Plan
 from .shared_input import install_shared_input

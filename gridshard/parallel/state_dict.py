@@ -18,7 +18,7 @@ from ..comm import collectives as C
 from ..comm.ledger import LEDGER
 from ..errors import LayoutError
 from ..nn.sharding import assemble_global, mesh_coords, tensor_rank_coords
-from .context import context_of
+from .model_context import context_of
 
 
 def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..nn.sharding import ShardSpec, mesh_coords
-from ..parallel.context import context_of
+from ..parallel.model_context import context_of
 from ..parallel.dtensor_view import placements_of, tensor_dim_names
 
 

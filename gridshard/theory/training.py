@@ -57,6 +57,16 @@ def vit_flops_per_token(hidden: int, layers: int, ffn: int, seq_len: int, patch_
     return layers * per_layer + (4 * patch_elems * h * (s - 1) + 6 * classes * h) / s
 
 
+def model_flops_per_token(kind: str, mc, seq: int) -> float:
+    """Training FLOPs per token of the model family ``kind`` (``model.kind``) for MFU: a decoder's
+    :func:`flops_per_token` (SwiGLU, vocabulary head), a ViT's
+    :func:`vit_flops_per_token` (GELU MLP, patch projection, classifier)."""
+    if kind == "vit":
+        return vit_flops_per_token(mc.hidden, mc.layers, mc.ffn_hidden, seq, mc.channels * mc.patch_size ** 2,
+                                   mc.num_classes)
+    return flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, seq, mc.kv_heads * mc.head_dim)
+
+
 def mfu(flops_token: float, tokens_per_s: float, peak_flops: float | None, devices: int) -> float | None:
     """Model FLOPs utilisation, or None when the device peak is unknown (CPU)."""
     if not peak_flops:

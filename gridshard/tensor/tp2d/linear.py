@@ -64,7 +64,7 @@ class Linear2D(nn.Module):
 
     ``overlap``: double-buffered async SUMMA broadcasts (False: blocking); ``vector_cache``:
     the model's :class:`gridshard.comm.grid_ops.GatheredVectors` (``parallelize`` passes the
-    one of its :class:`gridshard.parallel.context.ParallelContext`), so the bias is gathered once
+    one of its :class:`gridshard.parallel.model_context.ParallelContext`), so the bias is gathered once
     per cache window; ``None`` gathers it on every forward."""
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,

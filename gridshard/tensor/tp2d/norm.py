@@ -88,63 +88,69 @@ class _LayerNorm2DFn(torch.autograd.Function):
         return dx, flat(g * xhat).sum(0), flat(g).sum(0), None, None, None
 
 
-class _Norm2DBase(nn.Module):
-    """``vector_cache``: the model's :class:`gridshard.comm.grid_ops.GatheredVectors` (the weight and
-    bias gathered once per cache window), or ``None`` (gathered on every forward)."""
+class GridNorm(nn.Module):
+    """The 2D norms and, with the class attributes below overridden, the 3D ones: vectors of
+    [hidden] split into q^``split_power`` blocks, gathered (``vector_cache``: the model's
+    :class:`gridshard.comm.grid_ops.GatheredVectors`, or ``None`` to gather on every forward),
+    token statistics all-reduced over :meth:`stats_axis`. ``has_bias``: LayerNorm (weight ones,
+    bias zeros), else RMSNorm (weight ones)."""
 
-    def __init__(self, hidden: int, mesh, eps: float, vector_cache=None):
-        super().__init__()
-        q = mesh.q
-        check_divisible(hidden, q * q, "hidden (norm weights are split into q² blocks)", "q²",
-                        f"use hidden a multiple of {q * q}")
-        self.mesh, self.hidden, self.eps = mesh, hidden, eps
-        self.hidden_local = hidden // q
-        self.vector_cache = vector_cache
-
-    def _check(self, x):
-        if x.shape[-1] != self.hidden_local:
-            raise ShapeError(f"{type(self).__name__}({self.hidden}) got a local input with last dim {x.shape[-1]}: "
-                             f"on a q={self.mesh.q} grid each rank holds hidden/q = {self.hidden_local}. "
-                             f"Fix: pass this rank's [b/q, s, h/q] block.")
-
-    def extra_repr(self) -> str:
-        return f"hidden={self.hidden}, q={self.mesh.q}, eps={self.eps}"
-
-
-class RMSNorm2D(_Norm2DBase):
-    """RMSNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, h/q² per rank)."""
+    split_power, shape_name, block, has_bias = 2, "grid", "[b/q, s, h/q]", False
 
     def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, device=None,
                  vector_cache=None):
-        super().__init__(hidden, mesh, eps, vector_cache)
-        self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype, device)
+        super().__init__()
+        q, p = mesh.q, self.split_power
+        blocks = "q²" if p == 2 else "q³"
+        check_divisible(hidden, q ** p, f"hidden (norm weights are split into {blocks} blocks)", blocks,
+                        f"use hidden a multiple of {q ** p}")
+        self.mesh, self.hidden, self.eps = mesh, hidden, eps
+        self.hidden_local = hidden // q
+        self.vector_cache = vector_cache
+        self.weight = self.vector(nn.init.ones_, dtype, device)
+        if self.has_bias:
+            self.bias = self.vector(nn.init.zeros_, dtype, device)
+
+    def vector(self, init, dtype, device) -> nn.Parameter:
+        return sharded_parameter(bias_spec_2d(self.hidden), self.mesh, init, dtype, device)
+
+    def gathered(self, v: torch.Tensor) -> torch.Tensor:
+        return gather_vector_2d(v, self.mesh, cache=self.vector_cache)
+
+    def stats_axis(self):
+        """The q ranks holding one token's hidden blocks: the grid row."""
+        return self.mesh.row
 
     #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` the output is offered to
     #: (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
     rebuild: Optional[RebuildRegion] = None
 
     def rebuild_output_in_backward(self, region: RebuildRegion) -> None:
-        """Offer y to ``region`` with its recipe (x, r, w): a consumer (SUMMA) keeps that, not y."""
+        """Offer an RMSNorm's y to ``region`` with its recipe (x, r, w): a consumer (SUMMA, or the
+        next Linear3D's product, which saves its input block) keeps that, not y."""
         self.rebuild = region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check(x)
-        w = gather_vector_2d(self.weight, self.mesh, cache=self.vector_cache)
+        if x.shape[-1] != self.hidden_local:
+            raise ShapeError(f"{type(self).__name__}({self.hidden}) got a local input with last dim {x.shape[-1]}: "
+                             f"on a q={self.mesh.q} {self.shape_name} each rank holds hidden/q = "
+                             f"{self.hidden_local}. Fix: pass this rank's {self.block} block.")
+        w = self.gathered(self.weight)
+        if self.has_bias:
+            return _LayerNorm2DFn.apply(x, w, self.gathered(self.bias), self.stats_axis(), self.hidden, self.eps)
         region = self.rebuild if self.rebuild is not None and self.rebuild.accepting() else None
-        return _RMSNorm2DFn.apply(x, w, self.mesh.row, self.hidden, self.eps, region)
+        return _RMSNorm2DFn.apply(x, w, self.stats_axis(), self.hidden, self.eps, region)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, q={self.mesh.q}, eps={self.eps}"
 
 
-class LayerNorm2D(_Norm2DBase):
+class RMSNorm2D(GridNorm):
+    """RMSNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, h/q² per rank)."""
+
+
+class LayerNorm2D(GridNorm):
     """LayerNorm over the hidden dim of a [b/q, s, h/q] block (weight ones, bias zeros, h/q² each)."""
 
-    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, vector_cache=None,
-                 device=None):
-        super().__init__(hidden, mesh, eps, vector_cache)
-        self.weight = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.ones_, dtype, device)
-        self.bias = sharded_parameter(bias_spec_2d(hidden), mesh, nn.init.zeros_, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check(x)
-        w = gather_vector_2d(self.weight, self.mesh, cache=self.vector_cache)
-        b = gather_vector_2d(self.bias, self.mesh, cache=self.vector_cache)
-        return _LayerNorm2DFn.apply(x, w, b, self.mesh.row, self.hidden, self.eps)
+    has_bias = True
+    rebuild_output_in_backward = None  # its output is kept, not rebuilt (selective offers RMSNorms only)

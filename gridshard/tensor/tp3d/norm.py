@@ -23,75 +23,32 @@ each vector one all-gather and one reduce-scatter of h/q·e on ``batch``
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-from torch import nn
-
-from ...errors import ShapeError, check_divisible
 from .linear import gather_vector_3d, sharded_parameter_3d, vector_spec_3d
-from ..tp2d.norm import _LayerNorm2DFn, _RMSNorm2DFn
-from ...nn.rebuild import RebuildRegion
+from ..tp2d.norm import GridNorm
 
 
-class _Norm3DBase(nn.Module):
-    def __init__(self, hidden: int, mesh, eps: float, vector_cache=None):
-        super().__init__()
-        q = mesh.q
-        check_divisible(hidden, q ** 3, "hidden (3D norm weights are split into q³ blocks)", "q³",
-                        f"use hidden a multiple of {q ** 3}")
-        self.mesh, self.hidden, self.eps = mesh, hidden, eps
-        self.hidden_local = hidden // q
-        self.vector_cache = vector_cache
+class _CubeNorm(GridNorm):
+    """A 3D norm: the 2D norm with vectors of the cube's layout (h/q³ per rank, gathered over
+    ``mesh.batch``) and statistics over ``mesh.output`` (module docstring)."""
 
-    def _vector(self, init, dtype, device):
+    split_power, shape_name, block = 3, "cube", "[b/q², s, h/q]"
+
+    def vector(self, init, dtype, device):
         return sharded_parameter_3d(vector_spec_3d(self.hidden, self.mesh), self.mesh, init, dtype, device)
 
-    def _check(self, x):
-        if x.shape[-1] != self.hidden_local:
-            raise ShapeError(f"{type(self).__name__}({self.hidden}) got a local input with last dim {x.shape[-1]}: "
-                             f"on a q={self.mesh.q} cube each rank holds hidden/q = {self.hidden_local}. "
-                             f"Fix: pass this rank's [b/q², s, h/q] block.")
+    def gathered(self, v):
+        return gather_vector_3d(v, self.mesh, self.vector_cache)
 
-    def extra_repr(self) -> str:
-        return f"hidden={self.hidden}, q={self.mesh.q}, eps={self.eps}"
+    def stats_axis(self):
+        return self.mesh.output
 
 
-class RMSNorm3D(_Norm3DBase):
+class RMSNorm3D(_CubeNorm):
     """RMSNorm over the hidden dim of a [b/q², s, h/q] block (weight ones, h/q³ per rank)."""
 
-    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, device=None,
-                 vector_cache=None):
-        super().__init__(hidden, mesh, eps, vector_cache)
-        self.weight = self._vector(nn.init.ones_, dtype, device)
 
-    #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` the output is offered to
-    #: (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
-    rebuild: Optional[RebuildRegion] = None
-
-    def rebuild_output_in_backward(self, region: RebuildRegion) -> None:
-        """Offer y to ``region`` with its recipe (x, r, w), as RMSNorm2D: the consumer (the next
-        Linear3D's product, which saves its input block) keeps that, not y."""
-        self.rebuild = region
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check(x)
-        w = gather_vector_3d(self.weight, self.mesh, self.vector_cache)
-        region = self.rebuild if self.rebuild is not None and self.rebuild.accepting() else None
-        return _RMSNorm2DFn.apply(x, w, self.mesh.output, self.hidden, self.eps, region)
-
-
-class LayerNorm3D(_Norm3DBase):
+class LayerNorm3D(_CubeNorm):
     """LayerNorm over the hidden dim of a [b/q², s, h/q] block (weight ones, bias zeros, h/q³ each)."""
 
-    def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, device=None,
-                 vector_cache=None):
-        super().__init__(hidden, mesh, eps, vector_cache)
-        self.weight = self._vector(nn.init.ones_, dtype, device)
-        self.bias = self._vector(nn.init.zeros_, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check(x)
-        w = gather_vector_3d(self.weight, self.mesh, self.vector_cache)
-        b = gather_vector_3d(self.bias, self.mesh, self.vector_cache)
-        return _LayerNorm2DFn.apply(x, w, b, self.mesh.output, self.hidden, self.eps)
+    has_bias = True
+    rebuild_output_in_backward = None  # its output is kept, not rebuilt (selective offers RMSNorms only)
