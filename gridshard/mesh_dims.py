@@ -37,9 +37,9 @@ class MeshDim:
 
 #: the outer dims in mesh order (outermost first)
 OUTER_DIMS = (
-    MeshDim("data", always=True, replicates_weights=True, cost="gridshard.planner.cost_time.data_comm"),
-    MeshDim("pipeline", always=True, replicates_weights=False, cost="gridshard.theory.pipeline"),
-    MeshDim("context", always=False, replicates_weights=True, cost="gridshard.theory.context"),
+    MeshDim("data", always=True, replicates_weights=True, cost="gridshard.planner.price_data"),
+    MeshDim("pipeline", always=True, replicates_weights=False, cost="gridshard.planner.price_pipeline"),
+    MeshDim("context", always=False, replicates_weights=True, cost="gridshard.planner.price_context"),
     MeshDim("depth", always=False, replicates_weights=True, cost="gridshard.tensor.tp2p5d.theory"),
 )
 

@@ -127,7 +127,7 @@ def test_pipeline_zero2_enumerates_and_prices_both_gradient_accumulations():
     one reduce-scatter per unit and step instead of A, and more memory (its whole fp32 gradient), equal
     to predict_rank_memory(overlap_grad_reduce=False) of the worst rank."""
     from dataclasses import replace
-    from gridshard.planner.cost_time import data_comm
+    from gridshard.planner.price_data import data_comm
 
     flags = collections.defaultdict(set)
     for lay in enumerate_layouts(4, 16, zero_stages=(1, 2), recompute=("none",), micro_batches=[1, 8]):
@@ -219,7 +219,7 @@ def test_sync_skew_is_paid_per_priced_call():
 def test_trainer_bookkeeping_priced():
     """The stop agreement (one 4-byte MAX all-reduce over the world per step) goes into the
     step; the log-step stats gather and loss all-reduces are reported ÷ log_interval."""
-    from gridshard.planner.cost_time import call_seconds
+    from gridshard.planner.price_links import call_seconds
 
     mc = load_config("configs/tiny.yaml").model.resolve()
     hw = _skewed(1e-3)
@@ -282,7 +282,7 @@ def test_collective_cpu_seconds_and_tensor_call_overhead():
     assert wall_only.cpu_seconds(1e6, 3, 4) == wall_only.seconds(1e6, 3, 4)
     both = LinkCost(1e9, 1e-4, 1e-5, cpu_bandwidth=2e9, cpu_latency_s=5e-5, cpu_latency_per_rank_s=2e-6)
     assert both.cpu_seconds(1e6, 3, 4) == pytest.approx(3 * (5e-5 + 2 * 2e-6) + 1e6 / 2e9)
-    from gridshard.planner.cost_time import comm_cpu_seconds, comm_seconds
+    from gridshard.planner.price_links import comm_cpu_seconds, comm_seconds
     from gridshard.tensor.tp1d.cost import tensor_comm_1d
 
     mc = load_config("configs/tiny.yaml").model.resolve()
@@ -381,7 +381,7 @@ def test_7b_on_64_h100_plans_8_nodes_without_being_told():
 def test_pipeline_sends_priced_in_the_compute_dtype():
     """A stage send moves theory.pipeline.boundary_bytes in the run's precision — the tensor
     layout's boundary block (1/T of the hidden state under SP) at 2 bytes in bf16."""
-    from gridshard.planner.cost_time import stage_crossings
+    from gridshard.planner.price_pipeline import stage_crossings
     from gridshard.theory.pipeline import boundary_bytes
 
     h100 = load_hardware("h100")
@@ -669,7 +669,7 @@ def test_context_sizes_enumerated():
 def test_context_memory_and_time_terms():
     """At C > 1 the planner's memory is predict_rank_memory with data = D·C and the context; compute
     divides by C; the ring's sends equal theory.context's and hide under the attention compute."""
-    from gridshard.planner.cost_time import context_comm
+    from gridshard.planner.price_context import context_comm
     from gridshard.theory.context import ring_attention_sends
     from gridshard.theory.memory import predict_rank_memory
 

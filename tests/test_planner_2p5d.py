@@ -12,7 +12,9 @@
 from gridshard.config import load_config, resolve_config
 from gridshard.planner import evaluate, load_hardware
 from gridshard.planner.cost_memory import layout_memory
-from gridshard.planner.cost_time import data_comm, rank_cost, tensor_volumes
+from gridshard.planner.cost_time import rank_cost
+from gridshard.planner.price_data import data_comm
+from gridshard.planner.price_tensor import tensor_volumes
 from gridshard.planner.fit import config_layout
 from gridshard.planner.layouts import Layout, enumerate_layouts
 from gridshard.planner.report import explain, written_config

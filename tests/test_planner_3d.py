@@ -28,8 +28,11 @@ from gridshard.models.llama import Transformer
 from gridshard.parallel import parallelize
 from gridshard.planner import evaluate, load_hardware
 from gridshard.planner.cost_memory import layout_memory
-from gridshard.planner.cost_time import (comm_seconds, context_comm, link_levels, microbatch_flops, rank_cost,
-                                         tensor_volumes)
+from gridshard.planner.cost_time import rank_cost
+from gridshard.planner.price_compute import microbatch_flops
+from gridshard.planner.price_context import context_comm
+from gridshard.planner.price_links import comm_seconds, link_levels
+from gridshard.planner.price_tensor import tensor_volumes
 from gridshard.tensor.tp3d.cost import cube_axis_levels, tensor_comm_3d
 from gridshard.planner.fit import config_layout
 from gridshard.planner.layouts import Layout, enumerate_layouts, layout_problem

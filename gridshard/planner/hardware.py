@@ -59,7 +59,7 @@ step over its isolated α–β cost — the ranks reach it at different times. O
 per rank) this is small and left 0; on an over-subscribed CPU (more ranks than cores) a rank
 that arrives waits for its peers to be scheduled and finish their share of the compute
 before it, about a scheduler time slice per call. ``gridshard plan --calibrate`` measures it
-(calibrate module docstring); the planner adds it once per exposed call (cost_time).
+(calibrate module docstring); the planner adds it once per exposed call (price_links).
 """
 from __future__ import annotations
 

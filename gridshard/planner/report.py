@@ -207,7 +207,7 @@ def _depth_reason(result: PlanResult) -> list:
 
 def _layer_traffic(result: PlanResult, c: Candidate) -> tuple:
     """(ring wire bytes, of them on links across nodes, calls) one rank's tensor group moves per decoder
-    layer and micro-batch (:func:`~gridshard.planner.cost_time.tensor_volumes` of the layout each rank
+    layer and micro-batch (:func:`~gridshard.planner.price_tensor.tensor_volumes` of the layout each rank
     runs: the scheme's ``tensor_comm``; at 3D each cube axis on its own link)."""
     L, links = c.layout.layer_layout(), c.step.details["links"]
     mc, s = result.config.model.resolve(), result.config.data.seq_len // L.context

@@ -42,9 +42,10 @@ from ..errors import ConfigError
 from ..theory.memory import activation_bytes
 from ..theory.training import flops_per_token, mfu
 from .cost_memory import layout_memory, ranks_to_check, stage_layers_of_rank
-from .cost_time import StepTime, microbatch_flops, node_step, rank_cost
+from .cost_time import StepTime, node_step, rank_cost
 from .hardware import Hardware, load_hardware
 from .layouts import Layout, apply_layout, enumerate_layouts, layout_problem, lighter_end_splits
+from .price_compute import microbatch_flops
 
 
 class PlanError(ConfigError):

@@ -46,7 +46,7 @@ class Scheme(TensorScheme):
         """How many of the tensor group's inputs the classifier gets right, the same on every tensor rank."""
         return correct_count(logits, labels, self.batch_block_axis(mesh))
 
-    # ---- per-rank shapes and memory terms (gridshard/theory/memory.py §2) -------------------------
+    # ---- per-rank shapes and memory terms (gridshard/theory/memory/activations.py §2) -------------------------
     def rank_shape(self, cfg, T: int, sequence_parallel: bool, tokens: int) -> RankShape:
         """One rank's rows N_r, residual elements R, heads H_r, kv heads K_r, neurons f_r and logits
         columns V_r of a micro-batch of ``tokens`` tokens. Default: everything whole."""

@@ -1,0 +1,104 @@
+"""How long bytes take on the planner's links: which link each mesh dim uses, and the seconds (and
+CPU seconds) of the collectives priced on it.
+
+Each collective costs ``latency + ring wire bytes / bandwidth`` on its group's link,
+plus ``Hardware.sync_skew_s`` per call: every collective the step prices here is synchronous
+(tensor, ZeRO-3 gathers, exposed reductions, pipeline sends), and inside a step the ranks reach it
+at different times — on an over-subscribed CPU about a scheduler slice per call, measured by
+``--calibrate``; 0 in the GPU files. With gloo's small payloads this, with the latency, is what
+2D's many SUMMA broadcasts/reduces cost (``calls × (latency + skew)``, from the
+:mod:`~gridshard.tensor.tp2d.theory` call counts). The same calls' CPU seconds (the busy bound,
+:mod:`.cost_time` "Two bounds"): ``LinkCost.cpu_seconds``.
+
+:class:`_Pricing` carries one rank's links, compute stretch and sync skew to the pricing of each
+mesh dim (:mod:`.price_tensor`, :mod:`.price_context`, :mod:`.price_pipeline`, :mod:`.price_data`)
+and to :mod:`.cost_time`, which assembles the step.
+"""
+from __future__ import annotations
+
+from typing import Optional
+from dataclasses import dataclass
+
+from ..comm.ledger import ring_wire_bytes
+from ..theory import CommVolume
+from .hardware import Hardware
+from .layouts import Layout
+
+FP32 = 4
+
+
+def _ops(vols):
+    """(op, ring wire bytes, calls, group size) of every kind of call in ``vols``."""
+    for v in vols:
+        if v is None:
+            continue
+        for op, payload in v.payload.items():
+            yield op, ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size
+
+
+def comm_seconds(vols, hw: Hardware, level: str, skew: Optional[float] = None) -> float:
+    """Σ over ops of calls·(latency + sync skew) + ring wire bytes / bandwidth (hardware module
+    docstring): the collectives are synchronous, each exposed. ``skew``: per call, default
+    ``hw.sync_skew_s``."""
+    skew = hw.sync_skew_s if skew is None else skew
+    return sum(hw.link(level, op).seconds(wire, n, group) + n * skew for op, wire, n, group in _ops(vols))
+
+
+def comm_cpu_seconds(vols, hw: Hardware, level: str) -> float:
+    """Σ over ops of the CPU seconds one rank spends in them (``LinkCost.cpu_seconds``)."""
+    return sum(hw.link(level, op).cpu_seconds(wire, n, group) for op, wire, n, group in _ops(vols))
+
+
+def call_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1,
+                 skew: Optional[float] = None) -> float:
+    """One kind of small synchronous call, priced as :func:`comm_seconds` does."""
+    if group <= 1 or not calls:
+        return 0.0
+    return comm_seconds([CommVolume(group).add(op, payload, calls)], hw, level, skew)
+
+
+def call_cpu_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1) -> float:
+    """One kind of small call's CPU seconds, as :func:`comm_cpu_seconds`."""
+    if group <= 1 or not calls:
+        return 0.0
+    return comm_cpu_seconds([CommVolume(group).add(op, payload, calls)], hw, level)
+
+
+def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
+    """Which link each mesh dim uses: mesh order (data, pipeline, context, tensor), tensor innermost,
+    ``devices_per_node`` consecutive ranks per node; the data reduction runs over data × context.
+    At 2.5D the tensor dim is (depth, grid): the SUMMA group is one depth layer's q² consecutive
+    ranks, and the reducer's data × context × depth group spans C·T ranks when D = 1."""
+    world, CT = layout.world, layout.context * layout.tensor
+    per_node = max(1, world // max(1, nodes))
+    inside = lambda span: "intra" if span <= per_node else "inter"  # noqa: E731
+    levels = {"tensor": inside(layout.layer_tensor), "context": inside(CT), "pipeline": inside(CT * layout.pipeline),
+              "data": inside(world if layout.data > 1 else CT)}
+    axes = layout.mode.tensor_axis_levels(layout.layer_tensor, world, per_node)
+    if axes is not None:                    # a mode whose tensor axes leave a node one by one (3D)
+        levels["tensor_axes"] = axes
+    return levels
+
+
+@dataclass
+class _Pricing:
+    """How one rank's terms are priced: the link of each mesh dim, and on the critical path the
+    compute stretch and the sync skew per call (1 and 0 on an over-subscribed node, whose
+    contention is the throughput bound's; :mod:`.cost_time`, "Two bounds")."""
+
+    hw: Hardware
+    levels: dict
+    stretch: float
+    skew: float
+    ranks_per_node: int
+
+
+def _pricing(layout: Layout, hw: Hardware, nodes: int) -> _Pricing:
+    world = layout.world
+    ranks_per_node = max(1, world // max(1, nodes))
+    throughput_node = hw.oversubscribed(ranks_per_node)
+    return _Pricing(hw, link_levels(layout, hw, nodes), 1.0 if throughput_node else hw.contention(ranks_per_node),
+                    0.0 if throughput_node else hw.sync_skew_s, ranks_per_node)
+
+
+__all__ = ["comm_seconds", "comm_cpu_seconds", "call_seconds", "call_cpu_seconds", "link_levels"]
