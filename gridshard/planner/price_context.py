@@ -13,6 +13,7 @@ from .layouts import Layout
 from .price_compute import gemm_flops
 from .price_links import FP32, _Pricing, comm_cpu_seconds, comm_seconds
 
+
 def context_comm(cfg, layout: Layout, seq: int, layers: int, precision: str) -> tuple:
     """(ring sends CommVolume, all-to-all CommVolume) of one micro-batch's ``layers`` attention
     layers at C > 1 (:mod:`gridshard.theory.context`: the rank's heads after the tensor split, its

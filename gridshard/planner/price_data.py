@@ -27,6 +27,7 @@ from .layouts import Layout
 from .memo import rank_blocks
 from .price_links import FP32, _Pricing, comm_cpu_seconds, comm_seconds
 
+
 def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
     """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step
     (over data × context: D·C ranks)."""

@@ -14,6 +14,7 @@ from ..theory.pipeline import boundary_bytes
 from .layouts import Layout
 from .price_links import _Pricing
 
+
 def stage_crossings(layout: Layout, first: bool, last: bool) -> int:
     """Stage boundaries one micro-batch crosses on this rank, forward and backward together:
     one stage per rank: [not first] + [not last]; V stages per rank: 2V less the two ends."""

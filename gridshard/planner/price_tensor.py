@@ -24,6 +24,7 @@ from __future__ import annotations
 from .layouts import Layout
 from .price_links import _Pricing, comm_cpu_seconds, comm_seconds
 
+
 def tensor_volumes(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> list:
     """CommVolumes of one micro-batch's tensor-parallel collectives on a rank of ``layout`` (a layer
     layout: 2.5D is priced through :meth:`~gridshard.planner.layouts.Layout.layer_layout`, 2D's
