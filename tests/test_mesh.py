@@ -109,3 +109,7 @@ def test_outer_dims_are_declared_once():
         (("data", 1), ("pipeline", 2), ("context", 2), ("depth", 2))
     assert outer_layout({"context": 1, "depth": 3}) == (("data", 1), ("pipeline", 1), ("depth", 3))
     assert weight_replica_dims(("data", "pipeline", "context", "depth", "grid_row")) == ("data", "context", "depth")
+    import importlib
+    from gridshard.mesh_dims import OUTER_DIMS
+    for dim in OUTER_DIMS:                      # each dim's named cost home exists (no stale pointer)
+        importlib.import_module(dim.cost)
