@@ -64,8 +64,7 @@ def device_for_backend(backend: str, local_rank: Optional[int] = None) -> torch.
 def rank_device(requested: str = "auto") -> torch.device:
     """This rank's device: from the process group's backend when one exists, else from
     ``parallel.backend`` = ``requested`` on this machine."""
-    backend = dist.get_backend() if dist.is_initialized() else resolve_backend(requested)
-    return device_for_backend(backend)
+    return device_for_backend(dist.get_backend() if dist.is_initialized() else resolve_backend(requested))
 
 
 def check_ranks_per_node(ranks_per_node: int, requested: str = "auto", flag: str = "--nproc") -> None:

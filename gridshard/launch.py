@@ -36,14 +36,6 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launcher_world_size() -> int:
-    return int(os.environ["WORLD_SIZE"])
-
-
-def local_threads(nproc: int) -> int:
-    return max(1, (os.cpu_count() or 1) // nproc)
-
-
 def launch_local(nproc: int, entry, *args, max_restarts: int = 0,
                  agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict:
     """Run ``entry(*args)`` on ``nproc`` local workers; returns {rank: return value}.
@@ -59,7 +51,7 @@ def launch_local(nproc: int, entry, *args, max_restarts: int = 0,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not torch.cuda.is_available():
-        os.environ.setdefault("OMP_NUM_THREADS", str(local_threads(nproc)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # failures reach the user as gridshard's own one-line message (cli.failure_message), not as
     # the agent's log of each worker's exit
     # (elastic sets a level on each module's logger, so each is quietened by name)

@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Optional
 
 PR_SET_PDEATHSIG = 1               # <linux/prctl.h>
@@ -64,15 +65,10 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _watch(launcher_pid: int, parent: int) -> None:
-    done = threading.Event()
-    while not done.wait(WATCH_INTERVAL_S):
-        if os.getppid() != parent or not pid_alive(launcher_pid):
-            _die()
+    while os.getppid() == parent and pid_alive(launcher_pid):
+        time.sleep(WATCH_INTERVAL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_with_parent(launcher_pid: int, use_prctl: bool = True) -> Optional[threading.Thread]:
@@ -82,7 +78,7 @@ def die_with_parent(launcher_pid: int, use_prctl: bool = True) -> Optional[threa
     armed = use_prctl and set_death_signal(signal.SIGKILL)
     parent = os.getppid()                      # after the prctl: a launcher dying later is caught by it
     if parent != launcher_pid and not pid_alive(launcher_pid):
-        _die()                                 # the launcher died before the prctl: already an orphan
+        os.kill(os.getpid(), signal.SIGKILL)   # the launcher died before the prctl: already an orphan
     if armed and parent == launcher_pid:
         return None
     thread = threading.Thread(target=_watch, args=(launcher_pid, parent), daemon=True,

@@ -71,9 +71,5 @@ def peak_flops_of(device_name: str, precision: str) -> Optional[float]:
     """Dense peak FLOP/s of ``device_name`` for ``precision`` (bf16 | fp16 | tf32 | fp32), or None
     for an unknown device or a precision it lacks (tf32 on a device without it: its fp32 rate,
     since the TF32 switch then changes nothing)."""
-    peaks = device_peaks(device_name)
-    if peaks is None:
-        return None
-    if precision == "tf32" and "tf32" not in peaks:
-        precision = "fp32"
-    return peaks.get(precision)
+    peaks = device_peaks(device_name) or {}
+    return peaks.get("fp32" if precision == "tf32" and "tf32" not in peaks else precision)

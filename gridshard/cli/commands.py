@@ -56,8 +56,7 @@ def export(ckpt_dir, fmt, out_dir):
 
     with _refused_as():
         paths = export_hf(resolve_checkpoint(ckpt_dir, None), out_dir)
-    for p in paths:
-        click.echo(p)
+    click.echo("\n".join(paths))
 
 
 @click.command()
@@ -69,8 +68,7 @@ def plot(run_dir, out):
 
     with _refused_as():
         paths = plot_run(run_dir, out)
-    for p in paths:
-        click.echo(p)
+    click.echo("\n".join(paths))
 
 
 @click.command()

@@ -107,7 +107,7 @@ def failure_message(error, run_dir: str, stalled=(), timeout_s=None) -> str:
     (:func:`last_good_checkpoint`)."""
     raised = {r: _worker_cause(run_dir, r) for r, f in error.failures.items() if f.exitcode == EXIT_WORKER_ERROR}
     raised = {r: c for r, c in raised.items() if c is not None}
-    died = [(r, f) for r, f in sorted(error.failures.items()) if f.exitcode != EXIT_WORKER_ERROR or r not in raised]
+    first = min(raised, key=lambda r: (raised[r][0], r)) if raised else None      # the rank that raised first
     if stalled:
         names = ", ".join(f"rank {r} (silent for its last {s:.0f} s)" for r, s in stalled)
         them = "it" if len(stalled) == 1 else "them"
@@ -116,15 +116,13 @@ def failure_message(error, run_dir: str, stalled=(), timeout_s=None) -> str:
                 f"train.collective_timeout_s={timeout_s:g} s, then gave up; "
                 f"{'it was' if len(stalled) == 1 else 'they were'} killed")
         if raised:
-            rank = min(raised, key=lambda r: (raised[r][0], r))
-            line += f" (rank {rank}: {raised[rank][1][:200]}; traceback: {rank_log_path(run_dir, rank)})"
+            line += f" (rank {first}: {raised[first][1][:200]}; traceback: {rank_log_path(run_dir, first)})"
         lines = [line]
     elif raised:
-        rank = min(raised, key=lambda r: (raised[r][0], r))
-        lines = [f"training failed: rank {rank}: {raised[rank][1]} (traceback: {rank_log_path(run_dir, rank)})"]
+        lines = [f"training failed: rank {first}: {raised[first][1]} (traceback: {rank_log_path(run_dir, first)})"]
     else:
         lines = ["training failed:"]
-        for rank, f in died:
+        for rank, f in sorted(error.failures.items()):      # none raised with a log: each died or failed
             how = f"died ({f.signal_name()})" if f.exitcode < 0 else f"failed (exit code {f.exitcode})"
             if f.exitcode == EXIT_WORKER_ERROR:        # raised, but its log could not be written
                 lines.append(f"  rank {rank} raised an error; its log {rank_log_path(run_dir, rank)} could not be "

@@ -20,10 +20,5 @@ def main():
     """
 
 
-main.add_command(train)
-main.add_command(plan)
-main.add_command(export)
-main.add_command(plot)
-main.add_command(generate)
-main.add_command(predict)
-main.add_command(prepare_data)
+for command in (train, plan, export, plot, generate, predict, prepare_data):
+    main.add_command(command)

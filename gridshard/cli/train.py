@@ -4,6 +4,7 @@ them and reporting how they ended; the worker's entry point; and the launcher's 
 SIGTERM handling (the first stops after the step with a checkpoint, the second at once)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -92,31 +93,39 @@ def restart_config(resolved, run_dir: str):
     return resolved.with_train(resume="auto")
 
 
+def _run(resolved, run_dir: str, progress: bool):
+    """This worker's training: its losses, or ``{"stopped_at": step, "checkpoint": folder}`` when
+    a stop request (Ctrl-C; SIGINT forwarded by the launcher or torchrun) ended it after a step
+    with a checkpoint (gridshard.engine.control)."""
+    from ..engine.control import TrainingStopped, install_stop_handler
+    from ..engine.trainer import train as run_training
+
+    install_stop_handler()
+    try:
+        return run_training(restart_config(resolved, run_dir), run_dir=run_dir, progress=progress)
+    except TrainingStopped as stopped:
+        return {"stopped_at": stopped.step, "checkpoint": stopped.checkpoint}
+
+
 def _worker(resolved, run_dir: str, progress: bool):
     """Entry point of one elastic worker: join the group, train, return the losses (rank 0).
     ``resolved``: the config the launcher validated for this world size
     (:class:`gridshard.engine.job.ResolvedConfig`), used as it is — not loaded again."""
     import torch.distributed as dist
 
-    from ..engine.control import Heartbeat, TrainingStopped, install_stop_handler
-    from ..engine.trainer import train as run_training
+    from ..engine.control import Heartbeat
     from ..mesh import init_distributed
 
     rank = int(os.environ.get("RANK", "0"))
-    # Ctrl-C (SIGINT from the terminal, forwarded once more by the launcher): finish the step, all
-    # ranks agree on it, checkpoint, return (gridshard.engine.control). SIGTERM (the elastic agent
-    # stopping the survivors of a failure): end at once, without a traceback; metrics lines are
-    # appended whole and checkpoints renamed into place when complete, so what is on disk stays
-    # consistent.
-    install_stop_handler()
+    # SIGTERM (the elastic agent stopping the survivors of a failure): end at once, without a
+    # traceback; metrics lines are appended whole and checkpoints renamed into place when complete,
+    # so what is on disk stays consistent. (SIGINT is a stop request from the worker's first line:
+    # gridshard/_stop.py.)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_INTERRUPTED))
     heartbeat = Heartbeat(run_dir, rank)        # names a stalled rank if the job fails (failure_message)
     try:
         init_distributed(resolved.config.parallel.backend, timeout_s=resolved.config.train.collective_timeout_s)
-        try:
-            losses = run_training(restart_config(resolved, run_dir), run_dir=run_dir, progress=progress)
-        except TrainingStopped as stopped:
-            losses = {"stopped_at": stopped.step, "checkpoint": stopped.checkpoint}
+        result = _run(resolved, run_dir, progress)
         dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - every error becomes one line + a log file
@@ -124,32 +133,30 @@ def _worker(resolved, run_dir: str, progress: bool):
         sys.exit(EXIT_WORKER_ERROR)
     finally:
         heartbeat.stop()
-    return losses if rank == 0 else None
+    return result if rank == 0 else None
 
 
-def _summary(losses, run_dir, wall_s):
-    known = [x for x in losses or () if x is not None]      # None: a step without valid targets
+def _report(result, run_dir: str, wall_s: float) -> None:
+    """The last word of a run: "stopped at step N" (exit 130) when a stop request ended it, else
+    the summary of its losses."""
+    if isinstance(result, dict):
+        click.echo(stopped_at_message(result["stopped_at"], result["checkpoint"], run_dir), err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    known = [x for x in result or () if x is not None]      # None: a step without valid targets
     if known:
-        click.echo(f"done: {len(losses)} steps, loss {known[0]:.4f} -> {known[-1]:.4f} "
+        click.echo(f"done: {len(result)} steps, loss {known[0]:.4f} -> {known[-1]:.4f} "
                    f"({known[-1] / known[0]:.2f}x) in {wall_s:.1f} s; run dir {run_dir} "
                    f"(metrics.jsonl, config.yaml; `gridshard plot {run_dir}`)")
 
 
 def _train_as_worker(resolved, run_dir: str, progress: bool) -> None:
-    """Under torchrun: this process is one worker; rank 0 prints the summary."""
-    from ..engine.control import TrainingStopped, install_stop_handler
-    from ..engine.trainer import train as run_training
-
+    """Under torchrun: this process is one worker; rank 0 reports."""
     t0 = time.perf_counter()
-    install_stop_handler()            # torchrun forwards SIGINT: stop after the step, checkpoint
-    try:
-        losses = run_training(restart_config(resolved, run_dir), run_dir=run_dir, progress=progress)
-    except TrainingStopped as stopped:
-        if int(os.environ.get("RANK", "0")) == 0:
-            click.echo(stopped_at_message(stopped.step, stopped.checkpoint, run_dir), err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    result = _run(resolved, run_dir, progress)
     if int(os.environ.get("RANK", "0")) == 0:
-        _summary(losses, run_dir, time.perf_counter() - t0)
+        _report(result, run_dir, time.perf_counter() - t0)
+    elif isinstance(result, dict):
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def _train_local_workers(resolved, run_dir: str, progress: bool, max_restarts: int) -> None:
@@ -181,11 +188,7 @@ def _train_local_workers(resolved, run_dir: str, progress: bool, max_restarts: i
     except (KeyboardInterrupt, SignalException):
         click.echo(stopped_message(run_dir, aborted=interrupts.count > 1), err=True)
         sys.exit(EXIT_INTERRUPTED)
-    first = results.get(0)
-    if isinstance(first, dict) and "stopped_at" in first:
-        click.echo(stopped_at_message(first["stopped_at"], first["checkpoint"], run_dir), err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    _summary(first, run_dir, time.perf_counter() - t0)
+    _report(results.get(0), run_dir, time.perf_counter() - t0)
 
 
 class _LauncherInterrupts:
@@ -223,20 +226,12 @@ class _LauncherInterrupts:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         self.count += 1
-        workers = multiprocessing.active_children()
         if self.count == 1:
             os.write(2, b"\ngridshard: stopping after the current step, then writing a checkpoint "
                         b"(Ctrl-C again to stop at once, without one)\n")
-            for p in workers:
-                _signal_quietly(p.pid, signal.SIGINT)
-            return
-        for p in workers:
-            _signal_quietly(p.pid, signal.SIGKILL)
-        raise SignalException(f"gridshard launcher got {signal.Signals(signum).name} twice", signal.Signals(signum))
-
-
-def _signal_quietly(pid: int, sig) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGINT if self.count == 1 else signal.SIGKILL)
+        if self.count > 1:
+            raise SignalException(f"gridshard launcher got {signal.Signals(signum).name} twice",
+                                  signal.Signals(signum))

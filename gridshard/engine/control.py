@@ -21,6 +21,7 @@ named as the ranks the others were waiting for.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -81,10 +82,9 @@ class Heartbeat:
 
     def _loop(self) -> None:
         while not self._done.wait(self.interval):
-            try:
+            # a full disk (or the run directory went away): try again; stopping would read as a stall
+            with contextlib.suppress(OSError):
                 self.beat()
-            except OSError:                            # a full disk (or the run directory went away): try
-                continue                               # again; stopping would read as a stall to the watchdog
 
     def stop(self) -> None:
         self._done.set()
@@ -144,11 +144,9 @@ class StallWatchdog:
                 silent = now - stamp
                 if silent > self.limit and host == socket.gethostname() and _is_child(pid) and \
                         rank not in dict(self.killed):
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                         self.killed.append((rank, silent))
-                    except ProcessLookupError:
-                        pass
 
 
 def _is_child(pid: int) -> bool:
@@ -167,7 +165,5 @@ def clear_heartbeats(run_dir: str) -> None:
     if os.path.isdir(folder):
         for name in os.listdir(folder):
             if name.startswith("heartbeat_rank_"):
-                try:
+                with contextlib.suppress(OSError):
                     os.remove(os.path.join(folder, name))
-                except OSError:
-                    pass

@@ -58,7 +58,7 @@ from .memory_meter import rss_now
 from .warmup import start_warmup
 from .optim import build_optimizer
 from .precision import DTYPES, Precision, apply_math_modes
-from .step import MicroBatchLoop, PipelineSchedule, step_batch
+from .step import MicroBatchLoop, PipelineSchedule, StepBatch
 
 COMPOSITION_ORDER = ("model on meta", "stage split", "parallelize", "recompute", "compile", "reducer",
                      "optimizer", "checkpointer")
@@ -121,12 +121,7 @@ class Job:
 
     def batch(self, step: int):
         """Step ``step``'s :class:`~gridshard.engine.step.StepBatch` of this rank (the training data plan)."""
-        return step_batch(self, step)
-
-    @property
-    def data_tokens(self) -> tuple:
-        """(training tokens, validation tokens or None) the batch plans read."""
-        return self.plan.tokens, None if self.val_plan is None else self.val_plan.tokens
+        return StepBatch(step, *self.plan.step_batches(step))
 
 
 def build_job(config=None, run_dir: Optional[str] = None, *, overrides=()) -> Job:

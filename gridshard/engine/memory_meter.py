@@ -61,16 +61,17 @@ def _storage_key(t: torch.Tensor):
         return None
 
 
-class SavedTensorMeter:
-    """Counts the bytes of distinct storages saved for backward inside the ``with`` block.
+class SavedTensorMeter(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of distinct storages saved for backward inside the ``with`` block (the
+    pack hook sees each; the unpack hook gives the tensor back unchanged).
 
     ``exclude``: tensors (typically ``model.parameters()``) whose storages are not counted.
     After the block: ``bytes`` (total), ``entries`` (list of (shape, dtype, storage bytes))."""
 
     def __init__(self, exclude=()):
+        super().__init__(self._pack, lambda t: t)
         self._excluded = {k for k in (_storage_key(t) for t in exclude) if k is not None}
         self._seen: dict = {}
-        self._hooks = None
 
     def _pack(self, t: torch.Tensor):
         key = _storage_key(t)
@@ -80,12 +81,8 @@ class SavedTensorMeter:
         return t
 
     def __enter__(self) -> "SavedTensorMeter":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
     @property
     def entries(self) -> list:

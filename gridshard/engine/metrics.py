@@ -84,14 +84,14 @@ class RunFiles:
         self.run_dir = run_dir if active else None
         self.jsonl = "jsonl" in log_to
         self.tb = None
+        if self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
         if self.run_dir and "tensorboard" in log_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            os.makedirs(self.run_dir, exist_ok=True)
             purge = keep_until_step + 1 if keep_until_step is not None else None
             self.tb = SummaryWriter(os.path.join(self.run_dir, "tb"), purge_step=purge)
         if self.run_dir and self.jsonl:
-            os.makedirs(self.run_dir, exist_ok=True)
             self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
             kept = []
             if keep_until_step is not None and os.path.isfile(self.metrics_path):
@@ -122,10 +122,18 @@ class RunFiles:
                 with open(self.metrics_path, "a") as f:
                     f.write(line)
             except OSError as e:
+                from ..checkpoint.files import checkpoints_root, read_latest
+                from ..disk import write_failure
                 from ..errors import SaveError
 
-                why = self._disk_line(e, f"the record of step {record.get('step')} was not appended to "
-                                         f"metrics.jsonl", len(line))
+                try:
+                    last = read_latest(checkpoints_root(self.run_dir))
+                except Exception:                      # noqa: BLE001 (a message must not fail)
+                    last = None
+                # one line for a failed write of a run file, or None when it is not a disk error
+                why = write_failure(self.run_dir, self.metrics_path, e, f"the record of step {record.get('step')} "
+                                    f"was not appended to metrics.jsonl", need=len(line), need_what="the record",
+                                    last=last)
                 if why is None:
                     raise
                 raise SaveError(why) from e
@@ -134,19 +142,6 @@ class RunFiles:
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar("val/loss" if key == "val_loss" else f"train/{key}", value, record["step"])
             self.tb.flush()
-
-    def _disk_line(self, error: OSError, lost: str, need: int):
-        """One line for a failed write of a run file (:func:`gridshard.disk.write_failure`), or
-        None when it is not a disk error."""
-        from ..checkpoint.files import checkpoints_root, read_latest
-        from ..disk import write_failure
-
-        try:
-            last = read_latest(checkpoints_root(self.run_dir))
-        except Exception:                              # noqa: BLE001 (a message must not fail)
-            last = None
-        return write_failure(self.run_dir, self.metrics_path, error, lost, need=need, need_what="the record",
-                             last=last)
 
     def close(self) -> None:
         if self.tb is not None:

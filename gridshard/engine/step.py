@@ -49,7 +49,7 @@ reducer armed for the last backward) or a :class:`PipelineSchedule` (P > 1: the 
 schedule over this rank's stages, then the tied embedding's gradient sync). Both also run
 forward only, which :func:`evaluate` uses.
 
-A batch (:class:`StepBatch`, ``job.batch(k)`` or :func:`step_batch`) is what the data plan
+A batch (:class:`StepBatch`, ``job.batch(k)``) is what the data plan
 gives this rank for step k: the step number (for the learning rate), this rank's A
 micro-batches ``[(tokens, targets) [m, s]]`` and N.
 """
@@ -93,12 +93,6 @@ class StepResult:
     valid_targets: int
     loss_sums: list
     skipped: bool
-
-
-def step_batch(job, step: int) -> StepBatch:
-    """Step ``step``'s batch of this rank from the job's training data plan."""
-    micro, n_valid = job.plan.step_batches(step)
-    return StepBatch(step, micro, n_valid)
 
 
 class MicroBatchLoop:

@@ -90,7 +90,7 @@ class Trainer:
         self.skipped_recent: set = set()               # their step numbers since the last log step
         self.flops_token = model_flops_per_token(self.cfg.model.kind, mc, seq)
         self.peak_flops = device_peak_flops(self.device, t.precision, t.tf32, t.peak_flops)
-        self.predicted_mem = self._predict_memory(*self.job.data_tokens)
+        self.predicted_mem = self._predict_memory(self.plan.tokens, getattr(self.val_plan, "tokens", None))
         self.files = RunFiles(self.run_dir, active=self.rank == 0,
                               keep_until_step=self.start_step if self.resume_from is not None else None,
                               log_to=t.log_to)
@@ -187,26 +187,25 @@ class Trainer:
         return self.precision.scaler is None           # fp16: the scaler's own skip drops it
 
     def _loss_nonfinite(self, sums: list) -> bool:
-        """Whether some data rank's micro-batch loss of this step is NaN/inf (one MAX all-reduce
-        over data and pipeline ranks, not in the ledger; every rank gets the same answer)."""
+        """Whether some data rank's micro-batch loss of this step is NaN/inf (over data and pipeline
+        ranks; every rank gets the same answer)."""
         bad = bool(sums) and not bool(torch.isfinite(torch.stack(sums)).all())
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        return self._on_any_rank(bad, self.mesh.data_context, self.mesh.pipeline)
+
+    def _on_any_rank(self, flag: bool, *axes) -> bool:
+        """Whether ``flag`` holds on some rank of ``axes``: one MAX all-reduce of a one-element flag
+        per axis, not in the ledger."""
+        x = torch.tensor([1.0 if flag else 0.0], device=self.device)
         with self.ledger.paused():
-            flag = C.all_reduce(flag, self.mesh.data_context, op="max", inplace=True)
-            flag = C.all_reduce(flag, self.mesh.pipeline, op="max", inplace=True)
-        return bool(flag[0] > 0)
+            for axis in axes:
+                x = C.all_reduce(x, axis, op="max", inplace=True)
+        return bool(x[0] > 0)
 
     def _last_checkpoint(self) -> str:
         """The last complete checkpoint, for messages (after the save in flight is done)."""
         if self.checkpointer is None or self.checkpointer.root is None:
             return self.resume_from or "none (no run directory)"
-        from ..checkpoint.files import read_latest
-
-        try:
-            latest = read_latest(self.checkpointer.root)
-        except Exception:                              # noqa: BLE001 (a message must not fail)
-            latest = None
-        return latest or self.resume_from or "none was written"
+        return self.checkpointer._latest() or self.resume_from or "none was written"
 
     def _diverged(self, step: int, what: str, how: str = "") -> NonFiniteError:
         """The error every rank raises when ``step`` diverged (train.on_nonfinite=stop): first
@@ -255,9 +254,7 @@ class Trainer:
     def _stop_agreed(self) -> bool:
         """Whether any rank was asked to stop (SIGINT) by now: one all-reduce (MAX) of a
         one-element flag over the world, not in the ledger, so all ranks stop after the same step."""
-        flag = torch.tensor([1.0 if control.stop_requested() else 0.0], device=self.device)
-        with self.ledger.paused():
-            return bool(C.all_reduce(flag, world_axis(self.ledger), op="max", inplace=True)[0] > 0)
+        return self._on_any_rank(control.stop_requested(), world_axis(self.ledger))
 
     def _stopped(self, step: int, saving: bool, losses: list) -> "control.TrainingStopped":
         """Checkpoint the ``step`` completed steps (blocking; the save in flight, if it is this
