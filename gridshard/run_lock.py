@@ -39,6 +39,7 @@ this host is taken over.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -81,21 +82,15 @@ def read_holder(path: str, tries: int = 5) -> dict:
 
 def _holder_lives(holder: dict) -> bool:
     """Without flock: whether the PID named in the file still runs (another host: assumed yes)."""
-    if not holder.get("pid"):
-        return False
-    if holder.get("host") != socket.gethostname():
-        return True
-    return pid_alive(int(holder["pid"]))
+    return bool(holder.get("pid")) and (holder.get("host") != socket.gethostname() or pid_alive(int(holder["pid"])))
 
 
 def describe(holder: dict) -> str:
-    pid = holder.get("pid", "unknown")
-    host = holder.get("host", "an unknown host")
     started = holder.get("started")
     when = ""
     if isinstance(started, (int, float)) and started > 0:
         when = f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}"
-    return f"PID {pid} on {host}{when}"
+    return f"PID {holder.get('pid', 'unknown')} on {holder.get('host', 'an unknown host')}{when}"
 
 
 def in_use_message(run_dir: str, holder: dict, overwrite: bool = False) -> str:
@@ -116,20 +111,18 @@ def live_holder(run_dir: str) -> Optional[dict]:
     except OSError:
         return None                                  # no lock file (or none this process can open)
     try:
-        if fcntl is None:
-            holder = read_holder(path)
-            return holder if _holder_lives(holder) else None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return read_holder(path)
-        except OSError as e:
-            if e.errno not in NO_FLOCK:
-                raise
-            holder = read_holder(path)
-            return holder if _holder_lives(holder) else None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return None
+            except BlockingIOError:
+                return read_holder(path)
+            except OSError as e:
+                if e.errno not in NO_FLOCK:
+                    raise
+        holder = read_holder(path)                   # no flock here: the PID decides
+        return holder if _holder_lives(holder) else None
     finally:
         os.close(fd)
 
@@ -139,22 +132,16 @@ class RunLock:
     removes the file. The descriptor is close-on-exec: workers and other children do not inherit
     it, so the lock dies with this process alone."""
 
-    def __init__(self, run_dir: str, fd: int, flocked: bool):
-        self.run_dir, self.path, self.flocked = run_dir, lock_path(run_dir), flocked
+    def __init__(self, path: str, fd: int):
+        self.path = path
         self._file = os.fdopen(fd, "r+")             # closed (lock dropped) if ever garbage-collected
-
-    @property
-    def held(self) -> bool:
-        return self._file is not None
 
     def release(self) -> None:
         if self._file is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             if _names(self._file.fileno(), self.path):
                 os.remove(self.path)                 # while still locked: see the module docstring
-        except OSError:
-            pass
         self._file.close()
         self._file = None
 
@@ -189,9 +176,7 @@ def acquire(run_dir: str, wait_s: float = 0.5, overwrite: bool = False) -> RunLo
     path = lock_path(run_dir)
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
     deadline = time.monotonic() + wait_s
-    while True:
-        if fcntl is None:
-            return _acquire_by_pid(run_dir, overwrite)
+    while fcntl is not None:                         # else (not POSIX) the PID fallback below
         fd = os.open(path, flags, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -210,7 +195,8 @@ def acquire(run_dir: str, wait_s: float = 0.5, overwrite: bool = False) -> RunLo
             os.close(fd)
             continue
         _write_holder(fd)
-        return RunLock(run_dir, fd, flocked=True)
+        return RunLock(path, fd)
+    return _acquire_by_pid(run_dir, overwrite)
 
 
 def _acquire_by_pid(run_dir: str, overwrite: bool) -> RunLock:
@@ -221,13 +207,11 @@ def _acquire_by_pid(run_dir: str, overwrite: bool) -> RunLock:
         if _holder_lives(holder):
             raise ConfigError(in_use_message(run_dir, holder, overwrite)
                               + f" (No file locking here: if that run has ended, remove {path}.)")
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(path)                          # a dead job's file
-        except FileNotFoundError:
-            pass
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     except FileExistsError:                          # another job created it just now
         raise ConfigError(in_use_message(run_dir, read_holder(path), overwrite)) from None
     _write_holder(fd)
-    return RunLock(run_dir, fd, flocked=False)
+    return RunLock(path, fd)
