@@ -21,16 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.ledger import record
-from .sequence_split import chunk_indices
-
-
-def _rank_to_sequence_order(C: int) -> list:
-    """For each global chunk, its position in the rank-ordered concatenation [r0: i, 2C−1−i | r1 …]."""
-    where = [0] * (2 * C)
-    for r in range(C):
-        first, second = chunk_indices(C, r)
-        where[first], where[second] = 2 * r, 2 * r + 1
-    return where
+from .sequence_split import shard_sequence, unshard_sequence
 
 
 def _exchange(x: torch.Tensor, axis, split_dim: int, cat_dim: int) -> torch.Tensor:
@@ -59,19 +50,13 @@ class _Trade(torch.autograd.Function):
 
 
 def _to_sequence(x, axis):
-    C = axis.size
-    y = _exchange(x, axis, split_dim=1, cat_dim=2)            # rank-ordered chunks
-    chunks = y.chunk(2 * C, dim=2)
-    return torch.cat([chunks[p] for p in _rank_to_sequence_order(C)], dim=2)
+    y = _exchange(x, axis, split_dim=1, cat_dim=2)            # rank-ordered chunks [r0: i, 2C−1−i | r1 …]
+    return unshard_sequence(list(y.chunk(axis.size, dim=2)), dim=2)
 
 
 def _to_heads(x, axis):
-    C = axis.size
-    chunks = x.chunk(2 * C, dim=2)
-    order = [None] * (2 * C)
-    for chunk, p in enumerate(_rank_to_sequence_order(C)):
-        order[p] = chunks[chunk]
-    return _exchange(torch.cat(order, dim=2), axis, split_dim=2, cat_dim=1)
+    rank_ordered = torch.cat([shard_sequence(x, axis.size, r, dim=2) for r in range(axis.size)], dim=2)
+    return _exchange(rank_ordered, axis, split_dim=2, cat_dim=1)
 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, scale=None) -> torch.Tensor:

@@ -95,9 +95,8 @@ def _cpu_backward(dO, q, k, v, o, lse, scale, causal):
 
 def _flash_forward(q, k, v, scale, causal):
     g = q.shape[1] // k.shape[1]
-    res = aten._scaled_dot_product_flash_attention(q, _expand(k, g), _expand(v, g), 0.0, causal, False,
-                                                   scale=scale)
-    return res[0], res[1]
+    return aten._scaled_dot_product_flash_attention(q, _expand(k, g), _expand(v, g), 0.0, causal, False,
+                                                    scale=scale)[:2]
 
 
 def _flash_backward(dO, q, k, v, o, lse, scale, causal):

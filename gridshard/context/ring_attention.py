@@ -55,16 +55,6 @@ from ..comm.ledger import record
 from .blocks import block_kernel
 from .sequence_split import chunk_indices
 
-FULL, CAUSAL = "full", "causal"
-
-
-def _relation(q_chunk: int, k_chunk: int) -> Optional[str]:
-    """How query chunk ``q_chunk`` sees key chunk ``k_chunk`` under the causal mask."""
-    if k_chunk < q_chunk:
-        return FULL
-    return CAUSAL if k_chunk == q_chunk else None
-
-
 class _Ring:
     """Asynchronous shift of one tensor to the next context rank (receive from the previous)."""
 
@@ -92,14 +82,22 @@ class _Ring:
 
 
 def _pairs(C: int, rank: int, src: int) -> list:
-    """(local query chunk, local key chunk, relation) for the blocks computed at source ``src``."""
-    out = []
-    for qi, qc in enumerate(chunk_indices(C, rank)):
-        for ki, kc in enumerate(chunk_indices(C, src)):
-            how = _relation(qc, kc)
-            if how is not None:
-                out.append((qi, ki, how))
-    return out
+    """(local query chunk, local key chunk, causal) for the blocks computed at source ``src``: under the
+    causal mask query chunk a sees all of key chunk b < a, the lower triangle of b = a, nothing of b > a."""
+    return [(qi, ki, kc == qc) for qi, qc in enumerate(chunk_indices(C, rank))
+            for ki, kc in enumerate(chunk_indices(C, src)) if kc <= qc]
+
+
+def _ring_steps(kv: torch.Tensor, axis):
+    """Per ring step j = 0 … C − 1: (keys' chunks, values' chunks, :func:`_pairs`) of the k/v block in
+    hand, from rank (r − j) mod C; the next block is in flight meanwhile, waited for on resuming."""
+    C, r = axis.size, axis.rank
+    ring = _Ring(axis) if C > 1 else None
+    for j in range(C):
+        pending = ring.start(kv) if j < C - 1 else None
+        yield kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2), _pairs(C, r, (r - j) % C)
+        if pending is not None:
+            kv = ring.wait(pending)
 
 
 class RingAttention(torch.autograd.Function):
@@ -107,23 +105,16 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, axis, scale):
-        C, r = axis.size, axis.rank
         kernel = block_kernel(q)
         qs = q.chunk(2, dim=2)
-        kv = torch.stack([k, v])
         out = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in qs]
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device) for x in qs]
-        ring = _Ring(axis) if C > 1 else None
-        for j in range(C):
-            pending = ring.start(kv) if j < C - 1 else None
-            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for qi, ki, how in _pairs(C, r, (r - j) % C):
-                o_b, l_b = kernel.forward(qs[qi], ks[ki], vs[ki], scale, how == CAUSAL)
+        for ks, vs, pairs in _ring_steps(torch.stack([k, v]), axis):
+            for qi, ki, causal in pairs:
+                o_b, l_b = kernel.forward(qs[qi], ks[ki], vs[ki], scale, causal)
                 new = torch.logaddexp(lse[qi], l_b)
                 out[qi] = out[qi] * torch.exp(lse[qi] - new).unsqueeze(-1) + o_b * torch.exp(l_b - new).unsqueeze(-1)
                 lse[qi] = new
-            if pending is not None:
-                kv = ring.wait(pending)
         o = torch.cat(out, dim=2).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
         ctx.axis, ctx.scale = axis, scale
@@ -133,7 +124,6 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
         axis, scale = ctx.axis, ctx.scale
-        C, r = axis.size, axis.rank
         kernel = block_kernel(q)
         c = q.shape[2] // 2
         qs, dOs, os_ = (t.chunk(2, dim=2) for t in (q, grad_out.to(q.dtype).contiguous(), o))
@@ -141,20 +131,15 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        ring = _Ring(axis) if C > 1 else None
-        for j in range(C):
-            pending = ring.start(kv) if j < C - 1 else None
-            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for qi, ki, how in _pairs(C, r, (r - j) % C):
-                dq_b, dk_b, dv_b = kernel.backward(dOs[qi], qs[qi], ks[ki], vs[ki], os_[qi], lses[qi], scale,
-                                                   how == CAUSAL)
+        ring = _Ring(axis) if axis.size > 1 else None
+        for ks, vs, pairs in _ring_steps(kv, axis):
+            for qi, ki, causal in pairs:
+                dq_b, dk_b, dv_b = kernel.backward(dOs[qi], qs[qi], ks[ki], vs[ki], os_[qi], lses[qi], scale, causal)
                 dq[:, :, qi * c:(qi + 1) * c] += dq_b
                 dkv[0, :, :, ki * c:(ki + 1) * c] += dk_b
                 dkv[1, :, :, ki * c:(ki + 1) * c] += dv_b
             if ring is not None:
                 dkv = ring.wait(ring.start(dkv, tag=1))       # the gradients travel with their block
-            if pending is not None:
-                kv = ring.wait(pending)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
