@@ -53,6 +53,7 @@ overrides it with explicit counts (the planner proposes some: docs/planner.md).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -145,20 +146,6 @@ def stage_layer_counts(layers: int, stages: int, explicit: Optional[Sequence[int
     return counts
 
 
-def stage_layer_ids(counts: Sequence[int]) -> list:
-    """Global layer indices of every stage."""
-    out, start = [], 0
-    for n in counts:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def stages_of_rank(pipeline_rank: int, pipeline: int, virtual: int) -> list:
-    """The stage indices pipeline rank r runs: r, r+P, …, r+(V−1)P."""
-    return [pipeline_rank + v * pipeline for v in range(virtual)]
-
-
 @dataclass(frozen=True)
 class StageSplit:
     """Which decoder layers each of the S = P·V pipeline stages holds, and which stages each
@@ -183,10 +170,12 @@ class StageSplit:
 
     def layer_ids(self) -> list:
         """The global decoder-layer indices of every stage."""
-        return stage_layer_ids(self.counts)
+        starts = itertools.accumulate(self.counts, initial=0)
+        return [list(range(start, start + n)) for start, n in zip(starts, self.counts)]
 
     def stages_of_rank(self, pipeline_rank: int) -> list:
-        return stages_of_rank(pipeline_rank, self.pipeline, self.virtual_stages)
+        """The stage indices pipeline rank r runs: r, r+P, …, r+(V−1)P."""
+        return list(range(pipeline_rank, self.stages, self.pipeline))
 
     def rank_layer_ids(self, pipeline_rank: int) -> list:
         """The decoder layers pipeline rank r holds, over all its stages, in order."""
@@ -267,5 +256,5 @@ class JobLayout:
         return self.layer_mode.kv_replication(self.kv_heads, self.layer_tensor)
 
 
-__all__ = ["TensorMode", "ContextMode", "check_context_sequence", "JobLayout", "StageSplit", "micro_batches_per_step", "stage_layer_counts",
-           "stage_layer_ids", "stages_of_rank"]
+__all__ = ["TensorMode", "ContextMode", "check_context_sequence", "JobLayout", "StageSplit", "micro_batches_per_step",
+           "stage_layer_counts"]
