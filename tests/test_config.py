@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import yaml
 
-from gridshard.config import apply_overrides, default_config_dict, load_config, resolve_config
+from gridshard.config import ModelSection, apply_overrides, default_config_dict, load_config, resolve_config
 from gridshard.errors import ConfigError
-from gridshard.models.presets import PRESETS, model_config
+from gridshard.models.presets import PRESETS
 
 
 def _cfg(**sections):
@@ -146,11 +146,11 @@ def test_presets_have_their_nominal_sizes():
                "70b": 68.98e9, "llama3-70b": 70.55e9}
     assert set(PRESETS) == set(nominal)
     for name, n in nominal.items():
-        cfg = model_config(name)
+        cfg = ModelSection(preset=name).resolve()
         assert cfg.hidden % cfg.heads == 0
         if n:
             assert abs(cfg.num_parameters() - n) / n < 0.01, (name, cfg.num_parameters())
-    tiny = model_config("tiny")
+    tiny = ModelSection(preset="tiny").resolve()
     assert (tiny.hidden, tiny.layers, tiny.heads, tiny.vocab_size) == (64, 2, 4, 256)
 
 

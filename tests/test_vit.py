@@ -3,6 +3,7 @@ model laid out by ``parallelize`` in none / 1D / 1D+SP / 2D against the plain on
 backward, on the same global weights (wide: ``make test-all``) (every layer the ViT adds — the replicated patch embedding,
 LayerNorm, Classifier1D, ViTEmbeddings2D, LayerNorm2D, ClsClassifier2D — is in the comparison:
 each parameter's gathered gradient is checked by name)."""
+import json
 import os
 
 import pytest
@@ -95,20 +96,21 @@ def test_parameter_count_and_names_are_hugging_face_vits():
 
 
 def test_same_logits_as_hugging_face(tmp_path):
-    """The plain model's state dict, saved as a Hugging Face checkpoint, loads in
-    ``ViTForImageClassification.from_pretrained`` and gives the same logits."""
+    """The plain model's state dict, saved as a Hugging Face checkpoint with the ``config.json``
+    ``gridshard export`` writes, loads in ``ViTForImageClassification.from_pretrained`` and gives
+    the same logits."""
     pytest.importorskip("transformers")
     from safetensors.torch import save_file
     from transformers import ViTForImageClassification
 
-    from gridshard.models.vit import hf_vit_config
+    from gridshard.models.vit import hf_vit_config_fields
 
     torch.manual_seed(3)
     model = VisionTransformer(ViTConfig(**TINY))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
-    hf_vit_config(model.cfg).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf_vit_config_fields(model.cfg)))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
     hf = ViTForImageClassification.from_pretrained(tmp_path).eval()
     images, _ = _images(3, 5)

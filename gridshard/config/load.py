@@ -13,7 +13,7 @@ import re
 from typing import Iterable, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from ..errors import ConfigError, LayoutError
 from ..models.presets import preset_names
@@ -75,16 +75,6 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
     return out
 
 
-def _field_names(model_cls, loc) -> list:
-    cls = model_cls
-    for part in loc[:-1]:
-        field = cls.model_fields.get(part)
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            return []
-        cls = field.annotation
-    return list(cls.model_fields)
-
-
 _TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
                "string_type": "a string", "model_type": "a mapping of fields", "dict_type": "a mapping of fields",
                "int_from_float": "an integer", "int_parsing": "an integer", "float_parsing": "a number"}
@@ -96,7 +86,8 @@ def _error_message(err: dict) -> str:
     value = err.get("input")
     kind = err["type"]
     if kind == "extra_forbidden":
-        allowed = _field_names(TrainConfig, loc)
+        # an unknown key is a section's (section, key) or a top-level one (key,): sections hold no models
+        allowed = list((TrainConfig.model_fields[loc[0]].annotation if len(loc) > 1 else TrainConfig).model_fields)
         close = difflib.get_close_matches(loc[-1], allowed, n=1)
         hint = f"did you mean {'.'.join(loc[:-1] + (close[0],))}?" if close else f"known fields here: {allowed}"
         return f"unknown field {field} (value {value!r}): configs accept only known keys. Fix: {hint}"

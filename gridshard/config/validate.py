@@ -5,7 +5,8 @@ Order of checks (the first failure is raised as one :class:`ConfigError`):
 1. positive sizes;
 2. layout: D·P·C·T == world size, T == 1 for ``none``, T = q² for ``2d``, T = q²·d (q ≥ 2) for
    ``2.5d`` with ``tensor_depth`` d, T = q³ (q ≥ 2) for ``3d`` (:func:`gridshard.mesh.validate_layout`),
-   and 2.5D and 3D only in the compositions built (:func:`_depth_refusals`, :func:`_cube_refusals`); sequence parallelism only in ``1d`` with T > 1;
+   the micro-batch rules of 2.5D (``depth_rules``, :func:`_shapes`); sequence parallelism only in
+   ``1d`` with T > 1;
    context parallelism (C > 1): seq_len a multiple of 2·C (and of C·T under sequence
    parallelism), all_to_all with C dividing the local heads, and only the compositions built
    (:func:`_context`);
@@ -29,6 +30,9 @@ config with every field spelled out.
 """
 from __future__ import annotations
 
+import os
+from operator import attrgetter
+
 from ..errors import ConfigError, LayoutError
 from ..job_layout import ContextMode, StageSplit, TensorMode, check_context_sequence, micro_batches_per_step
 from ..mesh import validate_layout
@@ -46,26 +50,30 @@ def _fail(field: str, value, rule: str, fix: str):
     raise ConfigError(f"{field}={value!r} is invalid: {rule}. Fix: {fix}.")
 
 
+def _first_broken(rows) -> None:
+    """:func:`_fail` on the first row ``(field, value, broken, rule, fix)`` whose ``broken`` is true."""
+    for field, value, broken, rule, fix in rows:
+        if broken:
+            _fail(field, value, rule, fix)
+
+
+_AT_LEAST_ONE = ("parallel.data", "parallel.tensor", "parallel.pipeline", "train.global_batch", "train.micro_batch",
+                 "train.steps", "train.log_interval", "data.seq_len", "data.max_bytes")
+_AT_LEAST_ZERO = ("train.warmup_steps", "train.save_interval", "train.weight_decay", "train.grad_clip")
+_LLAMA_SIZES = ("vocab_size", "hidden", "layers", "heads", "ffn_hidden", "max_seq_len")
+_VIT_SIZES = ("image_size", "patch_size", "channels", "num_classes", "hidden", "layers", "heads", "ffn_hidden")
+
+
 def _positive(cfg: TrainConfig):
-    checks = [("parallel.data", cfg.parallel.data), ("parallel.tensor", cfg.parallel.tensor),
-              ("parallel.pipeline", cfg.parallel.pipeline), ("train.global_batch", cfg.train.global_batch),
-              ("train.micro_batch", cfg.train.micro_batch), ("train.steps", cfg.train.steps),
-              ("train.log_interval", cfg.train.log_interval), ("data.seq_len", cfg.data.seq_len),
-              ("data.max_bytes", cfg.data.max_bytes)]
     m = cfg.model.resolve()
-    sizes = _VIT_SIZES if cfg.model.kind == "vit" else ("vocab_size", "hidden", "layers", "heads", "ffn_hidden",
-                                                         "max_seq_len")
-    checks += [(f"model.{k}", getattr(m, k)) for k in sizes]
-    for field, v in checks:
-        if v < 1:
-            _fail(field, v, "it must be an integer >= 1", f"set {field} to a positive integer")
-    for field, v in (("train.warmup_steps", cfg.train.warmup_steps), ("train.save_interval", cfg.train.save_interval),
-                     ("train.weight_decay", cfg.train.weight_decay), ("train.grad_clip", cfg.train.grad_clip)):
-        if v < 0:
-            _fail(field, v, "it must be >= 0", f"set {field} to 0 or more")
-    if m.init_std <= 0 or m.norm_eps <= 0:
-        _fail("model.init_std" if m.init_std <= 0 else "model.norm_eps",
-              m.init_std if m.init_std <= 0 else m.norm_eps, "it must be > 0", "use e.g. 0.02 / 1e-5")
+    sizes = _VIT_SIZES if cfg.model.kind == "vit" else _LLAMA_SIZES
+    ones = [(f, attrgetter(f)(cfg)) for f in _AT_LEAST_ONE]
+    zeros = [(f, attrgetter(f)(cfg)) for f in _AT_LEAST_ZERO]
+    _first_broken([(f, v, v < 1, "it must be an integer >= 1", f"set {f} to a positive integer")
+                   for f, v in ones + [(f"model.{k}", getattr(m, k)) for k in sizes]]
+                  + [(f, v, v < 0, "it must be >= 0", f"set {f} to 0 or more") for f, v in zeros]
+                  + [(f"model.{k}", getattr(m, k), getattr(m, k) <= 0, "it must be > 0", "use e.g. 0.02 / 1e-5")
+                     for k in ("init_std", "norm_eps")])
 
 
 def _layout(cfg: TrainConfig, world_size: int):
@@ -80,36 +88,29 @@ def _layout(cfg: TrainConfig, world_size: int):
               f"and tensor={p.tensor}", "set parallel.sequence_parallel=false, or tensor_mode=1d with tensor>1")
 
 
-def _context_refusals(cfg: TrainConfig) -> list:
-    """(field, value, why) of every composition context parallelism is not built for yet. Every
-    pipeline schedule is built: gpipe, 1f1b, interleaved_1f1b and zero_bubble (whose deferred weight
-    pass starts at the projections and never re-runs the attention's backward)."""
+def _context(cfg: TrainConfig):
+    """Context parallelism (C > 1): only the compositions built (gridshard's or Hugging Face's Llama
+    without a sliding window, any tensor mode, any pipeline schedule — zero_bubble's deferred weight
+    pass starts at the projections and never re-runs the attention's backward —, compiled or not),
+    the sequence split (:func:`gridshard.job_layout.check_context_sequence`) and all_to_all's heads
+    (:meth:`gridshard.job_layout.ContextMode.check_heads`)."""
+    p = cfg.parallel
+    if p.context == 1:
+        return
     sliding = None
     if cfg.model.hf_config is not None:
         from ..models.hf import read_hf_json
         from ..models.hf_stages import sliding_window_in_effect
 
         sliding = sliding_window_in_effect(read_hf_json(cfg.model.hf_config))
-    return [(f, v, why) for f, v, why, refused in (
-        ("model.hf_config", cfg.model.hf_config, f"its layers attend through a sliding window ({sliding} tokens), "
-         f"and the context attention is plain causal", sliding is not None),
-        ("model.kind", cfg.model.kind, "it splits a language model's token sequence", cfg.model.kind != "llama"),
-    ) if refused]
-
-
-def _context(cfg: TrainConfig):
-    """Context parallelism (C > 1): only the compositions built (gridshard's or Hugging Face's Llama
-    without a sliding window, any tensor mode, any pipeline schedule, compiled or not),
-    the sequence split (:func:`gridshard.job_layout.check_context_sequence`) and all_to_all's heads
-    (:meth:`gridshard.job_layout.ContextMode.check_heads`)."""
-    p = cfg.parallel
-    if p.context == 1:
-        return
-    for field, value, why in _context_refusals(cfg):
-        _fail(field, value, f"parallel.context={p.context} splits every sequence over {p.context} ranks, but {why} "
-              f"(supported: gridshard's or a Hugging Face Llama with tensor_mode none, 1d (± sequence_parallel), "
-              f"2d, 2.5d or 3d, any data parallelism and ZeRO stage, any pipeline schedule, compiled or not)",
-              "set parallel.context=1, or change this field")
+    _first_broken((field, value, refused, f"parallel.context={p.context} splits every sequence over {p.context} "
+                   f"ranks, but {why} (supported: gridshard's or a Hugging Face Llama with tensor_mode none, 1d (± "
+                   f"sequence_parallel), 2d, 2.5d or 3d, any data parallelism and ZeRO stage, any pipeline schedule, "
+                   f"compiled or not)", "set parallel.context=1, or change this field")
+                  for field, value, refused, why in (
+        ("model.hf_config", cfg.model.hf_config, sliding is not None, f"its layers attend through a sliding window "
+         f"({sliding} tokens), and the context attention is plain causal"),
+        ("model.kind", cfg.model.kind, cfg.model.kind != "llama", "it splits a language model's token sequence")))
     mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, p.tensor_depth)    # 2.5d: 2D on q²
     m = cfg.model.resolve()
     try:
@@ -137,11 +138,10 @@ def _pipeline(cfg: TrainConfig):
     if p.virtual_stages < 1:
         _fail("parallel.virtual_stages", p.virtual_stages, "it must be >= 1", "use 1 (or 2+ with interleaved_1f1b)")
     if p.pipeline == 1:
-        if p.virtual_stages != 1 or p.stage_layers is not None:
-            _fail("parallel.virtual_stages" if p.virtual_stages != 1 else "parallel.stage_layers",
-                  p.virtual_stages if p.virtual_stages != 1 else p.stage_layers,
-                  "it describes pipeline stages but parallel.pipeline=1", "remove it, or set parallel.pipeline > 1")
-        return
+        return _first_broken((f, v, broken, "it describes pipeline stages but parallel.pipeline=1",
+                              "remove it, or set parallel.pipeline > 1") for f, v, broken in (
+            ("parallel.virtual_stages", p.virtual_stages, p.virtual_stages != 1),
+            ("parallel.stage_layers", p.stage_layers, p.stage_layers is not None)))
     StageSplit.of(cfg.model.resolve().layers, p.pipeline, p.virtual_stages, p.stage_layers)  # raises ConfigError
     if cfg.model.hf_config is not None:                # the stages run Llama's causal forward (models.hf_stages)
         from ..models.hf import read_hf_json
@@ -149,91 +149,80 @@ def _pipeline(cfg: TrainConfig):
 
         check_stageable(read_hf_json(cfg.model.hf_config))
     micro = micro_batches_per_step(t.global_batch, t.micro_batch, p.data)
-    if p.pipeline_schedule in ("gpipe", "1f1b") and p.virtual_stages != 1:
-        _fail("parallel.virtual_stages", p.virtual_stages, f"pipeline_schedule={p.pipeline_schedule} runs one "
-              f"stage per rank", "set virtual_stages=1, or pipeline_schedule=interleaved_1f1b")
-    interleaved = p.pipeline_schedule in ("interleaved_1f1b", "zero_bubble")
-    if interleaved and p.virtual_stages < 2:
-        _fail("parallel.virtual_stages", p.virtual_stages, f"{p.pipeline_schedule} needs at least 2 stages per rank",
-              "set parallel.virtual_stages=2 (or more), or pipeline_schedule=1f1b")
-    if p.pipeline_schedule == "1f1b" and micro < p.pipeline:
-        _fail("train.global_batch", t.global_batch, f"1F1B needs at least P={p.pipeline} micro-batches per step, "
-              f"but global_batch / (micro_batch × data) = {t.global_batch}/({t.micro_batch}×{p.data}) = {micro}",
-              f"use train.global_batch >= {p.pipeline * t.micro_batch * p.data}, a smaller micro_batch, or "
-              f"pipeline_schedule=gpipe")
-    if interleaved and (micro < p.pipeline or micro % p.pipeline):
-        _fail("train.global_batch", t.global_batch, f"{p.pipeline_schedule} needs a multiple of P={p.pipeline} "
-              f"micro-batches per step, but global_batch / (micro_batch × data) = {micro}",
-              f"use train.global_batch = k × {p.pipeline * t.micro_batch * p.data}")
+    schedule, interleaved = p.pipeline_schedule, p.pipeline_schedule in ("interleaved_1f1b", "zero_bubble")
+    _first_broken([
+        ("parallel.virtual_stages", p.virtual_stages, schedule in ("gpipe", "1f1b") and p.virtual_stages != 1,
+         f"pipeline_schedule={schedule} runs one stage per rank",
+         "set virtual_stages=1, or pipeline_schedule=interleaved_1f1b"),
+        ("parallel.virtual_stages", p.virtual_stages, interleaved and p.virtual_stages < 2,
+         f"{schedule} needs at least 2 stages per rank",
+         "set parallel.virtual_stages=2 (or more), or pipeline_schedule=1f1b"),
+        ("train.global_batch", t.global_batch, schedule == "1f1b" and micro < p.pipeline,
+         f"1F1B needs at least P={p.pipeline} micro-batches per step, but global_batch / (micro_batch × data) = "
+         f"{t.global_batch}/({t.micro_batch}×{p.data}) = {micro}",
+         f"use train.global_batch >= {p.pipeline * t.micro_batch * p.data}, a smaller micro_batch, or "
+         f"pipeline_schedule=gpipe"),
+        ("train.global_batch", t.global_batch, interleaved and (micro < p.pipeline or micro % p.pipeline),
+         f"{schedule} needs a multiple of P={p.pipeline} micro-batches per step, but global_batch / (micro_batch × "
+         f"data) = {micro}", f"use train.global_batch = k × {p.pipeline * t.micro_batch * p.data}")])
 
 
 def _shapes(cfg: TrainConfig):
     """The model's shape rules for the mode; at 2.5D those of 2D on one depth layer's q² ranks, whose
-    micro-batch is m/d rows (so m must be a multiple of d·q)."""
+    micro-batch is m/d rows (so m must be a multiple of d·q). What a ViT needs beyond them: under
+    sequence parallelism whole blocks of its 1 + (image/patch)² tokens (the shared rule, said in the
+    ViT's terms), and the MLP width in the blocks the mode stores a bias in (the scheme's
+    ``bias_rules``: 2D q², 3D q³)."""
     p, m = cfg.parallel, cfg.model.resolve()
     job_mode = TensorMode.parse(p.tensor_mode)
     mode, T = job_mode.layer_layout(p.tensor, p.tensor_depth)
     d, micro = p.tensor_depth, cfg.train.micro_batch
-    for rule in job_mode.depth_rules(p.tensor, d, micro):
-        if not rule.holds:
-            _fail("train.micro_batch", micro, rule.why, rule.fix)
+    _first_broken(("train.micro_batch", micro, not r.holds, r.why, r.fix)
+                  for r in job_mode.depth_rules(p.tensor, d, micro))
     rules = model_shape_rules(mode, T, p.sequence_parallel, micro // d,
                               cfg.data.seq_len, m.hidden, m.heads, m.ffn_hidden, m.kv_heads)
-    if cfg.model.kind == "vit":      # no rotary embeddings (any head_dim); its token count: _vit_shapes
+    if cfg.model.kind == "vit":      # no rotary embeddings (any head_dim); its token count: below
         rules = [r for r in rules if r.what not in ("head_dim", "seq_len")]
     for rule in rules:
         if not rule.holds:
             raise ConfigError(f"{_SHAPE_FIELDS.get(rule.what, rule.what)} ({p.tensor_mode} mode, tensor={p.tensor}): "
                               f"{rule.message()}")
     if cfg.model.kind == "vit":
-        _vit_shapes(cfg, m)
-        return
+        sp = mode.sequence_parallel_in_effect(p.sequence_parallel, T)
+        return _first_broken([
+            ("model.image_size/model.patch_size", (m.image_size, m.patch_size), sp and m.seq_len % p.tensor,
+             f"sequence parallelism splits the ViT's 1 + (image_size/patch_size)² = {m.seq_len} tokens into "
+             f"tensor={p.tensor} blocks", "choose sizes whose token count is a multiple of the tensor size "
+             "(e.g. image 12, patch 4: 10 tokens for tensor=2), or parallel.sequence_parallel=false")]
+            + [("model.ffn_hidden", m.ffn_hidden, not r.holds, r.why, r.fix) for r in mode.bias_rules(T, m.ffn_hidden)]
+            + [("data.kind", cfg.data.kind, cfg.data.kind not in _IMAGE_DATA, "model.kind=vit learns from "
+                "labelled images", "use digits or images")])
     if cfg.data.seq_len > m.max_seq_len:
         _fail("data.seq_len", cfg.data.seq_len, f"it exceeds model.max_seq_len={m.max_seq_len} (the RoPE table length)",
               f"set data.seq_len <= {m.max_seq_len} or model.max_seq_len >= {cfg.data.seq_len}")
 
 
-_VIT_SIZES = ("image_size", "patch_size", "channels", "num_classes", "hidden", "layers", "heads", "ffn_hidden")
 _IMAGE_DATA = ("digits", "images")
 
 
-def _vit_shapes(cfg: TrainConfig, m) -> None:
-    """What a ViT needs of the layout beyond the shared rules: under sequence parallelism whole
-    blocks of its 1 + (image/patch)² tokens (the shared rule, said in the ViT's terms), and the MLP
-    width in the blocks the mode stores a bias in (the scheme's ``bias_rules``: 2D q², 3D q³)."""
-    p = cfg.parallel
-    mode, T = TensorMode.parse(p.tensor_mode).layer_layout(p.tensor, p.tensor_depth)    # 2.5d: 2D on q²
-    sp = mode.sequence_parallel_in_effect(p.sequence_parallel, T)
-    if sp and m.seq_len % p.tensor:
-        _fail("model.image_size/model.patch_size", (m.image_size, m.patch_size),
-              f"sequence parallelism splits the ViT's 1 + (image_size/patch_size)² = {m.seq_len} tokens into "
-              f"tensor={p.tensor} blocks", "choose sizes whose token count is a multiple of the tensor size "
-              "(e.g. image 12, patch 4: 10 tokens for tensor=2), or parallel.sequence_parallel=false")
-    for rule in mode.bias_rules(T, m.ffn_hidden):
-        if not rule.holds:
-            _fail("model.ffn_hidden", m.ffn_hidden, rule.why, rule.fix)
-    if cfg.data.kind not in _IMAGE_DATA:
-        _fail("data.kind", cfg.data.kind, "model.kind=vit learns from labelled images", "use digits or images")
-
-
 def _image_data(cfg: TrainConfig) -> None:
-    """digits / images: a ViT reads them, with a validation share in [0, 1); images need a folder."""
+    """digits / images: a ViT reads them, with a validation share in [0, 1); images need a folder
+    whose every file is then checked (the file checks last)."""
     d = cfg.data
-    if cfg.model.kind != "vit":
-        _fail("data.kind", d.kind, "labelled images train a Vision Transformer", "set model.kind: vit")
-    if d.kind == "images" and not d.path:
-        _fail("data.path", d.path, "data.kind=images needs a folder with one subfolder of images per class",
-              "set data.path")
+    _first_broken([
+        ("data.kind", d.kind, cfg.model.kind != "vit", "labelled images train a Vision Transformer",
+         "set model.kind: vit"),
+        ("data.path", d.path, d.kind == "images" and not d.path,
+         "data.kind=images needs a folder with one subfolder of images per class", "set data.path"),
+        ("data.path", d.path, d.kind == "digits" and d.path is not None,
+         "data.kind=digits is scikit-learn's bundled set and takes no path",
+         "remove data.path, or use data.kind=images"),
+        ("data.val_fraction", d.val_fraction, d.val_fraction is not None and not 0 <= d.val_fraction < 1,
+         "it is the share of the images held out for validation, in [0, 1)", "use e.g. 0.2")])
     if d.kind == "images":
         from ..data.images import verify_image_folder
 
         verify_image_folder(d.path)                    # non-empty class folders, every file an image Pillow verifies
-    if d.kind == "digits" and d.path is not None:
-        _fail("data.path", d.path, "data.kind=digits is scikit-learn's bundled set and takes no path",
-              "remove data.path, or use data.kind=images")
-    if d.val_fraction is not None and not 0 <= d.val_fraction < 1:
-        _fail("data.val_fraction", d.val_fraction, "it is the share of the images held out for validation, in "
-              "[0, 1)", "use e.g. 0.2")
 
 
 def _data(cfg: TrainConfig):
@@ -242,94 +231,84 @@ def _data(cfg: TrainConfig):
     d, m = cfg.data, cfg.model.resolve()
     if d.kind in _IMAGE_DATA:
         return _image_data(cfg)
-    if d.kind == "stdlib" and d.path is not None:
-        _fail("data.path", d.path, "data.kind=stdlib reads Python's own library and takes no path",
-              "remove data.path, or set data.kind=text / tokens")
-    if d.kind in ("text", "tokens", "prepared") and not d.path:
-        _fail("data.path", d.path, f"data.kind={d.kind} needs a path",
-              "set data.path to a text file/folder (text), a token file (tokens) or a prepare-data folder (prepared)")
-    if d.val_fraction is not None and not 0 <= d.val_fraction < 1:
-        _fail("data.val_fraction", d.val_fraction, "it is the share of the data held out for validation, in [0, 1)",
-              "use e.g. 0.01, or 0 for no validation")
-    if d.val_path is not None and d.val_fraction:
-        _fail("data.val_fraction", d.val_fraction, "data.val_path already gives the validation data",
-              "remove one of data.val_fraction and data.val_path")
-    if d.val_path is not None and d.kind == "stdlib":
-        _fail("data.val_path", d.val_path, "data.kind=stdlib takes no paths", "use data.val_fraction instead")
-    if d.kind in ("stdlib", "text") and m.vocab_size < 256:
-        _fail("model.vocab_size", m.vocab_size, f"data.kind={d.kind} yields bytes 0..255",
-              "set model.vocab_size >= 256 (the tiny preset uses 256)")
-    if d.ignore_token is not None and not 0 <= d.ignore_token < m.vocab_size:
-        _fail("data.ignore_token", d.ignore_token, f"it must be a token id in [0, model.vocab_size={m.vocab_size}) "
-              f"(it is also fed to the model as an input token)",
-              "set it to the padding id of the tokenizer, or null to use every target")
+    _first_broken([
+        ("data.path", d.path, d.kind == "stdlib" and d.path is not None,
+         "data.kind=stdlib reads Python's own library and takes no path",
+         "remove data.path, or set data.kind=text / tokens"),
+        ("data.path", d.path, d.kind in ("text", "tokens", "prepared") and not d.path,
+         f"data.kind={d.kind} needs a path",
+         "set data.path to a text file/folder (text), a token file (tokens) or a prepare-data folder (prepared)"),
+        ("data.val_fraction", d.val_fraction, d.val_fraction is not None and not 0 <= d.val_fraction < 1,
+         "it is the share of the data held out for validation, in [0, 1)", "use e.g. 0.01, or 0 for no validation"),
+        ("data.val_fraction", d.val_fraction, d.val_path is not None and d.val_fraction,
+         "data.val_path already gives the validation data", "remove one of data.val_fraction and data.val_path"),
+        ("data.val_path", d.val_path, d.val_path is not None and d.kind == "stdlib", "data.kind=stdlib takes no paths",
+         "use data.val_fraction instead"),
+        ("model.vocab_size", m.vocab_size, d.kind in ("stdlib", "text") and m.vocab_size < 256,
+         f"data.kind={d.kind} yields bytes 0..255", "set model.vocab_size >= 256 (the tiny preset uses 256)"),
+        ("data.ignore_token", d.ignore_token, d.ignore_token is not None and not 0 <= d.ignore_token < m.vocab_size,
+         f"it must be a token id in [0, model.vocab_size={m.vocab_size}) (it is also fed to the model as an input "
+         f"token)", "set it to the padding id of the tokenizer, or null to use every target")])
     n_tokens, n_val = split_sizes(d)
-    if n_tokens < d.seq_len + 1:
-        _fail("data.path" if d.path else "data.kind", d.path or d.kind,
-              f"the training data holds {n_tokens} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
-              "use more data, a smaller data.val_fraction or a shorter data.seq_len")
-    if 0 < n_val < d.seq_len + 1:
-        _fail("data.val_path" if d.val_path else "data.val_fraction", d.val_path or d.val_fraction,
-              f"the validation data holds {n_val} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
-              "hold out more data (a larger val_fraction) or set data.val_fraction=0")
+    _first_broken([
+        ("data.path" if d.path else "data.kind", d.path or d.kind, n_tokens < d.seq_len + 1,
+         f"the training data holds {n_tokens} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
+         "use more data, a smaller data.val_fraction or a shorter data.seq_len"),
+        ("data.val_path" if d.val_path else "data.val_fraction", d.val_path or d.val_fraction,
+         0 < n_val < d.seq_len + 1,
+         f"the validation data holds {n_val} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
+         "hold out more data (a larger val_fraction) or set data.val_fraction=0")])
 
 
 def _optim(cfg: TrainConfig, cuda_available: bool):
     t = cfg.train
-    if t.lr < 0:
-        _fail("train.lr", t.lr, "a learning rate must be >= 0", "use a positive value such as 3e-4")
-    if t.min_lr < 0 or t.min_lr > t.lr:
-        _fail("train.min_lr", t.min_lr, f"it must lie in [0, train.lr={t.lr}]", f"set train.min_lr <= {t.lr}")
-    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
-        _fail("train.beta1/beta2", (t.beta1, t.beta2), "Adam betas lie in [0, 1)", "use 0.9 and 0.95")
-    if t.eval_interval < 0:
-        _fail("train.eval_interval", t.eval_interval, "it must be >= 0 (0: evaluate at the last step only)",
-              "use e.g. 50")
-    if t.eval_batches < 1:
-        _fail("train.eval_batches", t.eval_batches, "an evaluation needs at least one batch", "use e.g. 4")
+    _first_broken([
+        ("train.lr", t.lr, t.lr < 0, "a learning rate must be >= 0", "use a positive value such as 3e-4"),
+        ("train.min_lr", t.min_lr, t.min_lr < 0 or t.min_lr > t.lr, f"it must lie in [0, train.lr={t.lr}]",
+         f"set train.min_lr <= {t.lr}"),
+        ("train.beta1/beta2", (t.beta1, t.beta2), not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1),
+         "Adam betas lie in [0, 1)", "use 0.9 and 0.95"),
+        ("train.eval_interval", t.eval_interval, t.eval_interval < 0,
+         "it must be >= 0 (0: evaluate at the last step only)", "use e.g. 50"),
+        ("train.eval_batches", t.eval_batches, t.eval_batches < 1, "an evaluation needs at least one batch",
+         "use e.g. 4")])
     if "tensorboard" in t.log_to:
         try:
             import tensorboard  # noqa: F401
         except ImportError:
             _fail("train.log_to", t.log_to, "tensorboard logging needs the `tensorboard` package, which is not "
                   "installed", "pip install -e .[tensorboard], or train.log_to=[jsonl]")
-    if t.decay_steps is not None and t.decay_steps < 1:
-        _fail("train.decay_steps", t.decay_steps, "it must be >= 1", "remove it (defaults to train.steps)")
-    if t.bucket_mb <= 0:
-        _fail("train.bucket_mb", t.bucket_mb, "the all-reduce bucket size must be > 0", "use e.g. 25")
-    if t.precision == "fp16" and not cuda_available:
-        _fail("train.precision", "fp16", "fp16 with loss scaling runs on CUDA GPUs only, and none is visible",
-              "use train.precision=bf16 (autocast, works on CPU) or fp32")
-    if t.grad_reduce_dtype == "bf16" and t.precision != "bf16":
-        _fail("train.grad_reduce_dtype", "bf16", f"train.precision={t.precision} keeps fp32 parameters and "
-              "gradients; only bf16 storage (train.precision=bf16) has bf16 gradients to reduce",
-              "use train.grad_reduce_dtype=fp32, or train.precision=bf16")
-    if t.recompute == "selective" and cfg.model.hf_config is not None:
-        _fail("train.recompute", "selective", "selective recompute wraps the attention core and MLP activation of gridshard's "
-              "own model; a Hugging Face model (model.hf_config) has its own attention and MLP code", "use train.recompute=full")
-    if t.zero == 3 and cfg.parallel.pipeline > 1 and cfg.parallel.pipeline_schedule == "zero_bubble":
-        _fail("train.zero", 3, "ZeRO-3 frees each layer's parameters after its backward, and the zero-bubble "
-              "schedule runs a layer's weight gradients in a separate later pass", "use train.zero=2, or "
-              "parallel.pipeline_schedule=1f1b")
-    if t.zero3_host_memory == "pages" and t.zero != 3:
-        _fail("train.zero3_host_memory", "pages", f"host pages hold ZeRO-3's chunks and layer buffers, and "
-              f"train.zero={t.zero} has none", "use train.zero=3, or train.zero3_host_memory=heap")
-    if t.keep_checkpoints < 0:
-        _fail("train.keep_checkpoints", t.keep_checkpoints, "it must be >= 0 (0 keeps every checkpoint)",
-              "use e.g. 3")
-    if t.peak_flops is not None and not t.peak_flops > 0:
-        _fail("train.peak_flops", t.peak_flops, "a device's peak FLOP/s must be > 0",
-              "use the datasheet's dense figure, e.g. 989.4e12 for an H100 SXM in bf16, or null")
-    if t.collective_timeout_s <= 0:
-        _fail("train.collective_timeout_s", t.collective_timeout_s, "it must be > 0", "use e.g. 120")
-    if t.compile_timeout_s <= 0:
-        _fail("train.compile_timeout_s", t.compile_timeout_s, "it must be > 0", "use e.g. 900")
-    if t.resume not in ("never", "auto"):
-        import os
-
-        if not os.path.isdir(t.resume):
-            _fail("train.resume", t.resume, "it must be never, auto or an existing checkpoint folder / run directory",
-                  "point it at RUN_DIR/checkpoints/step_N or RUN_DIR, or use auto")
+    _first_broken([
+        ("train.decay_steps", t.decay_steps, t.decay_steps is not None and t.decay_steps < 1, "it must be >= 1",
+         "remove it (defaults to train.steps)"),
+        ("train.bucket_mb", t.bucket_mb, t.bucket_mb <= 0, "the all-reduce bucket size must be > 0", "use e.g. 25"),
+        ("train.precision", "fp16", t.precision == "fp16" and not cuda_available,
+         "fp16 with loss scaling runs on CUDA GPUs only, and none is visible",
+         "use train.precision=bf16 (autocast, works on CPU) or fp32"),
+        ("train.grad_reduce_dtype", "bf16", t.grad_reduce_dtype == "bf16" and t.precision != "bf16",
+         f"train.precision={t.precision} keeps fp32 parameters and gradients; only bf16 storage "
+         f"(train.precision=bf16) has bf16 gradients to reduce",
+         "use train.grad_reduce_dtype=fp32, or train.precision=bf16"),
+        ("train.recompute", "selective", t.recompute == "selective" and cfg.model.hf_config is not None,
+         "selective recompute wraps the attention core and MLP activation of gridshard's own model; a Hugging Face "
+         "model (model.hf_config) has its own attention and MLP code", "use train.recompute=full"),
+        ("train.zero", 3, t.zero == 3 and cfg.parallel.pipeline > 1 and cfg.parallel.pipeline_schedule == "zero_bubble",
+         "ZeRO-3 frees each layer's parameters after its backward, and the zero-bubble schedule runs a layer's "
+         "weight gradients in a separate later pass", "use train.zero=2, or parallel.pipeline_schedule=1f1b"),
+        ("train.zero3_host_memory", "pages", t.zero3_host_memory == "pages" and t.zero != 3,
+         f"host pages hold ZeRO-3's chunks and layer buffers, and train.zero={t.zero} has none",
+         "use train.zero=3, or train.zero3_host_memory=heap"),
+        ("train.keep_checkpoints", t.keep_checkpoints, t.keep_checkpoints < 0,
+         "it must be >= 0 (0 keeps every checkpoint)", "use e.g. 3"),
+        ("train.peak_flops", t.peak_flops, t.peak_flops is not None and not t.peak_flops > 0,
+         "a device's peak FLOP/s must be > 0",
+         "use the datasheet's dense figure, e.g. 989.4e12 for an H100 SXM in bf16, or null"),
+        ("train.collective_timeout_s", t.collective_timeout_s, t.collective_timeout_s <= 0, "it must be > 0",
+         "use e.g. 120"),
+        ("train.compile_timeout_s", t.compile_timeout_s, t.compile_timeout_s <= 0, "it must be > 0", "use e.g. 900"),
+        ("train.resume", t.resume, t.resume not in ("never", "auto") and not os.path.isdir(t.resume),
+         "it must be never, auto or an existing checkpoint folder / run directory",
+         "point it at RUN_DIR/checkpoints/step_N or RUN_DIR, or use auto")])
 
 
 def validate_config(cfg: TrainConfig, world_size: int, cuda_available: bool = False) -> TrainConfig:
@@ -352,9 +331,8 @@ def user_sets(source, overrides, section: str, key: str) -> bool:
     if isinstance(source, str):
         from .load import read_yaml
 
-        raw = read_yaml(source)
-        return isinstance(raw.get(section), dict) and key in raw[section]
-    return isinstance(source, dict) and key in (source.get(section) or {})
+        source = read_yaml(source)
+    return isinstance(source, dict) and isinstance(source.get(section), dict) and key in source[section]
 
 
 def check_before_launch(cfg: TrainConfig, warmup_set: bool = True) -> None:

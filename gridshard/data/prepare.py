@@ -45,7 +45,7 @@ from ..errors import ConfigError
 # the folder's names and its readers live in .prepared_folder (tokenizer, sources read them too): importable here
 from .prepared_folder import DOC_STARTS, FORMAT, META, TOKENIZER, TOKENS, open_prepared, read_meta  # noqa: F401
 from .sources import _walk_files
-from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, prepared_tokenizer, train_bpe  # noqa: F401
+from .tokenizer import ByteTokenizer, HFTokenizer, prepared_tokenizer, train_bpe  # noqa: F401
 
 
 def input_files(inputs: Sequence[str]) -> List[str]:
@@ -101,8 +101,7 @@ def _text_pieces(files: Sequence[str], chunk_bytes: int, limit: int) -> Iterator
     """Text of the input, piece by piece, up to ``limit`` bytes (for tokenizer training)."""
     seen = 0
     for _, f, a, b in _pieces(files, chunk_bytes):
-        data = read_piece(f, a, b)
-        yield data.decode("utf-8", errors="replace")
+        yield read_piece(f, a, b).decode("utf-8", errors="replace")
         seen += b - a
         if seen >= limit:
             return
@@ -112,8 +111,11 @@ def _init_worker():
     os.environ["TOKENIZERS_PARALLELISM"] = "false"    # one core per worker
 
 
+@functools.lru_cache(maxsize=1)
 def _tokenizer_of(spec: Optional[str]):
-    """Bytes for ``spec`` None, else the Hugging Face tokenizer whose JSON is ``spec``."""
+    """Bytes for ``spec`` None, else the Hugging Face tokenizer whose JSON is ``spec``: a memo keyed
+    by the spec and bounded to one entry (a preparation has one tokenizer), so each pool worker
+    builds it once; a task carries the spec (a few MB at most, small against a piece's encoding time)."""
     if spec is None:
         return ByteTokenizer()
     from tokenizers import Tokenizer
@@ -121,29 +123,13 @@ def _tokenizer_of(spec: Optional[str]):
     return HFTokenizer(Tokenizer.from_str(spec))
 
 
-@functools.lru_cache(maxsize=1)
-def _worker_tokenizer(spec: Optional[str]):
-    """:func:`_tokenizer_of` in a pool worker: a memo keyed by the spec and bounded to one entry
-    (a preparation has one tokenizer), so each worker builds it once; a task carries the spec
-    (a few MB at most, small against a piece's encoding time)."""
-    return _tokenizer_of(spec)
-
-
-def _encode(tok, task):
-    """(file index, token ids, bytes read) of one piece encoded by ``tok``."""
+def _encode(task, spec: Optional[str]):
+    """(file index, token ids, bytes read) of one piece encoded by the tokenizer of ``spec``."""
     i, f, a, b = task
-    data = read_piece(f, a, b)
+    data, tok = read_piece(f, a, b), _tokenizer_of(spec)
     if isinstance(tok, ByteTokenizer):
         return i, np.frombuffer(data, dtype=np.uint8), b - a
     return i, np.asarray(tok.encode_bytes(data), dtype=np.int64), b - a
-
-
-def _encode_in_worker(task, spec: Optional[str]):
-    return _encode(_worker_tokenizer(spec), task)
-
-
-def token_dtype_for(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 def _entries(out: str) -> List[str]:
@@ -259,13 +245,12 @@ def _encoded_pieces(files, chunk_bytes: int, spec: Optional[str], workers: int, 
     """(file index, token ids, bytes read) of every piece, in input order: encoded in this process
     (one worker, or an input of one piece), else by a pool of ``workers`` processes with at most
     2·workers pieces in flight (module docstring). Either way the tokenizer is the one built from
-    ``spec`` (:func:`_tokenizer_of`), as a worker builds it."""
+    ``spec`` (:func:`_tokenizer_of`)."""
     tasks = _pieces(files, chunk_bytes)
     if workers == 1 or total <= chunk_bytes:
         _init_worker()
-        own = _tokenizer_of(spec)
         for task in tasks:
-            yield _encode(own, task)
+            yield _encode(task, spec)
         return
     import multiprocessing as mp
 
@@ -273,7 +258,7 @@ def _encoded_pieces(files, chunk_bytes: int, spec: Optional[str], workers: int, 
     with ctx.Pool(workers, initializer=_init_worker) as pool:
         pending: deque = deque()
         for task in tasks:
-            pending.append(pool.apply_async(_encode_in_worker, (task, spec)))
+            pending.append(pool.apply_async(_encode, (task, spec)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -314,7 +299,7 @@ def _prepare_into(out: str, files, inputs, tokenizer, vocab_size, val_fraction, 
     total = sum(os.path.getsize(f) for f in files)
     t0 = time.perf_counter()
     tok = _make_tokenizer(out, tokenizer, files, vocab_size, chunk_bytes, tokenizer_bytes, progress)
-    dtype = np.dtype(token_dtype_for(tok.vocab_size))
+    dtype = np.dtype("uint16" if tok.vocab_size <= 1 << 16 else "uint32")
     spec = None if isinstance(tok, ByteTokenizer) else tok.tok.to_str()
     workers = max(1, workers or os.cpu_count() or 1)
     t_encode = time.perf_counter()

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["DOC_STARTS", "FORMAT", "META", "TOKENIZER", "TOKENS", "open_prepared", "read_meta"]
+__all__ = ["DOC_STARTS", "FORMAT", "META", "TOKENIZER", "TOKENS", "memmap_tokens", "open_prepared", "read_meta"]
 
 META, TOKENS, DOC_STARTS, TOKENIZER = "meta.json", "tokens.bin", "doc_starts.npy", "tokenizer.json"
 FORMAT = "gridshard-prepared-1"
@@ -42,9 +42,12 @@ def read_meta(folder: str, check_tokens: bool = True) -> dict:
     return meta
 
 
+def memmap_tokens(path: str, token_dtype: str, n_tokens: int) -> np.ndarray:
+    """A read-only memmap of the ``n_tokens`` ids of a flat token file (numpy cannot map an empty one)."""
+    return np.memmap(path, dtype=token_dtype, mode="r") if n_tokens else np.zeros(0, dtype=token_dtype)
+
+
 def open_prepared(folder: str) -> np.ndarray:
     """The read-only memmap of a prepared folder's whole token stream."""
     meta = read_meta(folder)
-    if meta["n_tokens"] == 0:
-        return np.zeros(0, dtype=meta["token_dtype"])
-    return np.memmap(os.path.join(folder, TOKENS), dtype=meta["token_dtype"], mode="r")
+    return memmap_tokens(os.path.join(folder, TOKENS), meta["token_dtype"], meta["n_tokens"])

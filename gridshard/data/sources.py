@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..errors import ConfigError
-from .prepared_folder import open_prepared, read_meta
+from .prepared_folder import memmap_tokens, open_prepared, read_meta
 
 
 def stdlib_root() -> str:
@@ -45,8 +45,10 @@ def _walk_files(root: str, suffix: Optional[str]) -> Iterator[str]:
 
 
 def _files_for(kind: str, path: Optional[str]) -> list:
+    """The files of a ``stdlib`` or ``text`` source (ConfigError for a ``text`` path that does not exist)."""
     if kind == "stdlib":
         return list(_walk_files(stdlib_root(), ".py"))
+    _check_exists(path, kind)
     if os.path.isdir(path):
         return list(_walk_files(path, None))
     return [path]
@@ -60,8 +62,6 @@ def _check_exists(path: str, kind: str):
 
 def read_bytes_corpus(kind: str, path: Optional[str], max_bytes: int) -> np.ndarray:
     """The capped byte corpus of a ``stdlib`` or ``text`` source as ``uint8``."""
-    if kind == "text":
-        _check_exists(path, kind)
     out, total = bytearray(), 0
     for f in _files_for(kind, path):
         with open(f, "rb") as fh:
@@ -91,20 +91,10 @@ def token_file_length(path: str, token_dtype: str) -> int:
     return size // itemsize
 
 
-def open_token_file(path: str, token_dtype: str) -> np.ndarray:
-    """A read-only memmap of a flat token file."""
-    dtype = np.dtype(token_dtype)
-    if token_file_length(path, token_dtype) == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
 def source_size_tokens(kind: str, path: Optional[str], token_dtype: str, max_bytes: int) -> int:
     """Number of tokens the source yields, from file sizes only (cheap; used by validation)."""
     if kind == "tokens":
         return token_file_length(path, token_dtype)
-    if kind == "text":
-        _check_exists(path, kind)
     total = 0
     for f in _files_for(kind, path):
         total += os.path.getsize(f) + 1
@@ -117,7 +107,7 @@ def load_tokens(kind: str, path: Optional[str] = None, token_dtype: str = "uint1
                 max_bytes: int = 4 << 20) -> np.ndarray:
     """The 1-D token array of a source (see the module docstring)."""
     if kind == "tokens":
-        return open_token_file(path, token_dtype)
+        return memmap_tokens(path, token_dtype, token_file_length(path, token_dtype))
     if kind == "prepared":
         return open_prepared(path)
     return read_bytes_corpus(kind, path, max_bytes)

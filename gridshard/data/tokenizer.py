@@ -10,7 +10,7 @@ trainer keeps word counts, never the text): the 256 byte symbols are the initial
 every input is encodable and ``decode(encode(text)) == text``; one special token
 ``<|endoftext|>`` (id 0) separates documents in the token stream.
 
-A prepared folder names its tokenizer in ``meta.json``; :func:`load_tokenizer` rebuilds it.
+A prepared folder names its tokenizer in ``meta.json``; :func:`prepared_tokenizer` rebuilds it.
 """
 from __future__ import annotations
 
@@ -106,17 +106,12 @@ def train_bpe(pieces: Iterable[str], vocab_size: int, show_progress: bool = Fals
     return HFTokenizer(tok)
 
 
-def load_tokenizer(folder: str, meta: dict):
-    """The tokenizer a prepared folder's ``meta.json`` names."""
-    spec = meta["tokenizer"]
+def prepared_tokenizer(folder: str):
+    """The tokenizer of the prepared folder ``folder`` (the one its ``meta.json`` names)."""
+    spec = read_meta(folder, check_tokens=False)["tokenizer"]
     if spec["kind"] == "bytes":
         return ByteTokenizer()
     return HFTokenizer.from_file(os.path.join(folder, spec["file"]))
-
-
-def prepared_tokenizer(folder: str):
-    """The tokenizer of the prepared folder ``folder`` (the one its ``meta.json`` names)."""
-    return load_tokenizer(folder, read_meta(folder, check_tokens=False))
 
 
 def run_tokenizer(config: dict, folder: str):

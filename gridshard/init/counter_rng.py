@@ -120,16 +120,11 @@ def _check_index(flat_index: torch.Tensor) -> torch.Tensor:
     return flat_index
 
 
-def _counter_hash(k: int, stream: int, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``h_s(i) = mix(mix(lo ^ a_s) ^ hi ^ b_s)``, 32-bit values in int64."""
-    a, b = _round_keys(k, stream)
-    return _mix32(_mix32(lo ^ a) ^ hi ^ b)
-
-
 def _odd_cells(k: int, stream: int, flat_index: torch.Tensor) -> torch.Tensor:
-    """``A = 2 h_s(i) + 1`` (int64, odd, in (0, 2**33)); the uniform is ``A / 2**33``."""
-    lo, hi = flat_index & _M32, flat_index >> 32
-    return _counter_hash(k, stream, lo, hi) * 2 + 1
+    """``A = 2 h_s(i) + 1`` (int64, odd, in (0, 2**33)) with the counter hash
+    ``h_s(i) = mix(mix(lo ^ a_s) ^ hi ^ b_s)`` (32-bit values in int64); the uniform is ``A / 2**33``."""
+    a, b = _round_keys(k, stream)
+    return _mix32(_mix32((flat_index & _M32) ^ a) ^ (flat_index >> 32) ^ b) * 2 + 1
 
 
 def _horner(t: torch.Tensor, coeffs: Sequence[float]) -> torch.Tensor:
@@ -169,17 +164,13 @@ def _standard_normal64(k: int, flat_index: torch.Tensor) -> torch.Tensor:
 
 def _normal_into(out_flat: torch.Tensor, k: int, flat_index: torch.Tensor, std: float, mean: float) -> None:
     """``out_flat[j] = mean + std · z(flat_index[j])`` (both 1-D, same length), rounded once
-    from float64 to ``out_flat.dtype``. Works in pieces of ``_piece_elems`` elements: every
-    op is elementwise, so pieces change nothing but speed (cache-sized temporaries instead
+    from float64 to ``out_flat.dtype``. Works in pieces (2**16 elements on CPU, 2**22 on a GPU):
+    every op is elementwise, so pieces change nothing but speed (cache-sized temporaries instead
     of ~20 whole-size ones; on CPU 2**16 elements is ~20x faster than 2**24 at once)."""
-    piece = _piece_elems(out_flat.device)
+    piece = 1 << 16 if out_flat.device.type == "cpu" else 1 << 22
     for p0 in range(0, flat_index.numel(), piece):
         z = _standard_normal64(k, flat_index[p0:p0 + piece])
         out_flat[p0:p0 + piece].copy_(z * std + mean)
-
-
-def _piece_elems(device: torch.device) -> int:
-    return 1 << 16 if device.type == "cpu" else 1 << 22
 
 
 def uniform_at(seed: int, key: str, flat_index: torch.Tensor, stream: int = 0) -> torch.Tensor:

@@ -223,15 +223,9 @@ class Transformer(nn.Module):
     def init_laws(self) -> dict:
         """Parameter name → ``("normal", std)`` / ``("ones",)`` / ``("zeros",)`` (module docstring)."""
         std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.layers)
-        laws = {}
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                laws[name] = ("ones",)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                laws[name] = ("normal", out_std)
-            else:
-                laws[name] = ("normal", std)
-        return laws
+        return {name: ("ones",) if p.dim() == 1 else ("normal", out_std)
+                if name.endswith(("o_proj.weight", "down_proj.weight")) else ("normal", std)
+                for name, p in self.named_parameters()}
 
     # The forward in pieces: what a pipeline stage runs of it (gridshard.pipeline.stage_module),
     # so the single-device forward and every stage share one description.

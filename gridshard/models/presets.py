@@ -24,8 +24,6 @@ llama3-70b   8192    80      64     8    28672   128256  8192   no    70.6 B
 """
 from __future__ import annotations
 
-from .llama import ModelConfig
-
 PRESETS: dict = {
     "tiny": dict(vocab_size=256, hidden=64, layers=2, heads=4, ffn_hidden=176, max_seq_len=128),
     "125m": dict(vocab_size=50304, hidden=768, layers=12, heads=12, ffn_hidden=2048, max_seq_len=2048,
@@ -49,10 +47,3 @@ def preset_names() -> list:
 def preset_fields(name: str) -> dict:
     """The ModelConfig fields of preset ``name`` (a fresh dict). KeyError if unknown."""
     return dict(PRESETS[name])
-
-
-def model_config(name: str, **overrides) -> ModelConfig:
-    """A :class:`ModelConfig` for preset ``name`` with ``overrides`` applied."""
-    fields = preset_fields(name)
-    fields.update(overrides)
-    return ModelConfig(**fields)

@@ -77,10 +77,7 @@ class ViTConfig:
         """Multi-head attention: every query head has its own key/value head."""
         return self.heads
 
-    @property
-    def tie_embeddings(self) -> bool:
-        """No output layer shares the input's weight (what the pipeline's tied-weight sync reads)."""
-        return False
+    tie_embeddings = False     # no output layer shares the input's weight (the pipeline's tied-weight sync reads it)
 
     @property
     def vocab_size(self) -> int:
@@ -177,32 +174,25 @@ class ViTSelfAttention(nn.Module):
         return o.transpose(1, 2).reshape(b, s, -1)
 
 
-class ViTSelfOutput(nn.Module):
-    def __init__(self, cfg: ViTConfig):
+class Children(nn.Module):
+    """A module that only holds the named ``children``: one of Hugging Face's forward-less containers
+    (``ViTModel``, ``ViTEncoder``, ``ViTSelfOutput``, ``ViTIntermediate``, ``ViTOutput``), whose names
+    are all the parameter names need."""
+
+    def __init__(self, **children: nn.Module):
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden, cfg.hidden)
+        for name, child in children.items():
+            self.add_module(name, child)
 
 
 class ViTAttention(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.attention = ViTSelfAttention(cfg)
-        self.output = ViTSelfOutput(cfg)
+        self.output = Children(dense=nn.Linear(cfg.hidden, cfg.hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output.dense(self.attention(x))
-
-
-class ViTIntermediate(nn.Module):
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        self.dense = nn.Linear(cfg.hidden, cfg.ffn_hidden)
-
-
-class ViTOutput(nn.Module):
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        self.dense = nn.Linear(cfg.ffn_hidden, cfg.hidden)
 
 
 class ViTLayer(nn.Module):
@@ -224,8 +214,8 @@ class ViTLayer(nn.Module):
         self.layernorm_before = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
         self.attention = ViTAttention(cfg)
         self.layernorm_after = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.intermediate = ViTIntermediate(cfg)
-        self.output = ViTOutput(cfg)
+        self.intermediate = Children(dense=nn.Linear(cfg.hidden, cfg.ffn_hidden))
+        self.output = Children(dense=nn.Linear(cfg.ffn_hidden, cfg.hidden))
 
     def recompute_activation_in_backward(self) -> None:
         """Compute gelu(u) again in backward from u = intermediate.dense(·) (no collective)."""
@@ -236,20 +226,6 @@ class ViTLayer(nn.Module):
         u = self.intermediate.dense(self.layernorm_after(x))
         act = _recomputed(F.gelu, u) if self.recompute_activation else F.gelu(u)
         return x + self.output.dense(act)
-
-
-class ViTEncoder(nn.Module):
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        self.layer = nn.ModuleList(ViTLayer(cfg) for _ in range(cfg.layers))
-
-
-class ViTModel(nn.Module):
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        self.embeddings = ViTEmbeddings(cfg)
-        self.encoder = ViTEncoder(cfg)
-        self.layernorm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
 
 
 class ClsClassifier(nn.Linear):
@@ -268,20 +244,15 @@ class VisionTransformer(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.cfg = cfg
-        self.vit = ViTModel(cfg)
+        self.vit = Children(embeddings=ViTEmbeddings(cfg),
+                            encoder=Children(layer=nn.ModuleList(ViTLayer(cfg) for _ in range(cfg.layers))),
+                            layernorm=nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps))
         self.classifier = ClsClassifier(cfg.hidden, cfg.num_classes)
 
     def init_laws(self) -> dict:
         """Parameter name → ``("normal", std)`` / ``("ones",)`` / ``("zeros",)`` (module docstring)."""
-        laws = {}
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                laws[name] = ("zeros",)
-            elif p.dim() == 1:
-                laws[name] = ("ones",)
-            else:
-                laws[name] = ("normal", self.cfg.init_std)
-        return laws
+        return {name: ("zeros",) if name.endswith("bias") else ("ones",) if p.dim() == 1
+                else ("normal", self.cfg.init_std) for name, p in self.named_parameters()}
 
     # The forward in pieces, as the Llama's (embed → layer_inputs → run_layer → head): what a
     # pipeline stage runs of it (gridshard.pipeline.split.ViTRankModel, stage_module.StageModule).
@@ -326,15 +297,6 @@ def hf_vit_config_fields(cfg: ViTConfig) -> dict:
             "patch_size": cfg.patch_size, "num_channels": cfg.channels, "qkv_bias": True,
             "initializer_range": cfg.init_std, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
             "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}, "torch_dtype": "float32"}
-
-
-def hf_vit_config(cfg: ViTConfig):
-    """The ``transformers.ViTConfig`` of the same architecture (needs ``gridshard[hf]``)."""
-    from transformers import ViTConfig as HFViTConfig
-
-    fields = hf_vit_config_fields(cfg)
-    fields.pop("architectures"), fields.pop("model_type")
-    return HFViTConfig(**fields)
 
 
 def vit_config(fields: dict) -> ViTConfig:
