@@ -178,9 +178,9 @@ MUTANTS = [
              "    check_token_range(targets, vocab_size, 'cross_entropy_2d targets', ignore_index)\n"),),
            ("tests/test_bad_ids_2d.py::test_bad_id_in_one_batch_block_raises_on_every_rank[q2]",),
            "a bad target raised by the grid rows that hold it only: the other rows wait in the column all-reduce"),
-    Mutant("bad-token-raised-locally", "gridshard/tensor/tp2d/embedding.py",
-           (('check_blocks(all_tokens, self.vocab, "VocabParallelEmbedding2D tokens", self.mesh.q)',
-             'check_blocks(tokens, self.vocab, "VocabParallelEmbedding2D tokens", 1)'),),
+    Mutant("bad-token-raised-locally", "gridshard/tensor/grid_embedding.py",
+           (('check_blocks(all_tokens, self.vocab, f"{type(self).__name__} tokens", gather.size)',
+             'check_blocks(tokens, self.vocab, f"{type(self).__name__} tokens", 1)'),),
            ("tests/test_bad_ids_2d.py::test_bad_id_in_one_batch_block_raises_on_every_rank[q2]",),
            "a bad token id checked on the rank's own batch block: only its grid row raises, the others "
            "wait in the reduce-scatter"),

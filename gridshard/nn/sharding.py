@@ -197,7 +197,7 @@ def get_spec(param: torch.Tensor) -> Optional[ShardSpec]:
 
 
 def sharded_parameter(spec: ShardSpec, mesh, init: Callable[[torch.Tensor], None],
-                      dtype: torch.dtype = torch.float32, device=None) -> torch.nn.Parameter:
+                      dtype: torch.dtype = torch.float32, device=None, coords=None) -> torch.nn.Parameter:
     """Create the *global* tensor with ``init`` (drawing from torch's default CPU RNG in
     the same order at every layout), keep this rank's block, tag it with ``spec``.
 
@@ -206,13 +206,16 @@ def sharded_parameter(spec: ShardSpec, mesh, init: Callable[[torch.Tensor], None
     :func:`gridshard.parallelize` builds layers on ``device="meta"``, which allocates
     only the local block on the meta device and draws nothing, then materialises the
     block from the plain model's weights or the layout-independent counter RNG).
+
+    ``coords``: the (index, size) dicts the spec's names are read from, default :func:`mesh_coords`
+    (a 3D cube orientation passes its own physical coordinates).
     """
+    index, size = coords or mesh_coords(mesh)
     if device is not None and torch.device(device).type == "meta":
         # no values yet: ``gridshard.parallelize`` materialises this rank's block later
-        _, size = mesh_coords(mesh)
         return set_spec(torch.nn.Parameter(torch.empty(spec.local_shape(size), dtype=dtype, device="meta")), spec)
     full = torch.empty(spec.global_shape, dtype=torch.float32)
     with torch.no_grad():
         init(full)
-    local = shard_from_global(full, spec, mesh).to(dtype=dtype, device=device)
+    local = take_shard(full, spec, index, size).to(dtype=dtype, device=device)
     return set_spec(torch.nn.Parameter(local), spec)

@@ -32,52 +32,25 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ...comm.dual_ops import copy_to_group, reduce_from_group
-from ...comm.grid_ops import gather_along
 from .summa import summa_abt
-from ...errors import ShapeError, check_divisible
-from .embedding import VocabParallelEmbedding2D, padded_table_init, padded_vocab
-from .linear import Linear2D
-from ...nn.sharding import ShardSpec, sharded_parameter
+from ...errors import ShapeError
+from ...theory.vocab import padded_vocab_size
+from ..grid_vision import ClsHead, GridClassifier
+from ..hidden_cut import padded_table_init
+from .embedding import VocabParallelEmbedding2D
+from .linear import Linear2D, hidden_cut_2d
 
 
-class Classifier2D(nn.Module):
+class Classifier2D(GridClassifier):
     """Few-class head: [b/q, …, h/q] → full logits [b/q, …, C] (see module docstring)."""
 
-    def __init__(self, in_features: int, num_classes: int, mesh, bias: bool = True, init_std: float = 0.02,
-                 dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
-        q = mesh.q
-        check_divisible(in_features, q * q, "in_features (Classifier2D splits it into q² blocks)", "q²",
-                        f"use in_features a multiple of {q * q}")
-        self.mesh, self.in_features, self.num_classes = mesh, in_features, num_classes
-        self.in_local = in_features // q
-        spec = ShardSpec((num_classes, in_features), ((1, "grid_col"), (1, "grid_row")))
-        self.weight = sharded_parameter(spec, mesh, lambda full: full.normal_(0.0, init_std), dtype, device)
-        if bias:
-            self.bias = sharded_parameter(ShardSpec((num_classes,)), mesh, nn.init.zeros_, dtype, device)
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_local:
-            raise ShapeError(f"Classifier2D({self.in_features}→{self.num_classes}) got a local input with last dim "
-                             f"{x.shape[-1]}; each rank holds in/q = {self.in_local}. "
-                             f"Fix: pass this rank's [b/q, …, h/q] block.")
-        w = gather_along(self.weight, self.mesh.col, 1)      # [C, h/q]
-        logits = reduce_from_group(x @ w.t().to(x.dtype), self.mesh.row)
-        if self.bias is not None:
-            logits = logits + copy_to_group(self.bias, self.mesh.col).to(logits.dtype)
-        return logits
+    hidden_cut = staticmethod(hidden_cut_2d)
 
 
-class ClsClassifier2D(Classifier2D):
+class ClsClassifier2D(ClsHead, Classifier2D):
     """The ViT head in 2D (:class:`gridshard.models.vit.ClsClassifier`): the class token's row of this
     rank's final hidden block [b/q, s, h/q] (the sequence is whole in 2D) → logits [b/q, C] of
     batch block i, the same on every rank of grid row i."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x[:, 0])
 
 
 class VocabParallelClassifier2D(Linear2D):
@@ -85,16 +58,10 @@ class VocabParallelClassifier2D(Linear2D):
 
     def __init__(self, hidden: int, vocab: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
                  device=None, overlap: bool = True, vector_cache=None):
-        padded = padded_vocab(vocab, mesh.q)
-        draw = padded_table_init(vocab, hidden, init_std, padded)
-
-        def init(full: torch.Tensor) -> None:  # full is [h, V_pad]
-            table = torch.empty(padded, hidden)
-            draw(table)
-            full.copy_(table.t())
-
-        super().__init__(hidden, padded, mesh, bias=False, weight_init=init, dtype=dtype, device=device,
-                         overlap=overlap, vector_cache=vector_cache)
+        padded = padded_vocab_size(vocab, mesh.q)
+        super().__init__(hidden, padded, mesh, bias=False, dtype=dtype, device=device, overlap=overlap,
+                         weight_init=padded_table_init(vocab, hidden, init_std, padded, transposed=True),
+                         vector_cache=vector_cache)
         self.vocab_size, self.padded_vocab = vocab, padded
         self.weight.shard_spec = replace(self.weight.shard_spec, canonical_shape=(vocab, hidden))
 

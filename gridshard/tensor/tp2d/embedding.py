@@ -38,55 +38,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...comm import collectives as C
-from ...comm.grid_ops import gather_along, reduce_scatter_along
-from ...errors import ShapeError, check_divisible
-from ...nn.id_range import bad_id_slots, check_blocks, raise_on_bad_ids
-from ...theory.vocab import padded_vocab_size as padded_vocab
+from ...comm.grid_ops import gather_along
+from ...errors import check_divisible
+from ...nn.id_range import bad_id_slots, raise_on_bad_ids
 from ...nn.sharding import ShardSpec, sharded_parameter
+from ..grid_embedding import GridVocabEmbedding, check_token_ids
+from ..hidden_cut import normal_init
+from .linear import hidden_cut_2d
 
 
-def padded_table_init(vocab: int, hidden: int, std: float, padded: int):
-    """Draw [vocab, hidden] ~ N(0, std²) and append ``padded − vocab`` zero rows."""
-    def init(full: torch.Tensor) -> None:
-        full.zero_()
-        full[:vocab].copy_(torch.empty(vocab, hidden).normal_(0.0, std))
-    return init
+class VocabParallelEmbedding2D(GridVocabEmbedding):
+    """Vocabulary split over grid rows, hidden over grid columns (see module docstring;
+    :mod:`gridshard.tensor.grid_embedding` with the grid column as ``gather``)."""
 
-
-def _check_tokens(tokens: torch.Tensor) -> None:
-    if tokens.dtype not in (torch.int64, torch.int32):
-        raise ShapeError(f"embedding tokens must be integer ids, got dtype {tokens.dtype}. Fix: pass a LongTensor.")
-
-
-class VocabParallelEmbedding2D(nn.Module):
-    """Vocabulary split over grid rows, hidden over grid columns (see module docstring)."""
-
-    def __init__(self, vocab: int, hidden: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
-                 device=None):
-        super().__init__()
-        q = mesh.q
-        check_divisible(hidden, q, "hidden", "grid side q")
-        self.mesh, self.vocab, self.hidden = mesh, vocab, hidden
-        self.padded_vocab = padded_vocab(vocab, q)
-        self.vocab_local = self.padded_vocab // q
-        self.vocab_start = mesh.grid_row * self.vocab_local
-        spec = ShardSpec((self.padded_vocab, hidden), ((0, "grid_row"), (1, "grid_col")),
-                         canonical_shape=(vocab, hidden))
-        self.weight = sharded_parameter(spec, mesh, padded_table_init(vocab, hidden, init_std, self.padded_vocab),
-                                        dtype, device)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        _check_tokens(tokens)
-        all_tokens = C.all_gather(tokens, self.mesh.col, 0)           # [b, s] on every rank of column j
-        check_blocks(all_tokens, self.vocab, "VocabParallelEmbedding2D tokens", self.mesh.q)   # alike on every rank
-        local = all_tokens - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab_local)
-        part = F.embedding(local.masked_fill(outside, 0), self.weight)  # [b, s, h/q]
-        part = part.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_along(part, self.mesh.col, 0)             # [b/q, s, h/q]
-
-    def extra_repr(self) -> str:
-        return f"vocab={self.vocab} (padded {self.padded_vocab}), hidden={self.hidden}, q={self.mesh.q}"
+    hidden_cut = staticmethod(hidden_cut_2d)
 
 
 class Embedding2D(nn.Module):
@@ -99,10 +64,10 @@ class Embedding2D(nn.Module):
                         f"use hidden a multiple of {q * q}, or VocabParallelEmbedding2D")
         self.mesh, self.vocab, self.hidden = mesh, vocab, hidden
         spec = ShardSpec((vocab, hidden), ((1, "grid_col"), (1, "grid_row")))
-        self.weight = sharded_parameter(spec, mesh, lambda full: full.normal_(0.0, init_std), dtype)
+        self.weight = sharded_parameter(spec, mesh, normal_init(init_std), dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        _check_tokens(tokens)
+        check_token_ids(tokens)
         verdict = bad_id_slots(tokens, self.vocab, self.mesh.grid_row, self.mesh.q)
         raise_on_bad_ids(C.all_reduce(verdict, self.mesh.col, inplace=True), self.vocab, "Embedding2D tokens")
         table = gather_along(self.weight, self.mesh.col, 1)  # [V, h/q], hidden block j

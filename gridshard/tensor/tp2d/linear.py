@@ -32,7 +32,8 @@ from ...comm.grid_ops import GatheredVectors, gather_vector
 from .summa import summa_ab
 from ...errors import ShapeError, check_divisible
 from ...nn.precomputed import PrecomputedOutput
-from ...nn.sharding import ShardSpec, sharded_parameter
+from ...nn.sharding import ShardSpec, mesh_coords, sharded_parameter
+from ..hidden_cut import HiddenCut, transposed_normal
 
 
 def weight_spec_2d(in_features: int, out_features: int) -> ShardSpec:
@@ -53,10 +54,11 @@ def gather_vector_2d(shard: torch.Tensor, mesh, cache=None) -> torch.Tensor:
     return gather_vector(shard, mesh.col, cache)
 
 
-def _transposed_normal(out_features: int, in_features: int, std: float) -> Callable[[torch.Tensor], None]:
-    def init(full: torch.Tensor) -> None:
-        full.copy_(torch.empty(out_features, in_features).normal_(0.0, std).t())
-    return init
+def hidden_cut_2d(mesh) -> HiddenCut:
+    """The grid's :class:`gridshard.tensor.hidden_cut.HiddenCut`: vectors gathered along the column
+    (q ranks), hidden sums along the row."""
+    return HiddenCut(mesh, mesh.col, mesh.row, "grid_col", ("grid_row",), mesh_coords(mesh), "grid", "b/q",
+                     "split_batch")
 
 
 class Linear2D(nn.Module):
@@ -83,7 +85,7 @@ class Linear2D(nn.Module):
         self.in_local, self.out_local = in_features // q, out_features // q
         self.vector_cache = vector_cache    # the model's GatheredVectors (one bias gather per window), or none
         self.precomputed = PrecomputedOutput()    # shared-input parents leave outputs here
-        init = weight_init or _transposed_normal(out_features, in_features, init_std)
+        init = weight_init or transposed_normal(out_features, in_features, init_std)
         self.weight = sharded_parameter(weight_spec_2d(in_features, out_features), mesh, init, dtype, device)
         if bias:
             self.bias = sharded_parameter(bias_spec_2d(out_features), mesh, nn.init.zeros_, dtype, device)

@@ -31,9 +31,9 @@ from torch import nn
 
 from ...comm import collectives as C
 from ...errors import ShapeError, check_divisible
-from .linear import bias_spec_2d, gather_vector_2d
+from ...comm.grid_ops import gather_vector
+from .linear import hidden_cut_2d
 from ...nn.rebuild import RebuildRegion, offer_to
-from ...nn.sharding import sharded_parameter
 
 
 class _RMSNorm2DFn(torch.autograd.Function):
@@ -89,37 +89,30 @@ class _LayerNorm2DFn(torch.autograd.Function):
 
 
 class GridNorm(nn.Module):
-    """The 2D norms and, with the class attributes below overridden, the 3D ones: vectors of
-    [hidden] split into q^``split_power`` blocks, gathered (``vector_cache``: the model's
-    :class:`gridshard.comm.grid_ops.GatheredVectors`, or ``None`` to gather on every forward),
-    token statistics all-reduced over :meth:`stats_axis`. ``has_bias``: LayerNorm (weight ones,
-    bias zeros), else RMSNorm (weight ones)."""
+    """The 2D norms and, with ``hidden_cut`` (and the message's ``block``) overridden, the 3D ones:
+    vectors of [hidden] cut as the mode's :class:`gridshard.tensor.hidden_cut.HiddenCut` says (q² or q³
+    blocks), gathered over its ``gather`` axis (``vector_cache``: the model's
+    :class:`gridshard.comm.grid_ops.GatheredVectors`, or ``None`` to gather on every forward), token
+    statistics all-reduced over its ``reduce`` axis (2D: the grid row). ``has_bias``: LayerNorm
+    (weight ones, bias zeros), else RMSNorm (weight ones)."""
 
-    split_power, shape_name, block, has_bias = 2, "grid", "[b/q, s, h/q]", False
+    hidden_cut, block, has_bias = staticmethod(hidden_cut_2d), "[b/q, s, h/q]", False
 
     def __init__(self, hidden: int, mesh, eps: float = 1e-5, dtype: torch.dtype = torch.float32, device=None,
                  vector_cache=None):
         super().__init__()
-        q, p = mesh.q, self.split_power
-        blocks = "q²" if p == 2 else "q³"
-        check_divisible(hidden, q ** p, f"hidden (norm weights are split into {blocks} blocks)", blocks,
-                        f"use hidden a multiple of {q ** p}")
+        self.cut = cut = self.hidden_cut(mesh)
+        check_divisible(hidden, cut.blocks, f"hidden (norm weights are split into {cut.power} blocks)", cut.power,
+                        f"use hidden a multiple of {cut.blocks}")
         self.mesh, self.hidden, self.eps = mesh, hidden, eps
-        self.hidden_local = hidden // q
+        self.hidden_local = hidden // mesh.q
         self.vector_cache = vector_cache
-        self.weight = self.vector(nn.init.ones_, dtype, device)
+        self.weight = cut.parameter(cut.spec((hidden,), 0), nn.init.ones_, dtype, device)
         if self.has_bias:
-            self.bias = self.vector(nn.init.zeros_, dtype, device)
-
-    def vector(self, init, dtype, device) -> nn.Parameter:
-        return sharded_parameter(bias_spec_2d(self.hidden), self.mesh, init, dtype, device)
+            self.bias = cut.parameter(cut.spec((hidden,), 0), nn.init.zeros_, dtype, device)
 
     def gathered(self, v: torch.Tensor) -> torch.Tensor:
-        return gather_vector_2d(v, self.mesh, cache=self.vector_cache)
-
-    def stats_axis(self):
-        """The q ranks holding one token's hidden blocks: the grid row."""
-        return self.mesh.row
+        return gather_vector(v, self.cut.gather, self.vector_cache)
 
     #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` the output is offered to
     #: (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
@@ -133,13 +126,13 @@ class GridNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_local:
             raise ShapeError(f"{type(self).__name__}({self.hidden}) got a local input with last dim {x.shape[-1]}: "
-                             f"on a q={self.mesh.q} {self.shape_name} each rank holds hidden/q = "
+                             f"on a q={self.mesh.q} {self.cut.shape} each rank holds hidden/q = "
                              f"{self.hidden_local}. Fix: pass this rank's {self.block} block.")
         w = self.gathered(self.weight)
         if self.has_bias:
-            return _LayerNorm2DFn.apply(x, w, self.gathered(self.bias), self.stats_axis(), self.hidden, self.eps)
+            return _LayerNorm2DFn.apply(x, w, self.gathered(self.bias), self.cut.reduce, self.hidden, self.eps)
         region = self.rebuild if self.rebuild is not None and self.rebuild.accepting() else None
-        return _RMSNorm2DFn.apply(x, w, self.stats_axis(), self.hidden, self.eps, region)
+        return _RMSNorm2DFn.apply(x, w, self.cut.reduce, self.hidden, self.eps, region)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, q={self.mesh.q}, eps={self.eps}"

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from ...theory import CommVolume, axes_rounds, axes_wire_bytes, combine_axes
 from ..tp2d import theory as tp2d
-from ...theory.vocab import padded_vocab_size
 
 AXES = ("row", "col", "depth", "depth_col")
 
@@ -81,82 +80,4 @@ def linear2p5d_comm(tokens: int, in_features: int, out_features: int, q: int, d:
     return combine(lift(layer, q, d), depth_grad_comm(blocks, q, d, e))
 
 
-def rmsnorm2p5d_comm(tokens: int, hidden: int, q: int, d: int, bytes_per_elem: int = 4) -> dict:
-    """RMSNorm2p5D forward + backward: 2D's on N/d tokens + the weight block's depth all-reduce."""
-    layer = tp2d.rmsnorm2d_comm(_layer_tokens(tokens, d), hidden, q, bytes_per_elem)
-    return combine(lift(layer, q, d), depth_grad_comm([hidden // (q * q)], q, d, bytes_per_elem))
-
-
-def layernorm2p5d_comm(tokens: int, hidden: int, q: int, d: int, bytes_per_elem: int = 4) -> dict:
-    """LayerNorm2p5D forward + backward: 2D's on N/d tokens + weight and bias depth all-reduces."""
-    layer = tp2d.layernorm2d_comm(_layer_tokens(tokens, d), hidden, q, bytes_per_elem)
-    return combine(lift(layer, q, d), depth_grad_comm([hidden // (q * q)] * 2, q, d, bytes_per_elem))
-
-
-def _verdict(q: int, d: int, extra_slots: int = 0) -> dict:
-    """(d > 1) the ``depth_col`` all-reduce of 2·d·q verdict slots (+ ``extra_slots``), float64."""
-    v = _zero(q, d)
-    if d > 1:
-        v["depth_col"].add("all_reduce", (extra_slots + 2 * d * q) * 8)
-    return v
-
-
-def embedding2p5d_comm(batch: int, seq: int, hidden: int, vocab: int, q: int, d: int, bytes_per_elem: int = 4,
-                       token_bytes: int = 8) -> dict:
-    """VocabParallelEmbedding2p5D forward + backward: the token verdicts over ``depth_col``
-    (d > 1), 2D's on the layer's b/d sequences (column: tokens gathered, output reduce-scattered,
-    gradient gathered) and the depth all-reduce of the table block V_pad·h/q²·e."""
-    layer = tp2d.embedding2d_comm(_layer_tokens(batch, d), seq, hidden, q, bytes_per_elem, token_bytes)
-    table = padded_vocab_size(vocab, q) * hidden // (q * q)
-    return combine(_verdict(q, d), lift(layer, q, d), depth_grad_comm([table], q, d, bytes_per_elem))
-
-
-def embedding_full2p5d_comm(batch: int, seq: int, hidden: int, vocab: int, q: int, d: int,
-                            bytes_per_elem: int = 4) -> dict:
-    """Embedding2p5D forward + backward: the verdicts over ``depth_col`` (d > 1); Embedding2D's
-    column calls (its verdict all-reduce of 16·q bytes, the table all-gather to [V, h/q] and the
-    gradient's reduce-scatter, V·h/q·e each); the depth all-reduce of the block V·h/q²·e."""
-    _layer_tokens(batch, d)
-    v = _verdict(q, d)
-    v["col"].add("all_reduce", 2 * q * 8).add("all_gather", vocab * hidden // q * bytes_per_elem)
-    v["col"].add("reduce_scatter", vocab * hidden // q * bytes_per_elem)
-    return combine(v, depth_grad_comm([vocab * hidden // (q * q)], q, d, bytes_per_elem))
-
-
-def tied_head2p5d_comm(tokens: int, hidden: int, vocab: int, q: int, d: int, bytes_per_elem: int = 4) -> dict:
-    """TiedVocabHead2p5D: 2D's tied head on N/d tokens; no depth call of its own (the table's
-    gradient is summed once, by the embedding's hook: :func:`embedding2p5d_comm`)."""
-    return lift(tp2d.tied_head2d_comm(_layer_tokens(tokens, d), hidden, vocab, q, bytes_per_elem), q, d)
-
-
-def head2p5d_comm(tokens: int, hidden: int, vocab: int, q: int, d: int, bytes_per_elem: int = 4) -> dict:
-    """VocabParallelClassifier2p5D (h → V_pad, no bias): a Linear2p5D's volume."""
-    return linear2p5d_comm(tokens, hidden, padded_vocab_size(vocab, q), q, d, bytes_per_elem)
-
-
-def cross_entropy2p5d_comm(tokens: int, q: int, d: int) -> dict:
-    """cross_entropy_2p5d forward (fp32 logits): 2D's on N/d tokens; with d > 1 also the
-    ``depth_col`` all-reduce of (1 + 2·d·q)·8 bytes and the ``depth`` all-reduce of 8 bytes."""
-    v = lift(tp2d.cross_entropy2d_comm(_layer_tokens(tokens, d), q), q, d)
-    if d > 1:
-        v = combine(v, _verdict(q, d, extra_slots=1))
-        v["depth"].add("all_reduce", 8)
-    return v
-
-
-def linear2p5d_param_bytes(in_features: int, out_features: int, q: int, bytes_per_elem: int = 4,
-                           bias: bool = False) -> int:
-    """(in·out + out)/q² elements per rank, as 2D on a q-grid (replicated over the d layers)."""
-    return tp2d.linear2d_param_bytes(in_features, out_features, q, bytes_per_elem, bias)
-
-
-def linear2p5d_saved_activation_bytes(tokens: int, in_features: int, q: int, d: int,
-                                      bytes_per_elem: int = 4) -> int:
-    """Saved for backward per rank: the input block N·in/(d·q²) elements (1/(d·q²) of one device)."""
-    return _layer_tokens(tokens, d) * in_features // (q * q) * bytes_per_elem
-
-
-__all__ = ["AXES", "lift", "combine", "rounds", "wire_bytes", "depth_grad_comm", "linear2p5d_comm",
-           "rmsnorm2p5d_comm", "layernorm2p5d_comm", "embedding2p5d_comm", "embedding_full2p5d_comm",
-           "tied_head2p5d_comm", "head2p5d_comm", "cross_entropy2p5d_comm", "linear2p5d_param_bytes",
-           "linear2p5d_saved_activation_bytes"]
+__all__ = ["AXES", "lift", "combine", "rounds", "wire_bytes", "depth_grad_comm", "linear2p5d_comm"]

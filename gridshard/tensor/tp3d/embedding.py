@@ -24,53 +24,12 @@ Communication: :func:`gridshard.tensor.tp3d.theory.embedding3d_comm`.
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from ...comm import collectives as C
-from ...comm.grid_ops import reduce_scatter_along
-from ...errors import ShapeError, check_divisible
-from ...theory.vocab import padded_vocab_size
-from ..tp2d.embedding import padded_table_init
-from ...nn.id_range import check_blocks
-from .linear import sharded_parameter_3d
-from ...nn.sharding import ShardSpec
+from ..grid_embedding import GridVocabEmbedding
+from .linear import hidden_cut_3d
 
 
-def table_spec_3d(vocab: int, padded: int, hidden: int, mesh) -> ShardSpec:
-    """[V_pad, h] table: vocab block weight·q + input (= ``mesh.batch`` member), hidden block output."""
-    return ShardSpec((padded, hidden), ((0, "weight"), (0, mesh.input.name), (1, mesh.output.name)),
-                     canonical_shape=(vocab, hidden))
+class VocabParallelEmbedding3D(GridVocabEmbedding):
+    """Vocabulary split over ``mesh.batch`` (q² blocks), hidden over ``mesh.output`` (module docstring;
+    :mod:`gridshard.tensor.grid_embedding` with ``batch`` as ``gather``)."""
 
-
-class VocabParallelEmbedding3D(nn.Module):
-    """Vocabulary split over ``mesh.batch`` (q² blocks), hidden over ``mesh.output`` (module docstring)."""
-
-    def __init__(self, vocab: int, hidden: int, mesh, init_std: float = 0.02, dtype: torch.dtype = torch.float32,
-                 device=None):
-        super().__init__()
-        q = mesh.q
-        check_divisible(hidden, q, "hidden", "cube side q")
-        self.mesh, self.vocab, self.hidden = mesh, vocab, hidden
-        self.padded_vocab = padded_vocab_size(vocab, q * q)
-        self.vocab_local = self.padded_vocab // (q * q)
-        self.vocab_start = mesh.batch_index * self.vocab_local
-        spec = table_spec_3d(vocab, self.padded_vocab, hidden, mesh)
-        self.weight = sharded_parameter_3d(spec, mesh, padded_table_init(vocab, hidden, init_std, self.padded_vocab),
-                                           dtype, device)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dtype not in (torch.int64, torch.int32):
-            raise ShapeError(f"embedding tokens must be integer ids, got dtype {tokens.dtype}. Fix: pass a LongTensor.")
-        n = self.mesh.q ** 2
-        all_tokens = C.all_gather(tokens.contiguous(), self.mesh.batch, 0)       # [b, s] on every rank
-        check_blocks(all_tokens, self.vocab, "VocabParallelEmbedding3D tokens", n)   # alike on every rank
-        local = all_tokens - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab_local)
-        part = F.embedding(local.masked_fill(outside, 0), self.weight)           # [b, s, h/q]
-        part = part.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_along(part, self.mesh.batch, 0)                    # [b/q², s, h/q]
-
-    def extra_repr(self) -> str:
-        return f"vocab={self.vocab} (padded {self.padded_vocab}), hidden={self.hidden}, q={self.mesh.q}"
+    hidden_cut = staticmethod(hidden_cut_3d)

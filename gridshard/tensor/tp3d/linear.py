@@ -37,7 +37,8 @@ from ...comm.grid_ops import GatheredVectors, gather_vector
 from .matmul import matmul_3d
 from ...errors import ShapeError, check_divisible
 from ...theory.vocab import padded_vocab_size
-from ...nn.sharding import ShardSpec, set_spec, take_shard
+from ...nn.sharding import ShardSpec, sharded_parameter
+from ..hidden_cut import HiddenCut, padded_table_init, transposed_normal
 
 
 def weight_spec_3d(in_features: int, out_features: int, mesh, canonical_shape=None) -> ShardSpec:
@@ -51,22 +52,21 @@ def weight_spec_3d(in_features: int, out_features: int, mesh, canonical_shape=No
 def vector_spec_3d(n: int, mesh) -> ShardSpec:
     """[n] vector of ``mesh``'s activation layout: hidden block = output coordinate, then
     sub-block i·q + j (weight, then input; = ``mesh.batch`` member order): n/q³ per rank."""
-    return ShardSpec((n,), ((0, mesh.output.name), (0, "weight"), (0, mesh.input.name)))
+    return hidden_cut_3d(mesh).spec((n,), 0)
+
+
+def hidden_cut_3d(mesh) -> HiddenCut:
+    """The cube orientation's :class:`gridshard.tensor.hidden_cut.HiddenCut`: vectors gathered over
+    ``batch`` (q² ranks), hidden sums over ``output``."""
+    return HiddenCut(mesh, mesh.batch, mesh.output, mesh.output.name, ("weight", mesh.input.name),
+                     (mesh.coords(), mesh.sizes()), "cube", "b/q²", "mesh.batch_block(x, hidden=False)",
+                     ", swapped" if mesh.is_swapped else "", sum_image_grad=True)
 
 
 def sharded_parameter_3d(spec: ShardSpec, mesh, init: Callable[[torch.Tensor], None],
                          dtype: torch.dtype = torch.float32, device=None) -> nn.Parameter:
-    """Draw the global tensor with ``init`` (the same draws at every layout), keep this rank's
-    block by the spec's physical coordinates, tag it with ``spec``. On ``device="meta"`` nothing is
-    drawn: an empty block of the local shape (``gridshard.parallelize`` materialises it later from
-    the plain model's weights or the counter RNG, as :func:`gridshard.nn.sharding.sharded_parameter`)."""
-    if device is not None and torch.device(device).type == "meta":
-        return set_spec(nn.Parameter(torch.empty(spec.local_shape(mesh.sizes()), dtype=dtype, device="meta")), spec)
-    full = torch.empty(spec.global_shape, dtype=torch.float32)
-    with torch.no_grad():
-        init(full)
-    local = take_shard(full, spec, mesh.coords(), mesh.sizes()).to(dtype=dtype, device=device)
-    return set_spec(nn.Parameter(local), spec)
+    """:func:`gridshard.nn.sharding.sharded_parameter` by the spec's physical coordinates of the cube."""
+    return sharded_parameter(spec, mesh, init, dtype, device, coords=(mesh.coords(), mesh.sizes()))
 
 
 def gather_vector_3d(shard: torch.Tensor, mesh, cache: Optional[GatheredVectors] = None) -> torch.Tensor:
@@ -74,12 +74,6 @@ def gather_vector_3d(shard: torch.Tensor, mesh, cache: Optional[GatheredVectors]
     ``mesh.batch``, n/q·e; backward reduce-scatter of n/q·e, summing the q² batch blocks).
     Inside an open ``cache`` window it is gathered once per window."""
     return gather_vector(shard, mesh.batch, cache)
-
-
-def _transposed_normal(out_features: int, in_features: int, std: float) -> Callable[[torch.Tensor], None]:
-    def init(full: torch.Tensor) -> None:
-        full.copy_(torch.empty(out_features, in_features).normal_(0.0, std).t())
-    return init
 
 
 class Linear3D(nn.Module):
@@ -101,7 +95,7 @@ class Linear3D(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.in_local, self.out_local = in_features // q, out_features // q
         self.vector_cache = vector_cache
-        init = weight_init or _transposed_normal(out_features, in_features, init_std)
+        init = weight_init or transposed_normal(out_features, in_features, init_std)
         spec = weight_spec_3d(in_features, out_features, mesh, canonical_shape)
         self.weight = sharded_parameter_3d(spec, mesh, init, dtype, device)
         if bias:
@@ -127,15 +121,6 @@ class Linear3D(nn.Module):
                 f"{', swapped' if self.mesh.is_swapped else ''}")
 
 
-def _padded_head_init(vocab: int, hidden: int, std: float, padded: int) -> Callable[[torch.Tensor], None]:
-    """Draw [vocab, hidden] ~ N(0, std²), append zero rows to ``padded``, store transposed."""
-    def init(full: torch.Tensor) -> None:
-        table = torch.zeros(padded, hidden)
-        table[:vocab].copy_(torch.empty(vocab, hidden).normal_(0.0, std))
-        full.copy_(table.t())
-    return init
-
-
 class VocabParallelClassifier3D(Linear3D):
     """LM head h → V_pad (no bias) on ``mesh``: logits block [b/q², s, V_pad/q] in
     ``mesh.swapped()``'s layout; V_pad = ⌈V/q⌉·q, the padding columns are 0 (the 3D loss masks
@@ -145,6 +130,6 @@ class VocabParallelClassifier3D(Linear3D):
                  device=None):
         padded = padded_vocab_size(vocab, mesh.q)
         super().__init__(hidden, padded, mesh, bias=False, dtype=dtype, device=device,
-                         weight_init=_padded_head_init(vocab, hidden, init_std, padded),
+                         weight_init=padded_table_init(vocab, hidden, init_std, padded, transposed=True),
                          canonical_shape=(vocab, hidden))
         self.vocab, self.padded_vocab = vocab, padded

@@ -23,7 +23,7 @@ each vector one all-gather and one reduce-scatter of h/q·e on ``batch``
 """
 from __future__ import annotations
 
-from .linear import gather_vector_3d, sharded_parameter_3d, vector_spec_3d
+from .linear import hidden_cut_3d
 from ..tp2d.norm import GridNorm
 
 
@@ -31,16 +31,7 @@ class _CubeNorm(GridNorm):
     """A 3D norm: the 2D norm with vectors of the cube's layout (h/q³ per rank, gathered over
     ``mesh.batch``) and statistics over ``mesh.output`` (module docstring)."""
 
-    split_power, shape_name, block = 3, "cube", "[b/q², s, h/q]"
-
-    def vector(self, init, dtype, device):
-        return sharded_parameter_3d(vector_spec_3d(self.hidden, self.mesh), self.mesh, init, dtype, device)
-
-    def gathered(self, v):
-        return gather_vector_3d(v, self.mesh, self.vector_cache)
-
-    def stats_axis(self):
-        return self.mesh.output
+    hidden_cut, block = staticmethod(hidden_cut_3d), "[b/q², s, h/q]"
 
 
 class RMSNorm3D(_CubeNorm):
