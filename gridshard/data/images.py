@@ -75,6 +75,9 @@ class FolderImages:
         self.files, self.image_size, self.channels = list(files), image_size, channels
         self.reads = 0                              # files decoded so far (what the tests count)
 
+    def __len__(self) -> int:
+        return len(self.files)
+
     def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
         chosen = [self.files[int(i)] for i in idx]
         self.reads += len(chosen)
