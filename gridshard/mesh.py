@@ -82,19 +82,10 @@ def factorizations(world_size: int, pipeline: Optional[int] = None, square_tenso
 
     With ``square_tensor`` only layouts whose T is a perfect square are listed.
     """
-    out = []
-    pipes = [pipeline] if pipeline else [p for p in range(1, world_size + 1) if world_size % p == 0]
-    for p in pipes:
-        if world_size % p:
-            continue
-        rest = world_size // p
-        for t in range(1, rest + 1):
-            if rest % t:
-                continue
-            if square_tensor and math.isqrt(t) ** 2 != t:
-                continue
-            out.append((rest // t, p, t))
-    return out
+    pipes = [pipeline] if pipeline else range(1, world_size + 1)
+    return [(world_size // p // t, p, t) for p in pipes if world_size % p == 0
+            for t in range(1, world_size // p + 1)
+            if world_size // p % t == 0 and not (square_tensor and math.isqrt(t) ** 2 != t)]
 
 
 def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tensor_mode: str = "1d",
@@ -115,14 +106,12 @@ def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tens
                  if _fits(mode, v[2], depth)]
         c = "" if context == 1 else f", C={context}" if rest != world_size else ", C=1"
         shown = ", ".join(f"(D={d}, P={p}{c}, T={t})" for d, p, t in valid[:12])
-        sizes, product = (f"{data}×{pipeline}×{tensor}", data * pipeline * tensor) if context == 1 else \
-            (f"{data}×{pipeline}×{context}×{tensor}", data * pipeline * context * tensor)
-        names = "data×pipeline×tensor" if context == 1 else "data×pipeline×context×tensor"
-        raise LayoutError(
-            f"{names} = {sizes} = {product} but the world "
-            f"size is {world_size}: the product of the parallel sizes must equal the number of processes. "
-            f"Fix: choose one of {shown}, or launch {product} processes."
-        )
+        dims = [(n, v) for n, v in (("data", data), ("pipeline", pipeline), ("context", context), ("tensor", tensor))
+                if n != "context" or context > 1]          # context named only when C > 1
+        product = data * pipeline * context * tensor
+        raise LayoutError(f"{'×'.join(n for n, _ in dims)} = {'×'.join(str(v) for _, v in dims)} = {product} but the "
+                          f"world size is {world_size}: the product of the parallel sizes must equal the number of "
+                          f"processes. Fix: choose one of {shown}, or launch {product} processes.")
 
 
 def _fits(mode: TensorMode, T: int, depth: int) -> bool:
@@ -188,10 +177,8 @@ def elastic_attempt_store(timeout):
 def device_axis(mesh: DeviceMesh, dim: Optional[str], name: Optional[str] = None, ledger=None) -> Axis:
     """The Axis of ``mesh[dim]`` (or of ``mesh`` itself, a 1-D mesh, when ``dim`` is None)."""
     sub = mesh if dim is None else mesh[dim]
-    size = sub.size()
-    ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
-    rank = ranks.index(dist.get_rank())
-    return Axis(name or dim, size, rank, ranks, sub.get_group() if size > 1 else None, ledger)
+    size, ranks = sub.size(), tuple(int(r) for r in sub.mesh.flatten().tolist())
+    return Axis(name or dim, size, ranks.index(dist.get_rank()), ranks, sub.get_group() if size > 1 else None, ledger)
 
 
 class ParallelMesh:
@@ -227,12 +214,11 @@ class ParallelMesh:
         self.tensor_depth = depth
         self.tensor_mode, layer_tensor = self.job_mode.layer_layout(tensor, depth)
         self.ledger = ledger
-        self.data = device_axis(device_mesh, "data", ledger=ledger)
-        self.pipeline = device_axis(device_mesh, "pipeline", ledger=ledger)
-        me = (dist.get_rank(),)
-        self.context = device_axis(device_mesh, "context", ledger=ledger) if context > 1 \
-            else Axis("context", 1, 0, me, None, ledger)      # module docstring: a context dim only when C > 1
-        self.depth = device_axis(device_mesh, "depth", ledger=ledger) if depth > 1 else Axis("depth", 1, 0, me, None, ledger)
+        # the outer dims (gridshard.mesh_dims); one the DeviceMesh lacks (context, depth at size 1) has no group
+        outer = ("data", "pipeline", "context", "depth")
+        self.data, self.pipeline, self.context, self.depth = (
+            device_axis(device_mesh, name, ledger=ledger) if name in device_mesh.mesh_dim_names
+            else Axis(name, 1, 0, (dist.get_rank(),), None, ledger) for name in outer)
         self.data_context = device_axis(flat_data_context_mesh, None, "data_context", ledger) \
             if flat_data_context_mesh is not None else self.data
         # 2D: the flattened grid, kept from _flatten (slicing it from the root by name is deprecated)
@@ -251,11 +237,7 @@ class ParallelMesh:
         """The distinct process groups of this rank's axes (size-1 axes have none)."""
         axes = [self.data, self.pipeline, self.tensor, *self.tensor_axes, self.context, self.depth,
                 self.data_context]
-        out = []
-        for g in (a.group for a in axes):
-            if g is not None and all(g is not h for h in out):
-                out.append(g)
-        return out
+        return list({id(a.group): a.group for a in axes if a.group is not None}.values())     # each once, in order
 
     def __repr__(self) -> str:
         d, p, t = self.sizes
