@@ -65,15 +65,12 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis
     ``q`` [b, H, 2c, d], ``k``/``v`` [b, H_kv, 2c, d] as for
     :func:`gridshard.context.ring_attention.ring_attention`; returns this rank's [b, H, 2c, d]."""
     C = axis.size
-    if C == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
     for name, heads in (("query", q.shape[1]), ("k/v", k.shape[1])):
         if heads % C:
             raise ValueError(f"{heads} {name} heads are not divisible by the context size C = {C}: "
                              f"context_mode all_to_all gives each context rank H/C heads. Fix: use "
                              f"parallel.context_mode: ring, or a C that divides {heads}.")
-    qs, ks, vs = (_Trade.apply(t, axis, True) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                         enable_gqa=qs.shape[1] != ks.shape[1])
-    return _Trade.apply(out, axis, False)
+    if C > 1:                                                  # C = 1: plain causal attention
+        q, k, v = (_Trade.apply(t, axis, True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return _Trade.apply(out, axis, False) if C > 1 else out

@@ -36,8 +36,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
     """Compile every decoder layer's forward of ``model`` in place; returns how many. Before or
     after :func:`gridshard.parallel.recompute.apply_recompute` alike: full recompute re-runs the
     forward a call ran, the compiled one."""
-    count = 0
-    for _, module in decoder_layers(model):
+    layers = decoder_layers(model)
+    for _, module in layers:
         module.forward = torch.compile(module.forward, backend=backend)
-        count += 1
-    return count
+    return len(layers)

@@ -42,20 +42,15 @@ def placements_of(spec: ShardSpec, mesh) -> Optional[tuple]:
     split twice by one coordinate, or one dim split by two."""
     if spec.replicate > 1:
         return None
-    ndim = len(spec.global_shape)
-
-    def canon_dim(d):
-        return ndim - 1 - d if spec.transposed else d
-
     names = tensor_dim_names(mesh)
-    by_coord = {}
+    by_coord = {}                                     # coordinate → the canonical dim it splits
     for d, coord in spec.splits:
         if coord in by_coord or coord not in names:
             return None
-        by_coord[coord] = d
+        by_coord[coord] = len(spec.global_shape) - 1 - d if spec.transposed else d
     if len(set(by_coord.values())) != len(by_coord):
         return None                                   # two coords on one dim: not mesh-ordered
-    return tuple(Shard(canon_dim(by_coord[c])) if c in by_coord else Replicate() for c in names)
+    return tuple(Shard(by_coord[c]) if c in by_coord else Replicate() for c in names)
 
 
 def tensor_dim_names(mesh) -> tuple:

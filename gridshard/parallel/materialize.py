@@ -34,15 +34,8 @@ from ..nn.sharding import ShardSpec, block_dim_indices, get_spec, set_spec, take
 
 def default_laws(model: nn.Module) -> dict:
     std = float(getattr(getattr(model, "config", None), "initializer_range", 0.02) or 0.02)
-    laws = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p.dim() >= 2:
-            laws[name] = ("normal", std)
-        elif name.endswith("bias"):
-            laws[name] = ("zeros",)
-        else:
-            laws[name] = ("ones",)
-    return laws
+    return {name: ("normal", std) if p.dim() >= 2 else ("zeros",) if name.endswith("bias") else ("ones",)
+            for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def init_laws(model: nn.Module) -> dict:

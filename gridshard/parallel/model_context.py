@@ -87,9 +87,8 @@ class ParallelContext:
         head's logits (``mesh.logits_batch_index``: i·q + l in 3D, module docstring; the tokens'
         block in every other mode; a classifier's labels: the images' block, its head reads the residual
         orientation, :mod:`gridshard.tensor.tp3d.vision`)."""
-        if self.objective == "classify":
-            return self._shard(targets, self.mesh.batch_index)
-        return self._shard(targets, getattr(self.mesh, "logits_batch_index", self.mesh.batch_index))
+        return self._shard(targets, self.mesh.batch_index if self.objective == "classify" else
+                           self.mesh.logits_batch_index)
 
     def _shard(self, tokens: torch.Tensor, index: int) -> torch.Tensor:
         context = self.mesh.context

@@ -50,7 +50,7 @@ from ..tensor.layer_build import LayerBuild
 from .model_context import ParallelContext
 from .materialize import init_laws, materialize
 from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, VIT_PLAN, Plan
-from .shared_input import install_shared_input
+from .shared_input import first_input, install_shared_input, replace_input
 
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
 
@@ -123,16 +123,11 @@ def _check_covered(model: nn.Module, plan: Plan, mode, sequence_parallel: bool =
     """name → kind for every planned module; an unplanned module with parameters is an error
     where the mode must know how to split every weight (the scheme's ``check_unplanned``; ``none``
     splits nothing)."""
-    planned = {}
-    for name, module in model.named_modules():
-        kind = plan.kind_of(name) if name else None
-        if kind is not None:
-            planned[name] = kind
+    planned = {name: kind for name, _ in model.named_modules() if name and (kind := plan.kind_of(name)) is not None}
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
-        covered = any(name == p or name.startswith(p + ".") for p in planned)
-        if not covered:
+        if not any(name == p or name.startswith(p + ".") for p in planned):
             mode.check_unplanned(name, module)
         if planned.get(name) == "replicate":
             mode.check_replicated(name, module, sequence_parallel)
@@ -296,12 +291,8 @@ def _install_sequence_scatter(model: nn.Module, name: str, mesh) -> None:
     except AttributeError:
         raise LayoutError(f"parallelize: plan.sequence_scatter={name!r} names no module of this model. Fix: "
                           f"name the first decoder layer, or 'embedding'.") from None
-    axis = mesh.tensor
 
-    def split(module, args, kwargs):
-        if args:
-            return (scatter_to_group(args[0], axis, 1), *args[1:]), kwargs
-        key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-        return args, {**kwargs, key: scatter_to_group(kwargs[key], axis, 1)}
+    def split(module, args, kwargs):                   # its first input (positional, or hidden_states=…) cut
+        return replace_input(args, kwargs, scatter_to_group(first_input(args, kwargs), mesh.tensor, 1))
 
     target.register_forward_pre_hook(split, with_kwargs=True)

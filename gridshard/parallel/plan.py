@@ -76,16 +76,11 @@ class Plan:
                 raise LayoutError(f"plan rule {pattern!r} → {kind!r}: unknown kind. Fix: use one of {KINDS}.")
 
     def kind_of(self, name: str) -> Optional[str]:
-        for pattern, kind in self.rules.items():
-            if fnmatch.fnmatchcase(name, pattern):
-                return kind
-        return None
+        return next((kind for pattern, kind in self.rules.items() if fnmatch.fnmatchcase(name, pattern)), None)
 
     def shared_children(self, name: str) -> Tuple[str, ...]:
-        for pattern, children in self.shared_inputs.items():
-            if fnmatch.fnmatchcase(name, pattern):
-                return tuple(children)
-        return ()
+        return next((tuple(children) for pattern, children in self.shared_inputs.items()
+                     if fnmatch.fnmatchcase(name, pattern)), ())
 
     def is_attention(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.attention)
@@ -129,10 +124,8 @@ LLAMA_PLAN = Plan(
 #: Hugging Face ``LlamaForCausalLM`` (and Mistral / Qwen2, which share its names): the
 #: same table under ``model.``; the sequence is split at the first decoder layer because
 #: the model derives its attention mask and positions from the embedding output's shape.
-HF_LLAMA_PLAN = Plan(
-    rules=LLAMA_PLAN.rules, shared_inputs=LLAMA_PLAN.shared_inputs, attention=LLAMA_PLAN.attention,
-    kv_group_attr="num_key_value_groups", sequence_scatter="layers.0",
-).prefixed("model.")
+HF_LLAMA_PLAN = replace(LLAMA_PLAN, kv_group_attr="num_key_value_groups",
+                        sequence_scatter="layers.0").prefixed("model.")
 
 #: gridshard's :class:`gridshard.models.vit.VisionTransformer` (Hugging Face ``ViTForImageClassification``
 #: names). Under sequence parallelism the residual stream is cut at the first encoder layer's input

@@ -37,7 +37,8 @@ import torch
 _INPUT_NAMES = ("hidden_states", "x", "input")
 
 
-def _replace_input(args, kwargs, new):
+def replace_input(args, kwargs, new):
+    """A forward pre-hook's (args, kwargs) with the module's first input (:func:`first_input`) replaced by ``new``."""
     if args:
         return (new, *args[1:]), kwargs
     for key in _INPUT_NAMES:
@@ -46,7 +47,9 @@ def _replace_input(args, kwargs, new):
     return args, kwargs
 
 
-def _first_input(args, kwargs):
+def first_input(args, kwargs):
+    """A module call's first input: the first positional argument, else the first of ``hidden_states``, ``x``,
+    ``input`` passed by keyword (None if none is)."""
     if args:
         return args[0]
     for key in _INPUT_NAMES:
@@ -70,7 +73,7 @@ def install_shared_input(parent: torch.nn.Module, child_names, mode) -> None:
     prep, compute, in_dim = fused
 
     def prepare(module, args, kwargs):
-        x = _first_input(args, kwargs)
+        x = first_input(args, kwargs)
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_dim:
             return None                       # let the children compute (and report) on their own
         prepared = prep(children, x)
@@ -79,6 +82,6 @@ def install_shared_input(parent: torch.nn.Module, child_names, mode) -> None:
         xp = prepared[0] if isinstance(prepared, tuple) else prepared
         for child, y in zip(children, compute(children, prepared)):
             child.precomputed.leave(xp, y)
-        return _replace_input(args, kwargs, xp)
+        return replace_input(args, kwargs, xp)
 
     parent.register_forward_pre_hook(prepare, with_kwargs=True)

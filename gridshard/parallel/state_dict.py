@@ -39,7 +39,7 @@ def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:
 def gathered_state_dict(model: torch.nn.Module) -> dict:
     """Canonical state dict (CPU tensors) of a model laid out by :func:`gridshard.parallelize`;
     every tensor rank must call it (it gathers) — under ZeRO-3 every rank (the data ranks first
-    gather their chunks of every parameter, :meth:`gridshard.zero.ZeroDataParallel.gathered`, through
+    gather their chunks of every parameter, :meth:`gridshard.zero.gather.ParameterGather.gathered`, through
     the model's registered ``grad_reducer``)."""
     ctx = context_of(model)
     reducer = getattr(model, "grad_reducer", None)

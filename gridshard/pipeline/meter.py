@@ -147,8 +147,7 @@ class StageMeter:
 
         def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):     # zero bubble's deferred pass
             with self.busy.region():
-                out = bwd_w(bwd_chunk_id, *args, **kwargs)
-            return out
+                return bwd_w(bwd_chunk_id, *args, **kwargs)
 
         def record(ops):
             for op in ops:

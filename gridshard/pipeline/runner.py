@@ -43,19 +43,12 @@ import torch
 
 from ..device import batch_to_device
 from ..errors import ConfigError
-from ..job_layout import StageSplit, TensorMode
+from ..job_layout import StageSplit
 from ..parallel.parallelize import model_dims
 from .meter import StageMeter
 from .stage_module import StageModule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-
-
-def local_activation_shape(mode, sp: bool, T: int, micro: int, seq: int, hidden: int, depth: int = 1) -> tuple:
-    """Shape of one micro-batch's activation block on one rank at a stage boundary
-    (:meth:`gridshard.job_layout.TensorMode.boundary_block`; 2.5D: ``mode`` the job's 2.5d, ``T``
-    = q²·d and ``depth`` d give [m/(d·q), s, h/q])."""
-    return TensorMode.parse(mode).boundary_block(T, sp, micro, seq, hidden, depth)
 
 
 class PipelineRunner:
@@ -70,14 +63,14 @@ class PipelineRunner:
         ctx = rank_model.parallel_context
         hidden = model_dims(rank_model).hidden
         S, V, ids = split.stages, split.virtual_stages, split.layer_ids()
-        self.counts = list(split.counts)
         self.stage_indices = split.stages_of_rank(mesh.pipeline.rank)
         self.ctx, self.loss, self.precision = ctx, loss, precision
         self.has_last = split.holds_last(mesh.pipeline.rank)
         self.has_first = split.holds_first(mesh.pipeline.rank)
-        # the job's mode and T (2.5D: d layers of q², each its 2D block of m/d rows); block[0]: my token rows
-        block = local_activation_shape(mesh.job_mode, ctx.sequence_parallel, mesh.sizes[2], micro_batch, seq_len,
-                                       hidden, mesh.tensor_depth)
+        # one micro-batch's activation block at a stage boundary, in the job's mode and T (2.5D: d layers of
+        # q², each its 2D block of m/d rows: [m/(d·q), s, h/q]); block[0]: my token rows
+        block = mesh.job_mode.boundary_block(mesh.sizes[2], ctx.sequence_parallel, micro_batch, seq_len, hidden,
+                                             mesh.tensor_depth)
         micro_local = block[0]
         # hidden states between stages: the compute dtype for gridshard's model (Transformer.hidden_dtype),
         # fp32 for a family that keeps an fp32 residual stream under autocast (Hugging Face's)
@@ -86,7 +79,7 @@ class PipelineRunner:
         tokens = rank_model.stage_input_meta(micro_local, seq_len)
         self.meter = StageMeter(mesh.pipeline if mesh.ledger is not None else ctx.mesh.pipeline,
                                 rank_model.parameters(), device)
-        self.modules, stages = [], []
+        stages = []
         for s in self.stage_indices:
             first, last = s == 0, s == S - 1
             module = StageModule(rank_model, ids[s], first, last, seq_len)
@@ -94,9 +87,7 @@ class PipelineRunner:
             stages.append(PipelineStage(module, s, S, device, input_args=(tokens if first else act,),
                                         output_args=(out,), group=mesh.pipeline.group))
             self.meter.attach(stages[-1])
-            self.modules.append(module)
-        self.weight = 0.0
-        self.sums: list = []
+        self.weight, self.sums = 0.0, []       # run's loss weight and the last stage's loss sums
         self.measure = None                  # evaluate(measure=…): what the last stage sums instead of the loss
         if schedule in ("interleaved_1f1b", "zero_bubble"):
             cls = ScheduleInterleaved1F1B if schedule == "interleaved_1f1b" else ScheduleInterleavedZeroBubble
@@ -121,17 +112,21 @@ class PipelineRunner:
         micro-batch's backward is of its loss sum × ``weight``. Returns the loss sums of the
         micro-batches on the rank with the last stage, else an empty list."""
         self.weight, self.sums = weight, []
-        shard = self.ctx.shard_tokens
-        args = ()
-        if self.has_first:
-            args = (batch_to_device(torch.cat([shard(t) for t, _ in micro]), device),)
-        kwargs = {}
-        if self.has_last:
-            kwargs = {"target": batch_to_device(torch.cat([self.ctx.shard_targets(y) for _, y in micro]), device),
-                      "losses": []}
+        args, kwargs = self._schedule_inputs(micro, device)
         with self.meter.schedule.region(), self.precision.autocast():
             self.schedule.step(*args, **kwargs)
         return self.sums
+
+    def _schedule_inputs(self, micro: list, device) -> tuple:
+        """(args, kwargs) of the schedule's step or eval: this rank's tokens of every micro-batch,
+        concatenated, where it has the first stage; their targets where it has the last."""
+        args, kwargs = (), {}
+        if self.has_first:
+            args = (batch_to_device(torch.cat([self.ctx.shard_tokens(t) for t, _ in micro]), device),)
+        if self.has_last:
+            kwargs = {"target": batch_to_device(torch.cat([self.ctx.shard_targets(y) for _, y in micro]), device),
+                      "losses": []}
+        return args, kwargs
 
     def evaluate(self, micro: list, device, measure=None) -> list:
         """Forward only (the schedule's ``eval``): the loss sums of ``micro`` on the rank with
@@ -139,16 +134,10 @@ class PipelineRunner:
         every tensor rank of the last stage, in micro-batch order) its values instead of the
         loss sums (a classifier's right answers: :func:`gridshard.engine.step.accuracy_metrics`)."""
         self.weight, self.sums, self.measure = 1.0, [], measure
+        args, kwargs = self._schedule_inputs(micro, device)
         try:
-            return self._evaluate(micro, device)
+            with torch.no_grad(), self.precision.autocast():
+                self.schedule.eval(*args, **kwargs)
+            return self.sums
         finally:
             self.measure = None
-
-    def _evaluate(self, micro: list, device) -> list:
-        shard = self.ctx.shard_tokens
-        args = (torch.cat([shard(t) for t, _ in micro]).to(device),) if self.has_first else ()
-        kwargs = {"target": torch.cat([self.ctx.shard_targets(y) for _, y in micro]).to(device), "losses": []} \
-            if self.has_last else {}
-        with torch.no_grad(), self.precision.autocast():
-            self.schedule.eval(*args, **kwargs)
-        return self.sums

@@ -60,6 +60,4 @@ class TiedEmbeddingSync:
 
     def counted(self, params) -> list:
         """``params`` without the last stage's copy of the tied weight."""
-        if not self.drop_from_norm:
-            return list(params)
-        return [p for p in params if p is not self.param]
+        return [p for p in params if not (self.drop_from_norm and p is self.param)]

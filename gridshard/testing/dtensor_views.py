@@ -19,14 +19,6 @@ from ..parallel.model_context import context_of
 from ..parallel.dtensor_view import placements_of, tensor_dim_names
 
 
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
-
-
 def tensor_submesh(mesh):
     """The DeviceMesh of the tensor dims: ``tensor`` (1D) or ``(grid_row, grid_col)`` (2D)."""
     names = tensor_dim_names(mesh)
@@ -43,7 +35,7 @@ def dtensor_view(t: torch.Tensor, spec: ShardSpec, mesh) -> Optional[DTensor]:
     box = spec.canonical_box(*mesh_coords(mesh)) or tuple((0, 0) for _ in canon)    # None: padding only
     local = spec.canonical_view(t.detach(), box)
     return DTensor.from_local(local, tensor_submesh(mesh), placements, run_check=False, shape=torch.Size(canon),
-                              stride=_contiguous_stride(canon))
+                              stride=torch.empty(canon, device="meta").stride())
 
 
 def dtensor_state_dict(model: torch.nn.Module) -> dict:

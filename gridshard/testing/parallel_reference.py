@@ -69,13 +69,9 @@ def compare_with_reference(factory, data: int, tensor: int, mode: str, sequence_
     loss.backward()
     errors = {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
               "logits": relative_error(gather_logits(logits, ctx), ref_logits.detach())}
-    grad_err = 0.0
+    grads = {}
     for name, p in par.named_parameters(remove_duplicate=False):
-        g = gather_canonical(p.grad, ctx.layouts[name], mesh)
-        ref_g = ref.get_parameter(name).grad
-        err = relative_error(g, ref_g)
+        err = grads[f"grad:{name}"] = relative_error(gather_canonical(p.grad, ctx.layouts[name], mesh),
+                                                     ref.get_parameter(name).grad)
         assert err == err, f"{name}: NaN gradient"
-        grad_err = max(grad_err, err)
-        errors[f"grad:{name}"] = err
-    errors["grad"] = grad_err
-    return errors
+    return {**errors, **grads, "grad": max(grads.values(), default=0.0)}

@@ -71,11 +71,20 @@ class ZeroDataParallel(ReadsSettings):
         layout = UnitLayout(self.settings, self.host_pages)
         self.units = layout.units(model, bucket_bytes)
         self.arena = layout.plan_arena(self.units, device) if stage == 3 else None
-        self.staging = self._staging_pool(device) if self.arena is not None else None
+        # host pages at D > 1: 2 send and MAX_IN_FLIGHT + 1 receive slots of the largest unit in fp32
+        pooled = self.arena is not None and data_axis.size > 1
+        self.staging = StagingPool(4 * max(u.layout.padded for u in self.units), device, gathers=2,
+                                   reductions=MAX_IN_FLIGHT + 1) if pooled else None
         self._moments = layout.moments                 # id(stepped tensor) → (exp_avg, exp_avg_sq) views
         trim = heap_trimmer(device) if self.host_pages else None
         self.gathering = ParameterGather(self.units, data_axis, self.overlap, stage == 3, self.staging, trim)
         self.reduction = GradientReduction(self.settings, data_axis, self.units, self.staging, self.gathering)
+        # the step, as the trainer drives it (:class:`~.reduction.GradientReduction`: arm before the last
+        # backward, sync after it, after_step after the optimizer, zero_grad before the next), and ZeRO-3's
+        # parameters (:class:`~.gather.ParameterGather`: ``with gathered():`` every parameter whole, free_all)
+        self.arm, self.sync = self.reduction.arm, self.reduction.sync
+        self.after_step, self.zero_grad = self.reduction.after_step, self.reduction.zero_grad
+        self.gathered, self.free_all = self.gathering.gathered, self.gathering.free_all
         for u in self.units:
             layout.lay_out(u)
             for p in u.params:
@@ -88,52 +97,6 @@ class ZeroDataParallel(ReadsSettings):
             self.gathering.install_hooks()
             self.gathering.trim_heap()                 # host pages: the original parameters, freed above, leave
         model.grad_reducer = self                      # gathered_state_dict finds the shards through it
-
-    def _staging_pool(self, device) -> Optional[StagingPool]:
-        """ZeRO-3 host pages at D > 1: 2 send and ``MAX_IN_FLIGHT + 1`` receive slots of the
-        largest unit in fp32 (:class:`~.pages.StagingPool`)."""
-        if self.axis.size == 1:
-            return None
-        nbytes = 4 * max(u.layout.padded for u in self.units)
-        return StagingPool(nbytes, device, gathers=2, reductions=MAX_IN_FLIGHT + 1)
-
-    # ---- the step (gridshard.zero.reduction) ---------------------------------------------------
-    def arm(self) -> None:
-        """The next backward is the step's last: reduce each unit as soon as it is complete."""
-        self.reduction.arm()
-
-    def sync(self) -> None:
-        """Finish the step's reduction: every stepped tensor gets the data-parallel mean of its
-        elements' gradient (:meth:`~.reduction.GradientReduction.sync`)."""
-        self.reduction.sync()
-
-    def after_step(self) -> None:
-        """After the optimizer step: bf16 masters copied back, ZeRO-1/2's all-gathers
-        (:meth:`~.reduction.GradientReduction.after_step`)."""
-        self.reduction.after_step()
-
-    def zero_grad(self) -> None:
-        """Zero the gradient buffers that have storage (:meth:`~.reduction.GradientReduction.zero_grad`)."""
-        self.reduction.zero_grad()
-
-    # ---- ZeRO-3 parameters (gridshard.zero.gather) ---------------------------------------------
-    @property
-    def gather_order(self) -> list:
-        """ZeRO-3 prefetch order: the root (embedding first), then the layers as the forward runs them."""
-        return self.gathering.gather_order
-
-    def gather(self, u: Unit, ahead: int = 0) -> None:
-        """All-gather unit ``u``'s parameters (:meth:`~.gather.ParameterGather.gather`)."""
-        self.gathering.gather(u, ahead)
-
-    def gathered(self):
-        """Every parameter whole on every data rank inside the block (ZeRO-3: one all-gather per
-        unit; a collective, every rank enters it); freed again after."""
-        return self.gathering.gathered()
-
-    def free_all(self) -> None:
-        """ZeRO-3: free every gathered unit (e.g. the root after an evaluation); no-op below."""
-        self.gathering.free_all()
 
     # ---- what the optimizer, the norm and the checkpoint see -------------------------------
     @property

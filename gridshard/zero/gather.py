@@ -45,6 +45,7 @@ import contextlib
 from typing import Callable, Optional
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ..comm import collectives as C
 from .pages import StagingPool, StagingSlots
@@ -106,10 +107,8 @@ class ParameterGather(StagingSlots):
                     module.register_forward_hook(self._post_forward(u))
 
     def _pre_forward(self, u):
-        def hook(_module, _args):
-            # a forward inside backward (full recompute) finds its unit gathered: nothing to prefetch
-            self.gather(u, ahead=1 if torch._C._current_graph_task_id() == -1 else 0)
-        return hook
+        # a forward inside backward (full recompute) finds its unit gathered: nothing to prefetch
+        return lambda _module, _args: self.gather(u, ahead=1 if torch._C._current_graph_task_id() == -1 else 0)
 
     def _post_forward(self, u):
         def hook(_module, _args, output):
@@ -117,8 +116,8 @@ class ParameterGather(StagingSlots):
             if not torch.is_grad_enabled():
                 return output
             self._trims_left = TRIMMED_LAYERS          # this forward's backward comes
-            return _map_tensors(output, lambda x: _RegatherInBackward.apply(x, self, u)
-                                if x.requires_grad else x)
+            return tree_map_only(torch.Tensor, lambda x: _RegatherInBackward.apply(x, self, u)
+                                 if x.requires_grad else x, output)
         return hook
 
     # ---- ZeRO-3 gather / free ----------------------------------------------------------------
@@ -131,15 +130,9 @@ class ParameterGather(StagingSlots):
         backward (−1) — so it moves while this one computes; at most one unit ahead (issue 27's
         prefetch; the same collectives, in the same order on every rank, as without it)."""
         fresh = u.prefetch is not None or not u.gathered          # this call starts a use of u
+        self._prefetch(u)                                         # not gathered nor prefetched: issued now
         if u.prefetch is not None:
             self._wait_prefetch(u)
-        elif not u.gathered:
-            u.param_pages.restore()
-            slot = self._take_slot("gather")
-            C.all_gather_into(u.param_buffer, u.param_chunk, self.axis,
-                              staging=self._slot_view(slot, u.param_buffer.dtype))
-            self._give_slot(slot)
-            u.gathered = True
         if ahead and fresh and self.overlap:
             i = self.gather_order.index(u) + ahead
             if 0 <= i < len(self.gather_order) and self.gather_order[i].name != "root":
@@ -184,13 +177,3 @@ class ParameterGather(StagingSlots):
         """ZeRO-3: free every gathered unit (e.g. the root after an evaluation); no-op below."""
         for u in self.units:
             self.free(u)
-
-
-def _map_tensors(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        return tuple(_map_tensors(x, fn) for x in obj)
-    if isinstance(obj, list):
-        return [_map_tensors(x, fn) for x in obj]
-    return obj

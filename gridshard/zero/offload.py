@@ -57,16 +57,10 @@ class HostAdamW(torch.optim.Optimizer):
         self.on_cuda = any(p.is_cuda for p in params)
         self.pinned = pins_host_buffers(params, self.host_device)
         self.copies, self.grad_staging = {}, {}
-        host_groups = []
-        for g in self.param_groups:
-            hs = []
-            for p in g["params"]:
-                h = self._host_buffer(p.shape)
-                h.copy_(p.detach())
-                h.grad = self.grad_staging[p] = self._host_buffer(p.shape)
-                self.copies[p] = h
-                hs.append(h)
-            host_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": hs})
+        for p in params:
+            h = self.copies[p] = self._host_buffer(p.shape).copy_(p.detach())
+            h.grad = self.grad_staging[p] = self._host_buffer(p.shape)
+        host_groups = [{**g, "params": [self.copies[p] for p in g["params"]]} for g in self.param_groups]
         self.inner = torch.optim.AdamW(host_groups, lr=lr, betas=betas, eps=eps, fused=True)
 
     def _host_buffer(self, shape) -> torch.Tensor:

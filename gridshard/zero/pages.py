@@ -191,14 +191,10 @@ class StagingPool:
 
     def take(self, kind: str) -> Optional[tuple]:
         """(kind, index) of a free slot of ``kind`` ("gather" | "reduce"), or None."""
-        if not self.free[kind]:
-            return None
-        return kind, self.free[kind].pop()
+        return (kind, self.free[kind].pop()) if self.free[kind] else None
 
-    def view(self, slot: Optional[tuple], dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """The slot's bytes as a flat tensor of ``dtype`` (made on first use), None for no slot."""
-        if slot is None:
-            return None
+    def view(self, slot: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The slot's bytes as a flat tensor of ``dtype`` (made on first use)."""
         if slot not in self._slots:
             self._slots[slot] = FlatPages(self.nbytes, torch.uint8, self.device)
         return self._slots[slot].as_dtype(dtype)
@@ -239,6 +235,7 @@ class StagingSlots:
         return self.staging.take(kind) if self.staging is not None else None
 
     def _slot_view(self, slot: Optional[tuple], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The slot's bytes as a flat ``dtype`` tensor; None for no slot (the collective allocates)."""
         return self.staging.view(slot, dtype) if slot is not None else None
 
     def _give_slot(self, slot: Optional[tuple]) -> None:

@@ -56,7 +56,7 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
     ``param_dtype`` bf16 (``train.precision: bf16``): the reducer copies the fp32 values into its
     fp32 masters (ZeRO-0: whole; ZeRO ≥ 1: this rank's chunks), then stores every floating
     parameter of ``model`` in bf16 — the one cast of the run; what it steps is the masters, and
-    :meth:`~.data_parallel.ZeroDataParallel.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
+    :meth:`~.reduction.GradientReduction.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
     gradients are reduced in (``train.grad_reduce_dtype``). ``host_pages``: ZeRO-3's memory outside glibc's heap on
     a Linux CPU (``train.zero3_host_memory`` through :func:`gridshard.zero.pages.host_pages_in_effect`)."""
     reducer = ZeroDataParallel(model, data_axis, zero, bucket_bytes, overlap=overlap, param_dtype=param_dtype,

@@ -128,9 +128,7 @@ class GradientReduction(ReadsSettings, StagingSlots):
         u.attach_grads()
 
     def before_accumulate(self, u: Unit):
-        def hook(_grad):
-            self._ensure_grad_buffer(u)
-        return hook
+        return lambda _grad: self._ensure_grad_buffer(u)
 
     def on_grad(self, u: Unit):
         def on_grad_ready(_param):

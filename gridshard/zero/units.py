@@ -187,16 +187,14 @@ class UnitLayout(ReadsSettings):
         self.arena = ChunkArena.on(device, [piece for u in units for piece in self._chunk_pieces(u)])
         return self.arena
 
-    def _new_chunk(self, n: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """A zero [n] chunk: carved from the arena (ZeRO-3 host pages), else its own tensor."""
-        return self.arena.take(n, dtype) if self.arena is not None else torch.zeros(n, dtype=dtype, device=device)
-
     @torch.no_grad()
     def _lay_out_zero3(self, u: Unit, shapes) -> None:
         """ZeRO-3: ``u``'s parameter and gradient buffers as :class:`~.pages.FlatPages`, its chunks
         carved from the arena in :meth:`_chunk_pieces` order (zeros), the values copied in."""
         first, stored, (lo, hi) = u.params[0], self._stored_dtype(u), u.layout.chunk(self.part)
-        chunk = lambda dtype: self._new_chunk(hi - lo, dtype, first.device)                 # noqa: E731
+        # a zero [C] chunk: carved from the arena (host pages), else its own tensor
+        chunk = lambda dtype: (self.arena.take(hi - lo, dtype) if self.arena is not None     # noqa: E731
+                               else torch.zeros(hi - lo, dtype=dtype, device=first.device))
         u.param_pages = FlatPages(u.layout.padded, stored, first.device, mapped=self.host_pages)
         u.grad_pages = FlatPages(u.layout.padded, stored, first.device, mapped=self.host_pages)
         values = (torch.zeros(u.layout.padded, dtype=first.dtype, device=first.device) if self.mixed
