@@ -494,8 +494,9 @@ MUTANTS = [
            ("tests/test_gpu_readiness.py::test_region_timer_on_cuda_reads_events_without_a_host_sync_per_region",),
            "pipeline busy/bubble time measured on the host on CUDA (kernel launches, not kernels)"),
     Mutant("tp2p5d-reducer-without-depth", "gridshard/mesh.py",
-           (('    replicas = tuple(n for n in outer_names if n != "pipeline")',
-             '    replicas = tuple(n for n in outer_names if n not in ("pipeline", "depth"))'),),
+           (("    replicas = weight_replica_dims(outer_names) + layer_mode.weight_replica_dims()",
+             '    replicas = tuple(n for n in weight_replica_dims(outer_names) if n != "depth") + '
+             'layer_mode.weight_replica_dims()'),),
            ("tests/test_tp2p5d_model.py", "-m", "wide", "-k", "one_process_run and zero0"),
            "2.5D training reduces gradients over data (× context) only: each depth layer keeps its batch slice's "
            "gradient (the one depth sum in training is the reducer's)"),
@@ -607,7 +608,7 @@ MUTANTS = [
            ("tests/test_planner.py", "-k", "context_memory_and_time"),
            "the planner shards ZeRO over D instead of the reducer's D·C data × context ranks"),
     Mutant("context-ring-diagonal-not-causal", "gridshard/context/ring_attention.py",
-           (("kernel.forward(qs[qi], ks[ki], vs[ki], scale, how == CAUSAL)",
+           (("kernel.forward(qs[qi], ks[ki], vs[ki], scale, causal)",
              "kernel.forward(qs[qi], ks[ki], vs[ki], scale, False)"),),
            ("tests/test_context_attention.py", "-k", "c1"),
            "the ring's diagonal block computed without its causal mask: queries see later keys of their chunk"),
