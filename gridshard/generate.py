@@ -96,12 +96,9 @@ class CachedDecoder:
             if self.cache[i] is not None:
                 k, v = torch.cat([self.cache[i][0], k], 2), torch.cat([self.cache[i][1], v], 2)
             self.cache[i] = (k, v)
-            if self.pos == 0:
-                mask, causal = None, True
-            else:       # query j sits at position pos + j and sees keys 0 .. pos + j
-                mask = torch.arange(k.shape[2])[None, :] <= (self.pos + torch.arange(n))[:, None]
-                causal = False
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+            # the prefill is causal; later, query j sits at position pos + j and sees keys 0 .. pos + j
+            mask = None if self.pos == 0 else torch.arange(k.shape[2])[None, :] <= (self.pos + torch.arange(n))[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=q.shape[1] != k.shape[1])
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -140,10 +137,7 @@ def generate_ids(model: Transformer, prompt: List[int], max_new_tokens: int, tem
         ids.append(nxt)
         if eos_id is not None and nxt == eos_id:
             break
-        if use_cache:
-            logits = dec.step(torch.tensor([[nxt]]))[0, -1] if dec.pos < window else None
-        else:
-            logits = None
+        logits = dec.step(torch.tensor([[nxt]]))[0, -1] if use_cache and dec.pos < window else None
     return out
 
 

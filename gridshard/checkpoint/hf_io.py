@@ -89,12 +89,10 @@ def export_hf(folder: str, out_dir: str) -> list:
 
             known = {f.name for f in fields(ViTConfig)}
             hf_fields = hf_vit_config_fields(vit_config({k: v for k, v in model_cfg.items() if k in known}))
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(hf_fields, f, indent=1)
     else:
-        named = export_hf_state_dict(tensors)
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(hf_llama_config(model_cfg), f, indent=1)
+        named, hf_fields = export_hf_state_dict(tensors), hf_llama_config(model_cfg)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_fields, f, indent=1)
     weights = os.path.join(out_dir, SAFETENSORS)
     save_file(named, weights, metadata={"format": "pt", "gridshard_step": str(meta["step"])})
     from .hf_tokenizer import export_tokenizer      # tokenizer.json & co. (or one line saying why not)

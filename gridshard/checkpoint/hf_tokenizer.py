@@ -37,7 +37,7 @@ import json
 import os
 import shutil
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 from ..errors import ConfigError
 
@@ -54,14 +54,8 @@ def byte_symbols() -> dict:
     """byte value → its one-character symbol in byte-level BPE (module docstring)."""
     printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | \
         set(range(ord("®"), ord("ÿ") + 1))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
+    others = iter(range(256, 512))                  # U+0100, U+0101, … in increasing byte order
+    return {b: chr(b) if b in printable else chr(next(others)) for b in range(256)}
 
 
 def byte_tokenizer():
@@ -77,15 +71,6 @@ def byte_tokenizer():
     return tok
 
 
-def _special_tokens(eos: Optional[str]) -> dict:
-    return {"eos_token": eos} if eos else {}
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-
-
 def write_tokenizer_files(out_dir: str, run_tokenizer, max_len: int) -> List[str]:
     """``tokenizer.json`` (the run's file, or the byte tokenizer's), ``tokenizer_config.json``
     and ``special_tokens_map.json`` in ``out_dir``; returns their paths. ``run_tokenizer``: a
@@ -96,18 +81,20 @@ def write_tokenizer_files(out_dir: str, run_tokenizer, max_len: int) -> List[str
         shutil.copyfile(run_tokenizer.file, path)
         from ..data.tokenizer import EOS
 
-        eos = EOS if run_tokenizer.eos_id is not None else None
+        special = {"eos_token": EOS} if run_tokenizer.eos_id is not None else {}
     else:
         byte_tokenizer().save(path)
-        eos = None
+        special = {}
     # PreTrainedTokenizerFast over tokenizer.json; no cleanup of spaces around punctuation
     # (it would change decode), no special tokens added by encode (the run's never were)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "model_max_length": int(max_len), "add_bos_token": False, "add_eos_token": False,
-              **_special_tokens(eos)}
-    _write_json(os.path.join(out_dir, TOKENIZER_CONFIG), config)
-    _write_json(os.path.join(out_dir, SPECIAL_TOKENS_MAP), _special_tokens(eos))
-    return [path, os.path.join(out_dir, TOKENIZER_CONFIG), os.path.join(out_dir, SPECIAL_TOKENS_MAP)]
+              "model_max_length": int(max_len), "add_bos_token": False, "add_eos_token": False, **special}
+    paths = [path]
+    for name, obj in ((TOKENIZER_CONFIG, config), (SPECIAL_TOKENS_MAP, special)):
+        paths.append(os.path.join(out_dir, name))
+        with open(paths[-1], "w") as f:
+            json.dump(obj, f, indent=1)
+    return paths
 
 
 def export_tokenizer(config: dict, folder: str, out_dir: str, note: Callable[[str], None] = _note) -> List[str]:

@@ -102,6 +102,10 @@ def _schedule_keys(st: dict, ct: dict) -> list:
     return keys
 
 
+def _get(config: dict, section: str, key: str):
+    return config.get(section, {}).get(key)
+
+
 def check_compatible(saved: dict, current: dict, where: str, start_step: Optional[int] = None) -> list:
     """Refuse a resume whose model, global batch, sequence length or (unless
     ``train.allow_changed_schedule``) learning-rate schedule differ from the checkpoint's
@@ -112,34 +116,26 @@ def check_compatible(saved: dict, current: dict, where: str, start_step: Optiona
     st, ct = saved.get("train", {}), current.get("train", {})
     start = 0 if start_step is None else int(start_step)
     model = [("model", k) for k in sorted(set(sm) | set(cm)) if k not in _MODEL_IGNORED and sm.get(k) != cm.get(k)]
-    fixed = [(s, k) for s, k in FIXED_FIELDS if saved.get(s, {}).get(k) != current.get(s, {}).get(k)]
+    fixed = [(s, k) for s, k in FIXED_FIELDS if _get(saved, s, k) != _get(current, s, k)]
     schedule = [("train", k) for k in _schedule_keys(st, ct)] if schedule_differs(st, ct, start) else []
-    refused = model + fixed + ([] if ct.get(ALLOW_KEY) else schedule)
+    refused_schedule = [] if ct.get(ALLOW_KEY) else schedule
+    refused = model + fixed + refused_schedule
     if refused:
-        def old(section, key):
-            return saved.get(section, {}).get(key)
-
-        def new(section, key):
-            return current.get(section, {}).get(key)
-
-        fields = "; ".join(f"{s}.{k} is {new(s, k)!r} in this config but {old(s, k)!r} in the checkpoint"
-                           for s, k in refused)
-        rules = []
-        if model:
-            rules.append("the model must stay the same (its weights continue)")
-        if fixed:
-            rules.append("train.global_batch and data.seq_len fix which data each step reads")
-        if schedule and not ct.get(ALLOW_KEY):
-            rules.append(f"the schedule would give the steps after step {start} another learning rate than the run "
-                         f"it continues" + (" (train.decay_steps is unset: the cosine decay ends at train.steps)"
-                                            if ("train", "steps") in schedule else ""))
+        fields = "; ".join(f"{s}.{k} is {_get(current, s, k)!r} in this config but {_get(saved, s, k)!r} in the "
+                           f"checkpoint" for s, k in refused)
+        rules = [text for text, broken in (
+            ("the model must stay the same (its weights continue)", model),
+            ("train.global_batch and data.seq_len fix which data each step reads", fixed),
+            (f"the schedule would give the steps after step {start} another learning rate than the run it continues"
+             + (" (train.decay_steps is unset: the cosine decay ends at train.steps)"
+                if ("train", "steps") in schedule else ""), refused_schedule)) if broken]
         rule = "; ".join(rules)
-        fix = [f"set {' '.join(f'{s}.{k}={_yaml(old(s, k))}' for s, k in refused)}"]
-        if schedule and not ct.get(ALLOW_KEY):
+        fix = [f"set {' '.join(f'{s}.{k}={_yaml(_get(saved, s, k))}' for s, k in refused)}"]
+        if refused_schedule:
             fix.append(f"pass {ALLOW_FLAG} (train.{ALLOW_KEY}=true) to continue with the new schedule"
                        + (" (the rest must still match)" if model or fixed else ""))
             if ("train", "steps") in schedule:
-                fix.append(f"set train.decay_steps={old('train', 'steps')} to change train.steps on the same schedule")
+                fix.append(f"set train.decay_steps={st.get('steps')} to change train.steps on the same schedule")
         if not model:
             fix.append("start a new run from its weights with model.init_from=PATH")
         n = len(refused)
@@ -149,7 +145,7 @@ def check_compatible(saved: dict, current: dict, where: str, start_step: Optiona
             f"settings may change). Fix: {', or '.join(fix)}.")
     changes = []
     for section, key in [("parallel", k) for k in saved.get("parallel", {})] + list(LOGGED_FIELDS):
-        a, b = saved.get(section, {}).get(key), current.get(section, {}).get(key)
+        a, b = _get(saved, section, key), _get(current, section, key)
         if a != b:
             changes.append(f"{section}.{key}: {a!r} -> {b!r}")
     for key in SCHEDULE_FIELDS:
