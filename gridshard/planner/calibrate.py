@@ -59,10 +59,6 @@ SMALL_REPEATS = 41          # the small payload's calls are latency: more of the
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
 
 
-def _median_time(fn, repeats: int, sync=lambda: None) -> float:
-    return _median_wall_and_cpu(fn, repeats, sync)[0]
-
-
 def _median_wall_and_cpu(fn, repeats: int, sync=lambda: None) -> tuple:
     """(median wall seconds, median process CPU seconds — every thread of this process, gloo's
     included) of one call of ``fn``."""
@@ -85,7 +81,7 @@ def _gemm_rates(torch, device, dtype, sizes, repeats=5) -> dict:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         reps = max(1, int(2e7 / (2 * n ** 3))) if device.type == "cpu" else 10
-        t = _median_time(lambda: [a @ b for _ in range(reps)], repeats, sync)
+        t = _median_wall_and_cpu(lambda: [a @ b for _ in range(reps)], repeats, sync)[0]
         out[n] = 2.0 * n ** 3 * reps / t
     return out
 
@@ -98,29 +94,25 @@ def _collective_times(torch, dist, device, world, group=None, repeats=REPEATS) -
     out = {op: [] for op in OPS}
     cpu = {op: [] for op in OPS}
     rank = dist.get_rank()
-    if group is not None:
-        members = dist.get_process_group_ranks(group)
-        if rank not in members:
-            return out, cpu
-        world = len(members)
+    members = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+    if rank not in members:
+        return out, cpu
+    world, src = len(members), members[0]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    g = {"group": group} if group is not None else {}
-    barrier = (lambda: dist.barrier(group=group)) if group is not None else dist.barrier
     for nbytes in PAYLOADS:
         reps = max(repeats, SMALL_REPEATS) if nbytes == min(PAYLOADS) else repeats
         n = nbytes // 4
         x = torch.ones(n, device=device)
-        chunks = [torch.empty(n // world, device=device) for _ in range(world)]
-        src = 0 if group is None else dist.get_process_group_ranks(group)[0]
+        chunk = torch.empty(n // world, device=device)
         gathered = torch.empty(n // world * world, device=device)
         calls = {                                    # the calls gridshard's collectives make
-            "all_reduce": lambda: dist.all_reduce(x, **g),
-            "all_gather": lambda: _all_gather_flat(gathered, chunks[0], group=group),
-            "reduce_scatter": lambda: _reduce_scatter_flat(chunks[0], x[:n // world * world], group=group),
-            "broadcast": lambda: dist.broadcast(x, src, **g),
+            "all_reduce": lambda: dist.all_reduce(x, group=group),
+            "all_gather": lambda: _all_gather_flat(gathered, chunk, group=group),
+            "reduce_scatter": lambda: _reduce_scatter_flat(chunk, x[:n // world * world], group=group),
+            "broadcast": lambda: dist.broadcast(x, src, group=group),
         }
         for op, fn in calls.items():
-            barrier()
+            dist.barrier(group=group)
             try:
                 wall, used = _median_wall_and_cpu(fn, reps, sync)
             except (RuntimeError, ValueError):
@@ -156,13 +148,12 @@ def _sync_skew(torch, dist, device, world: int, repeats: int = 5) -> dict:
     rank = dist.get_rank()
     mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
     src = (rank // 2) * 2
-    g = {"group": mine} if mine is not None else {}
 
     def rounds(with_call: bool):
         for _ in range(SKEW_ROUNDS):
             a @ b
             if with_call and (mine is not None or world == 2):
-                dist.broadcast(x, src, **g)
+                dist.broadcast(x, src, group=mine)
         sync()
         dist.barrier()
 
@@ -204,12 +195,11 @@ def _rank_main(rank, world, port, backend, result_path):
         else (comm, comm_cpu)
     skew = _sync_skew(torch, dist, device, world)
     dist.barrier()
-    result = None
     if rank == 0:
         big = torch.empty(16 << 20, device=device)
         dst = torch.empty_like(big)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big), 5, sync)
+        bw = 2 * big.numel() * 4 / _median_wall_and_cpu(lambda: dst.copy_(big), 5, sync)[0]
         result = {"alone": alone, "together": together, "comm": comm, "comm_pair": comm_pair,
                   "comm_cpu": comm_cpu, "comm_pair_cpu": comm_pair_cpu, "memory_bandwidth": bw,
                   "peak_after_reference": floor, "reference_model_bytes": modelled,

@@ -95,31 +95,17 @@ def trainer_reference(world: int) -> tuple:
     return out, int(modelled), floor
 
 
-def _reference_layout(cfg):
-    from .layouts import Layout
-
-    p, t = cfg.parallel, cfg.train
-    return Layout(p.data, p.pipeline, p.tensor, p.tensor_mode, False, 0, "none", t.micro_batch,
-                  pipeline_schedule=p.pipeline_schedule)
-
-
 def reference_step_s(hw, nproc: int, layers: int, mode: str = "none", micro: int = REFERENCE_MICRO,
                      pipeline: int = 1) -> float:
     """The planner's step seconds (:func:`gridshard.planner.evaluate`) for a reference trainer
-    (:func:`reference_config`) on the Hardware ``hw``."""
+    (:func:`reference_config`, its own layout) on the hardware ``hw`` (a Hardware, or a profile dict)."""
     from ..config import load_config
+    from .fit import config_layout
+    from .hardware import load_hardware
     from .search import evaluate
 
     cfg = load_config(reference_config(nproc, layers, mode, micro, pipeline))
-    return evaluate(cfg, _reference_layout(cfg), hw, nproc).predicted_step_s
-
-
-def _priced_reference(profile: dict, nproc: int, layers: int, mode: str = "none", micro: int = REFERENCE_MICRO,
-                      pipeline: int = 1, **changes) -> float:
-    """:func:`reference_step_s` with the profile dict ``profile`` changed by ``changes``."""
-    from .hardware import hardware_from_dict
-
-    return reference_step_s(hardware_from_dict(dict(profile, **changes)), nproc, layers, mode, micro, pipeline)
+    return evaluate(cfg, config_layout(cfg), load_hardware(hw), nproc).predicted_step_s
 
 
 def _solve_increasing(f, target: float, start: float = 1e-3) -> float:
@@ -167,8 +153,8 @@ def fit_to_reference_trainers(profile: dict, m: dict, nproc: int) -> None:
     lo, hi = min(plain), max(plain)
 
     def per_layer(run: dict, **changes) -> float:
-        return (_priced_reference(profile, nproc, hi, **run, **changes)
-                - _priced_reference(profile, nproc, lo, **run, **changes)) / (hi - lo)
+        return (reference_step_s(dict(profile, **changes), nproc, hi, **run)
+                - reference_step_s(dict(profile, **changes), nproc, lo, **run)) / (hi - lo)
 
     wide = (m.get("overheads_tokens") or {}).get(str(REFERENCE_WIDE_MICRO))
     if wide:
@@ -185,7 +171,7 @@ def fit_to_reference_trainers(profile: dict, m: dict, nproc: int) -> None:
     for _ in range(SWEEPS):
         profile["layer_overhead_s"] = _solve_increasing(lambda x: per_layer({}, layer_overhead_s=x), slope(plain))
         profile["step_overhead_s"] = _solve_increasing(
-            lambda x: _priced_reference(profile, nproc, lo, step_overhead_s=x), plain[lo])
+            lambda x: reference_step_s(dict(profile, step_overhead_s=x), nproc, lo), plain[lo])
         for mode, times in tensor.items():
             calls = dict(profile["tensor_call_overhead_s"])
             profile["tensor_call_overhead_s"] = dict(calls, **{mode: _solve_increasing(
@@ -193,7 +179,7 @@ def fit_to_reference_trainers(profile: dict, m: dict, nproc: int) -> None:
         if pipe:
             P = REFERENCE_PIPELINE[0]
             profile["p2p_call_overhead_s"] = _solve_increasing(
-                lambda x: statistics.mean(_priced_reference(profile, nproc, n, pipeline=P, p2p_call_overhead_s=x)
+                lambda x: statistics.mean(reference_step_s(dict(profile, p2p_call_overhead_s=x), nproc, n, pipeline=P)
                                           for n in pipe), statistics.mean(pipe.values()))
 
 

@@ -27,10 +27,7 @@ def run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, expl
 
     check_top(top)
     result = plan(source, gpus, nodes=nodes, hardware=resolve_hardware(hardware), overrides=overrides)
-    if as_json:
-        click.echo(report.as_json(result, top))
-    else:
-        click.echo(report.table(result, top))
+    click.echo(report.as_json(result, top) if as_json else report.table(result, top))
     if explain_flag:
         click.echo("")
         click.echo(report.explain(result))

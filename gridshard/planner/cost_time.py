@@ -20,7 +20,7 @@ busy time of one micro-batch::
 
     t_pipeline = A·t_mb / (1 − b)        (bubble = A·t_mb·b/(1 − b));   P = 1: A·t_mb
 
-Trainer bookkeeping (:func:`trainer_bookkeeping`, the calls of ``gridshard.engine.trainer``):
+Trainer bookkeeping (:func:`_step_extras`, the calls of ``gridshard.engine.trainer``):
 with a stop handler installed (``gridshard train`` installs one; ``control.stop_installed()``)
 the trainer agrees on stopping with a one-element MAX all-reduce over the world after every
 step on CPU (at log steps on GPUs): priced into ``overhead_s``. At log steps it all-gathers the
@@ -59,7 +59,6 @@ ranks' cores run the others). On GPU nodes (a device per rank) only the critical
 """
 from __future__ import annotations
 
-from typing import Optional
 from dataclasses import dataclass, field
 
 from ..job_layout import micro_batches_per_step
@@ -70,11 +69,13 @@ from .memo import rank_blocks
 from .price_compute import _compute_mb, gemm_flops
 from .price_context import _context_mb
 from .price_data import _data_step
-from .price_links import _Pricing, _pricing, call_cpu_seconds, call_seconds
+from .price_links import _Pricing, _pricing, call_seconds
 from .price_pipeline import _pipeline_mb
 from .price_tensor import _tensor_mb, tensor_volumes
 
 ADAMW_BYTES_PER_ELEM = 28
+STEP_PARTS = ("compute_s", "tensor_comm_s", "pipeline_comm_s", "data_comm_s", "bubble_s", "optimizer_s", "overhead_s",
+              "context_comm_s")            # the seconds a StepTime adds up, in this order
 
 
 @dataclass
@@ -93,31 +94,10 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tensor_comm_s + self.pipeline_comm_s + self.data_comm_s + self.bubble_s
-                + self.optimizer_s + self.overhead_s + self.context_comm_s)
+        return sum(getattr(self, k) for k in STEP_PARTS)
 
     def as_dict(self) -> dict:
-        return {"compute_s": self.compute_s, "tensor_comm_s": self.tensor_comm_s,
-                "pipeline_comm_s": self.pipeline_comm_s, "data_comm_s": self.data_comm_s, "bubble_s": self.bubble_s,
-                "optimizer_s": self.optimizer_s, "overhead_s": self.overhead_s, "context_comm_s": self.context_comm_s,
-                "total_s": self.total_s}
-
-
-def trainer_bookkeeping(hw: Hardware, layout: Layout, level: str, stop_agreement: bool, log_interval: int,
-                        skew: Optional[float] = None) -> tuple:
-    """(seconds per step inside the timed step, seconds per step of the log-step collectives)
-    of ``gridshard.engine.trainer``'s own calls (module docstring): the stop agreement (an
-    all-reduce of 4 bytes over the world, every step, when a stop handler is installed); at log
-    steps ``_gather_rank_stats`` (all-gather of 4 float64 per rank over the world) and
-    ``_global_losses`` (all-reduce of the pending steps' float64 losses over data, then
-    pipeline), ÷ ``log_interval``."""
-    world = layout.world
-    every = call_seconds(hw, level, "all_reduce", 4, world, skew=skew) if stop_agreement else 0.0
-    n = max(1, log_interval)
-    at_log = (call_seconds(hw, level, "all_gather", 32 * world, world)
-              + call_seconds(hw, level, "all_reduce", 8 * n, layout.data * layout.context)
-              + call_seconds(hw, level, "all_reduce", 8 * n, layout.pipeline))
-    return every, at_log / n
+        return {**{k: getattr(self, k) for k in STEP_PARTS}, "total_s": self.total_s}
 
 
 @dataclass
@@ -132,10 +112,7 @@ class RankCost:
 
 def _mean_steps(steps: list, scale: float) -> StepTime:
     """Component-wise mean of ``steps`` × ``scale``."""
-    n = len(steps)
-    keys = ("compute_s", "tensor_comm_s", "pipeline_comm_s", "data_comm_s", "bubble_s", "optimizer_s", "overhead_s",
-            "context_comm_s")
-    return StepTime(**{k: scale * sum(getattr(t, k) for t in steps) / n for k in keys})
+    return StepTime(**{k: scale * sum(getattr(t, k) for t in steps) / len(steps) for k in STEP_PARTS})
 
 
 def node_step(ranks: list, hw: Hardware, ranks_per_node: int) -> StepTime:
@@ -156,33 +133,37 @@ def node_step(ranks: list, hw: Hardware, ranks_per_node: int) -> StepTime:
     return through
 
 
-def step_time(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: int, precision: str = "fp32",
-              nodes: int = 1, layer_ids=None, first: bool = True, last: bool = True, activation_bytes: int = 0,
-              bucket_mb: float = 25.0, stop_agreement: bool = False, log_interval: int = 1) -> StepTime:
+def step_time(cfg, layout: Layout, hw: Hardware, *, nodes: int = 1, **keywords) -> StepTime:
     """Predicted step time of the rank holding ``layer_ids`` (default all layers), module
-    docstring; :func:`node_step` of this one rank's :func:`rank_cost`."""
-    world = layout.world
-    cost = rank_cost(cfg, layout, hw, seq_len=seq_len, global_batch=global_batch, precision=precision, nodes=nodes,
-                     layer_ids=layer_ids, first=first, last=last, activation_bytes=activation_bytes,
-                     bucket_mb=bucket_mb, stop_agreement=stop_agreement, log_interval=log_interval)
-    return node_step([cost], hw, max(1, world // max(1, nodes)))
+    docstring; :func:`node_step` of this one rank's :func:`rank_cost` (``keywords``: its own)."""
+    cost = rank_cost(cfg, layout, hw, nodes=nodes, **keywords)
+    return node_step([cost], hw, max(1, layout.world // max(1, nodes)))
 
 
 def _step_extras(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last: bool, stop_agreement: bool,
                  log_interval: int) -> dict:
     """Per-step terms outside the micro-batches: AdamW over the owned elements, the small
-    norm all-reduces and the trainer's bookkeeping, on the critical path and as busy CPU."""
-    hw, levels, T = pr.hw, pr.levels, layout.tensor
+    norm all-reduces and the trainer's bookkeeping, on the critical path and as busy CPU.
+
+    The bookkeeping is ``gridshard.engine.trainer``'s own calls (module docstring): the stop
+    agreement (an all-reduce of 4 bytes over the world, every step, when a stop handler is
+    installed: ``stop``); at log steps ``_gather_rank_stats`` (all-gather of 4 float64 per rank
+    over the world) and ``_global_losses`` (all-reduce of the pending steps' float64 losses over
+    data, then pipeline), ÷ ``log_interval`` (``log``)."""
+    hw, levels, T, world, level = pr.hw, pr.levels, layout.tensor, layout.world, pr.levels["data"]
     blocks = rank_blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
     owned = sum(b.numel for b in blocks) / (layout.data * layout.context if layout.zero >= 1 else 1)
     small_calls = [("tensor", T), ("pipeline", layout.pipeline), ("data", layout.data * layout.context)]
-    stop_s, log_s = trainer_bookkeeping(hw, layout, levels["data"], stop_agreement, log_interval, skew=pr.skew)
-    world = layout.world
+    logs = max(1, log_interval)           # steps between log steps: the pending losses
+    at_log = (call_seconds(hw, level, "all_gather", 32 * world, world)
+              + call_seconds(hw, level, "all_reduce", 8 * logs, layout.data * layout.context)
+              + call_seconds(hw, level, "all_reduce", 8 * logs, layout.pipeline))
     return {"busy_opt": ADAMW_BYTES_PER_ELEM * owned / hw.memory_bandwidth,
             "small": sum(call_seconds(hw, levels[d], "all_reduce", 8, n, skew=pr.skew) for d, n in small_calls),
-            "busy_small": sum(call_cpu_seconds(hw, levels[d], "all_reduce", 8, n) for d, n in small_calls),
-            "stop": stop_s, "log": log_s,
-            "busy_stop": call_cpu_seconds(hw, levels["data"], "all_reduce", 4, world) if stop_agreement else 0.0}
+            "busy_small": sum(call_seconds(hw, levels[d], "all_reduce", 8, n, cpu=True) for d, n in small_calls),
+            "stop": call_seconds(hw, level, "all_reduce", 4, world, skew=pr.skew) if stop_agreement else 0.0,
+            "log": at_log / logs,
+            "busy_stop": call_seconds(hw, level, "all_reduce", 4, world, cpu=True) if stop_agreement else 0.0}
 
 
 def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: int, precision: str = "fp32",
@@ -228,4 +209,4 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     return RankCost(latency, busy)
 
 
-__all__ = ["StepTime", "RankCost", "step_time", "rank_cost", "node_step", "trainer_bookkeeping"]
+__all__ = ["StepTime", "RankCost", "step_time", "rank_cost", "node_step"]

@@ -47,7 +47,7 @@ verdicts equal a full :func:`gridshard.config.validate.validate_config` on sampl
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from ..config import validate as rules
@@ -122,9 +122,8 @@ class Layout:
     def label(self) -> str:
         mode = self.tensor_mode + ("+SP" if self.sequence_parallel else "") + \
             (f" d{self.tensor_depth}" if self.tensor_depth > 1 else "")
-        pipe = ""
-        if self.pipeline > 1:
-            pipe = f" {self.pipeline_schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        pipe = f" {self.pipeline_schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "") \
+            if self.pipeline > 1 else ""
         split = "" if self.stage_layers is None else f" layers={split_label(self.stage_layers)}"
         ctx = f" C{self.context} {self.context_mode}" if self.context > 1 else ""
         return (f"D{self.data} P{self.pipeline}{ctx} T{self.tensor} {mode}{pipe}{split} z{self.zero} "
@@ -133,9 +132,6 @@ class Layout:
     @property
     def world(self) -> int:
         return self.data * self.pipeline * self.context * self.tensor
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def split_label(counts) -> str:
@@ -175,20 +171,13 @@ def lighter_end_splits(layers: int, stages: int, off_first: bool, off_last: bool
     return out
 
 
-def factorisations(n: int) -> list:
-    """Every (D, P, T) with D·P·T = n."""
-    out = []
-    for d in range(1, n + 1):
-        if n % d:
-            continue
-        for p in range(1, n // d + 1):
-            if (n // d) % p == 0:
-                out.append((d, p, n // d // p))
-    return out
-
-
 def divisors(n: int) -> list:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def factorisations(n: int) -> list:
+    """Every (D, P, T) with D·P·T = n."""
+    return [(d, p, n // d // p) for d in divisors(n) for p in divisors(n // d)]
 
 
 def _modes(T: int) -> list:
@@ -254,9 +243,7 @@ def _enumerate_dpt(world: int, global_batch: int, zero_stages, recompute, micro_
 def overlap_choices(zero: int, data_ranks: int, P: int, schedule: str, A: int) -> tuple:
     """``train.overlap_grad_reduce`` values to enumerate (module docstring): (True, False) where the
     flag decides sharded vs whole-gradient accumulation under a pipeline with A > 1, else (True,)."""
-    if P > 1 and A > 1 and sharded_accumulation(zero, data_ranks, P, schedule):
-        return (True, False)
-    return (True,)
+    return (True, False) if P > 1 and A > 1 and sharded_accumulation(zero, data_ranks, P, schedule) else (True,)
 
 
 def apply_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
@@ -273,10 +260,8 @@ def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available:
     try:
         rules._positive(c)
         rules._layout(c, world)
-        rules._context(c)
-        rules._batch(c)
-        rules._pipeline(c)
-        rules._shapes(c)
+        for rule in (rules._context, rules._batch, rules._pipeline, rules._shapes):
+            rule(c)
         rules._optim(c, cuda_available)
     except ConfigError as e:
         return str(e)

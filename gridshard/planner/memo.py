@@ -14,7 +14,7 @@ tensor mode, T):
 
 Each ``cfg.model.resolve()`` gives a new, unhashable :class:`gridshard.models.ModelConfig`:
 :func:`model_key` turns it into a value (its class and fields) a memo can key on, and
-:func:`model_of` gives an equal config back. Callers read the lists, never change them.
+:func:`_laid_out` builds an equal config back from it. Callers read the lists, never change them.
 """
 from __future__ import annotations
 
@@ -25,12 +25,6 @@ from typing import Iterable, Optional
 def model_key(cfg) -> tuple:
     """(class, sorted field items) of a model config: equal configs give equal keys."""
     return type(cfg), tuple(sorted(vars(cfg).items()))
-
-
-def model_of(key: tuple):
-    """The model config of a :func:`model_key`."""
-    cls, items = key
-    return cls(**dict(items))
 
 
 def rank_blocks(cfg, mode, T: int, layer_ids: Optional[Iterable[int]], first: bool, last: bool) -> list:
@@ -48,4 +42,5 @@ def _rank_blocks(model: tuple, mode: str, T: int, layer_ids: tuple, first: bool,
 def _laid_out(model: tuple, mode: str, T: int):
     from ..parallel.rank_blocks import laid_out_model
 
-    return laid_out_model(model_of(model), mode, T)
+    cls, items = model                     # a model_key: an equal config back
+    return laid_out_model(cls(**dict(items)), mode, T)

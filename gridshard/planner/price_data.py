@@ -49,10 +49,8 @@ def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, b
     tied_root = layout.pipeline > 1 and bool(cfg.tie_embeddings) and (first or last)   # reduced after the tied sum
     vol = zero_step_comm(layer_units, size.get("root", 0), D, layout.zero, A, sharded_accumulation=sharded,
                          tied_root=tied_root)
-    reduce = type(vol)(D).add("reduce_scatter", vol.payload_bytes("reduce_scatter") // max(1, vol.count("reduce_scatter")),
-                              vol.count("reduce_scatter"))
-    gather = type(vol)(D).add("all_gather", vol.payload_bytes("all_gather") // max(1, vol.count("all_gather")),
-                              vol.count("all_gather"))
+    reduce, gather = (type(vol)(D).add(op, vol.payload_bytes(op) // max(1, vol.count(op)), vol.count(op))
+                      for op in ("reduce_scatter", "all_gather"))
     return reduce, gather, len(size)
 
 

@@ -50,18 +50,13 @@ def comm_cpu_seconds(vols, hw: Hardware, level: str) -> float:
 
 
 def call_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1,
-                 skew: Optional[float] = None) -> float:
-    """One kind of small synchronous call, priced as :func:`comm_seconds` does."""
+                 skew: Optional[float] = None, cpu: bool = False) -> float:
+    """One kind of small synchronous call, priced as :func:`comm_seconds` does; ``cpu``: its CPU
+    seconds instead, as :func:`comm_cpu_seconds`."""
     if group <= 1 or not calls:
         return 0.0
-    return comm_seconds([CommVolume(group).add(op, payload, calls)], hw, level, skew)
-
-
-def call_cpu_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1) -> float:
-    """One kind of small call's CPU seconds, as :func:`comm_cpu_seconds`."""
-    if group <= 1 or not calls:
-        return 0.0
-    return comm_cpu_seconds([CommVolume(group).add(op, payload, calls)], hw, level)
+    vols = [CommVolume(group).add(op, payload, calls)]
+    return comm_cpu_seconds(vols, hw, level) if cpu else comm_seconds(vols, hw, level, skew)
 
 
 def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
@@ -94,11 +89,10 @@ class _Pricing:
 
 
 def _pricing(layout: Layout, hw: Hardware, nodes: int) -> _Pricing:
-    world = layout.world
-    ranks_per_node = max(1, world // max(1, nodes))
+    ranks_per_node = max(1, layout.world // max(1, nodes))
     throughput_node = hw.oversubscribed(ranks_per_node)
     return _Pricing(hw, link_levels(layout, hw, nodes), 1.0 if throughput_node else hw.contention(ranks_per_node),
                     0.0 if throughput_node else hw.sync_skew_s, ranks_per_node)
 
 
-__all__ = ["comm_seconds", "comm_cpu_seconds", "call_seconds", "call_cpu_seconds", "link_levels"]
+__all__ = ["comm_seconds", "comm_cpu_seconds", "call_seconds", "link_levels"]

@@ -73,21 +73,16 @@ def explain(result: PlanResult) -> str:
                      f"{st.details['contention']:.3g}), {st.details['throughput_bound_s']:.4g} s, above the critical "
                      f"path at full speed, {st.details['latency_bound_s']:.4g} s; a bubble costs nothing there "
                      f"(cost_time: two bounds)")
-    lines += _context_reason(result)
-    lines += _depth_reason(result)
-    lines += _mode_reasons(result)
+    lines += _context_reason(result) + _depth_reason(result)
+    # every registered mode that summarises its layouts (``plan_title``, ``plan_summary``)
+    lines += [line for scheme in tensor_schemes() if scheme.plan_title for line in _mode_reason(result, scheme)]
     lines += _grad_reduce_reason(result)
-    others = []
+    shape = lambda l: (l.data, l.pipeline, l.context, l.tensor, l.tensor_mode, l.sequence_parallel,  # noqa: E731
+                       l.tensor_depth)
+    firsts = {}                            # the fastest candidate of each shape
     for c in result.candidates[1:]:
-        key = (c.layout.data, c.layout.pipeline, c.layout.context, c.layout.tensor, c.layout.tensor_mode,
-               c.layout.sequence_parallel, c.layout.tensor_depth)
-        if key in {(o.layout.data, o.layout.pipeline, o.layout.context, o.layout.tensor, o.layout.tensor_mode,
-                    o.layout.sequence_parallel, o.layout.tensor_depth) for o in others + [best]}:
-            continue
-        others.append(c)
-        if len(others) == 3:
-            break
-    for c in others:
+        firsts.setdefault(shape(c.layout), c)
+    for c in [c for key, c in firsts.items() if key != shape(best.layout)][:3]:
         lines.append(f"  vs {c.layout.label()}: {c.predicted_step_s / st.total_s:.2f}× the step time "
                      f"({_why(best, c)}), {c.predicted_mem_bytes / best.predicted_mem_bytes:.2f}× the memory")
     too_big = [c for c in result.rejected if c.memory is not None]
@@ -165,44 +160,58 @@ def _fastest(cands, pred):
     return next((c for c in cands if pred(c.layout)), None)
 
 
+def _against_rival(result: PlanResult, title: str, is_kind, is_rival, which: str, summary, middle) -> list:
+    """A kind of layout against its rival at the same T (:func:`_depth_reason`, :func:`_mode_reason`): the
+    fastest feasible layout where ``is_kind(layout)`` (``summary(it, verdict)`` after its label) and the
+    fastest other feasible layout with the same D, P, C and T, one where ``is_rival(layout, its layout)``
+    first, compared by step, tensor comm, ``middle(it, rival)``, parameter bytes and memory; or why no
+    layout of the kind runs ([] when the search had none; ``which`` names the missing rival)."""
+    kind = _fastest(result.candidates, is_kind)
+    if kind is None:
+        refused = [c for c in result.rejected if is_kind(c.layout)]
+        if not refused:
+            return []
+        why = collections.Counter(c.reason.split(" Fix:")[0] if c.memory is None else "memory" for c in refused)
+        return [f"  {title}: none of {len(refused)} layouts runs; the most common reason: {why.most_common(1)[0][0]}"]
+    L, best = kind.layout, result.best
+    same = lambda l: (not is_kind(l) and (l.data, l.pipeline, l.context, l.tensor) ==  # noqa: E731
+                      (L.data, L.pipeline, L.context, L.tensor))
+    rival = _fastest(result.candidates, lambda l: same(l) and is_rival(l, L)) or _fastest(result.candidates, same)
+    verdict = "is the best layout" if kind is best else \
+        f"takes {kind.predicted_step_s / best.predicted_step_s:.2f}× the best step"
+    out = [f"  {title}: {L.label()} {summary(kind, verdict)}"]
+    if rival is None:
+        return out + [f"  no {which} at D{L.data} P{L.pipeline} C{L.context} T{L.tensor} passes the rules and fits, "
+                      f"to compare with"]
+    wins = kind.predicted_step_s < rival.predicted_step_s
+    return out + [
+        f"  {'wins' if wins else 'loses'} against {rival.layout.label()} at the same T: {kind.predicted_step_s:.4g} "
+        f"vs {rival.predicted_step_s:.4g} s per step; tensor comm {kind.step.tensor_comm_s:.3g} vs "
+        f"{rival.step.tensor_comm_s:.3g} s{middle(kind, rival)}, params {gib(kind.memory.params)} vs "
+        f"{gib(rival.memory.params)} and memory {gib(kind.predicted_mem_bytes)} vs {gib(rival.predicted_mem_bytes)} "
+        f"per rank"]
+
+
 def _depth_reason(result: PlanResult) -> list:
     """2.5D against 2D at the same T (docs/planner.md, "2.5D"): the fastest feasible 2.5D layout and
     the fastest other layout with the same D, P, C and T (2D where T is a square, else 1D), their
     tensor comm (SUMMA on m/d rows: fewer, shorter rounds), exposed data comm (the depth joins the
     gradient reduction) and parameter bytes (weights replicated d times); or why no 2.5D layout runs."""
-    best = result.best
-    deep = _fastest(result.candidates, lambda l: l.tensor_depth > 1)
-    if deep is None:
-        refused = [c for c in result.rejected if c.layout.tensor_depth > 1]
-        if not refused:
-            return []
-        why = collections.Counter(c.reason.split(" Fix:")[0] if c.memory is None else "memory" for c in refused)
-        return [f"  2.5D: none of {len(refused)} layouts runs; the most common reason: {why.most_common(1)[0][0]}"]
-    L = deep.layout
-    same = lambda l: (l.tensor_depth == 1 and (l.data, l.pipeline, l.context, l.tensor) ==  # noqa: E731
-                      (L.data, L.pipeline, L.context, L.tensor))
-    layer_mode = L.layer_layout().mode
-    flat = _fastest(result.candidates, lambda l: same(l) and l.mode == layer_mode) or _fastest(result.candidates, same)
-    q = math.isqrt(L.tensor // L.tensor_depth)
-    verdict = "is the best layout" if deep is best else \
-        f"takes {deep.predicted_step_s / best.predicted_step_s:.2f}× the best step"
-    out = [f"  2.5D: {L.label()} (q = {q}, d = {L.tensor_depth}: {L.tensor_depth} depth layers of a {q}×{q} SUMMA "
-           f"grid on m/d = {L.micro_batch // L.tensor_depth} rows each, weights replicated d times, the depth summed "
-           f"in the data × context × depth reduction) {verdict}"]
-    if flat is None:
-        return out + [f"  no layout without depth at D{L.data} P{L.pipeline} C{L.context} T{L.tensor} passes the rules and fits, "
-                      f"to compare with"]
-    a, b = deep.step, flat.step
-    wins = deep.predicted_step_s < flat.predicted_step_s
-    out.append(
-        f"  {'wins' if wins else 'loses'} against {flat.layout.label()} at the same T: {deep.predicted_step_s:.4g} vs "
-        f"{flat.predicted_step_s:.4g} s per step; tensor comm {a.tensor_comm_s:.3g} vs {b.tensor_comm_s:.3g} s "
-        f"({a.details['tensor_calls_per_microbatch']} vs {b.details['tensor_calls_per_microbatch']} calls per "
-        f"micro-batch), compute {a.compute_s:.3g} vs {b.compute_s:.3g} s, data comm (exposed, the depth in the "
-        f"reduction) {a.data_comm_s:.3g} vs {b.data_comm_s:.3g} s, params {gib(deep.memory.params)} vs "
-        f"{gib(flat.memory.params)} and memory {gib(deep.predicted_mem_bytes)} vs {gib(flat.predicted_mem_bytes)} "
-        f"per rank")
-    return out
+    def summary(deep: Candidate, verdict: str) -> str:
+        L = deep.layout
+        q = math.isqrt(L.tensor // L.tensor_depth)
+        return (f"(q = {q}, d = {L.tensor_depth}: {L.tensor_depth} depth layers of a {q}×{q} SUMMA grid on m/d = "
+                f"{L.micro_batch // L.tensor_depth} rows each, weights replicated d times, the depth summed in the "
+                f"data × context × depth reduction) {verdict}")
+
+    def middle(deep: Candidate, flat: Candidate) -> str:
+        a, b = deep.step, flat.step
+        return (f" ({a.details['tensor_calls_per_microbatch']} vs {b.details['tensor_calls_per_microbatch']} calls "
+                f"per micro-batch), compute {a.compute_s:.3g} vs {b.compute_s:.3g} s, data comm (exposed, the depth "
+                f"in the reduction) {a.data_comm_s:.3g} vs {b.data_comm_s:.3g} s")
+
+    return _against_rival(result, "2.5D", lambda l: l.tensor_depth > 1, lambda l, L: l.mode == L.layer_layout().mode,
+                          "layout without depth", summary, middle)
 
 
 def _layer_traffic(result: PlanResult, c: Candidate) -> tuple:
@@ -218,48 +227,21 @@ def _layer_traffic(result: PlanResult, c: Candidate) -> tuple:
             sum(sum(v.calls.values()) for vols in per_axis.values() for v in vols))
 
 
-def _mode_reasons(result: PlanResult) -> list:
-    """:func:`_mode_reason` for every registered mode that summarises its layouts (``plan_summary``)."""
-    return [line for scheme in tensor_schemes() if scheme.plan_title for line in _mode_reason(result, scheme)]
-
-
 def _mode_reason(result: PlanResult, scheme) -> list:
     """A mode against its rivals at the same T (docs/planner.md, "3D"): the fastest feasible layout of
     ``scheme`` and the fastest feasible layout of one of its ``plan_rivals`` with the same D, P, C and T
     (else any other), with what decides between them — tensor bytes and calls per decoder layer and
     micro-batch, which tensor axes leave a node, parameter bytes; or why no layout of the mode runs."""
-    best = result.best
-    cube = _fastest(result.candidates, lambda l: l.mode == scheme)
-    if cube is None:
-        refused = [c for c in result.rejected if c.layout.mode == scheme]
-        if not refused:
-            return []
-        why = collections.Counter(c.reason.split(" Fix:")[0] if c.memory is None else "memory" for c in refused)
-        return [f"  {scheme.plan_title}: none of {len(refused)} layouts runs; the most common reason: "
-                f"{why.most_common(1)[0][0]}"]
-    L = cube.layout
-    same = lambda l: (l.mode != scheme and (l.data, l.pipeline, l.context, l.tensor) ==  # noqa: E731
-                      (L.data, L.pipeline, L.context, L.tensor))
-    other = _fastest(result.candidates, lambda l: same(l) and l.mode in scheme.plan_rivals) or \
-        _fastest(result.candidates, same)
-    verdict = "is the best layout" if cube is best else \
-        f"takes {cube.predicted_step_s / best.predicted_step_s:.2f}× the best step"
-    out = [f"  {scheme.plan_title}: {L.label()} {scheme.plan_summary(L, cube.step.details['links'], verdict)}"]
-    if other is None:
-        return out + [f"  no other layout at D{L.data} P{L.pipeline} C{L.context} T{L.tensor} passes the rules and "
-                      f"fits, to compare with"]
-    a, b = cube.step, other.step
-    (wa, xa, ca), (wb, xb, cb) = _layer_traffic(result, cube), _layer_traffic(result, other)
-    wins = cube.predicted_step_s < other.predicted_step_s
-    mib = lambda n: f"{n / (1 << 20):,.4g}"  # noqa: E731
-    out.append(
-        f"  {'wins' if wins else 'loses'} against {other.layout.label()} at the same T: {cube.predicted_step_s:.4g} "
-        f"vs {other.predicted_step_s:.4g} s per step; tensor comm {a.tensor_comm_s:.3g} vs {b.tensor_comm_s:.3g} s "
-        f"— per rank, decoder layer and micro-batch {mib(wa)} vs {mib(wb)} MiB on the wire, of which {mib(xa)} vs "
-        f"{mib(xb)} MiB across nodes, {ca} vs {cb} calls; compute {a.compute_s:.3g} vs {b.compute_s:.3g} s, params "
-        f"{gib(cube.memory.params)} vs {gib(other.memory.params)} and memory {gib(cube.predicted_mem_bytes)} vs "
-        f"{gib(other.predicted_mem_bytes)} per rank")
-    return out
+    def middle(cube: Candidate, other: Candidate) -> str:
+        (wa, xa, ca), (wb, xb, cb) = _layer_traffic(result, cube), _layer_traffic(result, other)
+        mib = lambda n: f"{n / (1 << 20):,.4g}"  # noqa: E731
+        return (f" — per rank, decoder layer and micro-batch {mib(wa)} vs {mib(wb)} MiB on the wire, of which "
+                f"{mib(xa)} vs {mib(xb)} MiB across nodes, {ca} vs {cb} calls; compute {cube.step.compute_s:.3g} vs "
+                f"{other.step.compute_s:.3g} s")
+
+    return _against_rival(result, scheme.plan_title, lambda l: l.mode == scheme,
+                          lambda l, L: l.mode in scheme.plan_rivals, "other layout",
+                          lambda c, verdict: scheme.plan_summary(c.layout, c.step.details["links"], verdict), middle)
 
 
 def _why(best: Candidate, other: Candidate) -> str:
@@ -270,7 +252,7 @@ def _why(best: Candidate, other: Candidate) -> str:
     return f"{k[:-2].replace('_', ' ')} {b[k]:.3g} s vs {a[k]:.3g} s"
 
 
-def written_config(result: PlanResult, candidate: Candidate = None) -> dict:
+def written_config(result: PlanResult) -> dict:
     """The input config (as written, plus the overrides) with the chosen ``parallel:`` section
     (``stage_layers`` when the layout has an explicit split, else none) and
     ``train.zero/recompute/micro_batch/overlap_grad_reduce`` merged in."""
@@ -286,25 +268,22 @@ def written_config(result: PlanResult, candidate: Candidate = None) -> dict:
     else:
         raw = src.model_dump()
     raw = apply_overrides(raw, result.overrides)
-    c = candidate or result.best
-    parallel = dict(raw.get("parallel") or {})
-    parallel.update(c.layout.parallel_section())
+    layout = result.best.layout
+    parallel = {**(raw.get("parallel") or {}), **layout.parallel_section()}
     if parallel.get("stage_layers") is None:          # the default split: no key
         parallel.pop("stage_layers", None)
-    train = dict(raw.get("train") or {})
-    train.update(c.layout.train_section())
-    raw["parallel"], raw["train"] = parallel, train
+    raw["parallel"], raw["train"] = parallel, {**(raw.get("train") or {}), **layout.train_section()}
     return raw
 
 
-def write_config(result: PlanResult, path: str, candidate: Candidate = None):
+def write_config(result: PlanResult, path: str):
     """Write :func:`written_config` as YAML after the full config validation at the planned world
     size. A layout or model rule that fails raises ConfigError (nothing written); a data-section
     failure (e.g. a cluster path absent here) is returned as a warning and the file is written."""
     from ..config import resolve_config
     from ..errors import ConfigError
 
-    raw = written_config(result, candidate)
+    raw = written_config(result)
     warning = None
     try:
         resolve_config(raw, world_size=result.world, cuda_available=result.hardware.name != "cpu")
@@ -312,7 +291,7 @@ def write_config(result: PlanResult, path: str, candidate: Candidate = None):
         if not str(e).startswith("data."):
             raise
         warning = f"{path} written, but its data section does not validate on this machine: {e}"
-    c = candidate or result.best
+    c = result.best
     header = (f"# written by gridshard plan: {c.layout.label()} on {result.world} × {result.hardware.name}; predicted "
               f"{gib(c.predicted_mem_bytes)} per rank, {c.predicted_step_s:.4g} s per step\n")
     with open(path, "w") as f:

@@ -117,10 +117,6 @@ class PlanResult:
         return self.candidates[0]
 
 
-def _precision(cfg) -> str:
-    return cfg.train.precision if cfg.train.precision in ("bf16", "fp16") else "fp32"
-
-
 def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop_agreement: bool = False,
              price_too_large: bool = False) -> Candidate:
     """Rules, memory and step time of one layout of ``cfg`` (module docstring);
@@ -128,14 +124,13 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
     ``price_too_large``: price a layout that does not fit too (it stays infeasible, with its
     reason), e.g. to compare a published layout's step time whatever the memory model says."""
     mc, s, G = cfg.model.resolve(), cfg.data.seq_len, cfg.train.global_batch
-    prec = _precision(cfg)
+    prec = cfg.train.precision if cfg.train.precision in ("bf16", "fp16") else "fp32"
     cand = Candidate(layout, False, tokens_per_step=G * s, world=world,
                      flops_per_token=flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, s,
                                                      mc.kv_heads * mc.head_dim),
                      peak_flops=hw.peak_flops.get(prec) or hw.peak_flops["fp32"])
-    problem = layout_problem(cfg, layout, world)
-    if problem:
-        cand.reason = problem
+    cand.reason = layout_problem(cfg, layout, world) or ""
+    if cand.reason:
         return cand
     cand.memory, cand.memory_rank = layout_memory(mc, layout, s, G, hw.reserved_bytes, hw.margin_fraction, prec)
     if cand.memory.total_with_margin > hw.device_memory_bytes:
@@ -271,8 +266,7 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None
     if cfg.model.kind == "vit":
         raise ConfigError("model.kind=vit: the planner's memory and communication formulas describe the decoder "
                           "(llama) only so far. Fix: choose the ViT's layout by hand (docs/vision.md).")
-    feasible, rejected = [], []
-    counts = collections.Counter()
+    feasible, rejected, counts = [], [], collections.Counter()
     mc = cfg.model.resolve()
     for layout in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages,
                                     max_micro_batch=max_micro_batch, seq_len=cfg.data.seq_len,
@@ -338,18 +332,13 @@ def _nearest_device_count(result: PlanResult, upward) -> Optional[tuple]:
     for n in tries:
         nodes = _nodes_for(result, n)
         option = f"--gpus {n}" + (f" --nodes {nodes}" if result.nodes_given else "")
-        best = None
-        for layout in enumerate_layouts(n, cfg.train.global_batch, zero_stages=(3,),
-                                        recompute=("full",), micro_batches=[1]):
-            c = evaluate(cfg, layout, hw, n, nodes)
-            if c.feasible and (best is None or _sort_key(c) < _sort_key(best)):
-                best = c
-        if best is None:
-            for layout in enumerate_layouts(n, cfg.train.global_batch, zero_stages=(0,)):
-                c = evaluate(cfg, layout, hw, n, nodes)
-                if c.feasible:
-                    best = c
-                    break
+        light = (evaluate(cfg, x, hw, n, nodes) for x in enumerate_layouts(
+            n, cfg.train.global_batch, zero_stages=(3,), recompute=("full",), micro_batches=[1]))
+        best = min((c for c in light if c.feasible), key=_sort_key, default=None)
+        if best is None:           # else the first feasible layout without ZeRO
+            best = next((c for c in (evaluate(cfg, x, hw, n, nodes)
+                                     for x in enumerate_layouts(n, cfg.train.global_batch, zero_stages=(0,)))
+                         if c.feasible), None)
         if best is not None:
             return option, best
     return None
