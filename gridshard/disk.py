@@ -35,7 +35,6 @@ def format_bytes(n: Optional[float]) -> str:
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000.0
-    return f"{n:.1f} TB"
 
 
 def _causes(error: BaseException) -> Iterator[BaseException]:
@@ -83,31 +82,27 @@ def _existing(path: str) -> str:
     return path
 
 
-def free_bytes(path: str) -> Optional[int]:
-    """Bytes an unprivileged writer may still use on ``path``'s file system (None if unknown)."""
+def _statvfs(path: str):
+    """``os.statvfs`` of the nearest existing folder of ``path``, None if it fails."""
     try:
-        st = os.statvfs(_existing(path))
+        return os.statvfs(_existing(path))
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize
 
 
 def classify(path: str, error: Optional[BaseException], need: Optional[int] = None) -> Optional[int]:
     """FULL/READ_ONLY/DENIED's errno for a write under ``path`` that failed with ``error``, from
     the error or, failing that, from the file system (module docstring); None: not a disk error."""
-    code = disk_errno(error) if error is not None else None
-    if code is not None:
+    if error is not None and (code := disk_errno(error)) is not None:
         return code
-    probe = _existing(path)
-    try:
-        st = os.statvfs(probe)
-    except OSError:
+    st = _statvfs(path)
+    if st is None:
         return None
     if st.f_flag & os.ST_RDONLY:
         return errno.EROFS
     if need is not None and st.f_bavail * st.f_frsize < need:
         return errno.ENOSPC
-    if not os.access(probe, os.W_OK):
+    if not os.access(_existing(path), os.W_OK):
         return errno.EACCES
     return None
 
@@ -123,7 +118,9 @@ def write_failure(run_dir: str, path: str, error: Optional[BaseException], lost:
     tail = f"last complete checkpoint: {last}" if last else "no complete checkpoint was written"
     if code in FULL:
         needs = f", {need_what} needs ~{format_bytes(need)}" if need else ""
-        return (f"run dir {run_dir} is full: {format_bytes(free_bytes(path))} free{needs}; {lost}; {tail}. Fix: free "
+        st = _statvfs(path)                          # what an unprivileged writer may still use
+        free = format_bytes(st.f_bavail * st.f_frsize if st is not None else None)
+        return (f"run dir {run_dir} is full: {free} free{needs}; {lost}; {tail}. Fix: free "
                 f"space there (or lower train.keep_checkpoints, or copy the run directory to a larger disk), then "
                 f"continue with --resume latest.")
     if code in READ_ONLY:

@@ -73,6 +73,10 @@ def _single(plt, run_dir: str, path: str, key: str, ylabel: str, ylim: dict, ser
     if any(label for _, _, label in series):
         ax.legend()
     ax.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -81,6 +85,12 @@ def _single(plt, run_dir: str, path: str, key: str, ylabel: str, ylim: dict, ser
 
 def _num(x):
     return float("nan") if x is None else x
+
+
+def _from_zero(ax) -> None:
+    """A y axis from 0 to 5 % above the highest value."""
+    ax.set_ylim(bottom=0)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.05)
 
 
 def _panels(plt, recs: list, run_dir: str, path: str) -> str:
@@ -98,11 +108,9 @@ def _panels(plt, recs: list, run_dir: str, path: str) -> str:
                                   "grad norm (before clipping)", 1),
                                   (axes[1, 0], "tokens_per_s", "tokens / s (global)", 1),
                                   (axes[1, 2], "comm_share", "time in communication (%)", 100)):
-        ax.plot(steps, [_num(r.get(key)) * scale if r.get(key) is not None else float("nan") for r in recs],
-                marker="o", markersize=3)
+        ax.plot(steps, [_num(r.get(key)) * scale for r in recs], marker="o", markersize=3)
         ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
-        ax.set_ylim(top=ax.get_ylim()[1] * 1.05)
+        _from_zero(ax)
         if key == "comm_share":
             ax.set_ylim(0, 100)
     ax = axes[1, 1]
@@ -113,14 +121,10 @@ def _panels(plt, recs: list, run_dir: str, path: str) -> str:
     if len(per_rank[0]) <= 8:
         ax.legend(fontsize=7)
     ax.set_ylabel("peak memory (MiB)")
-    ax.set_ylim(bottom=0)
-    ax.set_ylim(top=ax.get_ylim()[1] * 1.05)
+    _from_zero(ax)
     for ax in axes.flat:
         ax.set_xlim(0, max(steps) * 1.02 + 0.5)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))}: {len(recs)} records, steps {steps[0]}–{steps[-1]}")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

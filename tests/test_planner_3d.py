@@ -11,8 +11,8 @@
 * memory: parameters 1/T of one device's, equal to a model laid out at 3D on the meta device; the
   activations per layer the 3D formula (N/q² token rows, H/q heads, f/q neurons), a tied head's copy of its
   weight slice by hand; the written config
-  validates and the launch check prices it alike; wide: the memory model and the whole model's
-  ``tp3d.transformer3d_comm`` (tied and untied) against the tensors and the ledger of 8 real ranks;
+  validates and the launch check prices it alike; wide: the memory model and
+  ``tensor_comm_3d`` of the whole model (tied and untied) against the tensors and the ledger of 8 real ranks;
 * ``--explain``: names 3D's place against 2D / 2.5D at the same T and why it wins (Llama 7B on 64 H100
   over 8 nodes: the q = 4 cube moves more bytes than the 4×4×4 2.5D layout, but fewer across nodes —
   its ``output`` axis stays inside one — and beats the 8×8 grid).
@@ -93,7 +93,7 @@ def test_3d_priced_from_its_theory_axis_by_axis():
     assert {k: layer["output"].payload[k] for k in ("all_gather", "reduce_scatter")} == by_hand(row, col)
     # the whole model (both ends on this rank) and full recompute
     assert _same(tensor_comm_3d(mc, CUBE, s, mc.layers, True, True),
-                 tp3d.transformer3d_comm(mc.layers, m, s, h, f, mc.vocab_size, q, heads=mc.heads, kv_heads=mc.kv_heads))
+                 tp3d.combine(tp3d.ends3d_comm(m, s, h, mc.vocab_size, q), *[want] * mc.layers))
     # a tied head (both ends on the rank): the embedding's table gathered over the residual batch axis
     tied = load_config("configs/tiny.yaml", ["model.kv_heads=2", "model.tie_embeddings=true"]).model.resolve()
     ends = lambda c: tensor_comm_3d(c, CUBE, s, 0, True, True)["weight_input"].payload  # noqa: E731
@@ -229,7 +229,7 @@ def _measure_3d(cases):
 def test_3d_memory_model_equals_the_tensors_of_eight_ranks():
     """theory.memory and theory.tp3d at 3D against a real q = 2 cube (8 ranks): the saved-for-backward
     bytes of one forward in every recompute mode, fp32 and bf16 (untied; tied without recompute), the
-    ledger of one forward + backward (= ``transformer3d_comm``, tied and untied), and the model state
+    ledger of one forward + backward (= ``tensor_comm_3d`` of the whole model, tied and untied), and the model state
     after one AdamW step (parameters, gradients, optimizer), on every rank."""
     from gridshard.parallel.rank_blocks import rank_parameter_blocks
     from gridshard.testing import run_on_ranks
@@ -241,7 +241,7 @@ def test_3d_memory_model_equals_the_tensors_of_eight_ranks():
         assert [r[tied, precision, recompute] for r in got] == [want] * 8, (tied, precision, recompute, want)
     for tied in (False, True):
         # the ledger of one forward + backward: the theory the planner prices with, per axis and op
-        vol = tp3d.transformer3d_comm(2, 4, 8, 64, 96, 97, 2, tied, heads=4, kv_heads=2)
+        vol = tensor_comm_3d(_tiny(tied), CUBE, 8, 2, True, True)        # m = 4, s = 8, both ends, 2 layers
         want = {(a, op): (v.calls[op], v.payload[op]) for a, v in vol.items() for op in v.calls}
         assert all(r[tied, "ledger"] == want for r in got), (tied, got[0][tied, "ledger"], want)
         state = model_state_bytes(rank_parameter_blocks(_tiny(tied), "3d", 8), zero=0)

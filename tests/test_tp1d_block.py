@@ -16,13 +16,20 @@ out at T=1 (same seed → the same global weights); logits block, loss and every
 parameter gradient.
 
 fp32 tolerance 1e-5. The ledger of one forward + backward, the parameter bytes per rank
-and the residual activation bytes must equal ``gridshard.tensor.tp1d.theory`` exactly.
+and the residual activation bytes must equal ``gridshard.tensor.tp1d.theory`` (per block) and what the
+planner and the memory model price (the 1D scheme's ``tensor_comm``, ``rank_shape``, the model's
+parameter blocks) exactly.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from gridshard.comm import LEDGER
+from gridshard.job_layout import TensorMode
+from gridshard.parallel.rank_blocks import rank_parameter_blocks
+from gridshard.theory import CommVolume
 from gridshard.mesh import build_mesh
 from gridshard.models import ModelConfig, Transformer
 from gridshard.models.rope import rope_tables
@@ -32,6 +39,7 @@ from gridshard.tensor.tp1d import theory as tp1d
 
 from .test_tp1d_helpers import TOL, last_dim_shard, local_param_bytes, mesh_1d, pad_to, randint, randn, seq_block
 
+ONE_D = TensorMode("1d")
 BLOCK_SHAPES = [  # (batch, seq, hidden, heads, kv_heads, ffn)
     (2, 8, 32, 4, 4, 48),
     (3, 12, 48, 4, 4, 64),
@@ -110,7 +118,7 @@ def _block(T, sp):
         assert n == 9, f"{what}: expected 9 parameters, got {n}"
         assert local_param_bytes(par) == tp1d.block_param_bytes(h, ffn, T, heads=heads, kv_heads=kv), \
             f"{what}: parameter bytes"
-        assert y.numel() * y.element_size() == tp1d.residual_activation_bytes(b, s, h, T, sp), f"{what}: residual"
+        assert y.numel() * y.element_size() == ONE_D.rank_shape(cfg, T, sp, b * s).residual * 4, f"{what}: residual"
     return True
 
 
@@ -149,16 +157,17 @@ def _transformer(T, sp, data=1):
         logits = ctx.logits(par, ctx.shard_tokens(tokens))
         loss = ctx.loss(logits, ctx.shard_tokens(targets))
         loss.backward()
-        _assert_ledger(tp1d.transformer_comm(cfg.layers, b, s, cfg.hidden, T, sp, heads=cfg.heads, kv_heads=kv), what)
+        layout = SimpleNamespace(tensor=T, sequence_parallel=sp, micro_batch=b, recompute="none")
+        priced = ONE_D.tensor_comm(cfg, layout, s, cfg.layers, first=True, last=True).get("tensor", [])
+        _assert_ledger(sum(priced, CommVolume(T)), what)        # what the planner prices the step with
         assert LEDGER.count(axis="tensor") == LEDGER.count(), f"{what}: a collective left the tensor axis"
         padded = -(-vocab // T) * T
         assert_close(logits, last_dim_shard(pad_to(ref_logits.detach(), (b, s, padded)), mesh), TOL, f"{what} logits")
         assert_close(loss, ref_loss.detach(), TOL, f"{what} loss")
         n = _compare_grads(par, ref, mesh, what)
         assert n == len(dict(ref.named_parameters(remove_duplicate=False))), f"{what}: {n} parameters compared"
-        assert local_param_bytes(par) == tp1d.transformer_param_bytes(
-            cfg.layers, cfg.hidden, cfg.ffn_hidden, vocab, T, tied, heads=cfg.heads, kv_heads=kv), \
-            f"{what}: parameter bytes"
+        assert local_param_bytes(par) == 4 * sum(p.numel for p in rank_parameter_blocks(cfg, ONE_D, T)), \
+            f"{what}: parameter bytes (the memory model's)"
         if T == 1:
             assert local_param_bytes(par) == cfg.num_parameters() * 4
     return True

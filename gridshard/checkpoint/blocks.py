@@ -10,7 +10,7 @@ Linear2D block back to ``[out, in]`` and cutting vocabulary padding off its end;
 same layout narrowed to the data rank's element range of the block, which is up to three boxes
 of a matrix (a partial first row, whole rows, a partial last row:
 :func:`gridshard.theory.zero.flat_range_boxes`), so a rank may hold several blocks of one
-tensor, keyed ``fqn@offsets`` (:func:`block_key`). The saved chunks of one tensor are disjoint
+tensor, keyed ``fqn@offsets`` (:func:`model_blocks`). The saved chunks of one tensor are disjoint
 and cover it (element ranges of different data ranks are disjoint), as DCP requires.
 
 :class:`CanonicalBlock` is that box: the fqn, the canonical global size, the offsets and a
@@ -36,7 +36,6 @@ fp32 model plus twice that of AdamW moments), and reads exactly its own blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -46,7 +45,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..errors import LayoutError
-from ..nn.sharding import ShardSpec, mesh_coords
+from ..nn.sharding import mesh_coords
 
 MODEL = "model."
 OPTIM = "optim."
@@ -70,25 +69,6 @@ class CanonicalBlock:
         return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
 
 
-def canonical_block(fqn: str, local: torch.Tensor, spec: ShardSpec, mesh,
-                    local_box: Optional[tuple] = None) -> Optional[CanonicalBlock]:
-    """The box of ``local`` (this rank's block stored by ``spec``, or with ``local_box`` = ((lo, hi)
-    per stored dim) that box of it, ``local`` then in the box's shape: a piece of a ZeRO element
-    range) in its canonical tensor (:meth:`ShardSpec.canonical_box`), or None when it holds only
-    padding."""
-    box = spec.canonical_box(*mesh_coords(mesh), local_box=local_box)
-    if box is None:
-        return None
-    return CanonicalBlock(fqn, tuple(spec.canonical()), tuple(o for o, _ in box),
-                          spec.canonical_view(local.detach(), box))
-
-
-def block_key(block: CanonicalBlock, piece: bool) -> str:
-    """The key of ``block`` in a rank's dict of blocks (and in DCP's state dict): its fqn, or for a
-    piece of an element range — a parameter may have several on one rank — ``fqn@offsets``."""
-    return f"{block.fqn}@{','.join(map(str, block.offsets))}" if piece else block.fqn
-
-
 def _written_once(model: torch.nn.Module, name: str) -> bool:
     """False for the last pipeline stage's copy of a tied embedding (:mod:`gridshard.pipeline.tied`):
     the first stage writes the weight, the copy is equal and only read. (Under ZeRO the two
@@ -109,22 +89,32 @@ def _stepped_blocks(model: torch.nn.Module, reducer, prefix: str, tensor_of, wri
     AdamW moments; None: skipped) for every tensor ``reducer`` (:class:`gridshard.zero.
     ZeroDataParallel`) steps — the parameter itself, or under ZeRO its element range, as ≤ 3 boxes of
     the parameter's layout narrowed further —, without one every parameter (tied weights under
-    their first name). fqn = ``prefix(name)``."""
+    their first name). fqn = ``prefix(name)``.
+
+    Each piece (the stored block, or with ``local_box`` = ((lo, hi) per stored dim) that box of it,
+    ``piece`` then in the box's shape: a piece of a ZeRO element range) is the box of its canonical
+    tensor :meth:`~gridshard.nn.sharding.ShardSpec.canonical_box` gives — none when it holds only padding. Its key in a
+    rank's dict of blocks (and in DCP's state dict): the fqn, or for a piece of an element range —
+    a parameter may have several on one rank — ``fqn@offsets``."""
     ctx, out = model.parallel_context, {}
+    coords = mesh_coords(ctx.mesh)
     for s in _stepped(model, reducer):
         t = tensor_of(s)
         if t is None or (writing and not _written_once(model, s.name)):
             continue
         spec = ctx.layouts[s.name]
         for local_box, piece in s.pieces(t):
-            b = canonical_block(prefix(s.name), piece, spec, ctx.mesh, local_box)
-            if b is not None:
-                out[block_key(b, s.elements is not None)] = b
+            box = spec.canonical_box(*coords, local_box=local_box)
+            if box is None:
+                continue
+            fqn, offsets = prefix(s.name), tuple(o for o, _ in box)
+            key = f"{fqn}@{','.join(map(str, offsets))}" if s.elements is not None else fqn
+            out[key] = CanonicalBlock(fqn, tuple(spec.canonical()), offsets, spec.canonical_view(piece.detach(), box))
     return out
 
 
 def model_blocks(model: torch.nn.Module, reducer=None, writing: bool = False) -> dict:
-    """key (:func:`block_key`) → block for every trainable parameter once (tied weights under their
+    """key (:func:`_stepped_blocks`) → block for every trainable parameter once (tied weights under their
     first name) of a model laid out by :func:`gridshard.parallelize`; fqn = ``"model." + name``.
     With a ZeRO ``reducer`` (:class:`gridshard.zero.ZeroDataParallel`) each data rank's blocks are
     its element ranges only (the parameter itself is not gathered under ZeRO-3). ``writing``: the
@@ -140,24 +130,13 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
     if inner is not None:
         return ensure_adam_state(inner)
     for group in optimizer.param_groups:
-        fused_or_capturable = bool(group.get("fused")) or bool(group.get("capturable"))
+        on_device = bool(group.get("fused")) or bool(group.get("capturable"))      # else the step count is on the CPU
+        moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
         for p in group["params"]:
             st = optimizer.state[p]
-            if st:
-                continue
-            step_device = p.device if fused_or_capturable else torch.device("cpu")
-            st["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad"):
-                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def adam_state(optimizer, tensor) -> dict:
-    """The AdamW state of ``tensor`` (an optimizer that keeps it elsewhere, e.g. in host memory,
-    answers through ``state_for``)."""
-    lookup = getattr(optimizer, "state_for", None)
-    return lookup(tensor) if lookup is not None else optimizer.state.get(tensor)
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                st.update({m: torch.zeros_like(p, memory_format=torch.preserve_format) for m in moments})
 
 
 def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer=None,
@@ -166,7 +145,8 @@ def optimizer_blocks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, r
     parameter's layout) plus ``optim.step`` (the shared step count, replicated, stored as shape [1]).
     Under a ZeRO ``reducer`` the moments are the stepped element ranges' (:func:`model_blocks`)."""
     ensure_adam_state(optimizer)
-    state = lambda s: adam_state(optimizer, s.tensor) if s.tensor.numel() else None      # noqa: E731
+    lookup = getattr(optimizer, "state_for", None) or optimizer.state.get    # state_for: kept elsewhere (host memory)
+    state = lambda s: lookup(s.tensor) if s.tensor.numel() else None      # noqa: E731
     out = {}
     for key in ADAM_MOMENTS:
         out.update(_stepped_blocks(model, reducer, lambda name, key=key: f"{OPTIM}{name}.{key}",
@@ -185,15 +165,24 @@ def set_optimizer_step(optimizer: torch.optim.Optimizer, value: torch.Tensor) ->
             st["step"].copy_(value.to(st["step"].dtype).reshape(st["step"].shape))
 
 
-class BlockSavePlanner(DefaultSavePlanner):
+class _ByBlock:
+    """A DCP planner over ``boxes`` (key → :class:`CanonicalBlock`); ``_key(index)``: the key of the
+    block that DCP's write or read item (indexed by the chunk's fqn and offsets) stands for, also
+    when a fqn has several blocks on this rank."""
+
+    def __init__(self, boxes: dict):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.boxes, self.keys = boxes, {(b.fqn, tuple(b.offsets)): key for key, b in boxes.items()}
+
+    def _key(self, index: MetadataIndex) -> str:
+        return self.keys[(index.fqn, tuple(index.offset))]
+
+
+class BlockSavePlanner(_ByBlock, DefaultSavePlanner):
     """Writes each staged block as one chunk at its offsets (module docstring).
 
     ``state_dict`` (what DCP stages and passes in) maps fqn → the block's data;
     ``boxes`` maps fqn → :class:`CanonicalBlock` (offsets and global size)."""
-
-    def __init__(self, boxes: dict):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes, self.keys = boxes, _keys_by_index(boxes)
 
     def create_local_plan(self) -> SavePlan:
         items = []
@@ -207,21 +196,11 @@ class BlockSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
-        return self.state_dict[self.keys[(index.fqn, tuple(index.offset))]]
+        return self.state_dict[self._key(index)]
 
 
-def _keys_by_index(boxes: dict) -> dict:
-    """(fqn, offsets) → key of every block: how DCP's write and read items (indexed by the
-    chunk's fqn and offsets) find a block when a fqn has several on this rank."""
-    return {(b.fqn, tuple(b.offsets)): key for key, b in boxes.items()}
-
-
-class BlockLoadPlanner(DefaultLoadPlanner):
+class BlockLoadPlanner(_ByBlock, DefaultLoadPlanner):
     """Reads into each local block the parts of every saved chunk that overlap it."""
-
-    def __init__(self, boxes: dict):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes, self.keys = boxes, _keys_by_index(boxes)
 
     def create_local_plan(self) -> LoadPlan:
         items = []
@@ -232,7 +211,7 @@ class BlockLoadPlanner(DefaultLoadPlanner):
         return self.plan
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.boxes[self.keys[(index.fqn, tuple(index.offset))]].view
+        return self.boxes[self._key(index)].view
 
 
 def check_against_metadata(boxes: dict, metadata, where: str) -> None:

@@ -43,10 +43,10 @@ this rank's blocks: the layout that reads may differ from the one that wrote.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
-import time
 from concurrent.futures import Future
 from typing import Optional
 
@@ -75,19 +75,15 @@ def rng_blocks(rank: int, device: torch.device) -> dict:
 
 def first_nonfinite(staged: dict) -> Optional[str]:
     """The first staged block holding NaN/inf (floating blocks only), else None."""
-    for key, t in staged.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return key
-    return None
+    return next((key for key, t in staged.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())),
+                None)
 
 
 def _checkpoint_bytes(folder: Optional[str]) -> Optional[int]:
-    """Bytes of a complete checkpoint (its manifest's sizes), None when unknown."""
-    if folder is None:
-        return None
+    """Bytes of a complete checkpoint (its manifest's sizes), None when unknown (or no folder)."""
     try:
-        return sum(int(v["bytes"]) for v in F.read_manifest(folder)["files"].values()) or None
-    except Exception:                                   # noqa: BLE001 (an estimate only)
+        return sum(int(v["bytes"]) for v in F._read_manifest(folder)["files"].values()) or None
+    except Exception:                                   # noqa: BLE001 (an estimate only; folder None included)
         return None
 
 
@@ -125,13 +121,9 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
         self._in_flight: Optional[Future] = None
         self.last_requested: Optional[int] = None     # newest step a save was started for
-        self.save_seconds: list = []                  # time the training thread spent per save
         if self.root and self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             F.remove_partials(self.root)             # a save killed in an earlier attempt
-        self._barrier()
-
-    def _barrier(self):
         if self.group is not None:
             dist.barrier(group=self.group)
 
@@ -144,7 +136,6 @@ class Checkpointer:
             return
         self.wait()
         self.last_requested = step
-        t0 = time.perf_counter()
         hit(self.faults, "save_start", self.rank, step)
         boxes = {**model_blocks(model, reducer, writing=True),
                  **optimizer_blocks(model, optimizer, reducer, writing=True),
@@ -156,7 +147,6 @@ class Checkpointer:
                                   name=f"gridshard-save-{step}")
         thread.start()
         self._in_flight = fut
-        self.save_seconds.append(time.perf_counter() - t0)
         if blocking:
             self.wait()
 
@@ -180,8 +170,7 @@ class Checkpointer:
             except BaseException as e:                 # noqa: BLE001 (DCP's CheckpointException is one)
                 error = e
             nbytes = sum(t.numel() * t.element_size() for t in staged.values())
-            report = (mine, bad, disk_errno(error) if error is not None else None,
-                      one_line(error) if error is not None else None, nbytes)
+            report = (mine, bad, *((disk_errno(error), one_line(error)) if error is not None else (None, None)), nbytes)
             reports = [report]
             if self.group is not None:
                 reports = [None] * self.world if self.rank == 0 else None
@@ -211,10 +200,11 @@ class Checkpointer:
         state, never published (so ``latest`` always names a finite checkpoint)."""
         failed = [(r, code, line) for r, (_, _, code, line, _) in enumerate(reports) if line]
         bad = [(r, key) for r, (_, key, _, _, _) in enumerate(reports) if key]
+        staged_bytes = sum(x[4] for x in reports)
         if failed:
             rank, code, line = next(((r, c, x) for r, c, x in failed if c is not None), failed[0])
             cause = error if rank == 0 and error is not None else (OSError(code, os.strerror(code)) if code else None)
-            return "save", self._failure_line(step, partial, final, cause, line, sum(x[4] for x in reports))
+            return "save", self._failure_line(step, partial, final, cause, line, staged_bytes)
         if bad:
             removed = self._remove_partial(partial)
             rank, key = bad[0]
@@ -227,7 +217,7 @@ class Checkpointer:
             self._publish(step, partial, final, {**meta, "weights_finite": True},
                           {k: v for d in reports for k, v in d[0].items()})
         except BaseException as e:                     # noqa: BLE001 (the same error on every rank)
-            return "save", self._failure_line(step, partial, final, e, one_line(e), sum(x[4] for x in reports))
+            return "save", self._failure_line(step, partial, final, e, one_line(e), staged_bytes)
         return None
 
     def _publish(self, step: int, partial: str, final: str, meta: dict, hashed: dict) -> None:
@@ -251,12 +241,8 @@ class Checkpointer:
 
     def _remove_partial(self, partial: str) -> str:
         """Remove a save's partial folder (and a ``latest.tmp``); what happened, for the message."""
-        tmp = os.path.join(self.root, F.LATEST + ".tmp")
-        if os.path.exists(tmp):
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(self.root, F.LATEST + ".tmp"))
         if not os.path.exists(partial):
             return "nothing of it is left"
         shutil.rmtree(partial, ignore_errors=True)
@@ -276,12 +262,9 @@ class Checkpointer:
         else:
             lost = f"checkpoint {name} is complete but `latest` was not moved to it ({line})"
         need = _checkpoint_bytes(last) or staged_bytes
-        run_dir = os.path.dirname(self.root)
-        disk = write_failure(run_dir, self.root, cause, lost, need=need, need_what="a checkpoint", last=last)
-        if disk is not None:
-            return disk
-        return (f"saving checkpoint {name} failed: {line}; {lost}; "
-                f"{'last complete checkpoint: ' + last if last else 'no complete checkpoint was written'}.")
+        return (write_failure(os.path.dirname(self.root), self.root, cause, lost, need=need, last=last)
+                or f"saving checkpoint {name} failed: {line}; {lost}; "
+                   f"{'last complete checkpoint: ' + last if last else 'no complete checkpoint was written'}.")
 
     def wait(self) -> None:
         """Wait for the save in flight (if any); re-raise its error."""
@@ -298,24 +281,20 @@ class Checkpointer:
                 self.group = None
 
     # ---- load (every read goes through gridshard.checkpoint.reader) ----------------------
-    def verify(self, folder: str):
-        """Verify ``folder`` completely on every rank (:func:`gridshard.checkpoint.reader.open_checkpoint`;
-        ranks split the hashing and agree): returns the verified checkpoint, or raises the same
-        CheckpointError on every rank."""
-        return open_checkpoint(folder, (self.rank, self.world), self.group)
-
+    # each first verifies ``folder`` completely on every rank (gridshard.checkpoint.reader.open_checkpoint:
+    # ranks split the hashing and agree), or raises the same CheckpointError on every rank
     def load_weights(self, folder: str, model) -> dict:
         """``model.init_from`` a gridshard checkpoint: verify ``folder`` and read this rank's
         blocks of the model's parameters only — no optimizer (it need not exist yet), no
         generator states, no step. Any layout reads any checkpoint. Returns ``meta.json``."""
-        checked = self.verify(folder)
+        checked = open_checkpoint(folder, (self.rank, self.world), self.group)
         read_blocks(checked, model_blocks(model), self.group)
         return checked.meta
 
     def load(self, folder: str, model, optimizer, load_optimizer: bool = True, reducer=None) -> dict:
         """Read ``folder`` into this rank's blocks of ``model`` (and ``optimizer``); restore the
         generator states when the world size is the one that wrote it. Returns ``meta.json``."""
-        checked = self.verify(folder)
+        checked = open_checkpoint(folder, (self.rank, self.world), self.group)
         meta = checked.meta
         boxes = dict(model_blocks(model, reducer))
         if load_optimizer:

@@ -44,18 +44,12 @@ from here (``from . import files as F`` in the checkpointer, reader, resume and 
 """
 from __future__ import annotations
 
-# private names too: the reader uses F._verify, F._read_meta, F._plain_name; tests F._ALLOWED
+# every name below is re-exported (private ones too: the reader uses F._verify, F._read_meta, F._plain_name,
+# the checkpointer F._read_manifest; tests F._ALLOWED)
 from ..errors import CheckpointError
-from .dcp_metadata import _ALLOWED, SafeMetadataReader, _MetadataUnpickler, read_dcp_metadata
-from .folders import (_POINTER_MAX_BYTES, _STEP_DIR, CHECKPOINTS, FORMAT, LATEST, MANIFEST, META, PARTIAL,
-                      _weights_finite, checkpoints_root, complete_steps, fsync_dir, prune, publish, read_latest,
-                      remove_partials, resolve_checkpoint, step_dir_name, update_latest)
-from .manifest import _open_nofollow, _sha256, describe_files, write_json, write_manifest
-from .verify import (Refused, _plain_name, _read_manifest, _read_meta, _refused, _verify, _where, check_folder,
-                     newest_verified, read_manifest, read_meta, refusal, verify_checkpoint)
-
-__all__ = ["CHECKPOINTS", "CheckpointError", "FORMAT", "LATEST", "MANIFEST", "META", "PARTIAL", "Refused",
-           "SafeMetadataReader", "check_folder", "checkpoints_root", "complete_steps", "describe_files", "fsync_dir",
-           "newest_verified", "prune", "publish", "read_dcp_metadata", "read_latest", "read_manifest", "read_meta",
-           "refusal", "remove_partials", "resolve_checkpoint", "step_dir_name", "update_latest", "verify_checkpoint",
-           "write_json", "write_manifest"]
+from .dcp_metadata import _ALLOWED, SafeMetadataReader, read_dcp_metadata
+from .folders import (CHECKPOINTS, FORMAT, LATEST, MANIFEST, META, PARTIAL, checkpoints_root, complete_steps, fsync_dir,
+                      prune, publish, read_latest, remove_partials, resolve_checkpoint, step_dir_name, update_latest)
+from .manifest import describe_files, write_json, write_manifest
+from .verify import (Refused, _plain_name, _read_manifest, _read_meta, _verify, check_folder, newest_verified,
+                     read_meta, refusal, verify_checkpoint)

@@ -44,15 +44,10 @@ def step_dir_name(step: int) -> str:
 def complete_steps(root: str) -> list:
     """Steps with a complete-looking folder (a real ``step_N`` folder, not a symbolic link,
     holding a manifest), sorted."""
-    if not os.path.isdir(root):
-        return []
-    out = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if m and not os.path.islink(path) and os.path.isfile(os.path.join(path, MANIFEST)):
-            out.append(int(m.group(1)))
-    return sorted(out)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(name[len("step_"):]) for name in names if _STEP_DIR.match(name)
+                  and not os.path.islink(os.path.join(root, name))
+                  and os.path.isfile(os.path.join(root, name, MANIFEST)))
 
 
 _POINTER_MAX_BYTES = 64          # "step_N\n" with any step that fits in an int64 is far shorter
@@ -129,29 +124,31 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def update_latest(root: str, name: str) -> None:
-    tmp = os.path.join(root, LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
+def write_synced(path: str, text: str) -> None:
+    """Write, flush and fsync a text file."""
+    with open(path, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def update_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, LATEST + ".tmp")
+    write_synced(tmp, name + "\n")
     os.replace(tmp, os.path.join(root, LATEST))
     fsync_dir(root)
 
 
 def publish(partial: str, final: str) -> None:
     """Rename a finished ``step_N.partial`` to ``step_N`` (replacing an older ``step_N`` left by
-    a run that was resumed from an earlier step) and update ``latest``."""
-    root = os.path.dirname(final)
+    a run that was resumed from an earlier step)."""
+    old = final + ".replaced"
     if os.path.exists(final):
-        old = final + ".replaced"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
-        os.rename(partial, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(partial, final)
-    fsync_dir(root)
+    os.rename(partial, final)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(os.path.dirname(final))
 
 
 def _weights_finite(folder: str) -> bool:

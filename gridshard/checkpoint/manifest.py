@@ -10,7 +10,7 @@ import json
 import os
 from typing import Optional
 
-from .folders import FORMAT, MANIFEST
+from .folders import FORMAT, MANIFEST, write_synced
 
 
 def _open_nofollow(path: str):
@@ -29,10 +29,7 @@ def _sha256(path: str, nofollow: bool = False) -> str:
 
 def write_json(path: str, obj) -> None:
     """Write, flush and fsync a JSON file."""
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def describe_files(folder: str, prefix: str = "", known: Optional[dict] = None) -> dict:

@@ -157,8 +157,8 @@ def _check_chunks(metadata, manifest: dict) -> None:
         for c in md.chunks:
             if not isinstance(c, ChunkStorageMetadata):
                 raise F.Refused(f".metadata: a chunk of {fqn[:80]!r} is not a chunk description")
-            offsets, sizes = _ints(c.offsets, f"a chunk offset of {fqn[:80]!r}"), _ints(c.sizes, f"a chunk size of "
-                                                                                              f"{fqn[:80]!r}")
+            offsets = _ints(c.offsets, f"a chunk offset of {fqn[:80]!r}")
+            sizes = _ints(c.sizes, f"a chunk size of {fqn[:80]!r}")
             if len(offsets) != len(size) or len(sizes) != len(size) or \
                     any(o + n > s for o, n, s in zip(offsets, sizes, size)):
                 raise F.Refused(f".metadata: a chunk of {fqn[:80]!r} lies outside its size {size}")
@@ -192,11 +192,9 @@ def _check_meta_against_tensors(meta: dict, metadata) -> None:
             from None
     expected = {n: tuple(p.shape) for n, p in plain.named_parameters()}
     hf = bool(model.get("hf_config"))
-    saved = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if fqn.startswith(MODEL):
-            name = fqn[len(MODEL):]
-            saved[hf_to_gridshard_name(name) if hf else name] = tuple(md.size)
+    rename = hf_to_gridshard_name if hf else (lambda name: name)
+    saved = {rename(fqn[len(MODEL):]): tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
+             if fqn.startswith(MODEL)}
     short = ", ".join(f"{k}={described[k]!r}" for k in ("vocab_size", "hidden", "layers", "heads", "kv_heads",
                                                          "ffn_hidden", "tie_embeddings") if k in described)
     for name, shape in expected.items():

@@ -156,10 +156,6 @@ def _refused(check, folder: str, *args):
         raise refusal(folder, r.what, r.fix) from None
 
 
-def read_manifest(folder: str) -> dict:
-    return _refused(_read_manifest, folder)
-
-
 def verify_checkpoint(folder: str, hash_share: tuple = (0, 1)) -> dict:
     """Check ``folder`` against its manifest: a real folder of plain files (no symbolic
     links, :func:`check_folder`), every listed file present with its size; the sha256 of the

@@ -165,18 +165,6 @@ def cross_entropy_comm(tokens: int, T: int) -> CommVolume:
     return CommVolume(T).add("all_reduce", 4 * tokens).add("all_reduce", 8 * tokens)
 
 
-def transformer_comm(layers: int, batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
-                     bytes_per_elem: int = 4, heads: int | None = None, kv_heads: int | None = None) -> CommVolume:
-    """One training step (forward + backward + loss) of ``gridshard.models.Transformer``
-    (``heads`` / ``kv_heads``: grouped-query attention, see :func:`block_comm`)."""
-    sp = sequence_parallel
-    v = embedding_comm(batch, seq, hidden, T, sp, bytes_per_elem)
-    for _ in range(layers):
-        v = v + block_comm(batch, seq, hidden, T, sp, bytes_per_elem, heads, kv_heads)
-    v = v + norm_comm(hidden, T, sp, bytes_per_elem) + head_comm(batch, seq, hidden, T, sp, bytes_per_elem)
-    return v + cross_entropy_comm(batch * seq, T)
-
-
 def block_param_elems(hidden: int, ffn: int, T: int, heads: int | None = None, kv_heads: int | None = None) -> int:
     """(4h² + 3hf)/T + 2h parameters of one block on each tensor rank; with grouped-query
     attention (K < H, d = h/H) (2h² + 3hf)/T + 2·K·d·h/min(T, K) + 2h."""
@@ -191,18 +179,3 @@ def block_param_bytes(hidden: int, ffn: int, T: int, bytes_per_elem: int = 4, he
                       kv_heads: int | None = None) -> int:
     """Bytes of one block's parameters on each tensor rank (the same with or without SP)."""
     return block_param_elems(hidden, ffn, T, heads, kv_heads) * bytes_per_elem
-
-
-def transformer_param_bytes(layers: int, hidden: int, ffn: int, vocab: int, T: int, tied: bool = False,
-                            bytes_per_elem: int = 4, heads: int | None = None, kv_heads: int | None = None) -> int:
-    """Bytes of the whole model's parameters on each tensor rank, vocabulary padding included."""
-    padded = -(-vocab // T) * T
-    vocab_tables = (1 if tied else 2) * (padded // T) * hidden
-    return (layers * block_param_elems(hidden, ffn, T, heads, kv_heads) + vocab_tables + hidden) * bytes_per_elem
-
-
-def residual_activation_bytes(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
-                              bytes_per_elem: int = 4) -> int:
-    """One residual-stream activation on each rank: A without SP, A/T with SP."""
-    a = residual_bytes(batch, seq, hidden, bytes_per_elem)
-    return a // T if sequence_parallel else a

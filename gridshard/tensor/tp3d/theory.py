@@ -251,16 +251,6 @@ def ends3d_comm(batch: int, seq: int, hidden: int, vocab: int, q: int, bytes_per
     return combine(*parts)
 
 
-def transformer3d_comm(layers: int, batch: int, seq: int, hidden: int, ffn: int, vocab: int, q: int,
-                       tied: bool = False, bytes_per_elem: int = 4, heads: int | None = None,
-                       kv_heads: int | None = None) -> dict:
-    """One micro-batch's forward + backward + loss of ``gridshard.models.Transformer`` on a q×q×q
-    cube: ``layers`` × :func:`block3d_comm` + :func:`ends3d_comm` (the signature of
-    :func:`gridshard.tensor.tp2d.theory.transformer2d_comm`)."""
-    block = block3d_comm(batch, seq, hidden, ffn, q, bytes_per_elem, heads, kv_heads)
-    return combine(ends3d_comm(batch, seq, hidden, vocab, q, bytes_per_elem, tied=tied), *([block] * layers))
-
-
 def block3d_param_bytes(hidden: int, ffn: int, q: int, bytes_per_elem: int = 4, heads: int | None = None,
                         kv_heads: int | None = None) -> int:
     """((2h + 2·K·d)·h + 3·h·f + 2h)/q³ elements per rank: every weight and norm vector 1/T."""
@@ -283,7 +273,6 @@ def axis_groups(q: int) -> dict:
 
 
 __all__ += ["linear3d_forward_comm", "block3d_comm", "block3d_recompute_comm", "tied_head3d_comm", "ends3d_comm",
-            "transformer3d_comm",
             "block3d_param_bytes", "axis_groups"]
 
 
