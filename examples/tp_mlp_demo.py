@@ -28,7 +28,7 @@ gridshard.init_distributed()
 T = dist.get_world_size()
 mesh = gridshard.build_mesh(tensor=T)
 h, sp = args.hidden, args.sequence_parallel
-device = gridshard.mesh.default_device()
+device = gridshard.device.rank_device()
 
 torch.manual_seed(0)                              # same seed → same global weights at any T
 fc1 = ColumnParallelLinear(h, 4 * h, mesh, sequence_parallel=sp, device=device)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .device import check_ranks_per_node, device_for_backend, rank_device, resolve_backend
+from .device import check_ranks_per_node, device_for_backend, resolve_backend
 from .errors import LayoutError
 from .job_layout import TensorMode
 from .mesh_dims import outer_layout, weight_replica_dims
@@ -120,12 +120,6 @@ def _fits(mode: TensorMode, T: int, depth: int) -> bool:
     except LayoutError:
         return False
     return True
-
-
-def default_device(requested: str = "auto") -> torch.device:
-    """The device this rank computes on (:func:`gridshard.device.rank_device`): the process
-    group's backend decides once one exists (nccl → ``cuda:LOCAL_RANK``, gloo → CPU)."""
-    return rank_device(requested)
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> None:

@@ -61,9 +61,9 @@ def test_an_existing_process_group_decides_the_device(fake_gpus, monkeypatch):
     monkeypatch.setattr(device_mod.dist, "get_backend", lambda *a: "gloo")
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert device_mod.rank_device("auto") == torch.device("cpu")
-    from gridshard.mesh import default_device
+    from gridshard.device import rank_device
 
-    assert default_device() == torch.device("cpu")
+    assert rank_device() == torch.device("cpu")
 
 
 def test_backend_key_is_validated():

@@ -210,7 +210,7 @@ class Checkpointer:
             rank, key = bad[0]
             return "nonfinite", (f"checkpoint {F.step_dir_name(step)} refused: its block {key} (rank {rank}) holds "
                                  f"NaN/inf values, so the run had diverged by step {step}; {removed}; last finite "
-                                 f"checkpoint: {self._latest() or 'none was written'}. Fix: lower "
+                                 f"checkpoint: {self.latest() or 'none was written'}. Fix: lower "
                                  f"train.lr (or train.grad_clip) and continue from that checkpoint, or start again; "
                                  f"train.on_nonfinite (stop | skip) acts on the first non-finite gradient norm.")
         try:
@@ -232,7 +232,7 @@ class Checkpointer:
         hit(self.faults, "save_after_latest", self.rank, step)
         F.prune(self.root, self.keep)
 
-    def _latest(self) -> Optional[str]:
+    def latest(self) -> Optional[str]:
         """The checkpoint ``latest`` names (for messages; None when there is none or it is unusable)."""
         try:
             return F.read_latest(self.root)
@@ -254,7 +254,7 @@ class Checkpointer:
         """One line for a save that failed (module :mod:`gridshard.disk` for disk errors)."""
         removed = self._remove_partial(partial)
         name = F.step_dir_name(step)
-        last = self._latest()
+        last = self.latest()
         if not os.path.isdir(final):
             lost = f"checkpoint {name} was not saved ({removed})"
         elif last is not None and os.path.normpath(last) == os.path.normpath(final):

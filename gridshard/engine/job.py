@@ -42,9 +42,10 @@ from ..checkpoint.resume import check_compatible, describe, resume_folder
 from ..comm.ledger import CommLedger
 from ..config import TrainConfig, load_config, resolve_config
 from ..data import BatchPlan, load_split
+from ..device import rank_device
 from ..errors import ConfigError
 from ..job_layout import JobLayout
-from ..mesh import build_mesh, default_device, init_distributed
+from ..mesh import build_mesh, init_distributed
 from ..models import Transformer
 from ..models.vit import VisionTransformer
 from ..parallel import context_of, parallelize
@@ -152,7 +153,7 @@ def resolve_job_config(config, overrides=()) -> TrainConfig:
     if isinstance(config, ResolvedConfig):
         if not dist.is_initialized():
             init_distributed(config.config.parallel.backend, timeout_s=config.config.train.collective_timeout_s)
-        here = (dist.get_world_size(), default_device().type == "cuda", list(overrides))
+        here = (dist.get_world_size(), rank_device().type == "cuda", list(overrides))
         if here != (config.world_size, config.cuda_available, []):
             raise ConfigError(f"a config resolved for {config.world_size} process(es) (CUDA available: "
                               f"{config.cuda_available}) was handed to {here[0]} (CUDA available: {here[1]}; "
@@ -162,7 +163,7 @@ def resolve_job_config(config, overrides=()) -> TrainConfig:
         loaded = load_config(config, overrides)
         init_distributed(loaded.parallel.backend, timeout_s=loaded.train.collective_timeout_s)
     cfg = resolve_config(config, overrides, world_size=dist.get_world_size(),
-                         cuda_available=default_device().type == "cuda")
+                         cuda_available=rank_device().type == "cuda")
     if cfg.parallel.backend not in ("auto", dist.get_backend()):
         raise ConfigError(f"parallel.backend={cfg.parallel.backend} but this process group runs "
                           f"{dist.get_backend()}. Fix: parallel.backend: auto (the group's backend decides) or "
@@ -174,7 +175,7 @@ def _frame(config, overrides, run_dir) -> Job:
     """The resolved config, rank 0's run directory, the resume source (checked before anything
     is built), the job's ledger and mesh, and the job layout."""
     cfg = resolve_job_config(config, overrides)
-    device, rank = default_device(), dist.get_rank()
+    device, rank = rank_device(), dist.get_rank()
     if dist.get_world_size() > 1:      # rank 0's run directory for all (e.g. timestamped defaults under torchrun)
         box = [run_dir]
         dist.broadcast_object_list(box, 0)

@@ -205,7 +205,7 @@ class Trainer:
         """The last complete checkpoint, for messages (after the save in flight is done)."""
         if self.checkpointer is None or self.checkpointer.root is None:
             return self.resume_from or "none (no run directory)"
-        return self.checkpointer._latest() or self.resume_from or "none was written"
+        return self.checkpointer.latest() or self.resume_from or "none was written"
 
     def _diverged(self, step: int, what: str, how: str = "") -> NonFiniteError:
         """The error every rank raises when ``step`` diverged (train.on_nonfinite=stop): first

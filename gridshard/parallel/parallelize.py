@@ -163,11 +163,11 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     (:mod:`gridshard.tensor.tp1d.input_grad_overlap`), or issued after it when False;
     ``context_mode`` (a mesh with a context axis of C > 1) ``ring`` or ``all_to_all``.
     """
-    from ..mesh import default_device
+    from ..device import rank_device
 
     if getattr(model, "parallel_context", None) is not None:
         raise LayoutError("parallelize: this model is already laid out. Fix: build a fresh plain model.")
-    device = torch.device(device) if device is not None else default_device()
+    device = torch.device(device) if device is not None else rank_device()
     dims = model_dims(model)
     plan = plan or default_plan(model, dims)
     mode, T = mesh.tensor_mode, mesh.tensor.size
