@@ -5,6 +5,7 @@ SIGTERM handling (the first stops after the step with a checkpoint, the second a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -90,7 +91,9 @@ def restart_config(resolved, run_dir: str):
 
     if not _restarted() or read_latest(checkpoints_root(run_dir)) is None:
         return resolved
-    return resolved.with_train(resume="auto")
+    # a resume source is checked when the job is built, not by validation
+    train = resolved.config.train.model_copy(update={"resume": "auto"})
+    return dataclasses.replace(resolved, config=resolved.config.model_copy(update={"train": train}))
 
 
 def _run(resolved, run_dir: str, progress: bool):

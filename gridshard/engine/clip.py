@@ -69,21 +69,18 @@ def global_grad_norm(params, mesh, specs=None, pipeline_axis=None, data_axis=Non
 
 @torch.no_grad()
 def clip_gradients(params, total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale gradients in place so the global norm is at most ``max_norm`` (0 = off)."""
+    """Scale gradients in place so the global norm is at most ``max_norm`` (0 = off).
+
+    The gradients are grouped by (device, dtype), in order: one ``torch._foreach_mul_`` per group
+    scales them (one multi-tensor kernel on CUDA instead of one launch per tensor); each element is
+    multiplied by the same coefficient, cast to its dtype, as a per-tensor ``mul_`` would, so the
+    result is the same bit for bit."""
     if max_norm <= 0:
         return
     coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for (device, dtype), grads in grad_groups(params).items():
-        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
-
-
-def grad_groups(params) -> dict:
-    """The gradients of ``params`` grouped by (device, dtype), in order: one
-    ``torch._foreach_mul_`` per group scales them (one multi-tensor kernel on CUDA instead of
-    one launch per tensor); each element is multiplied by the same coefficient, cast to its
-    dtype, as a per-tensor ``mul_`` would, so the result is the same bit for bit."""
     groups: dict = {}
     for p in params:
         if p.grad is not None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    return groups
+    for (device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))

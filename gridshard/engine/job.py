@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import Checkpointer, FaultPlan
+from ..checkpoint import Checkpointer, CheckpointError, FaultPlan
 from ..checkpoint.resume import check_compatible, describe, resume_folder
 from ..comm.ledger import CommLedger
 from ..config import TrainConfig, load_config, resolve_config
@@ -74,12 +74,6 @@ class ResolvedConfig:
     config: TrainConfig
     world_size: int
     cuda_available: bool
-
-    def with_train(self, **fields) -> "ResolvedConfig":
-        """The same resolved config with ``train`` fields replaced (e.g. ``resume="auto"`` for an
-        elastic restart: a resume source is checked when the job is built, not by validation)."""
-        train = self.config.train.model_copy(update=fields)
-        return ResolvedConfig(self.config.model_copy(update={"train": train}), self.world_size, self.cuda_available)
 
 
 @dataclass
@@ -150,18 +144,17 @@ def resolve_job_config(config, overrides=()) -> TrainConfig:
     """The config validated against this process group (joined here when it is not yet):
     a :class:`ResolvedConfig` as it is (its world size must be this group's), anything else
     through :func:`gridshard.config.resolve_config`."""
-    if isinstance(config, ResolvedConfig):
-        if not dist.is_initialized():
-            init_distributed(config.config.parallel.backend, timeout_s=config.config.train.collective_timeout_s)
+    resolved = isinstance(config, ResolvedConfig)
+    if not dist.is_initialized():
+        loaded = config.config if resolved else load_config(config, overrides)
+        init_distributed(loaded.parallel.backend, timeout_s=loaded.train.collective_timeout_s)
+    if resolved:
         here = (dist.get_world_size(), rank_device().type == "cuda", list(overrides))
         if here != (config.world_size, config.cuda_available, []):
             raise ConfigError(f"a config resolved for {config.world_size} process(es) (CUDA available: "
                               f"{config.cuda_available}) was handed to {here[0]} (CUDA available: {here[1]}; "
                               f"overrides {here[2]}). Fix: pass the config itself, resolved here.")
         return config.config
-    if not dist.is_initialized():
-        loaded = load_config(config, overrides)
-        init_distributed(loaded.parallel.backend, timeout_s=loaded.train.collective_timeout_s)
     cfg = resolve_config(config, overrides, world_size=dist.get_world_size(),
                          cuda_available=rank_device().type == "cuda")
     if cfg.parallel.backend not in ("auto", dist.get_backend()):
@@ -338,8 +331,6 @@ def _resume(job: Job, folder: str) -> None:
     job.start_step = int(meta["step"])
     G = job.cfg.train.global_batch
     if int(meta["samples"]) != job.start_step * G:
-        from ..checkpoint import CheckpointError
-
         raise CheckpointError(f"checkpoint {describe(folder)}: data position {meta['samples']} samples is not "
                               f"step × global_batch = {job.start_step}×{G}. Fix: resume with the global batch "
                               f"it was written with.")

@@ -78,8 +78,7 @@ class Precision:
         if self.scaler is None:
             return
         found = (~torch.isfinite(global_norm)).float()
-        state = self.scaler._per_optimizer_states[id(optimizer)]
-        for dev, t in state["found_inf_per_device"].items():
+        for t in self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
             t.copy_(found.to(t.device))
 
     def step(self, optimizer) -> None:

@@ -43,12 +43,11 @@ class CompileWarmup:
 
     def done(self, what: str) -> None:
         """The first pass of kind ``what`` finished on this rank; the last one restores the timeouts."""
-        if what not in self.pending:
-            return
-        self.pending.discard(what)
-        if not self.pending:
-            for group, seconds in self.before:
-                set_collective_timeout([group], seconds)
+        if what in self.pending:
+            self.pending.remove(what)
+            if not self.pending:
+                for group, seconds in self.before:
+                    set_collective_timeout([group], seconds)
 
 
 def start_warmup(job) -> Optional[CompileWarmup]:

@@ -13,8 +13,7 @@ combination the device count allows:
 * T = 1: ``none``; T > 1: ``1d`` without and with sequence parallelism, ``2d`` when T
   is a perfect square, and ``2.5d`` with every depth d ≥ 2 for which T = q²·d with q ≥ 2
   (``tensor_depth`` d; issue 24). The config rules keep the 2.5D layouts whose model fits 2D's
-  shape rules on one depth layer's q² ranks and whose micro_batch is a multiple of d·q, and refuse
-  the compositions not built (``validate._depth_refusals``: today a ViT), so the
+  shape rules on one depth layer's q² ranks and whose micro_batch is a multiple of d·q, so the
   enumeration follows them as they change. A 2.5D layout is priced as what each rank runs,
   :meth:`Layout.layer_layout`; and ``3d`` when T = q³ with q ≥ 2 (``TensorMode.check_tensor_size``;
   issue 24), which the config rules keep when the model fits 3D's layout rules
@@ -256,13 +255,8 @@ def apply_layout(cfg: TrainConfig, layout: Layout) -> TrainConfig:
 def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available: bool = False) -> Optional[str]:
     """The config rule ``layout`` breaks (its message), or None. Same order as
     :func:`gridshard.config.validate.validate_config`, the data check excepted (module docstring)."""
-    c = apply_layout(cfg, layout)
     try:
-        rules._positive(c)
-        rules._layout(c, world)
-        for rule in (rules._context, rules._batch, rules._pipeline, rules._shapes):
-            rule(c)
-        rules._optim(c, cuda_available)
+        rules.validate_config(apply_layout(cfg, layout), world, cuda_available, check_data=False)
     except ConfigError as e:
         return str(e)
     return None

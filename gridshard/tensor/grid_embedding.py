@@ -63,3 +63,37 @@ class GridVocabEmbedding(_GridLayer):
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab} (padded {self.padded_vocab}), hidden={self.hidden}, q={self.mesh.q}"
+
+
+class GridTiedHead(torch.nn.Module):
+    """An LM head reading a :class:`GridVocabEmbedding`'s own table (tied embeddings). The table
+    stays the embedding's (not a submodule); ``weight`` is the same Parameter, so the state_dict
+    lists it under both names, like ``nn.Linear`` ties. A mode says which embedding it reads
+    (``embedding_class``) and its product of this rank's [rows, h/q] input with the table
+    (``logits``)."""
+
+    embedding_class = GridVocabEmbedding
+
+    def __init__(self, embedding: GridVocabEmbedding):
+        super().__init__()
+        if not isinstance(embedding, self.embedding_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.embedding_class.__name__}, "
+                            f"got {type(embedding).__name__}")
+        self._embedding = [embedding]
+        self.weight, self.mesh = embedding.weight, embedding.mesh
+        self.vocab, self.padded_vocab = embedding.vocab, embedding.padded_vocab
+        self.hidden_local = embedding.hidden // self.mesh.q
+
+    def logits(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_local:
+            raise ShapeError(f"{type(self).__name__} got a local input with last dim {x.shape[-1]}; each rank holds "
+                             f"hidden/q = {self.hidden_local}. Fix: pass this rank's "
+                             f"[{self._embedding[0].cut.rows}, s, h/q] block.")
+        y = self.logits(x.reshape(-1, self.hidden_local), self._embedding[0].weight)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab} (padded {self.padded_vocab}), q={self.mesh.q}, tied"

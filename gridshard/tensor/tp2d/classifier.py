@@ -30,11 +30,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from torch import nn
 
 from .summa import summa_abt
 from ...errors import ShapeError
 from ...theory.vocab import padded_vocab_size
+from ..grid_embedding import GridTiedHead
 from ..grid_vision import ClsHead, GridClassifier
 from ..hidden_cut import padded_table_init
 from .embedding import VocabParallelEmbedding2D
@@ -66,24 +66,14 @@ class VocabParallelClassifier2D(Linear2D):
         self.weight.shard_spec = replace(self.weight.shard_spec, canonical_shape=(vocab, hidden))
 
 
-class TiedVocabHead2D(nn.Module):
-    """LM head sharing a VocabParallelEmbedding2D table: logits = x·Eᵀ by SUMMA A·Bᵀ."""
+class TiedVocabHead2D(GridTiedHead):
+    """LM head sharing a VocabParallelEmbedding2D table [V_pad/q, h/q]: logits = x·Eᵀ by SUMMA A·Bᵀ."""
+
+    embedding_class = VocabParallelEmbedding2D
 
     def __init__(self, embedding: VocabParallelEmbedding2D, overlap: bool = True):
-        super().__init__()
-        if not isinstance(embedding, VocabParallelEmbedding2D):
-            raise TypeError(f"TiedVocabHead2D needs a VocabParallelEmbedding2D, got {type(embedding).__name__}")
-        self._embedding = [embedding]  # not a submodule: the embedding owns the table
-        self.weight = embedding.weight  # the same Parameter (state_dict lists it under both names, like nn.Linear ties)
-        self.mesh = embedding.mesh
+        super().__init__(embedding)
         self.overlap = overlap
-        self.vocab_size, self.padded_vocab = embedding.vocab, embedding.padded_vocab
-        self.hidden_local = embedding.hidden // self.mesh.q
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.hidden_local:
-            raise ShapeError(f"TiedVocabHead2D got a local input with last dim {x.shape[-1]}; each rank holds "
-                             f"hidden/q = {self.hidden_local}. Fix: pass this rank's [b/q, s, h/q] block.")
-        table = self._embedding[0].weight                 # [V_pad/q, h/q]
-        y = summa_abt(x.reshape(-1, self.hidden_local), table, self.mesh, self.overlap)
-        return y.view(*x.shape[:-1], y.shape[-1])
+    def logits(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return summa_abt(x, table, self.mesh, self.overlap)

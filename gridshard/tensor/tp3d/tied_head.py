@@ -32,12 +32,11 @@ whole gathered [V_pad, h/q] table alive, q² times more).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ...comm.grid_ops import gather_along
-from .matmul import matmul_3d
-from ...errors import ShapeError
+from ..grid_embedding import GridTiedHead
 from .embedding import VocabParallelEmbedding3D
+from .matmul import matmul_3d
 
 
 def tied_head_extra_bytes(padded_vocab: int, hidden: int, q: int, bytes_per_element: int = 4) -> dict:
@@ -47,30 +46,19 @@ def tied_head_extra_bytes(padded_vocab: int, hidden: int, q: int, bytes_per_elem
     return {"all_gather": n, "reduce_scatter": n}
 
 
-class TiedVocabHead3D(nn.Module):
+class TiedVocabHead3D(GridTiedHead):
     """LM head sharing a VocabParallelEmbedding3D table (module docstring)."""
 
+    embedding_class = VocabParallelEmbedding3D
+
     def __init__(self, embedding: VocabParallelEmbedding3D):
-        super().__init__()
-        if not isinstance(embedding, VocabParallelEmbedding3D):
-            raise TypeError(f"TiedVocabHead3D needs a VocabParallelEmbedding3D, got {type(embedding).__name__}")
-        self._embedding = [embedding]     # not a submodule: the embedding owns the table
-        self.weight = embedding.weight    # the same Parameter (state_dict lists it under both names)
-        self.mesh, self.out_mesh = embedding.mesh, embedding.mesh.swapped()
-        self.vocab, self.padded_vocab = embedding.vocab, embedding.padded_vocab
-        self.hidden_local = embedding.hidden // self.mesh.q
+        super().__init__(embedding)
+        self.out_mesh = embedding.mesh.swapped()
         self.out_local = self.padded_vocab // self.mesh.q       # logits block width, V_pad/q
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.hidden_local:
-            raise ShapeError(f"TiedVocabHead3D got a local input with last dim {x.shape[-1]}; each rank holds "
-                             f"hidden/q = {self.hidden_local}. Fix: pass this rank's [b/q², s, h/q] block.")
+    def logits(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         mesh, q = self.mesh, self.mesh.q
-        table = gather_along(self._embedding[0].weight, mesh.batch, 0)           # [V_pad, h/q], hidden block l
+        table = gather_along(table, mesh.batch, 0)                               # [V_pad, h/q], hidden block l
         w = table.chunk(q, 0)[mesh.input.rank].chunk(q, 1)[mesh.weight.rank]    # [V_pad/q, h/q²]
         w = w.t().contiguous()        # a copy: the product saves it, not a view keeping the whole table alive
-        y = matmul_3d(x.reshape(-1, self.hidden_local), w.to(x.dtype), mesh)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    def extra_repr(self) -> str:
-        return f"vocab={self.vocab} (padded {self.padded_vocab}), q={self.mesh.q}, tied"
+        return matmul_3d(x, w.to(x.dtype), mesh)
