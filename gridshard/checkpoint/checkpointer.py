@@ -234,10 +234,7 @@ class Checkpointer:
 
     def latest(self) -> Optional[str]:
         """The checkpoint ``latest`` names (for messages; None when there is none or it is unusable)."""
-        try:
-            return F.read_latest(self.root)
-        except Exception:                               # noqa: BLE001 (a message must not fail)
-            return None
+        return F.latest_or_none(self.root)
 
     def _remove_partial(self, partial: str) -> str:
         """Remove a save's partial folder (and a ``latest.tmp``); what happened, for the message."""

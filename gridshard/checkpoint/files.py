@@ -44,12 +44,12 @@ from here (``from . import files as F`` in the checkpointer, reader, resume and 
 """
 from __future__ import annotations
 
-# every name below is re-exported (private ones too: the reader uses F._verify, F._read_meta, F._plain_name,
+# ruff: noqa: F401 -- every name below is re-exported (private ones too: the reader uses F._verify, F._read_meta, F._plain_name,
 # the checkpointer F._read_manifest; tests F._ALLOWED)
 from ..errors import CheckpointError
 from .dcp_metadata import _ALLOWED, SafeMetadataReader, read_dcp_metadata
 from .folders import (CHECKPOINTS, FORMAT, LATEST, MANIFEST, META, PARTIAL, checkpoints_root, complete_steps, fsync_dir,
-                      prune, publish, read_latest, remove_partials, resolve_checkpoint, step_dir_name, update_latest)
+                      latest_or_none, prune, publish, read_latest, remove_partials, resolve_checkpoint, step_dir_name, update_latest)
 from .manifest import describe_files, write_json, write_manifest
 from .verify import (Refused, _plain_name, _read_manifest, _read_meta, _verify, check_folder, newest_verified,
                      read_meta, refusal, verify_checkpoint)

@@ -92,6 +92,14 @@ def read_latest(root: str) -> Optional[str]:
     return os.path.join(root, step_dir_name(steps[-1])) if steps else None
 
 
+def latest_or_none(root: str) -> Optional[str]:
+    """:func:`read_latest` for a message: None also where it would refuse (a message must not fail)."""
+    try:
+        return read_latest(root)
+    except Exception:                                   # noqa: BLE001
+        return None
+
+
 def resolve_checkpoint(spec: str, run_dir: Optional[str]) -> str:
     """``latest`` (the run directory's newest), a ``step_N`` folder, a ``checkpoints`` folder or
     a run directory → the checkpoint folder. CheckpointError if there is none."""

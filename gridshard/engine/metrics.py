@@ -122,14 +122,11 @@ class RunFiles:
                 with open(self.metrics_path, "a") as f:
                     f.write(line)
             except OSError as e:
-                from ..checkpoint.files import checkpoints_root, read_latest
+                from ..checkpoint.files import checkpoints_root, latest_or_none
                 from ..disk import write_failure
                 from ..errors import SaveError
 
-                try:
-                    last = read_latest(checkpoints_root(self.run_dir))
-                except Exception:                      # noqa: BLE001 (a message must not fail)
-                    last = None
+                last = latest_or_none(checkpoints_root(self.run_dir))
                 # one line for a failed write of a run file, or None when it is not a disk error
                 why = write_failure(self.run_dir, self.metrics_path, e, f"the record of step {record.get('step')} "
                                     f"was not appended to metrics.jsonl", need=len(line), need_what="the record",

@@ -32,7 +32,6 @@ from dataclasses import replace
 import torch
 
 from .summa import summa_abt
-from ...errors import ShapeError
 from ...theory.vocab import padded_vocab_size
 from ..grid_embedding import GridTiedHead
 from ..grid_vision import ClsHead, GridClassifier
