@@ -66,7 +66,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
 from ..errors import ConfigError
@@ -160,17 +160,21 @@ class Hardware:
         return table.get(op) or table["default"]
 
 
-def _optional_float(v) -> Optional[float]:
-    return None if v is None else float(v)
+def _from_fields(cls, raw: dict, given: dict):
+    """``cls`` from ``raw``: the ``given`` fields as passed, every other one read by its name (one without a default
+    is required: a KeyError) and cast to its annotated int or float (None stays None)."""
+    values = dict(given)
+    for f in fields(cls):
+        if f.name not in values:
+            v = raw[f.name] if f.default is MISSING else raw.get(f.name, f.default)
+            values[f.name] = None if v is None else (int if f.type == "int" else float)(v)
+    return cls(**values)
 
 
 def _link_table(raw: dict) -> dict:
     out = {}
     for level, ops in raw.items():
-        out[level] = {op: LinkCost(float(v["bandwidth"]), float(v["latency_s"]), float(v.get("latency_per_rank_s", 0)),
-                                   _optional_float(v.get("cpu_bandwidth")), _optional_float(v.get("cpu_latency_s")),
-                                   float(v.get("cpu_latency_per_rank_s", 0)))
-                      for op, v in ops.items() if isinstance(v, dict)}
+        out[level] = {op: _from_fields(LinkCost, v, {}) for op, v in ops.items() if isinstance(v, dict)}
         if "default" not in out[level]:
             raise ConfigError(f"hardware links.{level} has no 'default' entry. Fix: add "
                               f"\"default\": {{\"bandwidth\": ..., \"latency_s\": ...}}.")
@@ -195,21 +199,11 @@ def _peak_flops(raw: dict) -> dict:
 
 def hardware_from_dict(raw: dict) -> Hardware:
     try:
-        return Hardware(
-            name=raw["name"], device_memory_bytes=int(raw["device_memory_bytes"]),
-            peak_flops=_peak_flops(raw),
+        return _from_fields(Hardware, raw, dict(
+            name=raw["name"], peak_flops=_peak_flops(raw), links=_link_table(raw["links"]),
             gemm_efficiency=sorted([float(f), float(e)] for f, e in raw["gemm_efficiency"]),
-            memory_bandwidth=float(raw["memory_bandwidth"]), links=_link_table(raw["links"]),
-            devices_per_node=int(raw.get("devices_per_node", 8)),
-            compute_slots_per_node=raw.get("compute_slots_per_node"),
-            reserved_bytes=int(raw.get("reserved_bytes", 0)), margin_fraction=float(raw.get("margin_fraction", 0.10)),
-            layer_overhead_s=float(raw.get("layer_overhead_s", 0.0)), step_overhead_s=float(raw.get("step_overhead_s", 0.0)),
-            dp_overlap=float(raw.get("dp_overlap", 1.0)), sync_skew_s=float(raw.get("sync_skew_s", 0.0)),
             tensor_call_overhead_s={k: float(v) for k, v in (raw.get("tensor_call_overhead_s") or {}).items()},
-            elementwise_bandwidth=_optional_float(raw.get("elementwise_bandwidth")),
-            p2p_call_overhead_s=float(raw.get("p2p_call_overhead_s", 0.0)),
-            sources=list(raw.get("sources", [])),
-            notes=raw.get("notes", ""))
+            sources=list(raw.get("sources", [])), notes=raw.get("notes", "")))
     except KeyError as e:
         raise ConfigError(f"hardware description lacks the field {e.args[0]!r}. Fix: see "
                           f"gridshard/planner/hardware/h100.json for the format, or run gridshard plan --calibrate.") from None

@@ -26,14 +26,12 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from torch import nn
 
 from ...comm.grid_ops import GatheredVectors, gather_vector
 from .summa import summa_ab
-from ...errors import ShapeError, check_divisible
-from ...nn.precomputed import PrecomputedOutput
-from ...nn.sharding import ShardSpec, mesh_coords, sharded_parameter
-from ..hidden_cut import HiddenCut, transposed_normal
+from ...nn.sharding import ShardSpec, mesh_coords
+from ..grid_linear import GridLinear
+from ..hidden_cut import HiddenCut
 
 
 def weight_spec_2d(in_features: int, out_features: int) -> ShardSpec:
@@ -61,7 +59,7 @@ def hidden_cut_2d(mesh) -> HiddenCut:
                      "split_batch")
 
 
-class Linear2D(nn.Module):
+class Linear2D(GridLinear):
     """2D tensor-parallel linear layer (see the module docstring for the layout).
 
     ``overlap``: double-buffered async SUMMA broadcasts (False: blocking); ``vector_cache``:
@@ -69,44 +67,22 @@ class Linear2D(nn.Module):
     one of its :class:`gridshard.parallel.model_context.ParallelContext`), so the bias is gathered once
     per cache window; ``None`` gathers it on every forward."""
 
+    shape_name, input_block = "grid", "[b/q, s, in/q] block"
+
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,
                  weight_init: Optional[Callable[[torch.Tensor], None]] = None,
                  dtype: torch.dtype = torch.float32, device=None, overlap: bool = True,
                  vector_cache: Optional[GatheredVectors] = None):
-        super().__init__()
         q = mesh.q
+        rules = ((q, "in_features", "grid side q"), (q, "out_features", "grid side q"),
+                 (q * q, "out_features (bias is split into q² blocks)", "q²",
+                  f"use out_features a multiple of {q * q} or bias=False"))
+        super().__init__(in_features, out_features, mesh, bias, init_std, weight_init, dtype, device, vector_cache,
+                         rules, (weight_spec_2d(in_features, out_features), bias_spec_2d(out_features)))
         self.overlap = overlap              # double-buffered async SUMMA broadcasts (False: blocking)
-        check_divisible(in_features, q, "in_features", "grid side q")
-        check_divisible(out_features, q, "out_features", "grid side q")
-        if bias:
-            check_divisible(out_features, q * q, "out_features (bias is split into q² blocks)", "q²",
-                            f"use out_features a multiple of {q * q} or bias=False")
-        self.mesh, self.in_features, self.out_features = mesh, in_features, out_features
-        self.in_local, self.out_local = in_features // q, out_features // q
-        self.vector_cache = vector_cache    # the model's GatheredVectors (one bias gather per window), or none
-        self.precomputed = PrecomputedOutput()    # shared-input parents leave outputs here
-        init = weight_init or transposed_normal(out_features, in_features, init_std)
-        self.weight = sharded_parameter(weight_spec_2d(in_features, out_features), mesh, init, dtype, device)
-        if bias:
-            self.bias = sharded_parameter(bias_spec_2d(out_features), mesh, nn.init.zeros_, dtype, device)
-        else:
-            self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        left = self.precomputed.take(x)
-        if left is not None:
-            return left
-        if x.shape[-1] != self.in_local:
-            raise ShapeError(f"Linear2D({self.in_features}→{self.out_features}) got a local input with last dim "
-                             f"{x.shape[-1]}: on a q={self.mesh.q} grid each rank holds in/q = {self.in_local} "
-                             f"features. Fix: pass this rank's [b/q, s, in/q] block.")
-        y = summa_ab(x.reshape(-1, self.in_local), self.weight, self.mesh, self.overlap)
-        y = y.view(*x.shape[:-1], self.out_local)
-        if self.bias is not None:
-            # in the product's dtype, as F.linear under autocast (an fp32 bias would promote a bf16 y)
-            y = y + gather_vector_2d(self.bias, self.mesh, self.vector_cache).to(y.dtype)
-        return y
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return summa_ab(x, self.weight, self.mesh, self.overlap)
 
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, q={self.mesh.q}, "
-                f"bias={self.bias is not None}")
+    def gathered_bias(self) -> torch.Tensor:
+        return gather_vector_2d(self.bias, self.mesh, self.vector_cache)

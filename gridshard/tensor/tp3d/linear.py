@@ -31,14 +31,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from torch import nn
 
 from ...comm.grid_ops import GatheredVectors, gather_vector
 from .matmul import matmul_3d
-from ...errors import ShapeError, check_divisible
 from ...theory.vocab import padded_vocab_size
-from ...nn.sharding import ShardSpec, sharded_parameter
-from ..hidden_cut import HiddenCut, padded_table_init, transposed_normal
+from ...nn.sharding import ShardSpec
+from ..grid_linear import GridLinear
+from ..hidden_cut import HiddenCut, padded_table_init
 
 
 def weight_spec_3d(in_features: int, out_features: int, mesh, canonical_shape=None) -> ShardSpec:
@@ -63,12 +62,6 @@ def hidden_cut_3d(mesh) -> HiddenCut:
                      ", swapped" if mesh.is_swapped else "", sum_image_grad=True)
 
 
-def sharded_parameter_3d(spec: ShardSpec, mesh, init: Callable[[torch.Tensor], None],
-                         dtype: torch.dtype = torch.float32, device=None) -> nn.Parameter:
-    """:func:`gridshard.nn.sharding.sharded_parameter` by the spec's physical coordinates of the cube."""
-    return sharded_parameter(spec, mesh, init, dtype, device, coords=(mesh.coords(), mesh.sizes()))
-
-
 def gather_vector_3d(shard: torch.Tensor, mesh, cache: Optional[GatheredVectors] = None) -> torch.Tensor:
     """A :func:`vector_spec_3d` shard [n/q³] → my hidden block [n/q] (all-gather over
     ``mesh.batch``, n/q·e; backward reduce-scatter of n/q·e, summing the q² batch blocks).
@@ -76,49 +69,32 @@ def gather_vector_3d(shard: torch.Tensor, mesh, cache: Optional[GatheredVectors]
     return gather_vector(shard, mesh.batch, cache)
 
 
-class Linear3D(nn.Module):
+class Linear3D(GridLinear):
     """3D tensor-parallel linear layer on ``mesh`` (module docstring); its output is in
     ``mesh.swapped()``'s layout (``self.out_mesh``)."""
+
+    shape_name = "cube"
+    input_block = "[b/q², s, in/q] block (the previous 3D layer's output, or mesh.batch_block(x))"
 
     def __init__(self, in_features: int, out_features: int, mesh, bias: bool = True, init_std: float = 0.02,
                  weight_init: Optional[Callable[[torch.Tensor], None]] = None, dtype: torch.dtype = torch.float32,
                  device=None, vector_cache: Optional[GatheredVectors] = None, canonical_shape=None):
-        super().__init__()
         q = mesh.q
-        check_divisible(in_features, q * q, "in_features (Linear3D splits it into q² blocks)", "q²",
-                        f"use in_features a multiple of {q * q}")
-        check_divisible(out_features, q, "out_features", "cube side q")
-        if bias:
-            check_divisible(out_features, q ** 3, "out_features (the bias is split into q³ blocks)", "q³",
-                            f"use out_features a multiple of {q ** 3} or bias=False")
-        self.mesh, self.out_mesh = mesh, mesh.swapped()
-        self.in_features, self.out_features = in_features, out_features
-        self.in_local, self.out_local = in_features // q, out_features // q
-        self.vector_cache = vector_cache
-        init = weight_init or transposed_normal(out_features, in_features, init_std)
-        spec = weight_spec_3d(in_features, out_features, mesh, canonical_shape)
-        self.weight = sharded_parameter_3d(spec, mesh, init, dtype, device)
-        if bias:
-            self.bias = sharded_parameter_3d(vector_spec_3d(out_features, self.out_mesh), mesh, nn.init.zeros_,
-                                             dtype, device)
-        else:
-            self.register_parameter("bias", None)
+        rules = ((q * q, "in_features (Linear3D splits it into q² blocks)", "q²", f"use in_features a multiple of {q * q}"),
+                 (q, "out_features", "cube side q"),
+                 (q ** 3, "out_features (the bias is split into q³ blocks)", "q³",
+                  f"use out_features a multiple of {q ** 3} or bias=False"))
+        specs = (weight_spec_3d(in_features, out_features, mesh, canonical_shape),
+                 vector_spec_3d(out_features, mesh.swapped()))
+        super().__init__(in_features, out_features, mesh, bias, init_std, weight_init, dtype, device, vector_cache,
+                         rules, specs, coords=(mesh.coords(), mesh.sizes()))
+        self.out_mesh = mesh.swapped()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_local:
-            raise ShapeError(f"Linear3D({self.in_features}→{self.out_features}) got a local input with last dim "
-                             f"{x.shape[-1]}: on a q={self.mesh.q} cube each rank holds in/q = {self.in_local} "
-                             f"features. Fix: pass this rank's [b/q², s, in/q] block (the previous 3D layer's "
-                             f"output, or mesh.batch_block(x)).")
-        y = matmul_3d(x.reshape(-1, self.in_local), self.weight, self.mesh)
-        y = y.view(*x.shape[:-1], self.out_local)
-        if self.bias is not None:
-            y = y + gather_vector_3d(self.bias, self.out_mesh, self.vector_cache).to(y.dtype)
-        return y
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul_3d(x, self.weight, self.mesh)
 
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, q={self.mesh.q}, bias={self.bias is not None}"
-                f"{', swapped' if self.mesh.is_swapped else ''}")
+    def gathered_bias(self) -> torch.Tensor:
+        return gather_vector_3d(self.bias, self.out_mesh, self.vector_cache)
 
 
 class VocabParallelClassifier3D(Linear3D):
