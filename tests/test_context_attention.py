@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gridshard.comm.ledger import CommLedger, use_ledger
+from gridshard.errors import LayoutError
 from gridshard.context import all_to_all_attention, global_positions, ring_attention, shard_sequence, unshard_sequence
-from gridshard.context.sequence_split import check_divisible
 from gridshard.mesh import Axis
 from gridshard.testing import run_on_ranks
 from gridshard.testing.compare import relative_error
@@ -29,8 +29,8 @@ def test_split_round_trips_and_positions_are_global():
         assert torch.equal(parts[r][0], global_positions(8, 3, r))
     # balanced causal work: rank i's chunks attend to (i + 1) + (2C - i) chunks, the same for all
     assert {(r + 1) + (2 * 3 - r) for r in range(3)} == {7}
-    with pytest.raises(ValueError, match="multiple of 6"):
-        check_divisible(20, 3)
+    with pytest.raises(LayoutError, match="seq_len must be a multiple of 6"):
+        shard_sequence(torch.zeros(1, 20), 3, 0)
 
 
 def _case(mode, b, S, H, H_kv, d, seed):

@@ -17,25 +17,17 @@ from __future__ import annotations
 
 import torch
 
+from ..job_layout import check_context_sequence
+
 
 def chunk_indices(context_size: int, rank: int) -> tuple:
     """The global chunk indices (i, 2C − 1 − i) context rank ``rank`` holds."""
     return rank, 2 * context_size - 1 - rank
 
 
-def check_divisible(seq_len: int, context_size: int) -> None:
-    """The split needs S divisible by 2·C; raise one clear error otherwise."""
-    m = 2 * context_size
-    if seq_len % m:
-        lower, upper = seq_len // m * m, (seq_len // m + 1) * m
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2·C = {m} (C = {context_size}): the "
-                         f"load-balanced context split cuts the sequence into 2·C equal chunks. Fix: use a "
-                         f"sequence length that is a multiple of {m} (e.g. {lower or m} or {upper}) or a smaller C.")
-
-
 def shard_sequence(x: torch.Tensor, context_size: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's 2c tokens of the global ``x`` along ``dim``: chunks i and 2C − 1 − i."""
-    check_divisible(x.shape[dim], context_size)
+    check_context_sequence(x.shape[dim], context_size)
     chunks = x.chunk(2 * context_size, dim=dim)
     first, second = chunk_indices(context_size, rank)
     return torch.cat([chunks[first], chunks[second]], dim=dim)
