@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from .data.tokenizer import run_tokenizer
 from .errors import ConfigError
-from .models.llama import ModelConfig, Transformer
+from .models.llama import Transformer
 from .models.rope import apply_rope
+from .models.vit import saved_model_config
 
 
 def load_model(folder: str, checked=None) -> tuple:
@@ -41,7 +42,6 @@ def load_model(folder: str, checked=None) -> tuple:
     (:func:`gridshard.checkpoint.reader.open_checkpoint`) — so damaged or planted weights are
     refused with one CheckpointError, never sampled from. ``checked``: the already verified
     checkpoint, if any."""
-    from dataclasses import fields
 
     from .checkpoint.reader import open_checkpoint, read_tensors
 
@@ -54,8 +54,7 @@ def load_model(folder: str, checked=None) -> tuple:
     if config["model"].get("kind") == "vit":
         raise ConfigError(f"checkpoint {folder!r} holds a Vision Transformer (model.kind=vit), an image classifier: "
                           f"`gridshard generate` continues text. Fix: `gridshard predict {folder} IMAGE...`.")
-    names = {f.name for f in fields(ModelConfig)}
-    model = Transformer(ModelConfig(**{k: v for k, v in config["model"].items() if k in names}))
+    model = Transformer(saved_model_config(config["model"]))
     state = read_tensors(checked)
     if model.cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])

@@ -11,7 +11,6 @@ folder's subfolder names when ``data.kind: images`` and the folder is still ther
 from __future__ import annotations
 
 import os
-from dataclasses import fields
 
 import torch
 
@@ -21,15 +20,14 @@ from .errors import ConfigError
 def load_vit(folder: str) -> tuple:
     """(plain VisionTransformer with the checkpoint's weights, the run's config dict, its step)."""
     from .checkpoint.reader import open_checkpoint, read_tensors
-    from .models.vit import ViTConfig, VisionTransformer, vit_config
+    from .models.vit import VisionTransformer, saved_model_config
 
     checked = open_checkpoint(folder)
     config = checked.meta["config"]
     if config["model"].get("kind") != "vit":
         raise ConfigError(f"checkpoint {folder!r} holds a language model: `gridshard predict` classifies images with "
                           f"a ViT (model.kind: vit). Fix: use `gridshard generate` for it.")
-    known = {f.name for f in fields(ViTConfig)}
-    model = VisionTransformer(vit_config({k: v for k, v in config["model"].items() if k in known}))
+    model = VisionTransformer(saved_model_config(config["model"]))
     model.load_state_dict(read_tensors(checked), strict=True)
     return model.eval(), config, checked.step
 

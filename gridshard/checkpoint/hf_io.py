@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import fields
 
 import torch
 
@@ -85,10 +84,9 @@ def export_hf(folder: str, out_dir: str) -> list:
     if hf_json or vit:                              # HF's names already (a ViT's are ViTForImageClassification's)
         named = {k: v.contiguous() for k, v in tensors.items()}
         if vit:
-            from ..models.vit import ViTConfig, hf_vit_config_fields, vit_config
+            from ..models.vit import hf_vit_config_fields, saved_model_config
 
-            known = {f.name for f in fields(ViTConfig)}
-            hf_fields = hf_vit_config_fields(vit_config({k: v for k, v in model_cfg.items() if k in known}))
+            hf_fields = hf_vit_config_fields(saved_model_config(model_cfg))
     else:
         named, hf_fields = export_hf_state_dict(tensors), hf_llama_config(model_cfg)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

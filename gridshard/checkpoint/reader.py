@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -176,17 +176,14 @@ def _check_meta_against_tensors(meta: dict, metadata) -> None:
     model trained from ``model.hf_config`` is stored under Hugging Face names: those are
     renamed, and tensors the gridshard model lacks (e.g. Qwen2's q/k/v biases) are allowed."""
     from ..models.hf import hf_to_gridshard_name
-    from ..models.llama import ModelConfig, Transformer
+    from ..models.llama import Transformer
+    from ..models.vit import VisionTransformer, saved_model_config
 
     model = meta["config"]["model"]
     vit = model.get("kind") == "vit"               # a ViT (model.kind: vit); older checkpoints have no kind
-    if vit:
-        from ..models.vit import ViTConfig, VisionTransformer, vit_config
-    names = {f.name for f in fields(ViTConfig if vit else ModelConfig)}
-    described = {k: model[k] for k in sorted(names) if k in model}
     try:
         with torch.device("meta"):
-            plain = VisionTransformer(vit_config(described)) if vit else Transformer(ModelConfig(**described))
+            plain = (VisionTransformer if vit else Transformer)(saved_model_config(model))
     except Exception as e:     # noqa: BLE001 - any field of any type may be edited
         raise F.Refused(f"{F.META}'s model section does not describe a model ({type(e).__name__}: {str(e)[:120]})") \
             from None
@@ -195,8 +192,8 @@ def _check_meta_against_tensors(meta: dict, metadata) -> None:
     rename = hf_to_gridshard_name if hf else (lambda name: name)
     saved = {rename(fqn[len(MODEL):]): tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
              if fqn.startswith(MODEL)}
-    short = ", ".join(f"{k}={described[k]!r}" for k in ("vocab_size", "hidden", "layers", "heads", "kv_heads",
-                                                         "ffn_hidden", "tie_embeddings") if k in described)
+    short = ", ".join(f"{k}={model[k]!r}" for k in ("vocab_size", "hidden", "layers", "heads", "kv_heads",
+                                                         "ffn_hidden", "tie_embeddings") if k in model)
     for name, shape in expected.items():
         if name not in saved:
             raise F.Refused(f"{F.META} describes a model ({short}) with the parameter {name!r}, which the "

@@ -30,7 +30,7 @@ plain instead of a truncated normal).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields as dataclass_fields
 
 import torch
 import torch.nn.functional as F
@@ -299,11 +299,20 @@ def hf_vit_config_fields(cfg: ViTConfig) -> dict:
             "id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}, "torch_dtype": "float32"}
 
 
+def saved_model_config(model: dict):
+    """The :class:`ViTConfig` (``kind: vit``) or :class:`gridshard.models.llama.ModelConfig` a saved config's
+    ``model`` section describes; its keys the class has no field for (``kind``, ``preset``, ``hf_config``)
+    are not the model's shape and are skipped."""
+    from .llama import ModelConfig
+
+    cls = ViTConfig if model.get("kind") == "vit" else ModelConfig
+    names = {f.name for f in dataclass_fields(cls)}
+    return cls(**{k: v for k, v in model.items() if k in names})
+
+
 def vit_config(fields: dict) -> ViTConfig:
     """A :class:`ViTConfig` from a config's explicit ``model`` fields (``model.kind: vit``): the ones
     a ViT has over its defaults; a decoder-only field is a ConfigError naming it."""
-    from dataclasses import fields as dataclass_fields
-
     known = {f.name for f in dataclass_fields(ViTConfig)}
     wrong = sorted(set(fields) - known)
     if wrong:
