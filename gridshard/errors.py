@@ -49,3 +49,13 @@ def check_divisible(value: int, divisor: int, what: str, by: str, fix: str = "")
             f"{what}={value} is not divisible by {by}={divisor}: "
             f"{what} must be a multiple of {by}. Fix: {hint}."
         )
+
+
+def need_package(module: str, message: str, error: type = ConfigError):
+    """Import and return the optional ``module``, or raise ``error(message)`` (the message names
+    the package and the ``pip install`` fix) when it is not installed."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise error(message) from None

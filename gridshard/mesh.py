@@ -349,9 +349,7 @@ class ShapeMesh:
         self.tensor_mode.attach_shape_axes(self, tensor_rank)
         self.logits_batch_index = self.tensor_mode.logits_batch_index(self)
 
-    @property
-    def world_size(self) -> int:
-        return self.sizes[0] * self.sizes[1] * self.sizes[2] * self.context_size
+    world_size = ParallelMesh.world_size
 
     def __repr__(self) -> str:
         d, p, t = self.sizes

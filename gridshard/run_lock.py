@@ -67,14 +67,12 @@ def read_holder(path: str, tries: int = 5) -> dict:
     """The holder named in lock file ``path`` ({} if unreadable). A holder writes its name just
     after locking: an empty file is read again a few times."""
     for i in range(tries):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             with open(path) as f:
                 text = f.read()
             if text.strip():
                 holder = json.loads(text)
                 return holder if isinstance(holder, dict) else {}
-        except (OSError, ValueError):
-            pass
         if i + 1 < tries:
             time.sleep(0.02)
     return {}

@@ -74,11 +74,8 @@ def read_latest(root: str) -> Optional[str]:
                                   f"holding a step_N name. {fix}")
         with open(pointer, "rb") as f:
             raw = f.read(_POINTER_MAX_BYTES + 1)
-        try:
-            name = raw.decode("ascii").strip()
-        except UnicodeDecodeError:
-            name = None
-        if name is None or len(raw) > _POINTER_MAX_BYTES or (name and not _STEP_DIR.match(name)):
+        name = raw.decode("ascii", errors="replace").strip()   # a non-ASCII byte → U+FFFD: no step_N match
+        if len(raw) > _POINTER_MAX_BYTES or (name and not _STEP_DIR.match(name)):
             raise CheckpointError(f"{pointer!r} does not hold a step_N folder name (its content is not shown); "
                                   f"`latest` may only name a step_N folder inside {root!r} (no '..', no separators, "
                                   f"no absolute path). {fix}")

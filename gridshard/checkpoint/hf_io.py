@@ -22,6 +22,7 @@ import os
 import torch
 
 from . import files as F
+from ..errors import need_package
 from .blocks import MODEL, model_blocks
 
 SAFETENSORS = "model.safetensors"
@@ -29,11 +30,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def _need_safetensors():
-    try:
-        import safetensors  # noqa: F401 (availability check)
-    except ImportError:
-        raise F.CheckpointError("Hugging Face weights need the optional safetensors package. Fix: "
-                                "pip install -e .[hf]") from None
+    need_package("safetensors", "Hugging Face weights need the optional safetensors package. Fix: "
+                 "pip install -e .[hf]", F.CheckpointError)
 
 
 def hf_llama_config(model_cfg: dict) -> dict:

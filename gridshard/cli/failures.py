@@ -58,17 +58,14 @@ def last_good_checkpoint(run_dir: str, command: str = "gridshard train ...") -> 
     :func:`gridshard.checkpoint.files.newest_verified`) — never merely the one ``latest`` names,
     which may be the damaged one. ``--resume latest`` is advised only when ``latest`` names that
     very checkpoint; otherwise its folder is given. Reads the checkpoint once to hash it."""
-    from ..checkpoint.files import CheckpointError, checkpoints_root, complete_steps, newest_verified, read_latest
+    from ..checkpoint.files import checkpoints_root, complete_steps, latest_or_none, newest_verified
 
     root = checkpoints_root(run_dir)
     good = newest_verified(root)
     if good is None:
         return (f"no checkpoint under {root} verifies (start afresh)" if complete_steps(root)
                 else "no complete checkpoint was written")
-    try:
-        latest = read_latest(root)
-    except CheckpointError:                            # a `latest` gridshard did not write: name the folder
-        latest = None
+    latest = latest_or_none(root)                      # None for a `latest` gridshard did not write
     if latest is not None and os.path.realpath(latest) == os.path.realpath(good):
         return f"last complete checkpoint: {good} (continue with: {command} --run-dir {run_dir} --resume latest)"
     def step_of(path):                               # both are step_N names (read_latest checks it)

@@ -47,7 +47,6 @@ Shapes (group of n ranks, ``dim`` = d):
   memory, and then keep that layout (the result is a view with d outermost); otherwise
   they reorder through one extra copy and return a contiguous tensor.
 * ``broadcast(x, src)``: x on group member ``src`` → every member (async optional).
-* ``reduce(x, dst)``: x summed over the group → member ``dst`` only (async optional).
 """
 from __future__ import annotations
 
@@ -308,21 +307,3 @@ def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
     entry = record("broadcast", axis, _nbytes(x))
     return _issue(lambda a: dist.broadcast(x, src=axis.global_rank(src), group=axis.group, async_op=a), entry, x,
                   async_op, x.device)
-
-
-@_eager
-def reduce(x: torch.Tensor, axis: Axis, dst: int, async_op: bool = False):
-    """Sum ``x`` over ``axis`` into group member ``dst`` (an index into ``axis.ranks``).
-
-    Every member passes its contribution (same shape); only member ``dst`` receives
-    the sum, in the returned tensor (a contiguous copy of its ``x``). Other members
-    get back their (possibly overwritten) scratch copy and must not read it.
-    Ledger payload: the tensor itself, like ``all_reduce`` and ``broadcast``. With
-    ``async_op`` a :class:`PendingCollective` is returned.
-    """
-    if axis.size == 1:
-        return _as_requested(x, async_op)
-    out = x.clone(memory_format=torch.contiguous_format)
-    entry = record("reduce", axis, _nbytes(out))
-    return _issue(lambda a: dist.reduce(out, dst=axis.global_rank(dst), op=dist.ReduceOp.SUM, group=axis.group,
-                                        async_op=a), entry, out, async_op, out.device)

@@ -30,6 +30,7 @@ config with every field spelled out.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from operator import attrgetter
 
@@ -273,9 +274,7 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
         ("train.eval_batches", t.eval_batches, t.eval_batches < 1, "an evaluation needs at least one batch",
          "use e.g. 4")])
     if "tensorboard" in t.log_to:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("tensorboard") is None:
             _fail("train.log_to", t.log_to, "tensorboard logging needs the `tensorboard` package, which is not "
                   "installed", "pip install -e .[tensorboard], or train.log_to=[jsonl]")
     _first_broken([

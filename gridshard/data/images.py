@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+from ..errors import ConfigError, need_package
 from .batches import rank_rows
 
 DEFAULT_VAL_FRACTION = 0.2
@@ -40,12 +40,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 
 def load_digits_tensor(image_size: int) -> tuple:
     """(images [1797, 1, S, S] float32 in [−1, 1], labels [1797] int64) (module docstring)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise ConfigError("data.kind=digits needs scikit-learn (its bundled digits). Fix: pip install -e .[vision]"
-                          ) from None
-    digits = load_digits()
+    digits = need_package("sklearn.datasets", "data.kind=digits needs scikit-learn (its bundled digits). Fix: "
+                          "pip install -e .[vision]").load_digits()
     x = torch.from_numpy(digits.images.astype(np.float32)).unsqueeze(1) / 16.0
     if image_size != x.shape[-1]:
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
@@ -114,11 +110,7 @@ def verify_image_folder(path: str) -> int:
 
 
 def _pillow():
-    try:
-        import PIL.Image
-    except ImportError:
-        raise ConfigError("reading image files needs Pillow. Fix: pip install -e .[vision]") from None
-    return PIL.Image
+    return need_package("PIL.Image", "reading image files needs Pillow. Fix: pip install -e .[vision]")
 
 
 def read_image(file: str, image_size: int, channels: int) -> torch.Tensor:

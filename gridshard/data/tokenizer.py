@@ -17,19 +17,15 @@ from __future__ import annotations
 import os
 from typing import Iterable, List, Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, need_package
 from .prepared_folder import read_meta
 
 EOS = "<|endoftext|>"
 
 
 def _need_tokenizers():
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        raise ConfigError("Hugging Face `tokenizers` is not installed: BPE tokenizers need it. Fix: "
-                          "pip install -e .[data] (or use the built-in byte tokenizer: --bytes).") from None
-    return tokenizers
+    return need_package("tokenizers", "Hugging Face `tokenizers` is not installed: BPE tokenizers need it. Fix: "
+                        "pip install -e .[data] (or use the built-in byte tokenizer: --bytes).")
 
 
 class ByteTokenizer:

@@ -18,6 +18,7 @@ These are the measurements :mod:`gridshard.theory.memory` is checked against.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -43,13 +44,11 @@ def process_peak_rss() -> int:
     worker's own address space. The one peak-RSS reading of the package: the trainer's
     ``peak_mem_bytes`` on CPU (:func:`gridshard.engine.metrics.peak_memory_bytes`) and the
     planner's calibration floor read it."""
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

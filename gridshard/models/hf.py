@@ -24,16 +24,13 @@ import json
 
 import torch
 
-from ..errors import ConfigError, LayoutError
+from ..errors import ConfigError, LayoutError, need_package
 from .llama import ModelConfig
 
 
 def _need_transformers():
-    try:
-        import transformers  # noqa: F401 (availability check)
-    except ImportError:
-        raise ConfigError("model.hf_config needs the optional Hugging Face dependency. Fix: "
-                          "pip install -e .[hf]  (installs transformers and safetensors).") from None
+    need_package("transformers", "model.hf_config needs the optional Hugging Face dependency. Fix: "
+                 "pip install -e .[hf]  (installs transformers and safetensors).")
 
 
 def read_hf_json(path: str) -> dict:

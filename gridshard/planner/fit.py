@@ -36,6 +36,7 @@ The machine is asked through :func:`machine_budget` (tests pass their own
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -66,13 +67,11 @@ class MemoryBudget:
 
 def host_memory_bytes() -> int:
     """The machine's RAM: ``/proc/meminfo`` MemTotal, else ``SC_PAGE_SIZE × SC_PHYS_PAGES``."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
 
 

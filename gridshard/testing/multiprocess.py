@@ -23,6 +23,7 @@ and the RNG seed (``torch.manual_seed(1234 + rank)``), so calls are independent.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -81,10 +82,8 @@ def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file)
             result_q.put((rank, "ok", (call_id, out)))
         except BaseException:  # noqa: BLE001 - report everything, the parent decides
             result_q.put((rank, "error", (call_id, traceback.format_exc())))
-    try:
+    with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 class WorkerGroup:
@@ -119,10 +118,8 @@ class WorkerGroup:
         """The next worker message; on a dead or stuck rank fail with the tracebacks already
         collected in ``errors`` (rank -> traceback) as well as the stuck ranks' stacks."""
         while True:
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self.result_q.get(timeout=0.2)
-            except queue.Empty:
-                pass
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in answered]
             if dead:
                 codes = {r: self.procs[r].exitcode for r in dead}
@@ -135,10 +132,8 @@ class WorkerGroup:
     def _stacks(self, ranks) -> str:
         for r in ranks:
             if self.procs[r].is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(self.procs[r].pid, signal.SIGUSR1)
-                except OSError:
-                    pass
         time.sleep(1.0)
         parts = []
         for r in ranks:
@@ -196,10 +191,8 @@ class WorkerGroup:
     def request_stop(self):
         """Ask every worker to leave its loop (they exit on their own; :meth:`close` waits)."""
         for q in self.task_qs:
-            try:
+            with contextlib.suppress(Exception):
                 q.put(None)
-            except Exception:
-                pass
 
     def close(self, force: bool = False):
         self.request_stop()
