@@ -1,0 +1,140 @@
+"""The Mixture-of-Experts block on one device against a plain per-token loop written from the
+formulas (gridshard/moe/routing.py, layer.py): routing, capacity drops in their documented order,
+the sequence-wise aux loss and its gradient, shared experts, an expert with no token, the
+balancing bias — forward and backward, fresh random inputs each test."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gridshard.moe.experts import grouped_linear
+from gridshard.moe.layer import MoEBlock
+from gridshard.moe.routing import capacity_mask
+from gridshard.testing.compare import relative_error
+
+H, N_EXP, K, FFN = 12, 4, 2, 20
+
+
+def _block(score="softmax", normalize=True, capacity=None, shared=0, aux=0.0, seed=0):
+    torch.manual_seed(seed)
+    block = MoEBlock(H, N_EXP, K, FFN, shared_ffn=shared, score=score, normalize=normalize, capacity=capacity,
+                     aux_coefficient=aux)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return block
+
+
+def _expert(x, gate, up, down):
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def _reference(block, x, score, normalize, capacity):
+    """(y, Σ_b L_b, kept [N, k], per-expert kept slots): token by token, from the module docstrings."""
+    b, s, h = x.shape
+    W, E = block.router.weight, block.experts
+    y, kept_all, aux = [], [], 0.0
+    load = [0] * N_EXP
+    limit = math.ceil(capacity * K * s / N_EXP) if capacity is not None else None
+    for bi in range(b):
+        used = [0] * N_EXP
+        counts, prob = [0] * N_EXP, torch.zeros(N_EXP)
+        for si in range(s):
+            t = x[bi, si]
+            z = W.float() @ t.float()
+            p = z.softmax(-1) if score == "softmax" else z.sigmoid()
+            chosen = torch.topk(p + block.router.expert_bias, K).indices.tolist()
+            g = p[chosen]
+            if normalize:
+                g = g / g.sum()
+            out = torch.zeros(h)
+            keep_row = []
+            for j, e in enumerate(chosen):
+                counts[e] += 1
+                used[e] += 1
+                keep = limit is None or used[e] <= limit
+                keep_row.append(keep)
+                if keep:
+                    load[e] += 1
+                    out = out + g[j] * _expert(t, E.gate_proj[e], E.up_proj[e], E.down_proj[e])
+            if block.shared_experts is not None:
+                S = block.shared_experts
+                out = out + _expert(t, S.gate_proj[0], S.up_proj[0], S.down_proj[0])
+            prob = prob + p / p.sum()
+            y.append(out)
+            kept_all.append(keep_row)
+        f = torch.tensor(counts, dtype=torch.float32) * N_EXP / (K * s)
+        aux = aux + (f * prob / s).sum()
+    return torch.stack(y).view(b, s, h), aux, torch.tensor(kept_all), torch.tensor(load)
+
+
+@pytest.mark.parametrize("score,normalize,capacity,shared", [
+    ("softmax", True, None, 0), ("sigmoid", True, None, 8), ("softmax", False, 0.5, 0), ("sigmoid", False, 1.0, 8)])
+def test_block_matches_the_per_token_loop_forward_and_backward(score, normalize, capacity, shared):
+    block = _block(score, normalize, capacity, shared, aux=0.01)
+    x = torch.randn(3, 8, H, requires_grad=True)
+    r = torch.randn(3, 8, H)
+    (block(x) * r).sum().backward()
+    got = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in block.named_parameters()}}
+    block.zero_grad()
+    x.grad = None
+    y_ref, aux_ref, kept, load = _reference(block, x, score, normalize, capacity)
+    ((y_ref * r).sum() + 0.01 / 3 * aux_ref).backward()
+    want = {"x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
+    with torch.no_grad():
+        assert relative_error(block(x), y_ref) < 1e-5
+    for name in want:
+        assert relative_error(got[name], want[name]) < 1e-5, name
+    # the statistics: two calls (the gradient pass and the no-grad check above)
+    assert torch.allclose(block.aux_sum, 2 * aux_ref.detach(), rtol=1e-5)
+    assert torch.equal(block.load, 2 * load)
+    assert int(block.dropped) == 2 * int((~kept).sum()) and int(block.slots) == 2 * 3 * 8 * K
+    if capacity == 0.5:
+        assert (~kept).any(), "the capacity test must drop something"
+
+
+def test_capacity_keeps_the_first_slots_of_each_sequence_in_token_then_choice_order():
+    # 2 sequences of 3 tokens, 2 experts, k = 2: every token picks both experts; capacity 1/3 → 1 slot each
+    experts = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]])
+    kept = capacity_mask(experts, 2, 3, 1 / 3)
+    assert kept.tolist() == [[True, True], [False, False], [False, False]] * 2
+
+
+def test_the_aux_loss_is_a_sum_over_sequences_so_micro_batches_do_not_change_it():
+    block = _block(aux=0.01)
+    x = torch.randn(4, 6, H)
+    with torch.no_grad():
+        block(x)
+        whole = block.aux_sum.clone()
+        block.reset_stats()
+        block(x[:1]), block(x[1:])
+    assert torch.allclose(block.aux_sum, whole, rtol=1e-6) and float(whole) > 0
+
+
+def test_an_expert_with_no_token_still_gets_a_zero_gradient():
+    block = _block()
+    block.router.expert_bias[3] = -1e9                          # never selected
+    block(torch.randn(2, 5, H)).sum().backward()
+    assert int(block.load[3]) == 0
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        grad = getattr(block.experts, name).grad
+        assert grad is not None and torch.count_nonzero(grad[3]) == 0 and torch.count_nonzero(grad[:3]) > 0
+
+
+def test_the_balancing_bias_moves_selection_not_weights():
+    block = _block(normalize=False)
+    x = torch.randn(2, 5, H)
+    before = block.router(x.view(-1, H), 5)
+    block.router.update_bias(torch.tensor([9, 1, 0, 0]), rate=10.0)
+    assert block.router.expert_bias.tolist() == [-10.0, 10.0, 10.0, 10.0]
+    after = block.router(x.view(-1, H), 5)
+    assert not (after.experts == 0).any() and (before.experts == 0).any()
+    scores = F.linear(x.view(-1, H), block.router.weight).softmax(-1)
+    assert torch.allclose(after.weights, scores.gather(-1, after.experts))      # unbiased scores
+
+
+def test_grouped_linear_equals_one_product_per_expert_with_empty_blocks():
+    x, w = torch.randn(7, 5), torch.randn(4, 3, 5)
+    counts = [3, 0, 4, 0]
+    want = torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T])
+    assert torch.equal(grouped_linear(x, w, counts), want)
