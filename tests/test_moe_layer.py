@@ -32,7 +32,7 @@ def _expert(x, gate, up, down):
 def _reference(block, x, score, normalize, capacity):
     """(y, Σ_b L_b, kept [N, k], per-expert kept slots): token by token, from the module docstrings."""
     b, s, h = x.shape
-    W, E = block.router.weight, block.experts
+    W, E = block.gate.weight, block.experts
     y, kept_all, aux = [], [], 0.0
     load = [0] * N_EXP
     limit = math.ceil(capacity * K * s / N_EXP) if capacity is not None else None
@@ -43,7 +43,7 @@ def _reference(block, x, score, normalize, capacity):
             t = x[bi, si]
             z = W.float() @ t.float()
             p = z.softmax(-1) if score == "softmax" else z.sigmoid()
-            chosen = torch.topk(p + block.router.expert_bias, K).indices.tolist()
+            chosen = torch.topk(p + block.gate.expert_bias, K).indices.tolist()
             g = p[chosen]
             if normalize:
                 g = g / g.sum()
@@ -113,7 +113,7 @@ def test_the_aux_loss_is_a_sum_over_sequences_so_micro_batches_do_not_change_it(
 
 def test_an_expert_with_no_token_still_gets_a_zero_gradient():
     block = _block()
-    block.router.expert_bias[3] = -1e9                          # never selected
+    block.gate.expert_bias[3] = -1e9                          # never selected
     block(torch.randn(2, 5, H)).sum().backward()
     assert int(block.load[3]) == 0
     for name in ("gate_proj", "up_proj", "down_proj"):
@@ -124,12 +124,12 @@ def test_an_expert_with_no_token_still_gets_a_zero_gradient():
 def test_the_balancing_bias_moves_selection_not_weights():
     block = _block(normalize=False)
     x = torch.randn(2, 5, H)
-    before = block.router(x.view(-1, H), 5)
-    block.router.update_bias(torch.tensor([9, 1, 0, 0]), rate=10.0)
-    assert block.router.expert_bias.tolist() == [-10.0, 10.0, 10.0, 10.0]
-    after = block.router(x.view(-1, H), 5)
+    before = block.gate(x.view(-1, H), 5)
+    block.gate.update_bias(torch.tensor([9, 1, 0, 0]), rate=10.0)
+    assert block.gate.expert_bias.tolist() == [-10.0, 10.0, 10.0, 10.0]
+    after = block.gate(x.view(-1, H), 5)
     assert not (after.experts == 0).any() and (before.experts == 0).any()
-    scores = F.linear(x.view(-1, H), block.router.weight).softmax(-1)
+    scores = F.linear(x.view(-1, H), block.gate.weight).softmax(-1)
     assert torch.allclose(after.weights, scores.gather(-1, after.experts))      # unbiased scores
 
 

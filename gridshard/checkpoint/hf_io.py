@@ -75,6 +75,10 @@ def export_hf(folder: str, out_dir: str) -> list:
     checked, tensors = read_checkpoint(folder)      # verified: manifest, meta.json against the tensors, tensors only
     meta = checked.meta
     model_cfg = meta["config"]["model"]
+    if model_cfg.get("experts"):
+        raise F.CheckpointError(f"{folder!r} holds a Mixture-of-Experts model (model.experts="
+                                f"{model_cfg['experts']}); its Hugging Face export is not built yet (issue 38). "
+                                f"Fix: keep training and evaluating it with gridshard (its checkpoints resume).")
     hf_json = model_cfg.get("hf_config")
     hf_fields = _hf_config_json(hf_json, model_cfg) if hf_json else None
     os.makedirs(out_dir, exist_ok=True)

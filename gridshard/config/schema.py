@@ -60,6 +60,10 @@ class ParallelSection(BaseModel):
 
 
 VIT_ONLY_FIELDS = {"image_size", "patch_size", "channels", "num_classes"}
+#: the Mixture-of-Experts fields besides model.experts (docs/moe.md): used only with experts > 0
+MOE_MODEL_FIELDS = ("experts_per_token", "expert_ffn_hidden", "shared_experts", "moe_every", "router_score",
+                    "router_normalize")
+MOE_TRAIN_FIELDS = ("moe_aux_loss", "moe_bias_rate", "moe_capacity")
 
 
 class ModelSection(BaseModel):
@@ -80,6 +84,17 @@ class ModelSection(BaseModel):
     tie_embeddings: Optional[bool] = None
     init_std: Optional[float] = None
     kv_heads: Optional[int] = Field(None, description="grouped-query attention kv heads (default = heads)")
+    experts: Optional[int] = Field(None, description="Mixture-of-Experts: experts per MoE layer; 0 = dense "
+                                                     "(default; docs/moe.md)")
+    experts_per_token: Optional[int] = Field(None, description="MoE: experts each token is routed to, k (default 2)")
+    expert_ffn_hidden: Optional[int] = Field(None, description="MoE: an expert's SwiGLU width (default ffn_hidden)")
+    shared_experts: Optional[int] = Field(None, description="MoE: always-on shared experts (default 0)")
+    moe_every: Optional[int] = Field(None, description="MoE: layer i is an MoE layer when (i+1) % moe_every == 0 "
+                                                       "(default 1: every layer)")
+    router_score: Optional[Literal["softmax", "sigmoid"]] = Field(None, description="MoE: router scores (default "
+                                                                                    "softmax)")
+    router_normalize: Optional[bool] = Field(None, description="MoE: divide the top-k weights by their sum "
+                                                               "(default true)")
     hf_config: Optional[str] = Field(None, description="a Hugging Face config.json: train that architecture "
                                                        "(built from the config, no download; needs gridshard[hf])")
     init_from: Optional[str] = Field(None, description="start from these weights: a Hugging Face folder "
@@ -89,6 +104,17 @@ class ModelSection(BaseModel):
     patch_size: Optional[int] = Field(None, description="vit: patch side in pixels; divides image_size")
     channels: Optional[int] = Field(None, description="vit: image channels (1 grey, 3 RGB)")
     num_classes: Optional[int] = Field(None, description="vit: classes of the classifier")
+
+    def unmodelled(self) -> Optional[str]:
+        """What the memory model and the planner do not price in this model, or None: a Hugging Face
+        architecture, a Vision Transformer, a Mixture-of-Experts decoder (issue 38)."""
+        if self.hf_config is not None:
+            return "a Hugging Face architecture (model.hf_config; plan with the equivalent explicit model.* fields)"
+        if self.kind == "vit":
+            return "a Vision Transformer (model.kind: vit; choose its layout by hand, docs/vision.md)"
+        if self.experts:
+            return "a Mixture-of-Experts model (model.experts > 0) yet"
+        return None
 
     def explicit_fields(self) -> dict:
         return {k: v for k, v in self.model_dump().items()
@@ -184,6 +210,12 @@ class TrainSection(BaseModel):
                                                         "and first evaluation ran (ranks compile then; a pipeline's "
                                                         "last stage waits for the stages before it), then "
                                                         "collective_timeout_s")
+    moe_aux_loss: float = Field(0.01, description="MoE: coefficient α of the per-sequence load-balancing loss "
+                                                  "(docs/moe.md); 0 = off")
+    moe_bias_rate: float = Field(0.0, description="MoE: step u of the auxiliary-loss-free balancing bias "
+                                                  "(DeepSeek-V3); 0 = off")
+    moe_capacity: Optional[float] = Field(None, description="MoE: capacity factor c (each expert takes at most "
+                                                            "ceil(c·k·S/n) slots of a sequence); null = dropless")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO over the data dimension: 0 off | 1 optimizer state | "
                                                       "2 + gradients | 3 + parameters sharded by rows")
     offload: Literal["none", "optimizer"] = Field("none", description="optimizer: AdamW's state and step in host "
@@ -249,6 +281,11 @@ class TrainConfig(BaseModel):
         loading it back gives the same config."""
         out = self.model_dump()
         out["model"] = {"preset": self.model.preset, **vars(self.model.resolve())}
+        if not out["model"].get("experts"):           # a dense model's file is what it was before MoE existed
+            for key in ("experts",) + MOE_MODEL_FIELDS:
+                out["model"].pop(key, None)
+            for key in MOE_TRAIN_FIELDS:
+                out["train"].pop(key)
         if self.model.kind != "llama":
             out["model"] = {"kind": self.model.kind, **out["model"]}
         for key in ("hf_config", "init_from"):

@@ -38,6 +38,8 @@ from ..errors import ConfigError, LayoutError
 from ..job_layout import ContextMode, StageSplit, TensorMode, check_context_sequence, micro_batches_per_step
 from ..mesh import validate_layout
 from ..nn.shape_rules import model_shape_rules
+from .moe_rules import check_moe
+from .rule_rows import fail as _fail, first_broken as _first_broken
 from .schema import TrainConfig
 
 # where each shape-rule name lives in the config
@@ -45,17 +47,6 @@ _SHAPE_FIELDS = {"hidden": "model.hidden", "heads": "model.heads", "ffn_hidden":
                  "kv_heads": "model.kv_heads",
                  "head_dim": "model.hidden/model.heads", "seq_len": "data.seq_len",
                  "micro_batch": "train.micro_batch"}
-
-
-def _fail(field: str, value, rule: str, fix: str):
-    raise ConfigError(f"{field}={value!r} is invalid: {rule}. Fix: {fix}.")
-
-
-def _first_broken(rows) -> None:
-    """:func:`_fail` on the first row ``(field, value, broken, rule, fix)`` whose ``broken`` is true."""
-    for field, value, broken, rule, fix in rows:
-        if broken:
-            _fail(field, value, rule, fix)
 
 
 _AT_LEAST_ONE = ("parallel.data", "parallel.tensor", "parallel.pipeline", "train.global_batch", "train.micro_batch",
@@ -321,6 +312,7 @@ def validate_config(cfg: TrainConfig, world_size: int, cuda_available: bool = Fa
     _batch(cfg)
     _pipeline(cfg)
     _shapes(cfg)
+    check_moe(cfg)
     if check_data:
         _data(cfg)
     _optim(cfg, cuda_available)

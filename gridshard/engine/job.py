@@ -48,6 +48,7 @@ from ..job_layout import JobLayout
 from ..mesh import build_mesh, init_distributed
 from ..models import Transformer
 from ..models.vit import VisionTransformer
+from ..moe.training import MoETraining
 from ..parallel import context_of, parallelize
 from ..parallel.compile import apply_compile
 from ..parallel.recompute import apply_recompute
@@ -113,6 +114,7 @@ class Job:
     val_plan: Optional[BatchPlan] = None
     decay_steps: int = 0
     warmup: Any = None                       # train.compile: the first step's raised timeout (engine.warmup)
+    moe: Any = None                          # a model with MoE blocks: its gridshard.moe.training.MoETraining
 
     def batch(self, step: int):
         """Step ``step``'s :class:`~gridshard.engine.step.StepBatch` of this rank (the training data plan)."""
@@ -228,6 +230,7 @@ def _parallelize(job: Job, plain) -> None:
     job.params = [q for _, q in named]
     job.param_specs = [job.context.layouts[n] for n, _ in named]     # clipping reads the layouts
     job.faults = FaultPlan.from_env()
+    job.moe = MoETraining.of(job.model, job.mesh.data_context, job.cfg.train)
     if job.resume_from is None and job.cfg.model.init_from is not None:
         _init_from(job, job.cfg.model.init_from)     # into the whole blocks, before ZeRO shards them
 

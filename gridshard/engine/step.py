@@ -159,6 +159,8 @@ def train_step(job, batch: StepBatch, skip_update: Optional[Callable] = None) ->
                       f"{job.cfg.data.ignore_token}; the step's gradient is zero and its loss is "
                       f"reported as null", RuntimeWarning, stacklevel=3)
     weight = job.mesh.data_context.size / n_valid if n_valid else 0.0      # D·C/N (C = 1: D/N)
+    if job.moe is not None:
+        job.moe.begin(job.precision.loss_scale())
     with job.context.vector_cache.window():            # parameters are fixed until the optimizer step
         sums = job.driver.forward_backward(batch.micro, weight)
     job.reducer.sync()
@@ -173,6 +175,8 @@ def train_step(job, batch: StepBatch, skip_update: Optional[Callable] = None) ->
         clip_gradients(job.clip_tensors, norm, t.grad_clip)
         job.precision.step(job.optimizer)
         job.reducer.after_step()                       # ZeRO-1/2: all-gather the updated chunks
+    if job.moe is not None:
+        job.moe.end(update_bias=not skipped)           # the routing statistics, bias update, metrics
     if job.warmup is not None:                         # train.compile: compiled; back to collective_timeout_s
         job.warmup.done("step")
     return StepResult(_loss_share(sums, n_valid, job.device), norm, lr, n_valid, sums, skipped)

@@ -107,11 +107,11 @@ class Trainer:
 
     def _predict_memory(self, tokens, val_tokens):
         """This rank's predicted peak bytes (:func:`gridshard.theory.memory.predict_rank_memory`),
-        or None for a model the memory model does not describe (a Hugging Face model, a ViT). At C > 1
+        or None for a model the memory model does not describe (``ModelSection.unmodelled``). At C > 1
         ZeRO shards over data × context: the model state is that of D·C data ranks. At 2.5D (d depth
         layers) a rank is priced as 2D on its layer's q² ranks with m/d rows per micro-batch and the
         depth among the D·C·d ranks ZeRO shards over (``JobLayout.layer_mode``, docs/tp2p5d.md)."""
-        if self.cfg.model.hf_config is not None or self.cfg.model.kind == "vit":
+        if self.cfg.model.unmodelled() is not None:
             return None
         from ..parallel.rank_blocks import rank_parameter_blocks
         from ..theory.memory import predict_rank_memory
@@ -339,6 +339,8 @@ class Trainer:
                      if x is not None and not math.isfinite(x) and window.steps + 1 + i not in self.skipped_recent]
         self.skipped_recent.clear()
         rec = self._record(k, losses[-1], norm, lr, wall, k + 1 - window.steps, now, stats)
+        if self.job.moe is not None:
+            rec.update(self.job.moe.last)              # moe_aux_loss, moe_load_max, moe_dropped
         if is_eval:
             rec["val_loss"] = self.evaluate()
             rec.update(accuracy_metrics(self.job))     # a classifier's accuracy, val_accuracy (else none)

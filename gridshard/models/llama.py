@@ -10,7 +10,10 @@ Per layer, with h = hidden, H heads, K kv heads, d = h/H, f = ffn_hidden:
 
 * ``self_attn.q_proj`` [H·d, h], ``k_proj`` / ``v_proj`` [K·d, h], ``o_proj`` [h, H·d];
 * ``mlp.gate_proj`` / ``up_proj`` [f, h], ``down_proj`` [h, f];
-* ``input_layernorm`` / ``post_attention_layernorm`` [h].
+* ``input_layernorm`` / ``post_attention_layernorm`` [h];
+* an MoE layer's ``mlp`` instead (n experts of width f_e, :mod:`gridshard.moe`): ``gate.weight`` [n, h]
+  (the router), ``experts.gate_proj`` / ``up_proj`` [n, f_e, h], ``experts.down_proj`` [n, h, f_e]
+  and, with s shared experts, ``shared_experts.*`` of one expert of width s·f_e.
 
 The code reads local sizes from the tensors it gets (``view(b, s, -1, d)``), so the same
 forward runs on whole heads of one rank after tensor parallelism splits the projections.
@@ -19,7 +22,8 @@ Initialisation is a *law* per parameter (:meth:`Transformer.init_laws`), not a d
 ``parallelize`` evaluates it on each rank's block with the counter-based generator of
 :mod:`gridshard.init`, so the values are a function of (seed, name, global index) only.
 Laws: linear and embedding weights N(0, init_std²); the output projections of each
-residual branch (``o_proj``, ``down_proj``) N(0, (init_std/√(2L))²); norm weights ones.
+residual branch (``o_proj``, ``down_proj``, the experts' too) N(0, (init_std/√(2L))²); norm weights ones;
+the router N(0, init_std²).
 
 Precision: under ``torch.autocast`` (``train.precision: bf16 | fp16``) the activations are in the
 compute dtype c: the embedding output is cast to c, so the residual stream, the norms' outputs
@@ -38,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe.layer import MoEBlock
 from ..nn.norm import RMSNorm
 from .rope import RopeTableCache, apply_rope
 
@@ -55,24 +60,45 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     kv_heads: Optional[int] = None      # grouped-query attention; None = heads (multi-head)
+    # Mixture-of-Experts (docs/moe.md): experts = 0 is dense; else layer i is an MoE block when
+    # (i + 1) % moe_every == 0 (every layer at 1, as Mixtral; Qwen2-MoE's decoder_sparse_step)
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_ffn_hidden: Optional[int] = None     # None = ffn_hidden
+    shared_experts: int = 0                     # always-on experts, as one MLP of shared·expert_ffn_hidden
+    moe_every: int = 1
+    router_score: str = "softmax"               # softmax | sigmoid
+    router_normalize: bool = True               # divide the top-k weights by their sum
 
     def __post_init__(self):
         if self.kv_heads is None:
             self.kv_heads = self.heads
+        if self.expert_ffn_hidden is None:
+            self.expert_ffn_hidden = self.ffn_hidden
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.experts > 0 and (index + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
         """Global parameter count (no vocabulary padding):
 
-            N = v·h·(1 if tied else 2) + L·(2h² + 2h·K·d + 3h·f + 2h) + h
+            N = v·h·(1 if tied else 2) + Σ_layers (2h² + 2h·K·d + 2h + MLP) + h
+
+        MLP = 3h·f for a dense layer; for an MoE layer (n experts of width f_e, s shared)
+        n·3h·f_e + h·n (router) + 3h·s·f_e, or with ``active`` the parameters one token uses,
+        k·3h·f_e + h·n + 3h·s·f_e.
         """
-        h, f, v = self.hidden, self.ffn_hidden, self.vocab_size
+        h, f, v, fe = self.hidden, self.ffn_hidden, self.vocab_size, self.expert_ffn_hidden
         kv = self.kv_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
-        return v * h * (1 if self.tie_embeddings else 2) + self.layers * per_layer + h
+        moe = ((self.experts_per_token if active else self.experts) + self.shared_experts) * 3 * h * fe \
+            + h * self.experts
+        mlps = sum(moe if self.is_moe_layer(i) else 3 * h * f for i in range(self.layers))
+        per_layer = 2 * h * h + 2 * h * kv + 2 * h
+        return v * h * (1 if self.tie_embeddings else 2) + self.layers * per_layer + mlps + h
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
@@ -188,14 +214,17 @@ class SwiGLUMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP of layer ``index`` is an
+    MoE block (:class:`gridshard.moe.layer.MoEBlock`) where ``cfg.is_moe_layer(index)``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.mlp = SwiGLUMLP(cfg)
+        self.mlp = MoEBlock(cfg.hidden, cfg.experts, cfg.experts_per_token, cfg.expert_ffn_hidden,
+                            cfg.shared_experts * cfg.expert_ffn_hidden, cfg.router_score, cfg.router_normalize) \
+            if cfg.is_moe_layer(index) else SwiGLUMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -214,7 +243,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.rope_cache = RopeTableCache()       # built once per length and device, not saved
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.lm_head = _linear(cfg.hidden, cfg.vocab_size)
         if cfg.tie_embeddings:
@@ -224,7 +253,7 @@ class Transformer(nn.Module):
         """Parameter name → ``("normal", std)`` / ``("ones",)`` / ``("zeros",)`` (module docstring)."""
         std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.layers)
         return {name: ("ones",) if p.dim() == 1 else ("normal", out_std)
-                if name.endswith(("o_proj.weight", "down_proj.weight")) else ("normal", std)
+                if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else ("normal", std)
                 for name, p in self.named_parameters()}
 
     # The forward in pieces: what a pipeline stage runs of it (gridshard.pipeline.stage_module),

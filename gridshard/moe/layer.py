@@ -47,8 +47,12 @@ class _AuxLossGradient(torch.autograd.Function):
 
 
 class MoEBlock(nn.Module):
-    """``router`` (:class:`Router`), ``experts`` (:class:`Experts`), and ``shared_experts`` (an
+    """``gate`` (the :class:`Router`, named as Hugging Face names it), ``experts`` (:class:`Experts`), and ``shared_experts`` (an
     :class:`Experts` of one, width ``shared_ffn``) when ``shared_ffn`` > 0."""
+
+    #: ``gridshard.parallelize`` does not apply a dense MLP's plan entries to it (it sits where a
+    #: dense decoder has its MLP, under the same name)
+    laid_out_whole = True
 
     def __init__(self, hidden: int, n_experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                  score: str = "softmax", normalize: bool = True, capacity: Optional[float] = None,
@@ -56,13 +60,18 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.n_experts, self.top_k, self.aux_coefficient = n_experts, top_k, aux_coefficient
         self.aux_weight: Optional[float] = None
-        self.router = Router(hidden, n_experts, top_k, score, normalize, capacity)
+        self.gate = Router(hidden, n_experts, top_k, score, normalize, capacity)
         self.experts = Experts(n_experts, hidden, expert_ffn)
         self.shared_experts = Experts(1, hidden, shared_ffn) if shared_ffn else None
         for name, value in (("aux_sum", torch.zeros(())), ("load", torch.zeros(n_experts, dtype=torch.long)),
                             ("slots", torch.zeros((), dtype=torch.long)),
                             ("dropped", torch.zeros((), dtype=torch.long))):
             self.register_buffer(name, value, persistent=False)
+
+    def reset_buffers(self, device) -> None:
+        """The statistics, zeroed, on ``device`` (``gridshard.parallelize`` builds on meta)."""
+        for name in ("aux_sum", "load", "slots", "dropped"):
+            setattr(self, name, torch.zeros_like(getattr(self, name), device=device))
 
     def reset_stats(self) -> None:
         for stat in (self.aux_sum, self.load, self.slots, self.dropped):
@@ -71,7 +80,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
-        routing = self.router(flat, s)
+        routing = self.gate(flat, s)
         slot_expert = routing.experts.flatten()
         kept = routing.kept.flatten().nonzero().squeeze(1)
         order = kept[torch.argsort(slot_expert[kept], stable=True)]             # kept slots, by expert

@@ -80,6 +80,10 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, hidden))
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
+    def reset_buffers(self, device) -> None:
+        """The balancing bias at its start, zeros, on ``device`` (``gridshard.parallelize`` builds on meta)."""
+        self.expert_bias = torch.zeros(self.n_experts, dtype=torch.float32, device=device)
+
     def forward(self, x: torch.Tensor, seq_len: int) -> Routing:
         """x [N, h], N a multiple of ``seq_len`` (whole sequences, token order) → :class:`Routing`."""
         logits = F.linear(x.float(), self.weight.float())

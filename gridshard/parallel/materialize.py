@@ -118,6 +118,8 @@ def materialize(model: nn.Module, sources: dict, laws: dict, coords, seed: int, 
             module._parameters[pname] = new
             done[id(param)] = new
     for module_name, module in model.named_modules():
+        if hasattr(module, "reset_buffers") and any(b is not None and b.is_meta for b in module._buffers.values()):
+            module.reset_buffers(device)                # its buffers' starting values, made on ``device``
         for bname, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
                 raise LayoutError(f"parallelize: buffer {module_name}.{bname} is still on the meta device and "

@@ -266,11 +266,13 @@ def _hook_planned_parents(model: nn.Module, plan: Plan, dims: ModelDims, mode, T
       needs nothing: it reads the ratio from the tensors it gets.
 
     A matching module without the children or the attribute the plan names is a plan that does not
-    fit the model: a LayoutError, not a silent skip."""
+    fit the model: a LayoutError, not a silent skip. A module that says it is ``laid_out_whole``
+    (an MoE block, :class:`gridshard.moe.layer.MoEBlock`, where a dense model has its MLP) is not
+    one the plan's patterns describe."""
     local_groups = (dims.heads // mode.head_split(T)) // mode.local_kv_heads(dims.kv_heads, T)
     for name, module in list(model.named_modules()):
         children = plan.shared_children(name)
-        if children:
+        if children and not getattr(module, "laid_out_whole", False):
             missing = [c for c in children if not isinstance(getattr(module, c, None), nn.Module)]
             if missing:
                 raise LayoutError(f"parallelize: the plan's shared_inputs name children {list(children)} of "

@@ -168,12 +168,10 @@ def nearest_fit(cfg, world: int, budget: MemoryBudget) -> str:
 
 def check_memory(cfg, world: int, budget: MemoryBudget) -> str:
     """One line with the predicted peak per rank and the budget; ConfigError when it does not
-    fit (module docstring). A Hugging Face architecture (``model.hf_config``) is not modelled:
+    fit (module docstring). A model the memory model does not describe (``ModelSection.unmodelled``):
     the line says so. Context parallelism (C > 1) is: the layout's C and mode are priced."""
-    if cfg.model.hf_config is not None:
-        return "predicted peak memory per rank: not modelled for a Hugging Face architecture (model.hf_config)"
-    if cfg.model.kind == "vit":
-        return "predicted peak memory per rank: not modelled for a Vision Transformer (model.kind: vit) yet"
+    if cfg.model.unmodelled() is not None:
+        return f"predicted peak memory per rank: not modelled for {cfg.model.unmodelled()}"
     mem, rank = predicted_peak(cfg, budget)
     where = f" (pipeline rank {rank})" if cfg.parallel.pipeline > 1 else ""
     line = (f"predicted peak memory per rank: {gib(mem.total)}{where} ({_parts(mem)}); usable "

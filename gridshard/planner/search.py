@@ -260,12 +260,10 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None
     note = f"nodes: {nodes} (--nodes)"
     if nodes is None:
         nodes, note = default_nodes(world, hw)
-    if cfg.model.hf_config is not None:
-        raise ConfigError("model.hf_config: the planner's memory and communication formulas describe gridshard's "
-                          "own model. Fix: plan with the equivalent explicit model.* fields.")
-    if cfg.model.kind == "vit":
-        raise ConfigError("model.kind=vit: the planner's memory and communication formulas describe the decoder "
-                          "(llama) only so far. Fix: choose the ViT's layout by hand (docs/vision.md).")
+    if cfg.model.unmodelled() is not None:
+        raise ConfigError(f"the planner's memory and communication formulas do not describe "
+                          f"{cfg.model.unmodelled()}. Fix: choose this model's layout by hand; `gridshard train` "
+                          f"still checks it before launch.")
     feasible, rejected, counts = [], [], collections.Counter()
     mc = cfg.model.resolve()
     for layout in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages,

@@ -26,6 +26,8 @@ independent of the number of micro-batches (accumulation happens locally first).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from . import CommVolume
 
 
@@ -60,11 +62,16 @@ def vit_flops_per_token(hidden: int, layers: int, ffn: int, seq_len: int, patch_
 def model_flops_per_token(kind: str, mc, seq: int) -> float:
     """Training FLOPs per token of the model family ``kind`` (``model.kind``) for MFU: a decoder's
     :func:`flops_per_token` (SwiGLU, vocabulary head), a ViT's
-    :func:`vit_flops_per_token` (GELU MLP, patch projection, classifier)."""
+    :func:`vit_flops_per_token` (GELU MLP, patch projection, classifier). A Mixture-of-Experts
+    decoder counts what a token runs: 6 FLOPs per *active* parameter of its MoE layers (router, k
+    experts, shared experts) in place of the dense MLP's 3h·f."""
     if kind == "vit":
         return vit_flops_per_token(mc.hidden, mc.layers, mc.ffn_hidden, seq, mc.channels * mc.patch_size ** 2,
                                    mc.num_classes)
-    return flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, seq, mc.kv_heads * mc.head_dim)
+    flops = flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, seq, mc.kv_heads * mc.head_dim)
+    if getattr(mc, "experts", 0):
+        flops += 6.0 * (mc.num_parameters(active=True) - dataclasses.replace(mc, experts=0).num_parameters())
+    return flops
 
 
 def mfu(flops_token: float, tokens_per_s: float, peak_flops: float | None, devices: int) -> float | None:

@@ -1,0 +1,48 @@
+"""The Mixture-of-Experts config rules (docs/moe.md), checked with the others by
+:func:`gridshard.config.validate.validate_config`."""
+from __future__ import annotations
+
+from .rule_rows import first_broken
+from .schema import MOE_MODEL_FIELDS, TrainConfig
+
+
+def check_moe(cfg: TrainConfig):
+    """Mixture-of-Experts fields (docs/moe.md): used only with experts, in range, and (issue 38 in
+    progress) on the layouts built so far: data parallelism and ZeRO with whole dense layers."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    experts, stray = m.experts or 0, [k for k in MOE_MODEL_FIELDS if getattr(m, k) is not None]
+    if experts <= 0:
+        return first_broken([
+            ("model.experts", experts, experts < 0, "it must be >= 0 (0: a dense model)", "use e.g. 8, or 0"),
+            *((f"model.{k}", getattr(m, k), True, "it configures MoE layers but model.experts is 0 (a dense model)",
+               f"set model.experts (e.g. 8) or remove model.{k}") for k in stray),
+            ("train.moe_bias_rate", t.moe_bias_rate, t.moe_bias_rate != 0, "it balances MoE experts but "
+             "model.experts is 0", "set model.experts or remove it"),
+            ("train.moe_capacity", t.moe_capacity, t.moe_capacity is not None, "it caps MoE experts but "
+             "model.experts is 0", "set model.experts or remove it")])
+    first_broken([
+        ("model.kind", m.kind, m.kind != "llama", "Mixture-of-Experts layers are built for the decoder",
+         "use model.kind: llama"),
+        ("model.hf_config", m.hf_config, m.hf_config is not None, "model.experts applies to gridshard's own decoder; "
+         "a Hugging Face config sets its own layers", "remove model.experts and its MoE fields")])
+    mc = m.resolve()                                   # the defaults of the fields left unset
+    k, every = mc.experts_per_token, mc.moe_every
+    first_broken([
+        ("model.experts_per_token", k, not 1 <= k <= experts, f"each token picks k of the model.experts={experts} "
+         f"experts: 1 <= k <= {experts}", f"use a value from 1 to {experts}"),
+        ("model.moe_every", every, not 1 <= every <= mc.layers, f"layer i is an MoE layer when (i+1) % moe_every "
+         f"== 0: 1 <= moe_every <= model.layers={mc.layers}, or no layer is one", "use 1 (every layer) or 2"),
+        ("model.shared_experts", mc.shared_experts, mc.shared_experts < 0, "it must be >= 0", "use 0 or 1"),
+        ("model.expert_ffn_hidden", mc.expert_ffn_hidden, mc.expert_ffn_hidden < 1, "it must be >= 1",
+         "use e.g. the dense ffn_hidden / experts_per_token"),
+        ("train.moe_capacity", t.moe_capacity, t.moe_capacity is not None and t.moe_capacity <= 0,
+         "a capacity factor must be > 0", "use e.g. 1.25, or null for dropless routing"),
+        ("train.moe_aux_loss", t.moe_aux_loss, t.moe_aux_loss < 0, "it must be >= 0 (0: off)", "use e.g. 0.01"),
+        ("train.moe_bias_rate", t.moe_bias_rate, t.moe_bias_rate != 0, "the balancing bias is not saved in "
+         "checkpoints yet, so a resumed run would lose it (issue 38)", "use train.moe_bias_rate=0 and the aux "
+         "loss (train.moe_aux_loss)"),
+        *((f"parallel.{axis}", getattr(p, axis), getattr(p, axis) > 1, "MoE layers do not run with tensor, context "
+           "or pipeline parallelism yet (issue 38: data parallelism and ZeRO do)", f"set parallel.{axis}=1")
+          for axis in ("tensor", "context", "pipeline")),
+        ("train.recompute", t.recompute, t.recompute == "full", "full recompute would count an MoE layer's "
+         "routing statistics twice (not yet handled)", "use train.recompute=selective or none")])

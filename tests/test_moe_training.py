@@ -1,0 +1,126 @@
+"""Training a Mixture-of-Experts Llama (docs/moe.md; issue 38, data parallelism and ZeRO so far):
+the same per-step losses and MoE metrics at every data-parallel size and ZeRO stage as one process,
+aux loss and capacity drops included (masked targets present); a step in which an expert receives
+no token completes at every ZeRO stage; a run resumes exactly; the config rules."""
+import pytest
+
+from gridshard.config import load_config
+from gridshard.config.validate import validate_config
+from gridshard.errors import CheckpointError, ConfigError
+from gridshard.testing.compare import max_rel
+from gridshard.testing.train_cache import TrainCache, train_on_ranks
+
+MOE = {"preset": "tiny", "experts": 4, "experts_per_token": 2, "kv_heads": 2}
+CFG = {"model": MOE, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 200_000, "ignore_token": 32},
+       "train": {"global_batch": 8, "micro_batch": 2, "steps": 8, "lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.5,
+                 "log_interval": 1, "seed": 7, "precision": "fp32", "moe_aux_loss": 0.05}}
+METRICS = ("loss", "moe_aux_loss", "moe_load_max", "moe_dropped")
+
+
+def _train(cfg, starve=None):
+    from gridshard.engine import Trainer
+
+    trainer = Trainer(cfg, progress=False)
+    if starve is not None:                       # no token is ever routed to expert `starve`
+        for block in trainer.job.moe.blocks:
+            block.gate.expert_bias[starve] = -1e9
+    trainer.run()
+    loads = [block.load.tolist() for block in trainer.job.moe.blocks]
+    return {key: [h[key] for h in trainer.history] for key in METRICS}, loads
+
+
+_RUNS = TrainCache(_train, agree=1, what="the losses and MoE metrics", timeout=300)
+
+
+def _layout(data, zero=0, capacity=None):
+    train = {**CFG["train"], "zero": zero, "moe_capacity": capacity}
+    return {**CFG, "parallel": {"data": data}, "train": train}
+
+
+def _assert_same(got, want):
+    for key in METRICS:
+        assert max_rel(got[key], want[key]) < 1e-5 if key != "moe_dropped" else got[key] == want[key], \
+            (key, got[key], want[key])
+
+
+@pytest.mark.parametrize("data,zero,capacity", [
+    (4, 0, None), (2, 2, None), (2, 1, 1.0),
+    pytest.param(2, 3, None, marks=pytest.mark.wide), pytest.param(4, 2, 1.0, marks=pytest.mark.wide)])
+def test_data_parallel_and_zero_match_one_process(data, zero, capacity):
+    one, _ = _RUNS(_layout(1, capacity=capacity))
+    got, _ = _RUNS(_layout(data, zero, capacity))
+    assert len(one["loss"]) == 8 and one["loss"][-1] < one["loss"][0]
+    assert all(x > 0 for x in one["moe_aux_loss"]) and all(x >= 1 for x in one["moe_load_max"])
+    assert (max(one["moe_dropped"]) > 0) == (capacity is not None)
+    _assert_same(got, one)
+
+
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.wide), pytest.param(1, marks=pytest.mark.wide),
+                                  pytest.param(2, marks=pytest.mark.wide), 3])
+def test_a_step_where_an_expert_gets_no_token_completes(zero):
+    cfg = {**_layout(2, zero), "train": {**_layout(2, zero)["train"], "steps": 2}}
+    per_rank = train_on_ranks(_train, cfg, 3, timeout=300)
+    metrics, loads = per_rank[0]
+    assert all(layer[3] == 0 and sum(layer) > 0 for layer in loads), loads
+    assert all(x == x for x in metrics["loss"])                   # finite, not NaN
+
+
+def _rules(**sections):
+    cfg = {"model": dict(MOE), **{k: v for k, v in CFG.items() if k != "model"}}
+    for section, fields in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **fields}
+    return validate_config(load_config(cfg), world_size=1, check_data=False)
+
+
+@pytest.mark.parametrize("sections,words", [
+    ({"model": {"experts_per_token": 5}}, "model.experts_per_token=5"),
+    ({"model": {"experts": 0}}, "model.experts_per_token=2"),
+    ({"model": {"experts": -1, "experts_per_token": None}}, "model.experts=-1"),
+    ({"train": {"moe_capacity": 0}}, "train.moe_capacity=0"),
+    ({"model": {"moe_every": 0}}, "model.moe_every=0"),
+    ({"model": {"moe_every": 3}}, "model.moe_every=3"),
+    ({"train": {"moe_bias_rate": 1e-3}}, "train.moe_bias_rate=0.001"),
+    ({"model": {"experts": 0, "experts_per_token": None}, "train": {"moe_capacity": 1.0}}, "train.moe_capacity=1.0"),
+])
+def test_bad_moe_fields_get_one_error_naming_the_value_and_a_fix(sections, words):
+    with pytest.raises(ConfigError, match="Fix:") as err:
+        _rules(**sections)
+    assert words in str(err.value)
+
+
+def test_the_parameter_count_and_flops_count_active_experts():
+    from gridshard.theory.training import flops_per_token, model_flops_per_token
+
+    mc = load_config({"model": {**MOE, "shared_experts": 1, "moe_every": 2, "layers": 4}}).model.resolve()
+    h, fe, n, k, v = mc.hidden, mc.expert_ffn_hidden, 4, 2, mc.vocab_size
+    attention = 2 * h * h + 2 * h * mc.kv_heads * mc.head_dim + 2 * h
+    dense, moe, active = 3 * h * mc.ffn_hidden, (n + 1) * 3 * h * fe + h * n, (k + 1) * 3 * h * fe + h * n
+    assert mc.num_parameters() == 2 * v * h + 4 * attention + 2 * dense + 2 * moe + h
+    assert mc.num_parameters(active=True) == 2 * v * h + 4 * attention + 2 * dense + 2 * active + h
+    dense_flops = flops_per_token(v, h, 4, mc.ffn_hidden, 32, mc.kv_heads * mc.head_dim)
+    assert model_flops_per_token("llama", mc, 32) == dense_flops + 6 * 2 * (active - dense)
+    from gridshard.models import Transformer
+    import torch
+    with torch.device("meta"):
+        model = Transformer(mc)
+    assert sum(p.numel() for p in model.parameters()) == mc.num_parameters()
+
+
+def _resume_body(cfg, run_dir):
+    from gridshard.engine import Trainer
+
+    cont = Trainer({**cfg, "train": {**cfg["train"], "steps": 6}}, run_dir=f"{run_dir}/whole", progress=False).run()
+    first = {**cfg, "train": {**cfg["train"], "steps": 3, "decay_steps": 6}}
+    Trainer(first, run_dir=f"{run_dir}/split", progress=False).run()
+    again = {**cfg, "train": {**cfg["train"], "steps": 6, "decay_steps": 6, "resume": "auto"}}
+    return cont, Trainer(again, run_dir=f"{run_dir}/split", progress=False).run()
+
+
+def test_a_run_resumes_exactly(tmp_path):
+    cfg = {**CFG, "train": {**CFG["train"], "decay_steps": 6, "moe_capacity": 1.0}}
+    cont, resumed = train_on_ranks(_resume_body, cfg, str(tmp_path), timeout=300)[0]
+    assert len(resumed) == 3 and resumed == cont[3:], (resumed, cont)
+    from gridshard.checkpoint.hf_io import export_hf             # not built yet: refused, nothing written
+    with pytest.raises(CheckpointError, match="Mixture-of-Experts model"):
+        export_hf(str(tmp_path / "split" / "checkpoints" / "step_6"), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
