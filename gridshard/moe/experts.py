@@ -30,8 +30,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int])
     if _grouped_kernel_applies(x):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return F.grouped_mm(x, weight.to(x.dtype).transpose(1, 2), offs=offsets)
-    # an empty block still joins the graph: every expert's weight gets a gradient (zeros if unused)
-    return torch.cat([F.linear(block, weight[e]) for e, block in enumerate(x.split(list(counts)))])
+    # an empty block still joins the graph: every expert's weight gets a gradient (zeros if unused);
+    # unbind, not weight[e]: its backward stacks the n gradients once instead of adding n full-size ones
+    return torch.cat([F.linear(block, w) for block, w in zip(x.split(list(counts)), weight.unbind(0))])
 
 
 class Experts(nn.Module):

@@ -1,0 +1,102 @@
+"""Step time of the Mixture-of-Experts block against a dense SwiGLU MLP of equal active FLOPs, the
+share of it that is routing and dispatch, and the grouped product against the per-expert loop.
+
+One process, one thread (what one rank computes at expert-parallel size E = 1; E > 1, the
+all-to-all dispatch, is not built yet, docs/moe.md). Shapes: h 256, n experts of width f_e, k = 2,
+micro-batch 4 × 256 tokens; the dense MLP has width k·f_e, so a token's matmul FLOPs are equal
+(the router's h·n per token aside). Rows take turns round by round, so machine noise hits all alike:
+
+* *dense MLP*: :class:`gridshard.models.llama.SwiGLUMLP`, forward + backward;
+* *MoE block*: :class:`gridshard.moe.layer.MoEBlock`, forward + backward (dropless, aux loss on);
+* *experts only*: the same experts on the rows already sorted, with the same counts: MoE minus
+  this is the routing, sort, gather and combine (the *dispatch share*).
+
+Then forward only (CPU has no grouped backward): ``torch.nn.functional.grouped_mm`` against the
+per-expert ``F.linear`` loop of :func:`gridshard.moe.experts.grouped_linear`, fp32.
+
+    .venv/bin/python benchmarks/bench_moe.py [--experts 4 8] [--rounds 20]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from gridshard.models.llama import ModelConfig, SwiGLUMLP  # noqa: E402
+from gridshard.moe.experts import grouped_linear  # noqa: E402
+from gridshard.moe.layer import MoEBlock  # noqa: E402
+
+H, K, BATCH, SEQ, FE = 256, 2, 4, 256, 352
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _rows(n_experts: int) -> dict:
+    torch.manual_seed(0)
+    dense = SwiGLUMLP(ModelConfig(hidden=H, ffn_hidden=K * FE, heads=4))
+    moe = MoEBlock(H, n_experts, K, FE, aux_coefficient=0.01)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(BATCH, SEQ, H, requires_grad=True)
+    with torch.no_grad():
+        routing = moe.gate(x.view(-1, H), SEQ)
+    counts = torch.bincount(routing.experts.flatten(), minlength=n_experts).tolist()
+    sorted_rows = x.detach().view(-1, H).repeat_interleave(K, 0)[:sum(counts)].requires_grad_()
+
+    def step(fn):
+        return lambda: fn().sum().backward()
+
+    return {"dense MLP": step(lambda: dense(x)), "MoE block": step(lambda: moe(x)),
+            "experts only": step(lambda: moe.experts(sorted_rows, counts))}
+
+
+def _grouped_rows(n_experts: int) -> dict:
+    torch.manual_seed(0)
+    x, w = torch.randn(BATCH * SEQ * K, H), torch.randn(n_experts, FE, H)
+    counts = [len(c) for c in torch.arange(x.shape[0]).tensor_split(n_experts)]
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return {"per-expert loop": lambda: grouped_linear(x, w, counts),
+            "grouped_mm": lambda: F.grouped_mm(x, w.transpose(1, 2), offs=offsets)}
+
+
+def _race(rows: dict, rounds: int) -> dict:
+    times = {name: [] for name in rows}
+    for r in range(rounds + 3):
+        for name, fn in rows.items():
+            t = _timed(fn)
+            if r >= 3:
+                times[name].append(t)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--experts", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--rounds", type=int, default=20)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print(f"h={H} k={K} f_e={FE} tokens={BATCH}x{SEQ}, one thread, medians of {args.rounds} rounds (ms)")
+    for n in args.experts:
+        t = _race(_rows(n), args.rounds)
+        share = (t["MoE block"] - t["experts only"]) / t["MoE block"]
+        print(f"n={n}: dense MLP {1e3 * t['dense MLP']:.1f}, MoE block {1e3 * t['MoE block']:.1f} "
+              f"({t['MoE block'] / t['dense MLP']:.2f}x dense), experts only {1e3 * t['experts only']:.1f}; "
+              f"dispatch share {share:.0%}")
+        g = _race(_grouped_rows(n), args.rounds)
+        print(f"n={n} forward: per-expert loop {1e3 * g['per-expert loop']:.2f}, grouped_mm "
+              f"{1e3 * g['grouped_mm']:.2f} ({g['grouped_mm'] / g['per-expert loop']:.2f}x the loop)")
+
+
+if __name__ == "__main__":
+    main()
