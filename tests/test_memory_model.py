@@ -125,8 +125,8 @@ def test_a_layer_added_to_the_model_is_in_the_blocks(monkeypatch):
 
     init = llama.DecoderLayer.__init__
 
-    def with_adapter(self, cfg):
-        init(self, cfg)
+    def with_adapter(self, cfg, index=0):
+        init(self, cfg, index)
         self.adapter = nn.Linear(cfg.hidden, 3, bias=False)
 
     monkeypatch.setattr(llama.DecoderLayer, "__init__", with_adapter)
