@@ -32,8 +32,8 @@ def _train(cfg, starve=None):
 _RUNS = TrainCache(_train, agree=1, what="the losses and MoE metrics", timeout=300)
 
 
-def _layout(data, zero=0, capacity=None):
-    train = {**CFG["train"], "zero": zero, "moe_capacity": capacity}
+def _layout(data, zero=0, capacity=None, recompute="none"):
+    train = {**CFG["train"], "zero": zero, "moe_capacity": capacity, "recompute": recompute}
     return {**CFG, "parallel": {"data": data}, "train": train}
 
 
@@ -43,12 +43,13 @@ def _assert_same(got, want):
             (key, got[key], want[key])
 
 
-@pytest.mark.parametrize("data,zero,capacity", [
-    (4, 0, None), (2, 2, None), (2, 1, 1.0),
-    pytest.param(2, 3, None, marks=pytest.mark.wide), pytest.param(4, 2, 1.0, marks=pytest.mark.wide)])
-def test_data_parallel_and_zero_match_one_process(data, zero, capacity):
+@pytest.mark.parametrize("data,zero,capacity,recompute", [
+    (4, 0, None, "none"), (2, 2, None, "none"), (2, 1, 1.0, "full"),
+    pytest.param(2, 3, None, "none", marks=pytest.mark.wide), pytest.param(4, 2, 1.0, "none", marks=pytest.mark.wide),
+    pytest.param(2, 0, None, "selective", marks=pytest.mark.wide)])
+def test_data_parallel_and_zero_match_one_process(data, zero, capacity, recompute):
     one, _ = _RUNS(_layout(1, capacity=capacity))
-    got, _ = _RUNS(_layout(data, zero, capacity))
+    got, _ = _RUNS(_layout(data, zero, capacity, recompute))
     assert len(one["loss"]) == 8 and one["loss"][-1] < one["loss"][0]
     assert all(x > 0 for x in one["moe_aux_loss"]) and all(x >= 1 for x in one["moe_load_max"])
     assert (max(one["moe_dropped"]) > 0) == (capacity is not None)

@@ -43,6 +43,4 @@ def check_moe(cfg: TrainConfig):
          "loss (train.moe_aux_loss)"),
         *((f"parallel.{axis}", getattr(p, axis), getattr(p, axis) > 1, "MoE layers do not run with tensor, context "
            "or pipeline parallelism yet (issue 38: data parallelism and ZeRO do)", f"set parallel.{axis}=1")
-          for axis in ("tensor", "context", "pipeline")),
-        ("train.recompute", t.recompute, t.recompute == "full", "full recompute would count an MoE layer's "
-         "routing statistics twice (not yet handled)", "use train.recompute=selective or none")])
+          for axis in ("tensor", "context", "pipeline"))])

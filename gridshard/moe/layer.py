@@ -20,7 +20,9 @@ gradients without changing any loss plumbing: the block's output passes through
 the trainer from the step's sequence count B; left None, B is this call's b (the standalone mean).
 
 Statistics of the calls since :meth:`MoEBlock.reset_stats` (buffers, not saved): ``aux_sum``
-Σ_b L_b, ``load`` [n] kept slots per expert, ``slots`` and ``dropped`` token-slots.
+Σ_b L_b, ``load`` [n] kept slots per expert, ``slots`` and ``dropped`` token-slots. A forward that
+runs inside backward (``train.recompute: full`` recomputing the layer, ``torch._C.
+_current_graph_task_id() != -1``: PyTorch has no public test for it) is not counted again.
 """
 from __future__ import annotations
 
@@ -91,13 +93,17 @@ class MoEBlock(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, [b * s])
         aux = sequence_aux_loss(routing, self.n_experts, s)
-        with torch.no_grad():
-            self.aux_sum += aux.detach()
-            self.load += load
-            self.slots += routing.kept.numel()
-            self.dropped += routing.dropped
+        if torch._C._current_graph_task_id() == -1:        # not full recompute's second forward, in backward
+            self._count(aux.detach(), load, routing)
         y = y.view(b, s, h).to(x.dtype)
         if self.aux_coefficient and torch.is_grad_enabled():
             weight = self.aux_weight if self.aux_weight is not None else self.aux_coefficient / b
             y = _AuxLossGradient.apply(y, aux, weight)
         return y
+
+    @torch.no_grad()
+    def _count(self, aux, load, routing) -> None:
+        self.aux_sum += aux
+        self.load += load
+        self.slots += routing.kept.numel()
+        self.dropped += routing.dropped
