@@ -1,6 +1,9 @@
 """Generation: the KV-cached decoder gives the logits of the plain full forward (fp32, 1e-5),
 cached and uncached sampling give the same text for a seed, greedy is the argmax chain, and
 a checkpoint loads into the plain model in one process."""
+import dataclasses
+
+import pytest
 import torch
 
 from gridshard.generate import CachedDecoder, generate_ids, sample_next
@@ -9,16 +12,22 @@ from gridshard.models import ModelConfig, Transformer
 CFG = ModelConfig(vocab_size=97, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, max_seq_len=40)
 
 
-def _model(seed=0):
+#: Mixture-of-Experts layers (every second one, a shared expert): dropless routing is per token,
+#: so the cached decoder's chunks route as the full forward does
+MOE_CFG = dataclasses.replace(CFG, experts=4, experts_per_token=2, shared_experts=1, moe_every=2, expert_ffn_hidden=24)
+
+
+def _model(seed=0, cfg=CFG):
     torch.manual_seed(seed)
-    m = Transformer(CFG)
+    m = Transformer(cfg)
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return m.eval()
 
 
-def test_cached_logits_equal_the_full_forward():
-    m = _model()
+@pytest.mark.parametrize("cfg", [CFG, MOE_CFG], ids=["dense", "moe"])
+def test_cached_logits_equal_the_full_forward(cfg):
+    m = _model(cfg=cfg)
     tokens = torch.randint(0, 97, (2, 30))
     with torch.no_grad():
         full = m(tokens)

@@ -125,3 +125,16 @@ def test_a_run_resumes_exactly(tmp_path):
     with pytest.raises(CheckpointError, match="Mixture-of-Experts model"):
         export_hf(str(tmp_path / "split" / "checkpoints" / "step_6"), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
+    from click.testing import CliRunner                            # the checkpoint generates in one process
+
+    from gridshard.cli import main
+    out = CliRunner().invoke(main, ["generate", str(tmp_path / "split"), "--prompt", "def ", "--max-new-tokens", "8"])
+    assert out.exit_code == 0 and "step 6" in out.output, out.output
+
+
+@pytest.mark.wide
+def test_compiled_layers_train_like_eager():
+    one, _ = _RUNS(_layout(1))
+    cfg = _layout(2, zero=1)
+    got, _ = _RUNS({**cfg, "train": {**cfg["train"], "compile": True}})
+    _assert_same(got, one)

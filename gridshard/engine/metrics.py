@@ -153,4 +153,6 @@ def format_postfix(rec: dict) -> dict:
            "comm": f"{rec['comm_share']:.0%}" if rec["comm_share"] is not None else "-"}
     if rec.get("mfu") is not None:
         out["mfu"] = f"{rec['mfu']:.1%}"
+    if rec.get("moe_load_max") is not None:           # MoE: the worst layer's most-loaded expert / the mean
+        out["moe_load"] = f"{rec['moe_load_max']:.2f}"
     return out

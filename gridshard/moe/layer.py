@@ -106,4 +106,4 @@ class MoEBlock(nn.Module):
         self.aux_sum += aux
         self.load += load
         self.slots += routing.kept.numel()
-        self.dropped += routing.dropped
+        self.dropped += routing.kept.numel() - routing.kept.sum()

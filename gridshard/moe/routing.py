@@ -26,7 +26,7 @@ router's choice is what the loss balances).
 **Capacity** (``capacity`` = c, None: dropless). Each expert takes at most ⌈c·k·S/n⌉ token-slots
 of each sequence; the slots of a sequence are offered in token order, and within a token in the
 order of its choices (largest score first). A slot past its expert's capacity is dropped: it
-adds nothing to the token's output, and is counted (:attr:`Routing.dropped`). Per sequence, the
+adds nothing to the token's output, and is counted (``MoEBlock.dropped``). Per sequence, the
 drops, like the loss, do not depend on the layout.
 
 **Balancing bias** update (``train.moe_bias_rate`` u, after each optimizer step, from the step's
@@ -56,19 +56,10 @@ class Routing:
     kept: torch.Tensor
     scores: torch.Tensor
 
-    @property
-    def dropped(self) -> int:
-        """Token-slots dropped by the capacity (0 when dropless)."""
-        return int(self.kept.numel() - self.kept.sum())
-
-    def load(self, n_experts: int) -> torch.Tensor:
-        """Kept token-slots per expert [n] (int64)."""
-        return torch.bincount(self.experts[self.kept], minlength=n_experts)
-
 
 class Router(nn.Module):
     """``weight`` [n, h] (a parameter, like Hugging Face's ``gate.weight``) and the balancing bias
-    ``expert_bias`` [n] (a buffer, saved with the model; zeros unless the bias update runs)."""
+    ``expert_bias`` [n] (a buffer; zeros unless the bias update runs)."""
 
     def __init__(self, hidden: int, n_experts: int, top_k: int, score: str = "softmax", normalize: bool = True,
                  capacity: Optional[float] = None):
@@ -78,7 +69,8 @@ class Router(nn.Module):
         self.n_experts, self.top_k, self.score, self.normalize, self.capacity = \
             n_experts, top_k, score, normalize, capacity
         self.weight = nn.Parameter(torch.empty(n_experts, hidden))
-        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        # not in the state dict until checkpoints carry it (train.moe_bias_rate accepts only 0 so far)
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
 
     def reset_buffers(self, device) -> None:
         """The balancing bias at its start, zeros, on ``device`` (``gridshard.parallelize`` builds on meta)."""
