@@ -5,7 +5,9 @@
   global tokens/s, peak memory of every rank (MiB) and the communication share (%);
 * ``loss.png`` and ``throughput.png``: the first and fourth panels alone;
 * ``accuracy.png`` (a classifier's run, ``model.kind: vit``): ``accuracy`` and ``val_accuracy``
-  on the evaluation steps, on 0–1.
+  on the evaluation steps, on 0–1;
+* ``moe_load.png`` (a Mixture-of-Experts run): each expert's share of the token-slots
+  (``moe_load``, summed over the MoE layers), one line per expert; 1/n is balanced.
 
 Every logged record is drawn, the first included, and each x axis starts at step 0. Axes a
 reader can trust: quantities that cannot be negative (tokens/s, memory, share, lr, grad norm)
@@ -56,6 +58,12 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> list:
                              {"bottom": 0, "top": 1},
                              [([r["step"] for r in evals], [_num(r.get(key)) for r in evals], label)
                               for key, label in (("accuracy", "train"), ("val_accuracy", "validation"))]))
+    loads = [r for r in recs if r.get("moe_load")]
+    if loads:
+        paths.append(_single(plt, run_dir, os.path.join(out_dir, "moe_load.png"), "moe_load",
+                             "share of token-slots", {"bottom": 0},
+                             [([r["step"] for r in loads], [r["moe_load"][e] for r in loads], f"expert {e}")
+                              for e in range(len(loads[0]["moe_load"]))]))
     return paths
 
 

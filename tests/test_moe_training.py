@@ -26,7 +26,8 @@ def _train(cfg, starve=None):
             block.gate.expert_bias[starve] = -1e9
     trainer.run()
     loads = [block.load.tolist() for block in trainer.job.moe.blocks]
-    return {key: [h[key] for h in trainer.history] for key in METRICS}, loads
+    metrics = {key: [h[key] for h in trainer.history] for key in METRICS + ("moe_load",)}
+    return metrics, loads
 
 
 _RUNS = TrainCache(_train, agree=1, what="the losses and MoE metrics", timeout=300)
@@ -54,6 +55,23 @@ def test_data_parallel_and_zero_match_one_process(data, zero, capacity, recomput
     assert all(x > 0 for x in one["moe_aux_loss"]) and all(x >= 1 for x in one["moe_load_max"])
     assert (max(one["moe_dropped"]) > 0) == (capacity is not None)
     _assert_same(got, one)
+    for shares, want in zip(got["moe_load"], one["moe_load"]):        # per expert, summing to 1
+        assert len(shares) == 4 and abs(sum(shares) - 1) < 1e-9 and max_rel(shares, want) < 1e-5
+
+
+def test_plot_draws_the_load_per_expert(tmp_path):
+    import json
+    import os
+
+    from gridshard.plot import plot_run
+
+    rec = {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "peak_mem_bytes": 1}
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(rec) + "\n")
+    assert not any(p.endswith("moe_load.png") for p in plot_run(str(tmp_path)))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**rec, "step": 2, "moe_load": [0.4, 0.3, 0.2, 0.1]}) + "\n")
+    assert os.path.isfile([p for p in plot_run(str(tmp_path)) if p.endswith("moe_load.png")][0])
 
 
 @pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.wide), pytest.param(1, marks=pytest.mark.wide),

@@ -340,7 +340,7 @@ class Trainer:
         self.skipped_recent.clear()
         rec = self._record(k, losses[-1], norm, lr, wall, k + 1 - window.steps, now, stats)
         if self.job.moe is not None:
-            rec.update(self.job.moe.last)              # moe_aux_loss, moe_load_max, moe_dropped
+            rec.update(self.job.moe.last)              # moe_aux_loss, moe_load_max, moe_dropped, moe_load
         if is_eval:
             rec["val_loss"] = self.evaluate()
             rec.update(accuracy_metrics(self.job))     # a classifier's accuracy, val_accuracy (else none)

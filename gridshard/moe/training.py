@@ -14,6 +14,7 @@ reports the same metrics:
     moe_aux_loss = α · Σ_layers Σ_b L_b / B           (the term the step added to the loss)
     moe_load_max = max over layers of max_e c_e / mean_e c_e
     moe_dropped  = Σ dropped slots / Σ slots
+    moe_load     = [Σ_layers c_e / Σ_layers Σ_e c_e for each expert e]   (each expert's share; 1/n balanced)
 """
 from __future__ import annotations
 
@@ -60,5 +61,6 @@ class MoETraining:
                 block.gate.update_bias(counts, self.rate)
         self.last = {"moe_aux_loss": float(self.coefficient * aux.sum() / self.global_batch),
                      "moe_load_max": float((load.max(1).values / load.mean(1).clamp_min(1e-30)).max()),
-                     "moe_dropped": float(dropped.sum() / slots.sum().clamp_min(1))}
+                     "moe_dropped": float(dropped.sum() / slots.sum().clamp_min(1)),
+                     "moe_load": (load.sum(0) / load.sum().clamp_min(1)).tolist()}
         return self.last
