@@ -25,7 +25,8 @@ def _block(score="softmax", normalize=True, capacity=None, shared=0, aux=0.0, se
     return block
 
 
-def _expert(x, gate, up, down):
+def _expert(x, gate_up, down):
+    gate, up = gate_up.chunk(2, dim=0)
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
@@ -56,10 +57,10 @@ def _reference(block, x, score, normalize, capacity):
                 keep_row.append(keep)
                 if keep:
                     load[e] += 1
-                    out = out + g[j] * _expert(t, E.gate_proj[e], E.up_proj[e], E.down_proj[e])
+                    out = out + g[j] * _expert(t, E.gate_up_proj[e], E.down_proj[e])
             if block.shared_experts is not None:
                 S = block.shared_experts
-                out = out + _expert(t, S.gate_proj[0], S.up_proj[0], S.down_proj[0])
+                out = out + _expert(t, S.gate_up_proj[0], S.down_proj[0])
             prob = prob + p / p.sum()
             y.append(out)
             kept_all.append(keep_row)
@@ -116,7 +117,7 @@ def test_an_expert_with_no_token_still_gets_a_zero_gradient():
     block.gate.expert_bias[3] = -1e9                          # never selected
     block(torch.randn(2, 5, H)).sum().backward()
     assert int(block.load[3]) == 0
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    for name in ("gate_up_proj", "down_proj"):
         grad = getattr(block.experts, name).grad
         assert grad is not None and torch.count_nonzero(grad[3]) == 0 and torch.count_nonzero(grad[:3]) > 0
 

@@ -36,14 +36,36 @@ def _need_safetensors():
 
 def hf_llama_config(model_cfg: dict) -> dict:
     """``config.json`` of a Hugging Face ``LlamaForCausalLM`` with gridshard's model fields
-    (the resolved ``model`` section of a run's config)."""
+    (the resolved ``model`` section of a run's config); with experts, a ``MixtralForCausalLM``'s:
+    the same decoder with every MLP an MoE block of softmax top-k routing with normalised weights
+    (:func:`mixtral_shaped`: another MoE shape has no Hugging Face class of the same math)."""
     from ..models.hf import HF_CONFIG_KEYS
 
     m = {**model_cfg, "kv_heads": model_cfg.get("kv_heads") or model_cfg["heads"],
          "tie_embeddings": bool(model_cfg["tie_embeddings"])}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            **{key: m[field] for field, (key, _) in HF_CONFIG_KEYS.items()}, "head_dim": m["hidden"] // m["heads"],
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+    fields = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              **{key: m[field] for field, (key, _) in HF_CONFIG_KEYS.items()}, "head_dim": m["hidden"] // m["heads"],
+              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+    if not m.get("experts"):
+        return fields
+    mixtral_shaped(m)
+    return {**fields, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": m["expert_ffn_hidden"], "num_local_experts": m["experts"],
+            "num_experts_per_tok": m["experts_per_token"], "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def mixtral_shaped(m: dict) -> None:
+    """CheckpointError unless the MoE model (resolved ``model`` fields) is what Hugging Face's
+    ``MixtralForCausalLM`` computes: every layer MoE, softmax scores, normalised top-k weights, no
+    shared experts."""
+    wrong = [f"{k}={m.get(k)!r}" for k, want in (("moe_every", 1), ("router_score", "softmax"),
+                                                 ("router_normalize", True), ("shared_experts", 0))
+             if m.get(k) != want]
+    if wrong:
+        raise F.CheckpointError(f"this Mixture-of-Experts model ({', '.join(wrong)}) has no Hugging Face class "
+                                f"that computes it: the export writes MixtralForCausalLM (moe_every=1, "
+                                f"router_score=softmax, router_normalize=true, shared_experts=0). Fix: keep it in "
+                                f"gridshard, or train a Mixtral-shaped model to export.")
 
 
 def _hf_config_json(path: str, model_cfg: dict) -> dict:
@@ -75,13 +97,8 @@ def export_hf(folder: str, out_dir: str) -> list:
     checked, tensors = read_checkpoint(folder)      # verified: manifest, meta.json against the tensors, tensors only
     meta = checked.meta
     model_cfg = meta["config"]["model"]
-    if model_cfg.get("experts"):
-        raise F.CheckpointError(f"{folder!r} holds a Mixture-of-Experts model (model.experts="
-                                f"{model_cfg['experts']}); its Hugging Face export is not built yet (issue 38). "
-                                f"Fix: keep training and evaluating it with gridshard (its checkpoints resume).")
     hf_json = model_cfg.get("hf_config")
     hf_fields = _hf_config_json(hf_json, model_cfg) if hf_json else None
-    os.makedirs(out_dir, exist_ok=True)
     vit = model_cfg.get("kind") == "vit"
     if hf_json or vit:                              # HF's names already (a ViT's are ViTForImageClassification's)
         named = {k: v.contiguous() for k, v in tensors.items()}
@@ -91,6 +108,7 @@ def export_hf(folder: str, out_dir: str) -> list:
             hf_fields = hf_vit_config_fields(saved_model_config(model_cfg))
     else:
         named, hf_fields = export_hf_state_dict(tensors), hf_llama_config(model_cfg)
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_fields, f, indent=1)
     weights = os.path.join(out_dir, SAFETENSORS)

@@ -12,8 +12,9 @@ Per layer, with h = hidden, H heads, K kv heads, d = h/H, f = ffn_hidden:
 * ``mlp.gate_proj`` / ``up_proj`` [f, h], ``down_proj`` [h, f];
 * ``input_layernorm`` / ``post_attention_layernorm`` [h];
 * an MoE layer's ``mlp`` instead (n experts of width f_e, :mod:`gridshard.moe`): ``gate.weight`` [n, h]
-  (the router), ``experts.gate_proj`` / ``up_proj`` [n, f_e, h], ``experts.down_proj`` [n, h, f_e]
-  and, with s shared experts, ``shared_experts.*`` of one expert of width s·f_e.
+  (the router), ``experts.gate_up_proj`` [n, 2f_e, h], ``experts.down_proj`` [n, h, f_e] (Hugging
+  Face's ``MixtralForCausalLM`` names) and, with s shared experts, ``shared_experts.*`` of one expert
+  of width s·f_e.
 
 The code reads local sizes from the tensors it gets (``view(b, s, -1, d)``), so the same
 forward runs on whole heads of one rank after tensor parallelism splits the projections.

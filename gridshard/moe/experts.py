@@ -1,7 +1,10 @@
-"""The experts of a Mixture-of-Experts layer: n SwiGLU MLPs held as three stacked weights.
+"""The experts of a Mixture-of-Experts layer: n SwiGLU MLPs held as two stacked weights.
 
-    gate_proj [n, f, h],  up_proj [n, f, h],  down_proj [n, h, f]      (expert e: row e, as nn.Linear)
-    expert_e(x) = down_e(silu(gate_e(x)) · up_e(x))
+    gate_up_proj [n, 2f, h] (gate rows, then up rows),  down_proj [n, h, f]    (expert e: row e, as nn.Linear)
+    expert_e(x) = down_e(silu(g) · u),   [g | u] = gate_up_e(x)
+
+The layout and names are Hugging Face's (transformers 5: ``MixtralExperts``, ``Qwen3MoeExperts``),
+so its MoE weights import by a rename, as a dense Llama's do.
 
 :meth:`Experts.forward` takes the token rows already sorted by expert, with the number of rows
 of each expert, and runs all experts as one *grouped* product per weight: row block e times
@@ -36,17 +39,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int])
 
 
 class Experts(nn.Module):
-    """n SwiGLU experts (module docstring); the parameter names are those of the stacked layout
-    recent Hugging Face MoE models use, so an import is a stack of the per-expert weights."""
+    """n SwiGLU experts (module docstring)."""
 
     def __init__(self, n_experts: int, hidden: int, ffn_hidden: int):
         super().__init__()
         self.n_experts = n_experts
-        self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_hidden, hidden))
-        self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_hidden, hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, ffn_hidden))
 
     def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """x [M, h] sorted by expert, ``counts`` [n] rows per expert → [M, h] in the same order."""
-        act = F.silu(grouped_linear(x, self.gate_proj, counts)) * grouped_linear(x, self.up_proj, counts)
-        return grouped_linear(act, self.down_proj, counts)
+        gate, up = grouped_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, counts)
