@@ -49,8 +49,12 @@ class _AuxLossGradient(torch.autograd.Function):
 
 
 class MoEBlock(nn.Module):
-    """``gate`` (the :class:`Router`, named as Hugging Face names it), ``experts`` (:class:`Experts`), and ``shared_experts`` (an
-    :class:`Experts` of one, width ``shared_ffn``) when ``shared_ffn`` > 0."""
+    """``gate`` (the :class:`Router`, named as Hugging Face names it), ``experts``
+    (:class:`Experts`), and ``shared_experts`` (an :class:`Experts` of one, width ``shared_ffn``)
+    when ``shared_ffn`` > 0."""
+
+    #: the statistics buffers (module docstring), zeros of these dtypes and shapes ([n] for load)
+    STATS = (("aux_sum", torch.float32), ("load", torch.long), ("slots", torch.long), ("dropped", torch.long))
 
     #: ``gridshard.parallelize`` does not apply a dense MLP's plan entries to it (it sits where a
     #: dense decoder has its MLP, under the same name)
@@ -65,19 +69,17 @@ class MoEBlock(nn.Module):
         self.gate = Router(hidden, n_experts, top_k, score, normalize, capacity)
         self.experts = Experts(n_experts, hidden, expert_ffn)
         self.shared_experts = Experts(1, hidden, shared_ffn) if shared_ffn else None
-        for name, value in (("aux_sum", torch.zeros(())), ("load", torch.zeros(n_experts, dtype=torch.long)),
-                            ("slots", torch.zeros((), dtype=torch.long)),
-                            ("dropped", torch.zeros((), dtype=torch.long))):
-            self.register_buffer(name, value, persistent=False)
+        self.reset_buffers(None)
 
     def reset_buffers(self, device) -> None:
         """The statistics, zeroed, on ``device`` (``gridshard.parallelize`` builds on meta)."""
-        for name in ("aux_sum", "load", "slots", "dropped"):
-            setattr(self, name, torch.zeros_like(getattr(self, name), device=device))
+        for name, dtype in self.STATS:
+            shape = (self.n_experts,) if name == "load" else ()
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def reset_stats(self) -> None:
-        for stat in (self.aux_sum, self.load, self.slots, self.dropped):
-            stat.zero_()
+        for name, _ in self.STATS:
+            getattr(self, name).zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
