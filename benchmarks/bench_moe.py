@@ -1,10 +1,10 @@
 """Step time of the Mixture-of-Experts block against a dense SwiGLU MLP of equal active FLOPs, the
 share of it that is routing and dispatch, and the grouped product against the per-expert loop.
 
-One process, one thread (what one rank computes at expert-parallel size E = 1; E > 1, the
-all-to-all dispatch, is not built yet, docs/moe.md). Shapes: h 256, n experts of width f_e, k = 2,
-micro-batch 4 × 256 tokens; the dense MLP has width k·f_e, so a token's matmul FLOPs are equal
-(the router's h·n per token aside). Rows take turns round by round, so machine noise hits all alike:
+First one process, one thread (what one rank computes at expert-parallel size E = 1). Shapes: h 256,
+n experts of width f_e, k = 2, micro-batch 4 × 256 tokens; the dense MLP has width k·f_e, so a
+token's matmul FLOPs are equal (the router's h·n per token aside). Rows take turns round by round,
+so machine noise hits all alike:
 
 * *dense MLP*: :class:`gridshard.models.llama.SwiGLUMLP`, forward + backward;
 * *MoE block*: :class:`gridshard.moe.layer.MoEBlock`, forward + backward (dropless, aux loss on);
@@ -14,7 +14,13 @@ micro-batch 4 × 256 tokens; the dense MLP has width k·f_e, so a token's matmul
 Then forward only (CPU has no grouped backward): ``torch.nn.functional.grouped_mm`` against the
 per-expert ``F.linear`` loop of :func:`gridshard.moe.experts.grouped_linear`, fp32.
 
-    .venv/bin/python benchmarks/bench_moe.py [--experts 4 8] [--rounds 20]
+Then expert parallelism (``--expert 1 2 4``, n = 8): E gloo ranks, one thread each, every rank its
+own 4 × 256 tokens, the MoE block with its experts split over the E ranks (both dispatchers)
+against the dense MLP on the same tokens, taking turns; the *exchange share* is the time the
+rank spends in the block's exchanges (the ledger's timed collectives on the expert axis) over the
+block's time. On a 2-core machine E = 4 ranks share 2 cores: compare the ratios, not the times.
+
+    .venv/bin/python benchmarks/bench_moe.py [--experts 4 8] [--expert 1 2 4] [--rounds 20]
 """
 from __future__ import annotations
 
@@ -80,10 +86,54 @@ def _race(rows: dict, rounds: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _expert_parallel_body(expert: int, kind: str, n_experts: int, rounds: int) -> dict:
+    """On each of E ranks: medians (s) of the dense MLP and the split MoE block, forward + backward,
+    and the block's median seconds in expert-axis collectives per call."""
+    import torch.distributed as dist
+
+    from gridshard.comm.ledger import CommLedger
+    from gridshard.mesh import build_mesh
+
+    ledger = CommLedger(timing=True)
+    mesh = build_mesh(expert, ledger=ledger, expert=expert)
+    torch.manual_seed(0)
+    dense = SwiGLUMLP(ModelConfig(hidden=H, ffn_hidden=K * FE, heads=4))
+    moe = MoEBlock(H, n_experts, K, FE, aux_coefficient=0.01)
+    if expert > 1:
+        moe.split_experts(mesh.expert, kind)
+        moe.experts.to_empty(device="cpu")
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    torch.manual_seed(1 + dist.get_rank())
+    x = torch.randn(BATCH, SEQ, H, requires_grad=True)
+    exchange = []
+
+    def moe_step():
+        before = ledger.seconds()
+        moe(x).sum().backward()
+        exchange.append(ledger.seconds() - before)
+
+    t = _race({"dense MLP": lambda: dense(x).sum().backward(), "MoE block": moe_step}, rounds)
+    return {**t, "exchange": statistics.median(exchange[3:])}
+
+
+def _expert_parallel(sizes, rounds: int, n_experts: int = 8) -> None:
+    from _runner import run_rank0
+
+    for E in sizes:
+        for kind in ("all_to_all", "all_gather") if E > 1 else ("all_to_all",):
+            t = run_rank0(E, _expert_parallel_body, E, kind, n_experts, rounds, timeout=600)
+            label = f"E={E}" + (f" {kind}" if E > 1 else "")
+            print(f"{label}: dense MLP {1e3 * t['dense MLP']:.1f}, MoE block {1e3 * t['MoE block']:.1f} "
+                  f"({t['MoE block'] / t['dense MLP']:.2f}x dense), exchange share "
+                  f"{t['exchange'] / t['MoE block']:.0%} (rank 0, n={n_experts})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--experts", type=int, nargs="+", default=[4, 8])
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--expert", type=int, nargs="*", default=[1, 2, 4], help="expert-parallel sizes (none: skip)")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"h={H} k={K} f_e={FE} tokens={BATCH}x{SEQ}, one thread, medians of {args.rounds} rounds (ms)")
@@ -96,6 +146,7 @@ def main() -> None:
         g = _race(_grouped_rows(n), args.rounds)
         print(f"n={n} forward: per-expert loop {1e3 * g['per-expert loop']:.2f}, grouped_mm "
               f"{1e3 * g['grouped_mm']:.2f} ({g['grouped_mm'] / g['per-expert loop']:.2f}x the loop)")
+    _expert_parallel(args.expert, args.rounds)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,17 @@ A mode's depth layers (2.5D) add a ``"depth"`` dim outside the tensor dims, and 
 a mode replicates its weights (``weight_replica_dims``) join ``data_context``. The outer dims, which
 are built when, and which replicate weights, are declared in :mod:`gridshard.mesh_dims`.
 
+The expert dimension (``parallel.expert`` E > 1, Mixture-of-Experts) is no new dim: it cuts each
+``data_context`` group into blocks of E, the ``expert`` axis, and the ranks at the same place of
+every block, the ``expert_data`` axis (:mod:`gridshard.mesh_expert`). At E = 1 ``expert`` has
+size 1 and ``expert_data`` *is* ``data_context``.
+
 All size checks happen in :func:`validate_layout`, before any process group is
 created, so a bad layout fails with a message instead of hanging.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -47,6 +53,7 @@ from .device import check_ranks_per_node, device_for_backend, resolve_backend
 from .errors import LayoutError
 from .job_layout import TensorMode
 from .mesh_dims import outer_layout, weight_replica_dims
+from .mesh_expert import expert_groups
 from .netutil import free_port
 
 
@@ -89,15 +96,24 @@ def factorizations(world_size: int, pipeline: Optional[int] = None, square_tenso
 
 
 def validate_layout(world_size: int, data: int, pipeline: int, tensor: int, tensor_mode: str = "1d",
-                    context: int = 1, depth: int = 1) -> None:
-    """Check that ``data × pipeline × context × tensor == world_size`` and that the tensor mode fits.
+                    context: int = 1, depth: int = 1, expert: int = 1) -> None:
+    """Check that ``data × pipeline × context × tensor == world_size``, that the tensor mode fits and
+    that ``expert`` E divides the weight-replica ranks D·C (2.5D: D·C·d; module docstring).
 
     Raises :class:`LayoutError` naming the numbers, the rule and valid choices.
     Pure function: touches no process group.
     """
-    for name, v in (("data", data), ("pipeline", pipeline), ("context", context), ("tensor", tensor)):
+    for name, v in (("data", data), ("pipeline", pipeline), ("context", context), ("tensor", tensor),
+                    ("expert", expert)):
         if not isinstance(v, int) or v < 1:
             raise LayoutError(f"parallel.{name}={v!r} is invalid: every parallel size must be an integer >= 1.")
+    replicas = data * context * depth                  # the data_context ranks (2.5D: depth layers too)
+    if replicas % expert:
+        named = "data × context" + (" × depth" if depth > 1 else "")
+        raise LayoutError(f"parallel.expert={expert} does not divide {named} = {data}×{context}"
+                          f"{f'×{depth}' if depth > 1 else ''} = {replicas}: expert ranks are borrowed from the ranks "
+                          f"that replicate the dense weights. Fix: choose expert among the divisors of {replicas}, "
+                          f"or raise data.")
     mode = TensorMode.parse(tensor_mode)
     mode.check_tensor_size(tensor, depth)
     if data * pipeline * context * tensor != world_size:
@@ -187,6 +203,8 @@ class ParallelMesh:
     * ``tensor_mode``: the registered scheme (:mod:`gridshard.tensor_scheme`) the model's layers are built
       for (the layer layout's: ``2d`` at 2.5D); ``job_mode``: the config's (``2.5d`` there).
     * ``depth`` (size d, no group at d = 1), ``tensor_depth`` d.
+    * ``expert`` (size E; no group at E = 1) and ``expert_data`` (``data_context`` at E = 1): the MoE
+      expert axes (module docstring).
     * set by the scheme (``attach_axes``), with these defaults: ``batch_blocks`` / ``batch_index`` (1, 0):
       the blocks a micro-batch's rows are cut into and mine (2D: q and i; 2.5D: d·q and k·q + i; 3D: q²
       and i·q + j); ``logits_batch_index``: the block of the LM head's logits, and so of the targets
@@ -198,7 +216,8 @@ class ParallelMesh:
 
     def __init__(self, device_mesh: DeviceMesh, data: int, pipeline: int, tensor: int, tensor_mode: str,
                  flat_tensor_mesh: Optional[DeviceMesh] = None, ledger=None, context: int = 1,
-                 flat_data_context_mesh: Optional[DeviceMesh] = None, depth: int = 1, tensor_submesh=None):
+                 flat_data_context_mesh: Optional[DeviceMesh] = None, depth: int = 1, tensor_submesh=None,
+                 expert_axes: Optional[tuple] = None):
         self.device_mesh = device_mesh
         self.flat_tensor_mesh = flat_tensor_mesh
         self.flat_data_context_mesh = flat_data_context_mesh
@@ -215,6 +234,10 @@ class ParallelMesh:
             else Axis(name, 1, 0, (dist.get_rank(),), None, ledger) for name in outer)
         self.data_context = device_axis(flat_data_context_mesh, None, "data_context", ledger) \
             if flat_data_context_mesh is not None else self.data
+        # E > 1: (expert, expert_data) of gridshard.mesh_expert, recording into this mesh's ledger
+        self.expert, self.expert_data = (tuple(dataclasses.replace(a, ledger=ledger) for a in expert_axes)
+                                         if expert_axes else (Axis("expert", 1, 0, (dist.get_rank(),), None, ledger),
+                                                              self.data_context))
         # 2D: the flattened grid, kept from _flatten (slicing it from the root by name is deprecated)
         self.tensor = device_axis(flat_tensor_mesh, None, "tensor", ledger) if flat_tensor_mesh is not None \
             else device_axis(device_mesh, "tensor", ledger=ledger)
@@ -230,18 +253,19 @@ class ParallelMesh:
     def groups(self) -> list:
         """The distinct process groups of this rank's axes (size-1 axes have none)."""
         axes = [self.data, self.pipeline, self.tensor, *self.tensor_axes, self.context, self.depth,
-                self.data_context]
+                self.data_context, self.expert, self.expert_data]
         return list({id(a.group): a.group for a in axes if a.group is not None}.values())     # each once, in order
 
     def __repr__(self) -> str:
         d, p, t = self.sizes
         c = f", C={self.context_size}" if self.context_size > 1 else ""
         c += f", depth={self.tensor_depth}" if self.tensor_depth > 1 else ""
+        c += f", E={self.expert.size}" if self.expert.size > 1 else ""
         return f"ParallelMesh(D={d}, P={p}{c}, T={t}, mode={self.job_mode!r}, rank={dist.get_rank()})"
 
 
 def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None,
-               ledger=None, context: int = 1, depth: int = 1) -> ParallelMesh:
+               ledger=None, context: int = 1, depth: int = 1, expert: int = 1) -> ParallelMesh:
     """Validate the layout, then build (or reuse, :func:`layout_mesh`) the mesh for it.
 
     ``tensor_mode`` defaults to ``"none"`` for T=1 and ``"1d"`` otherwise.
@@ -250,22 +274,24 @@ def build_mesh(data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: O
     :class:`ParallelMesh` comes back; with one, a mesh over the same device meshes whose axes
     record into it. ``ledger``: a :class:`gridshard.comm.CommLedger` that records this mesh's
     collectives (a job's own; default: the current ledger, ``gridshard.LEDGER``). ``context``:
-    C, the ranks one sequence is split over; ``depth``: d, the 2.5D depth layers (module docstring).
+    C, the ranks one sequence is split over; ``depth``: d, the 2.5D depth layers; ``expert``: E, the ranks
+    one MoE layer's experts are split over (module docstring).
     """
     tensor_mode = TensorMode.parse(tensor_mode if tensor_mode is not None else "none" if tensor == 1 else "1d")
     if not dist.is_initialized():
         raise LayoutError("build_mesh() needs an initialised process group: call gridshard.init_distributed() first.")
-    validate_layout(dist.get_world_size(), data, pipeline, tensor, tensor_mode, context, depth)
-    mesh = layout_mesh(dist.group.WORLD, data, pipeline, tensor, tensor_mode, context, depth)
+    validate_layout(dist.get_world_size(), data, pipeline, tensor, tensor_mode, context, depth, expert)
+    mesh = layout_mesh(dist.group.WORLD, data, pipeline, tensor, tensor_mode, context, depth, expert)
     if ledger is None:
         return mesh
     return ParallelMesh(mesh.device_mesh, data, pipeline, tensor, tensor_mode, mesh.flat_tensor_mesh, ledger,
-                        context, mesh.flat_data_context_mesh, depth, mesh.tensor_submesh)
+                        context, mesh.flat_data_context_mesh, depth, mesh.tensor_submesh,
+                        (mesh.expert, mesh.expert_data) if expert > 1 else None)
 
 
 @functools.lru_cache(maxsize=32)
 def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode: TensorMode,
-                context: int = 1, depth: int = 1) -> ParallelMesh:
+                context: int = 1, depth: int = 1, expert: int = 1) -> ParallelMesh:
     """The :class:`ParallelMesh` (recording into the current ledger) of a validated layout of
     ``world_group``, over a new DeviceMesh (and, in 2D and 3D, its flattened tensor mesh; in 3D the
     cube's :class:`Mesh3D` and its two flattened groups, once).
@@ -287,6 +313,10 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     flat_dc = dm[replicas]._flatten("data_context") if len(replicas) > 1 else None
     mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, context=context,
                         flat_data_context_mesh=flat_dc, depth=depth, tensor_submesh=submesh)
+    if expert > 1:
+        groups = expert_groups(dm, replicas, expert, mesh.data_context.size)
+        mesh.expert, mesh.expert_data = (Axis(name, len(ranks), ranks.index(dist.get_rank()), ranks, group)
+                                         for name, (ranks, group) in groups.items())
     world_timeout = group_timeout_s(world_group)
     if world_timeout is not None:
         set_collective_timeout(mesh.groups(), world_timeout)
@@ -333,7 +363,7 @@ class ShapeMesh:
     shape-only :class:`Mesh3D`), as on a real mesh."""
 
     def __init__(self, data: int = 1, pipeline: int = 1, tensor: int = 1, tensor_mode: Optional[str] = None,
-                 tensor_rank: int = 0, context: int = 1, context_rank: int = 0):
+                 tensor_rank: int = 0, context: int = 1, context_rank: int = 0, expert: int = 1):
         self.tensor_mode = TensorMode.parse(tensor_mode if tensor_mode is not None else "none" if tensor == 1
                                             else "1d")
         self.tensor_mode.check_tensor_size(tensor)
@@ -345,6 +375,8 @@ class ShapeMesh:
         self.data_context = shape_axis("data_context", data * context, context_rank) if context > 1 else self.data
         self.tensor = shape_axis("tensor", tensor, tensor_rank)
         self.depth, self.tensor_depth = shape_axis("depth", 1, 0), 1
+        self.expert = shape_axis("expert", expert, 0)
+        self.expert_data = shape_axis("expert_data", data * context // expert, 0)
         _tensor_defaults(self)
         self.tensor_mode.attach_shape_axes(self, tensor_rank)
         self.logits_batch_index = self.tensor_mode.logits_batch_index(self)

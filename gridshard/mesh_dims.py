@@ -17,8 +17,9 @@ The global rank of a coordinate is the row-major index over the dims present, te
 
     global_rank = (((d · P + p) · C + c) · depth + k) · T + t
 
-Adding a mesh dimension (the expert dimension next) is one entry here, its axis on
-:class:`gridshard.mesh.ParallelMesh`, and its cost module. Imports nothing.
+Adding a mesh dimension is one entry here, its axis on :class:`gridshard.mesh.ParallelMesh`, and
+its cost module. The expert dimension is not one: it cuts the ``data_context`` groups
+(:mod:`gridshard.mesh_expert`). Imports nothing.
 """
 from __future__ import annotations
 

@@ -221,6 +221,13 @@ class TensorScheme(str, metaclass=_SchemeNames):
     def check_replicated(self, name: str, module, sequence_parallel: bool) -> None:
         """LayoutError when a module planned as ``replicate`` cannot see its whole input in this mode."""
 
+    def token_gathers(self, mesh, sequence_parallel: bool) -> tuple:
+        """((axis, dim), …): the all-gathers, in order, that turn a rank's block of the residual stream
+        [b, s, h] into the whole micro-batch, the same on every tensor rank (a module laid out whole,
+        an MoE block, runs on it; :meth:`gridshard.moe.layer.MoEBlock.tokens_over`). Default: none,
+        every tensor rank already holds it whole."""
+        return ()
+
     def shared_input_fusion(self, children):
         """(prepare, compute, input width) that computes layers ``children`` (built by this mode, reading one
         input) as one product (:mod:`gridshard.parallel.shared_input`), or None: each computes on its own."""

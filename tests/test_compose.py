@@ -119,4 +119,4 @@ def test_public_names():
         assert name in gridshard.__all__ and (getattr(gridshard, name).__doc__ or "").strip()
     assert list(inspect.signature(gridshard.parallelize).parameters) == [
         "model", "mesh", "plan", "sequence_parallel", "seed", "device", "summa_overlap", "overlap_input_grad",
-        "context_mode"]
+        "context_mode", "expert_dispatch"]

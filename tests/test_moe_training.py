@@ -1,7 +1,8 @@
-"""Training a Mixture-of-Experts Llama (docs/moe.md; issue 38, data parallelism and ZeRO so far):
-the same per-step losses and MoE metrics at every data-parallel size and ZeRO stage as one process,
-aux loss and capacity drops included (masked targets present); a step in which an expert receives
-no token completes at every ZeRO stage; a run resumes exactly; the config rules."""
+"""Training a Mixture-of-Experts Llama (docs/moe.md; issue 38: data and expert parallelism and ZeRO
+so far): the same per-step losses and MoE metrics at every data-parallel size, expert-parallel size,
+dispatcher and ZeRO stage as one process, aux loss and capacity drops included (masked targets
+present); a step in which an expert receives no token completes at every ZeRO stage; a run resumes
+exactly, and at other expert-parallel sizes; the config rules."""
 import pytest
 
 from gridshard.config import load_config
@@ -33,9 +34,17 @@ def _train(cfg, starve=None):
 _RUNS = TrainCache(_train, agree=1, what="the losses and MoE metrics", timeout=300)
 
 
-def _layout(data, zero=0, capacity=None, recompute="none"):
-    train = {**CFG["train"], "zero": zero, "moe_capacity": capacity, "recompute": recompute}
-    return {**CFG, "parallel": {"data": data}, "train": train}
+def _layout(data, zero=0, capacity=None, recompute="none", expert=1, dispatch="all_to_all", pipeline=1,
+            schedule="1f1b", layers=None, context=1, context_mode="ring", tensor=1, mode="none", sp=False,
+            micro_batch=2, depth=1):
+    train = {**CFG["train"], "zero": zero, "moe_capacity": capacity, "recompute": recompute,
+             "micro_batch": micro_batch}
+    parallel = {"data": data, "expert": expert, "expert_dispatch": dispatch, "pipeline": pipeline,
+                "pipeline_schedule": schedule, "virtual_stages": 2 if schedule in ("interleaved_1f1b", "zero_bubble")
+                else 1, "context": context, "context_mode": context_mode, "tensor": tensor, "tensor_mode": mode,
+                "sequence_parallel": sp, "tensor_depth": depth}
+    model = {**MOE, "layers": layers, "moe_every": 2} if layers else MOE
+    return {**CFG, "model": model, "parallel": parallel, "train": train}
 
 
 def _assert_same(got, want):
@@ -59,6 +68,59 @@ def test_data_parallel_and_zero_match_one_process(data, zero, capacity, recomput
         assert len(shares) == 4 and abs(sum(shares) - 1) < 1e-9 and max_rel(shares, want) < 1e-5
 
 
+@pytest.mark.parametrize("data,expert,zero,dispatch,capacity,recompute", [
+    (4, 4, 0, "all_to_all", None, "none"), (2, 2, 2, "all_to_all", None, "none"),
+    (4, 2, 1, "all_gather", 1.0, "full"),
+    pytest.param(4, 2, 3, "all_to_all", None, "none", marks=pytest.mark.wide),
+    pytest.param(4, 4, 3, "all_gather", None, "none", marks=pytest.mark.wide),
+    pytest.param(4, 2, 2, "all_to_all", 1.0, "selective", marks=pytest.mark.wide)])
+def test_expert_parallel_matches_one_process(data, expert, zero, dispatch, capacity, recompute):
+    one, _ = _RUNS(_layout(1, capacity=capacity))
+    got, _ = _RUNS(_layout(data, zero, capacity, recompute, expert, dispatch))
+    _assert_same(got, one)
+    for shares, want in zip(got["moe_load"], one["moe_load"]):
+        assert max_rel(shares, want) < 1e-5
+
+
+@pytest.mark.parametrize("data,expert,zero,schedule", [
+    (2, 2, 0, "1f1b"), pytest.param(2, 2, 2, "gpipe", marks=pytest.mark.wide),
+    pytest.param(2, 1, 1, "interleaved_1f1b", marks=pytest.mark.wide),
+    pytest.param(2, 2, 2, "zero_bubble", marks=pytest.mark.wide)])
+def test_pipeline_stages_with_experts_match_one_process(data, expert, zero, schedule):
+    """P = 2 (4 layers, every other one MoE at 2 virtual stages: a stage may hold no MoE layer)."""
+    layers = 4 if schedule in ("interleaved_1f1b", "zero_bubble") else None
+    one, _ = _RUNS(_layout(1, layers=layers))
+    got, _ = _RUNS(_layout(data, zero, expert=expert, pipeline=2, schedule=schedule, layers=layers))
+    _assert_same(got, one)
+    for shares, want in zip(got["moe_load"], one["moe_load"]):
+        assert max_rel(shares, want) < 1e-5
+
+
+@pytest.mark.parametrize("data,context,expert,mode,capacity", [
+    (1, 2, 2, "ring", 1.0), pytest.param(2, 2, 4, "all_to_all", None, marks=pytest.mark.wide),
+    pytest.param(2, 2, 2, "ring", 1.0, marks=pytest.mark.wide)])
+def test_context_parallel_sequences_with_experts_match_one_process(data, context, expert, mode, capacity):
+    """Each sequence on C ranks: its aux loss and its capacity drops are the whole sequence's."""
+    one, _ = _RUNS(_layout(1, capacity=capacity))
+    got, _ = _RUNS(_layout(data, 1, capacity, expert=expert, context=context, context_mode=mode))
+    _assert_same(got, one)
+
+
+@pytest.mark.parametrize("data,expert,tensor,mode,sp,zero", [
+    (2, 2, 2, "1d", True, 1), pytest.param(2, 1, 2, "1d", False, 0, marks=pytest.mark.wide),
+    pytest.param(2, 2, 4, "2d", False, 2, marks=pytest.mark.wide),
+    pytest.param(2, 2, 8, "3d", False, 3, marks=pytest.mark.wide),
+    pytest.param(1, 2, 8, "2.5d", False, 1, marks=pytest.mark.wide)])
+def test_tensor_modes_with_experts_match_one_process(data, expert, tensor, mode, sp, zero):
+    """The dense parts split by the tensor mode; each MoE block on the whole micro-batch. 2.5D: the
+    expert ranks are the depth layers (E divides D·d there)."""
+    one, _ = _RUNS(_layout(1))
+    micro = 4 if mode in ("3d", "2.5d") else 2                         # 3D: q² batch blocks; 2.5D: d·q
+    got, _ = _RUNS(_layout(data, zero, expert=expert, tensor=tensor, mode=mode, sp=sp, micro_batch=micro,
+                          depth=2 if mode == "2.5d" else 1))
+    _assert_same(got, one)
+
+
 def test_plot_draws_the_load_per_expert(tmp_path):
     import json
     import os
@@ -74,10 +136,11 @@ def test_plot_draws_the_load_per_expert(tmp_path):
     assert os.path.isfile([p for p in plot_run(str(tmp_path)) if p.endswith("moe_load.png")][0])
 
 
-@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.wide), pytest.param(1, marks=pytest.mark.wide),
-                                  pytest.param(2, marks=pytest.mark.wide), 3])
-def test_a_step_where_an_expert_gets_no_token_completes(zero):
-    cfg = {**_layout(2, zero), "train": {**_layout(2, zero)["train"], "steps": 2}}
+@pytest.mark.parametrize("zero,expert", [(z, e) if (z, e) in ((3, 1), (2, 2)) else
+                                         pytest.param(z, e, marks=pytest.mark.wide) for e in (1, 2) for z in range(4)])
+def test_a_step_where_an_expert_gets_no_token_completes(zero, expert):
+    """Expert 3 is never chosen: at E = 2 expert rank 1 holds it and computes it on no row."""
+    cfg = {**_layout(2, zero, expert=expert), "train": {**_layout(2, zero)["train"], "steps": 2}}
     per_rank = train_on_ranks(_train, cfg, 3, timeout=300)
     metrics, loads = per_rank[0]
     assert all(layer[3] == 0 and sum(layer) > 0 for layer in loads), loads
@@ -88,7 +151,8 @@ def _rules(**sections):
     cfg = {"model": dict(MOE), **{k: v for k, v in CFG.items() if k != "model"}}
     for section, fields in sections.items():
         cfg[section] = {**cfg.get(section, {}), **fields}
-    return validate_config(load_config(cfg), world_size=1, check_data=False)
+    world = cfg.get("parallel", {}).get("data", 1)
+    return validate_config(load_config(cfg), world_size=world, check_data=False)
 
 
 @pytest.mark.parametrize("sections,words", [
@@ -100,6 +164,12 @@ def _rules(**sections):
     ({"model": {"moe_every": 3}}, "model.moe_every=3"),
     ({"train": {"moe_bias_rate": 1e-3}}, "train.moe_bias_rate=0.001"),
     ({"model": {"experts": 0, "experts_per_token": None}, "train": {"moe_capacity": 1.0}}, "train.moe_capacity=1.0"),
+    ({"parallel": {"data": 4, "expert": 3}}, "parallel.expert=3 does not divide data × context = 4×1"),
+    ({"model": {"experts": 6}, "parallel": {"data": 4, "expert": 4}},
+     "parallel.expert=4 is invalid: every expert rank holds the same number of experts: parallel.expert must "
+     "divide model.experts=6. Fix: use one of [1, 2]"),
+    ({"model": {"experts": 0, "experts_per_token": None}, "parallel": {"data": 2, "expert": 2}},
+     "parallel.expert=2 is invalid: it splits MoE experts but model.experts is 0"),
 ])
 def test_bad_moe_fields_get_one_error_naming_the_value_and_a_fix(sections, words):
     with pytest.raises(ConfigError, match="Fix:") as err:
@@ -144,6 +214,40 @@ def test_a_run_resumes_exactly(tmp_path):
     from gridshard.cli import main
     out = CliRunner().invoke(main, ["generate", str(tmp_path / "split"), "--prompt", "def ", "--max-new-tokens", "8"])
     assert out.exit_code == 0 and "step 6" in out.output, out.output
+
+
+def _reshard_body(cfg, run_dir, saved_at):
+    from gridshard.engine import Trainer
+    from gridshard.parallel import gathered_state_dict
+
+    trainer = Trainer(cfg, run_dir=run_dir, progress=False)
+    losses = trainer.run()
+    state = gathered_state_dict(trainer.model)
+    return losses, state if saved_at is None else None
+
+
+def test_a_run_saved_at_one_expert_size_resumes_at_others(tmp_path):
+    """Saved at E = 4 (D = 4, ZeRO-1), resumed at E = 1 (D = 4, ZeRO-0) and E = 2 (D = 2, ZeRO-2): the
+    losses after the resume and the final weights are the uninterrupted E = 4 run's."""
+    import os
+
+    import torch
+
+    from gridshard.checkpoint.files import checkpoints_root
+
+    def cfg(data, expert, zero, **train):
+        lay = _layout(data, zero, expert=expert)
+        return {**lay, "train": {**lay["train"], "steps": 6, "decay_steps": 6, "save_interval": 3, **train}}
+
+    full, state = train_on_ranks(_reshard_body, cfg(4, 4, 1), str(tmp_path / "e4"), None, timeout=300)[0]
+    step3 = os.path.join(checkpoints_root(str(tmp_path / "e4")), "step_3")
+    for data, expert, zero in ((4, 1, 0), (2, 2, 2)):
+        losses, got = train_on_ranks(_reshard_body, cfg(data, expert, zero, resume=step3),
+                                     str(tmp_path / f"e{expert}"), None, timeout=300)[0]
+        assert len(losses) == 3 and max_rel(losses, full[3:]) < 1e-5, (expert, losses, full[3:])
+        assert max(float((got[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)) for k, v in state.items()) < 1e-4
+        assert got.keys() == state.keys() and got["layers.0.mlp.experts.down_proj"].shape[0] == 4
+        assert torch.is_tensor(got["layers.0.mlp.experts.gate_up_proj"])
 
 
 @pytest.mark.wide

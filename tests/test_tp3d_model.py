@@ -279,7 +279,7 @@ def test_3d_config_rules_and_layout_facts():
         i, j, l = t // 4, (t // 2) % 2, t % 2
         assert mesh.cube.coords() == {"weight": i, "input": j, "output": l}
         assert (mesh.batch_blocks, mesh.batch_index, mesh.logits_batch_index) == (4, 2 * i + j, 2 * i + l)
-        assert mesh_coords(mesh)[0] == tensor_rank_coords(mesh, t)
+        assert mesh_coords(mesh)[0] == {**tensor_rank_coords(mesh, t), "expert": 0}
     # parallelize on meta: every block 1/8 of the model's (the vocabulary padded to 260 = ⌈259/q²⌉·q²)
     model_cfg = ModelConfig(vocab_size=259, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2, max_seq_len=16)
     with torch.device("meta"):

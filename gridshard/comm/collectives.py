@@ -51,6 +51,7 @@ Shapes (group of n ranks, ``dim`` = d):
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -278,6 +279,23 @@ def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False, out
     entry = record("reduce_scatter", axis, _nbytes(x))
     return _issue(lambda a: _reduce_scatter_flat(out, x, group=axis.group, async_op=a, staging=staging), entry, out,
                   async_op, x.device)
+
+
+@_eager
+def all_to_all_uneven(x: torch.Tensor, axis: Axis, send_counts: list, recv_counts: list) -> torch.Tensor:
+    """Rows of ``x`` (dim 0) in member order, ``send_counts[k]`` of them for member k, exchanged:
+    the result holds ``recv_counts[k]`` rows from each member k, in member order (an MoE layer's
+    token dispatch and combine, :mod:`gridshard.moe.dispatch`). Ledger op ``all_to_all_v``, payload
+    the bytes sent to the *other* members (this member's own rows stay): exactly the bytes on the
+    wire, as ``ring_wire_bytes`` counts an unknown op."""
+    if axis.size == 1:
+        return x
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+    entry = record("all_to_all_v", axis, (sum(send_counts) - send_counts[axis.rank]) * row_bytes)
+    src = x.contiguous()
+    return _issue(lambda a: dist.all_to_all_single(out, src, list(recv_counts), list(send_counts), group=axis.group,
+                                                   async_op=a), entry, out, False, x.device)
 
 
 class PendingCollective:

@@ -8,7 +8,7 @@ from .schema import MOE_MODEL_FIELDS, TrainConfig
 
 def check_moe(cfg: TrainConfig):
     """Mixture-of-Experts fields (docs/moe.md): used only with experts, in range, and (issue 38 in
-    progress) on the layouts built so far: data parallelism and ZeRO with whole dense layers."""
+    progress): every layout runs them."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     experts, stray = m.experts or 0, [k for k in MOE_MODEL_FIELDS if getattr(m, k) is not None]
     if experts <= 0:
@@ -19,7 +19,9 @@ def check_moe(cfg: TrainConfig):
             ("train.moe_bias_rate", t.moe_bias_rate, t.moe_bias_rate != 0, "it balances MoE experts but "
              "model.experts is 0", "set model.experts or remove it"),
             ("train.moe_capacity", t.moe_capacity, t.moe_capacity is not None, "it caps MoE experts but "
-             "model.experts is 0", "set model.experts or remove it")])
+             "model.experts is 0", "set model.experts or remove it"),
+            ("parallel.expert", p.expert, p.expert != 1, "it splits MoE experts but model.experts is 0 (a dense "
+             "model)", "set parallel.expert=1, or model.experts")])
     first_broken([
         ("model.kind", m.kind, m.kind != "llama", "Mixture-of-Experts layers are built for the decoder",
          "use model.kind: llama"),
@@ -37,10 +39,10 @@ def check_moe(cfg: TrainConfig):
          "use e.g. the dense ffn_hidden / experts_per_token"),
         ("train.moe_capacity", t.moe_capacity, t.moe_capacity is not None and t.moe_capacity <= 0,
          "a capacity factor must be > 0", "use e.g. 1.25, or null for dropless routing"),
+        ("parallel.expert", p.expert, experts % p.expert != 0, f"every expert rank holds the same number of "
+         f"experts: parallel.expert must divide model.experts={experts}",
+         f"use one of {[e for e in range(1, experts + 1) if experts % e == 0 and p.data * p.context * p.tensor_depth % e == 0]}"),
         ("train.moe_aux_loss", t.moe_aux_loss, t.moe_aux_loss < 0, "it must be >= 0 (0: off)", "use e.g. 0.01"),
         ("train.moe_bias_rate", t.moe_bias_rate, t.moe_bias_rate != 0, "the balancing bias is not saved in "
          "checkpoints yet, so a resumed run would lose it (issue 38)", "use train.moe_bias_rate=0 and the aux "
-         "loss (train.moe_aux_loss)"),
-        *((f"parallel.{axis}", getattr(p, axis), getattr(p, axis) > 1, "MoE layers do not run with tensor, context "
-           "or pipeline parallelism yet (issue 38: data parallelism and ZeRO do)", f"set parallel.{axis}=1")
-          for axis in ("tensor", "context", "pipeline"))])
+         "loss (train.moe_aux_loss)")])

@@ -42,6 +42,12 @@ class ParallelSection(BaseModel):
         "ring", description="how attention crosses the context ranks: ring (k/v blocks travel, any C) | "
                             "all_to_all (sequence traded for heads; C divides the local heads)")
     pipeline: int = Field(1, description="pipeline ranks P (layers split into P·virtual_stages stages)")
+    expert: int = Field(1, description="expert-parallel ranks E (MoE models): each MoE layer's experts split over "
+                                       "E ranks borrowed from data × context (E divides D·C; docs/moe.md)")
+    expert_dispatch: Literal["all_to_all", "all_gather"] = Field(
+        "all_to_all", description="how tokens reach their experts at E > 1: all_to_all (uneven splits, only what "
+                                  "leaves the rank) | all_gather (every token to every expert rank, then a "
+                                  "reduce-scatter; small E)")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
         "1f1b", description="gpipe | 1f1b | interleaved_1f1b | zero_bubble (the last two: virtual_stages ≥ 2)")
     virtual_stages: int = Field(1, description="stages per pipeline rank (interleaved_1f1b)")

@@ -71,7 +71,7 @@ def _positive(cfg: TrainConfig):
 def _layout(cfg: TrainConfig, world_size: int):
     p = cfg.parallel
     try:
-        validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode, p.context, p.tensor_depth)
+        validate_layout(world_size, p.data, p.pipeline, p.tensor, p.tensor_mode, p.context, p.tensor_depth, p.expert)
     except LayoutError as e:
         raise ConfigError(f"parallel section: {e} (world size {world_size} = --nproc or WORLD_SIZE)") from None
     if p.sequence_parallel and not TensorMode.parse(p.tensor_mode).sequence_parallel_in_effect(True, p.tensor):

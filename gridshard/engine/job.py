@@ -186,7 +186,7 @@ def _frame(config, overrides, run_dir) -> Job:
     math_modes = apply_math_modes(cfg.train.precision, cfg.train.tf32, cfg.train.deterministic, device)
     ledger = CommLedger()                      # this job's collectives only (its mesh records here)
     mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=ledger, context=p.context,
-                      depth=p.tensor_depth)
+                      depth=p.tensor_depth, expert=p.expert)
     return Job(cfg=cfg, layout=JobLayout.from_config(cfg, model_cfg), model_cfg=model_cfg, device=device,
                rank=rank, run_dir=run_dir, resume_from=resume_from, layout_changes=changes, ledger=ledger,
                mesh=mesh, mem_baseline=rss_now() if device.type == "cpu" else 0, math_modes=math_modes,
@@ -224,13 +224,13 @@ def _parallelize(job: Job, plain) -> None:
                             device=job.device, summa_overlap=p.summa_overlap,
                             # zero bubble defers the weight pass: nothing to overlap dx's collective with
                             overlap_input_grad=p.overlap_input_grad and p.pipeline_schedule != "zero_bubble",
-                            context_mode=job.layout.context_mode)
+                            context_mode=job.layout.context_mode, expert_dispatch=p.expert_dispatch)
     job.context = context_of(job.model)
     named = [(n, q) for n, q in job.model.named_parameters() if q.requires_grad]
     job.params = [q for _, q in named]
     job.param_specs = [job.context.layouts[n] for n, _ in named]     # clipping reads the layouts
     job.faults = FaultPlan.from_env()
-    job.moe = MoETraining.of(job.model, job.mesh.data_context, job.cfg.train)
+    job.moe = MoETraining.of(job.model, job.model_cfg, job.mesh, job.cfg.train, job.device)
     if job.resume_from is None and job.cfg.model.init_from is not None:
         _init_from(job, job.cfg.model.init_from)     # into the whole blocks, before ZeRO shards them
 
@@ -283,7 +283,8 @@ def _reducer(job: Job) -> None:
                                 overlap=overlap, defer_root=tied_copy,
                                 host_pages=_host_pages(job),
                                 param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
-                                grad_reduce_dtype=DTYPES[t.grad_reduce_dtype])
+                                grad_reduce_dtype=DTYPES[t.grad_reduce_dtype],
+                                expert_axes=(job.mesh.expert, job.mesh.expert_data) if p.expert > 1 else None)
 
 
 def _host_pages(job: Job) -> bool:

@@ -166,7 +166,8 @@ def train_step(job, batch: StepBatch, skip_update: Optional[Callable] = None) ->
     job.reducer.sync()
     job.precision.unscale(job.optimizer)
     norm = global_grad_norm([q for q, _ in job.norm_pairs], job.mesh, [s for _, s in job.norm_pairs],
-                            pipeline_axis=job.mesh.pipeline, data_axis=job.reducer.norm_axis)
+                            pipeline_axis=job.mesh.pipeline, data_axis=job.reducer.norm_axis,
+                            expert_axis=job.reducer.expert_norm_axis)
     job.precision.agree_on_overflow(job.optimizer, norm)
     skipped = bool(skip_update is not None and skip_update(batch.step, norm, sums))
     if skipped:

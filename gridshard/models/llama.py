@@ -224,7 +224,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.mlp = MoEBlock(cfg.hidden, cfg.experts, cfg.experts_per_token, cfg.expert_ffn_hidden,
-                            cfg.shared_experts * cfg.expert_ffn_hidden, cfg.router_score, cfg.router_normalize) \
+                            cfg.shared_experts * cfg.expert_ffn_hidden, cfg.router_score, cfg.router_normalize,
+                            layer=index) \
             if cfg.is_moe_layer(index) else SwiGLUMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,17 @@
 """The Mixture-of-Experts block that replaces a decoder layer's MLP: route, dispatch, compute,
-combine, on one device (the expert-parallel dispatch between ranks builds on these pieces).
+combine — on one rank, or with its experts split over E expert ranks (:meth:`MoEBlock.split_experts`,
+the exchange in :mod:`gridshard.moe.dispatch`).
 
 For x [b, s, h] (N = b·s tokens) with n experts, k per token:
 
 1. route (:class:`gridshard.moe.routing.Router`): per token the experts e_1..e_k and weights
    g_1..g_k, a slot past its expert's capacity dropped (g = 0);
 2. dispatch: the N·k slots sorted by expert (stable: token order within an expert), the kept
-   slots' token rows gathered into x_sorted [M, h], M ≤ N·k, with c_e rows for expert e;
+   slots' token rows gathered into x_sorted [M, h], M ≤ N·k, with c_e rows for expert e (E > 1:
+   sent to the rank holding expert e);
 3. compute: x_sorted through the experts as grouped products (:mod:`gridshard.moe.experts`);
-4. combine: each result put back at its slot, y_t = Σ_j g_j · expert_{e_j}(x_t), summed over the
-   k slots of token t in a fixed order (no scatter-add: the same bits on every run);
+4. combine: each result (E > 1: sent back) put back at its slot, y_t = Σ_j g_j · expert_{e_j}(x_t),
+   summed over the k slots of token t in a fixed order (no scatter-add: the same bits on every run);
 5. shared experts (``shared_ffn`` > 0): one always-on SwiGLU MLP of width ``shared_ffn`` added,
    y_t += shared(x_t) (DeepSeek's and Qwen2-MoE's shared experts, as one wider MLP).
 
@@ -31,6 +33,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..comm.dual_ops import gather_from_group, scatter_to_group
+from ..errors import LayoutError
+from ..nn.sharding import ShardSpec, set_spec
+from .dispatch import ExpertDispatch, combine, sort_slots
 from .experts import Experts
 from .routing import Router, sequence_aux_loss
 
@@ -51,7 +57,7 @@ class _AuxLossGradient(torch.autograd.Function):
 class MoEBlock(nn.Module):
     """``gate`` (the :class:`Router`, named as Hugging Face names it), ``experts``
     (:class:`Experts`), and ``shared_experts`` (an :class:`Experts` of one, width ``shared_ffn``)
-    when ``shared_ffn`` > 0."""
+    when ``shared_ffn`` > 0; ``layer``: the index of the decoder layer it sits in."""
 
     #: the statistics buffers (module docstring), zeros of these dtypes and shapes ([n] for load)
     STATS = (("aux_sum", torch.float32), ("load", torch.long), ("slots", torch.long), ("dropped", torch.long))
@@ -62,14 +68,32 @@ class MoEBlock(nn.Module):
 
     def __init__(self, hidden: int, n_experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                  score: str = "softmax", normalize: bool = True, capacity: Optional[float] = None,
-                 aux_coefficient: float = 0.0):
+                 aux_coefficient: float = 0.0, layer: int = 0):
         super().__init__()
         self.n_experts, self.top_k, self.aux_coefficient = n_experts, top_k, aux_coefficient
+        self.layer = layer                                    # the decoder layer's index (statistics' row)
         self.aux_weight: Optional[float] = None
         self.gate = Router(hidden, n_experts, top_k, score, normalize, capacity)
         self.experts = Experts(n_experts, hidden, expert_ffn)
         self.shared_experts = Experts(1, hidden, shared_ffn) if shared_ffn else None
+        self.dispatch: Optional[ExpertDispatch] = None      # E > 1: the exchange over the expert ranks
+        self.token_gathers: tuple = ()                      # T > 1: the residual block → the whole micro-batch
         self.reset_buffers(None)
+
+    def split_experts(self, axis, kind: str) -> None:
+        """Expert parallelism over ``axis`` (``mesh.expert``, E ranks): keep the n/E experts of this
+        expert rank (meta blocks with the ``expert`` split, which ``gridshard.parallelize``
+        materialises) and exchange the slots by ``kind`` (``parallel.expert_dispatch``)."""
+        if self.n_experts % axis.size:
+            raise LayoutError(f"parallelize: experts={self.n_experts} is not divisible by parallel.expert="
+                              f"{axis.size}: every expert rank holds the same number of experts. Fix: choose "
+                              f"parallel.expert among the divisors of {self.n_experts}.")
+        for name, p in list(self.experts.named_parameters(recurse=False)):
+            spec = ShardSpec(tuple(p.shape), ((0, "expert"),))
+            local = torch.empty(spec.local_shape({"expert": axis.size}), dtype=p.dtype, device="meta")
+            setattr(self.experts, name, set_spec(nn.Parameter(local, requires_grad=p.requires_grad), spec))
+        self.experts.n_experts = self.n_experts // axis.size
+        self.dispatch = ExpertDispatch(axis, self.n_experts, kind)
 
     def reset_buffers(self, device) -> None:
         """The statistics, zeroed, on ``device`` (``gridshard.parallelize`` builds on meta)."""
@@ -81,22 +105,47 @@ class MoEBlock(nn.Module):
         for name, _ in self.STATS:
             getattr(self, name).zero_()
 
+    def tokens_over(self, gathers: tuple) -> None:
+        """Tensor parallelism: the block gets a rank's block of the residual stream and runs on the whole
+        micro-batch, the same on every tensor rank (``gathers``: the scheme's
+        :meth:`~gridshard.tensor_scheme.TensorScheme.token_gathers`). Each gather is forward all-gather,
+        backward keep my block; on the way out each is undone, forward keep my block, backward
+        all-gather: inside, every tensor rank holds the same values and whole gradients, so its
+        parameters (replicated over tensor ranks) get whole gradients with no tensor reduction, and
+        the aux loss and statistics count every token once per tensor rank. The experts' FLOPs are
+        repeated on the T tensor ranks (docs/moe.md: the measured cost)."""
+        self.token_gathers = tuple(gathers)
+
+    def sequences_over(self, axis) -> None:
+        """Context parallelism: each sequence lies on the C ranks of ``axis`` (chunks i and 2C − 1 − i
+        here); its aux loss and capacity are counted over the whole sequence
+        (:mod:`gridshard.moe.routing`), and each of the C ranks counts 1/C of the identical Σ_b L_b in
+        the statistics."""
+        self.gate.sequence_axis = axis
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for axis, dim in self.token_gathers:
+            x = gather_from_group(x, axis, dim)
+        y = self._whole(x)
+        for axis, dim in reversed(self.token_gathers):
+            y = scatter_to_group(y, axis, dim)
+        return y
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
         routing = self.gate(flat, s)
-        slot_expert = routing.experts.flatten()
-        kept = routing.kept.flatten().nonzero().squeeze(1)
-        order = kept[torch.argsort(slot_expert[kept], stable=True)]             # kept slots, by expert
-        load = torch.bincount(slot_expert[order], minlength=self.n_experts)
-        y_sorted = self.experts(flat[order // self.top_k], load.tolist())
-        y_slots = y_sorted.new_zeros(b * s * self.top_k, h).index_put((order,), y_sorted)
-        y = (y_slots.view(b * s, self.top_k, h) * routing.weights.unsqueeze(-1).to(y_slots.dtype)).sum(1)
+        if self.dispatch is not None:
+            y, load = self.dispatch(flat, routing, self.experts)
+        else:
+            order, load = sort_slots(routing, self.n_experts)
+            y = combine(self.experts(flat[order // self.top_k], load.tolist()), order, routing.weights)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, [b * s])
-        aux = sequence_aux_loss(routing, self.n_experts, s)
+        axis = self.gate.sequence_axis
+        aux = sequence_aux_loss(routing, self.n_experts, s, axis)
         if torch._C._current_graph_task_id() == -1:        # not full recompute's second forward, in backward
-            self._count(aux.detach(), load, routing)
+            self._count(aux.detach() / (axis.size if axis is not None else 1), load, routing)
         y = y.view(b, s, h).to(x.dtype)
         if self.aux_coefficient and torch.is_grad_enabled():
             weight = self.aux_weight if self.aux_weight is not None else self.aux_coefficient / b

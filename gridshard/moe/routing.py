@@ -29,6 +29,14 @@ order of its choices (largest score first). A slot past its expert's capacity is
 adds nothing to the token's output, and is counted (``MoEBlock.dropped``). Per sequence, the
 drops, like the loss, do not depend on the layout.
 
+**Context parallelism** (``sequence_axis``: C context ranks, rank i holding chunks i and
+2C − 1 − i of every sequence, docs/context.md). A sequence's S tokens lie on C ranks, so both
+per-sequence sums are completed over them: the aux loss all-reduces each sequence's slot counts
+(no gradient) and score sums (forward all-reduce, backward identity: each rank's scores get the
+gradient of the one L_b every rank then holds) before the product; capacity all-gathers each
+rank's per-chunk slot counts, and a chunk's running counts start from the counts of the chunks
+before it in sequence order. Drops and L_b are those of the whole sequence on one rank.
+
 **Balancing bias** update (``train.moe_bias_rate`` u, after each optimizer step, from the step's
 token-slot counts c_e over all its micro-batches): β_e ← β_e + u·sign(c̄ − c_e), c̄ their mean.
 """
@@ -41,6 +49,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..comm import collectives as C
+from ..comm.dual_ops import reduce_from_group
 
 SCORES = ("softmax", "sigmoid")
 
@@ -68,6 +79,7 @@ class Router(nn.Module):
             raise ValueError(f"router score={score!r} is not one of {SCORES}")
         self.n_experts, self.top_k, self.score, self.normalize, self.capacity = \
             n_experts, top_k, score, normalize, capacity
+        self.sequence_axis = None               # context parallelism: the C ranks a sequence lies on
         self.weight = nn.Parameter(torch.empty(n_experts, hidden))
         # not in the state dict until checkpoints carry it (train.moe_bias_rate accepts only 0 so far)
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
@@ -84,7 +96,7 @@ class Router(nn.Module):
         weights = p.gather(-1, experts)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        kept = capacity_mask(experts, self.n_experts, seq_len, self.capacity)
+        kept = capacity_mask(experts, self.n_experts, seq_len, self.capacity, self.sequence_axis)
         scores = p if self.score == "softmax" else p / p.sum(-1, keepdim=True)
         return Routing(experts, weights * kept, kept, scores)
 
@@ -95,24 +107,41 @@ class Router(nn.Module):
         self.expert_bias.add_(rate * torch.sign(load.mean() - load))
 
 
-def capacity_mask(experts: torch.Tensor, n_experts: int, seq_len: int, capacity: Optional[float]) -> torch.Tensor:
+def capacity_mask(experts: torch.Tensor, n_experts: int, seq_len: int, capacity: Optional[float],
+                  sequence_axis=None) -> torch.Tensor:
     """[N, k] bool: the slots kept under ``capacity`` (module docstring; all True when None). Each
     sequence's slots are counted per expert in (token, choice) order; a slot is kept while its
-    running count is at most ⌈capacity·k·S/n⌉."""
+    running count is at most ⌈capacity·k·S/n⌉. ``sequence_axis``: the context ranks holding the
+    rest of each sequence (``seq_len`` is this rank's two chunks; module docstring)."""
     if capacity is None:
         return torch.ones_like(experts, dtype=torch.bool)
     n_tok, k = experts.shape
-    limit = math.ceil(capacity * k * seq_len / n_experts)
-    onehot = F.one_hot(experts.view(n_tok // seq_len, seq_len * k), n_experts)      # [b, S·k, n]
-    running = onehot.cumsum(1).gather(-1, experts.view(n_tok // seq_len, seq_len * k, 1))
+    b, parts = n_tok // seq_len, sequence_axis.size if sequence_axis is not None else 1
+    limit = math.ceil(capacity * k * seq_len * parts / n_experts)
+    onehot = F.one_hot(experts.view(b, seq_len * k), n_experts)                      # [b, s·k, n]
+    running = onehot.cumsum(1)
+    if parts > 1:                                        # this rank's chunks i, 2C − 1 − i start later
+        chunks = onehot.view(b, 2, -1, n_experts)
+        every = C.all_gather(chunks.sum(2).unsqueeze(0), sequence_axis, 0)           # [C, b, 2, n]
+        in_order = torch.cat([every[:, :, 0], every.flip(0)[:, :, 1]]).transpose(0, 1)   # [b, 2C, n]
+        before = in_order.cumsum(1) - in_order
+        i = sequence_axis.rank
+        start = torch.stack([before[:, i], before[:, 2 * parts - 1 - i]], 1)          # [b, 2, n]
+        running = (chunks.cumsum(2) + start.unsqueeze(2)).view(b, seq_len * k, n_experts)
+    running = running.gather(-1, experts.view(b, seq_len * k, 1))
     return (running <= limit).view(n_tok, k)
 
 
-def sequence_aux_loss(routing: Routing, n_experts: int, seq_len: int) -> torch.Tensor:
-    """Σ_b L_b over this call's sequences (module docstring), fp32, differentiable in the scores."""
+def sequence_aux_loss(routing: Routing, n_experts: int, seq_len: int, sequence_axis=None) -> torch.Tensor:
+    """Σ_b L_b over this call's sequences (module docstring), fp32, differentiable in the scores.
+    ``sequence_axis``: the context ranks holding the rest of each sequence (module docstring): the
+    sums are completed over them and every one of them returns the same Σ_b L_b."""
     n_tok, k = routing.experts.shape
     b = n_tok // seq_len
     counts = F.one_hot(routing.experts.view(b, seq_len * k), n_experts).sum(1)       # [b, n]
+    prob = routing.scores.view(b, seq_len, n_experts).sum(1)
+    if sequence_axis is not None and sequence_axis.size > 1:
+        counts, prob = C.all_reduce(counts, sequence_axis), reduce_from_group(prob, sequence_axis)
+        seq_len *= sequence_axis.size
     f = counts.float() * (n_experts / (k * seq_len))
-    prob = routing.scores.view(b, seq_len, n_experts).mean(1)
-    return (f * prob).sum()
+    return (f * (prob / seq_len)).sum()

@@ -7,9 +7,10 @@ weight w = α·D·C/B for the step to optimise α·Σ_b L_b / B over the B seque
 batch (times the fp16 loss scale, which the unscale divides out again).
 
 Statistics. Each MoE block sums its calls' Σ_b L_b, kept slots per expert, slots and drops
-(:class:`gridshard.moe.layer.MoEBlock`); after the step they are summed over the data(-context)
-ranks in one all-reduce, so every rank holds the same totals, applies the same bias update and
-reports the same metrics:
+(:class:`gridshard.moe.layer.MoEBlock`); after the step they are laid into one table of every MoE
+layer of the model (a pipeline rank fills its stages' rows) and summed over the data(-context)
+ranks and the pipeline ranks (one all-reduce each), so every rank holds the same totals, applies
+the same bias update and reports the same metrics:
 
     moe_aux_loss = α · Σ_layers Σ_b L_b / B           (the term the step added to the loss)
     moe_load_max = max over layers of max_e c_e / mean_e c_e
@@ -27,20 +28,28 @@ from .layer import MoEBlock
 
 
 class MoETraining:
-    def __init__(self, model: torch.nn.Module, data_axis, train_cfg):
+    """The duties of a model whose config has MoE layers ``moe_layers`` (decoder layer indices) of
+    ``n_experts``, on ``mesh`` (module docstring); this rank's blocks may be some of them (a pipeline
+    stage's) or none. ``device``: where the statistics are summed (the job's)."""
+
+    def __init__(self, model: torch.nn.Module, moe_layers: list, n_experts: int, mesh, train_cfg, device):
         self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
-        self.axis, self.coefficient, self.rate = data_axis, train_cfg.moe_aux_loss, train_cfg.moe_bias_rate
-        self.weight = train_cfg.moe_aux_loss * data_axis.size / train_cfg.global_batch
+        self.rows, self.n = [moe_layers.index(b.layer) for b in self.blocks], n_experts
+        self.table_rows, self.device = len(moe_layers), device
+        self.axis, self.pipeline = mesh.data_context, mesh.pipeline
+        self.coefficient, self.rate = train_cfg.moe_aux_loss, train_cfg.moe_bias_rate
+        self.weight = train_cfg.moe_aux_loss * self.axis.size / train_cfg.global_batch
         self.global_batch = train_cfg.global_batch
         self.last: dict = {}
         for block in self.blocks:
             block.aux_coefficient, block.gate.capacity = self.coefficient, train_cfg.moe_capacity
 
     @staticmethod
-    def of(model: torch.nn.Module, data_axis, train_cfg) -> Optional["MoETraining"]:
-        """The job's MoE duties, or None for a model without MoE blocks."""
-        found = MoETraining(model, data_axis, train_cfg)
-        return found if found.blocks else None
+    def of(model: torch.nn.Module, model_cfg, mesh, train_cfg, device) -> Optional["MoETraining"]:
+        """The job's MoE duties, or None for a model config without MoE layers."""
+        is_moe = getattr(model_cfg, "is_moe_layer", None)              # gridshard's Llama config only
+        layers = [i for i in range(model_cfg.layers) if is_moe(i)] if is_moe is not None else []
+        return MoETraining(model, layers, model_cfg.experts, mesh, train_cfg, device) if layers else None
 
     def begin(self, loss_scale: Optional[float]) -> None:
         """Before the step's first forward: statistics zeroed, the aux gradient weight set."""
@@ -51,14 +60,16 @@ class MoETraining:
     def end(self, update_bias: bool) -> dict:
         """After the step's backward (every rank): the summed statistics, the bias update (unless
         the step's update was skipped) and the metrics (module docstring), also kept in ``last``."""
-        n = self.blocks[0].n_experts
-        local = torch.cat([torch.cat([b.aux_sum.double().view(1), b.load.double(), b.dropped.double().view(1),
-                                      b.slots.double().view(1)]) for b in self.blocks])
-        totals = all_reduce(local, self.axis).view(len(self.blocks), n + 3)
+        n = self.n
+        table = torch.zeros(self.table_rows, n + 3, dtype=torch.float64, device=self.device)
+        for row, b in zip(self.rows, self.blocks):
+            table[row] = torch.cat([b.aux_sum.double().view(1), b.load.double(), b.dropped.double().view(1),
+                                    b.slots.double().view(1)])
+        totals = all_reduce(all_reduce(table, self.axis, inplace=True), self.pipeline, inplace=True)
         aux, load, dropped, slots = totals[:, 0], totals[:, 1:n + 1], totals[:, n + 1], totals[:, n + 2]
         if update_bias and self.rate:
-            for block, counts in zip(self.blocks, load):
-                block.gate.update_bias(counts, self.rate)
+            for row, block in zip(self.rows, self.blocks):
+                block.gate.update_bias(load[row], self.rate)
         self.last = {"moe_aux_loss": float(self.coefficient * aux.sum() / self.global_batch),
                      "moe_load_max": float((load.max(1).values / load.mean(1).clamp_min(1e-30)).max()),
                      "moe_dropped": float(dropped.sum() / slots.sum().clamp_min(1)),

@@ -11,7 +11,9 @@ A spec is a global shape plus an ordered list of splits ``(tensor_dim, coord)``.
 ``coord`` names a mesh coordinate: ``"tensor"`` (1D tensor rank t of T),
 ``"grid_row"`` (row index i of q) or ``"grid_col"`` (column index j of q); in 3D the
 cube's physical coordinates ``"weight"``, ``"input"``, ``"output"`` (each of q,
-:mod:`gridshard.tensor.tp3d.mesh`; :func:`mesh_coords` reads them from the scheme's tensor dims). Splits
+:mod:`gridshard.tensor.tp3d.mesh`; :func:`mesh_coords` reads them from the scheme's tensor dims); and
+``"expert"`` (expert rank ε of E, :mod:`gridshard.mesh_expert`: an MoE layer's stacked experts are
+split along dim 0, expert rank ε holding experts ε·n/E … (ε+1)·n/E − 1). Splits
 apply in order, each narrowing the block left by the previous ones. Examples:
 
 * column-parallel weight [out, in]: ``((0, "tensor"),)`` → rank t holds rows
@@ -128,10 +130,16 @@ def sequence_parallel_on(mesh, requested: bool) -> bool:
 
 def mesh_coords(mesh) -> Tuple[dict, dict]:
     """(index, size) dicts of the coordinates a spec can name, for this rank of ``mesh``: ``tensor``,
-    and the tensor dims of the mesh's scheme when there are several (``TensorScheme.tensor_dims``:
-    2D ``grid_row``/``grid_col``, 3D the cube's ``weight``/``input``/``output``)."""
+    the tensor dims of the mesh's scheme when there are several (``TensorScheme.tensor_dims``:
+    2D ``grid_row``/``grid_col``, 3D the cube's ``weight``/``input``/``output``) and ``expert``."""
     dims = _split_dims(mesh)
-    return tensor_rank_coords(mesh, mesh.tensor.rank), {"tensor": mesh.tensor.size, **dict(dims)}
+    index = {**tensor_rank_coords(mesh, mesh.tensor.rank), "expert": mesh.expert.rank}
+    return index, {"tensor": mesh.tensor.size, **dict(dims), "expert": mesh.expert.size}
+
+
+def expert_split(spec: Optional["ShardSpec"]) -> bool:
+    """Whether ``spec`` splits its tensor over the expert ranks (an MoE layer's experts at E > 1)."""
+    return spec is not None and any(coord == "expert" for _, coord in spec.splits)
 
 
 def tensor_rank_coords(mesh, r: int) -> dict:

@@ -25,8 +25,12 @@ Steps, all local to the rank (no collective runs before the first forward):
    module attends over the context axis (``context_mode``: ring or all-to-all,
    :mod:`gridshard.context`) and RoPE reads the global positions of the rank's two chunks
    (:func:`_split_sequence`); parameters are not split over C;
-5. materialise this rank's blocks (:mod:`gridshard.parallel.materialize`) on ``device``;
-6. attach a :class:`ParallelContext` with every parameter's layout.
+5. expert parallelism (a mesh with ``expert`` E > 1): every MoE block keeps its expert rank's n/E
+   experts and exchanges token-slots over the expert axis (:meth:`gridshard.moe.layer.MoEBlock.
+   split_experts`, ``expert_dispatch``); with T > 1 an MoE block gathers the whole micro-batch
+   from the residual block (the scheme's ``token_gathers``, :meth:`~gridshard.moe.layer.MoEBlock.tokens_over`);
+6. materialise this rank's blocks (:mod:`gridshard.parallel.materialize`) on ``device``;
+7. attach a :class:`ParallelContext` with every parameter's layout.
 
 The model is modified in place and returned.
 """
@@ -122,10 +126,12 @@ def check_layout(dims: ModelDims, mesh, sequence_parallel: bool) -> None:
 def _check_covered(model: nn.Module, plan: Plan, mode, sequence_parallel: bool = False) -> dict:
     """name → kind for every planned module; an unplanned module with parameters is an error
     where the mode must know how to split every weight (the scheme's ``check_unplanned``; ``none``
-    splits nothing)."""
+    splits nothing). A module ``laid_out_whole`` (an MoE block) and its children are no plan's business."""
     planned = {name: kind for name, _ in model.named_modules() if name and (kind := plan.kind_of(name)) is not None}
+    whole = [name for name, m in model.named_modules() if getattr(m, "laid_out_whole", False)]
     for name, module in model.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
+        if not any(True for _ in module.parameters(recurse=False)) or any(
+                name == w or name.startswith(w + ".") for w in whole):
             continue
         if not any(name == p or name.startswith(p + ".") for p in planned):
             mode.check_unplanned(name, module)
@@ -150,7 +156,8 @@ def _rebuild_meta_buffers(model: nn.Module) -> None:
 
 def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence_parallel: bool = False,
                 seed: int = 0, device=None, summa_overlap: bool = True,
-                overlap_input_grad: bool = True, context_mode: str = "ring") -> nn.Module:
+                overlap_input_grad: bool = True, context_mode: str = "ring",
+                expert_dispatch: str = "all_to_all") -> nn.Module:
     """Lay ``model`` (a plain single-device module, built on ``meta`` or with real weights) out
     on ``mesh`` (:func:`gridshard.build_mesh`) for its tensor mode; returns the same module.
 
@@ -161,7 +168,8 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     broadcasts, or blocking ones when False; ``overlap_input_grad`` (1D) each column
     layer's input-gradient collective overlapped with its weight-gradient GEMM
     (:mod:`gridshard.tensor.tp1d.input_grad_overlap`), or issued after it when False;
-    ``context_mode`` (a mesh with a context axis of C > 1) ``ring`` or ``all_to_all``.
+    ``context_mode`` (a mesh with a context axis of C > 1) ``ring`` or ``all_to_all``;
+    ``expert_dispatch`` (a mesh with an expert axis of E > 1) ``all_to_all`` or ``all_gather``.
     """
     from ..device import rank_device
 
@@ -189,6 +197,12 @@ def parallelize(model: nn.Module, mesh, plan: Optional[Plan] = None, *, sequence
     if sp and plan.sequence_scatter != "embedding":
         _install_sequence_scatter(model, plan.sequence_scatter, mesh)
 
+    if mesh.expert.size > 1:
+        _split_experts(model, mesh.expert, expert_dispatch)
+    gathers = mode.token_gathers(mesh, sp)
+    for module in model.modules():
+        if gathers and callable(getattr(module, "tokens_over", None)):     # an MoE block runs on whole tokens
+            module.tokens_over(gathers)
     _rebuild_meta_buffers(model)
     materialize(model, sources, laws, mesh_coords(mesh), seed, device)
     from ..nn.sharding import ShardSpec
@@ -204,7 +218,7 @@ def _split_sequence(model: nn.Module, dims: ModelDims, mesh, context_mode: Conte
     """Context parallelism: the model sees context rank i's chunks i and 2C − 1 − i of every
     sequence, so its rotary embedding reads their global positions and each attention module
     attends over the context axis (ring or all-to-all). gridshard's Llama: ``split_sequence`` (RoPE
-    rows) and ``Attention.attend_over_context``. A Hugging Face Llama: the plan's attention modules
+    rows), ``Attention.attend_over_context`` and an MoE block's ``sequences_over``. A Hugging Face Llama: the plan's attention modules
     attend through :data:`gridshard.models.hf.CONTEXT_ATTENTION` (no mask built), and the positions
     reach its rotary embedding as ``position_ids`` (:meth:`ParallelContext.logits`; a pipeline
     rank's pieces: ``split_sequence``). LayoutError, before any collective, for another model or
@@ -234,6 +248,17 @@ def _split_sequence(model: nn.Module, dims: ModelDims, mesh, context_mode: Conte
     for module in model.modules():
         if isinstance(module, Attention):
             module.attend_over_context(attend)
+        if callable(getattr(module, "sequences_over", None)):       # an MoE block: per-sequence sums over C
+            module.sequences_over(axis)
+
+
+def _split_experts(model: nn.Module, axis, kind: str) -> None:
+    blocks = [m for m in model.modules() if callable(getattr(m, "split_experts", None))]
+    if not blocks and not getattr(getattr(model, "cfg", None), "experts", 0):    # (a pipeline stage may hold none)
+        raise LayoutError(f"parallelize: expert={axis.size} splits the experts of MoE layers, and this "
+                          f"{type(model).__name__} has none. Fix: use parallel.expert=1, or give the model experts.")
+    for block in blocks:
+        block.split_experts(axis, kind)
 
 
 def _swap_planned(model: nn.Module, planned: dict, build) -> None:

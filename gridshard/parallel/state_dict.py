@@ -5,19 +5,21 @@ blocks of the tensor group are all-gathered (payload T·block bytes per rank, ou
 ledger: this is a test/export path, not a training step), placed at their positions in the
 global storage tensor (:func:`gridshard.nn.sharding.assemble_global`) and turned into the
 canonical tensor (``S.to_canonical``: transpose a Linear2D weight, drop vocabulary
-padding). Keys and shapes equal the plain model's ``state_dict()``, so
+padding). An MoE layer's experts split over E expert ranks (dim 0, the ``expert`` split) are first
+all-gathered over ``mesh.expert`` along that dim. Keys and shapes equal the plain model's ``state_dict()``, so
 ``gathered_state_dict(parallelize(M, mesh)) == M'.state_dict()`` at every layout.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
 from ..comm import collectives as C
 from ..comm.ledger import LEDGER
 from ..errors import LayoutError
-from ..nn.sharding import assemble_global, mesh_coords, tensor_rank_coords
+from ..nn.sharding import assemble_global, expert_split, mesh_coords, tensor_rank_coords
 from .model_context import context_of
 
 
@@ -25,6 +27,10 @@ def gather_canonical(t: torch.Tensor, spec, mesh) -> torch.Tensor:
     """The canonical global tensor of a block ``t`` laid out by ``spec`` (collective over
     ``mesh.tensor`` when the spec splits anything)."""
     t = t.detach()
+    if expert_split(spec) and mesh.expert.size > 1:        # the experts first: dim 0 whole
+        with LEDGER.paused():
+            t = C.all_gather(t.contiguous(), mesh.expert, 0)
+        spec = dataclasses.replace(spec, splits=tuple(s for s in spec.splits if s[1] != "expert"))
     if spec is None:
         return t.cpu().clone()
     if not spec.splits or mesh.tensor.size == 1:          # a snapshot, never a view of the live tensor

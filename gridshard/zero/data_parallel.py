@@ -49,7 +49,9 @@ __all__ = ["MAX_IN_FLIGHT", "Unit", "ZeroDataParallel", "offload_note", "warn_of
 
 class ZeroDataParallel(ReadsSettings):
     """ZeRO stage ``stage`` (0–3) of ``model`` (laid out by :func:`gridshard.parallelize`) over
-    ``data_axis`` (a :class:`gridshard.mesh.Axis`; module docstring). ``bucket_bytes``: ZeRO-0's
+    ``data_axis`` (a :class:`gridshard.mesh.Axis`; module docstring); ``expert_axes``: (``mesh.expert``,
+    ``mesh.expert_data``) when an MoE model's experts are split over E > 1 expert ranks, whose
+    parameters are then reduced over ``expert_data`` (:mod:`.units`). ``bucket_bytes``: ZeRO-0's
     bucket size. ``overlap``: issue each unit's reduction in the backward as soon as its
     gradients are complete; ``defer_root``: not the root unit's
     (:meth:`~.reduction.GradientReduction._shards_now`). ``host_pages``
@@ -60,15 +62,16 @@ class ZeroDataParallel(ReadsSettings):
 
     def __init__(self, model: nn.Module, data_axis, stage: int, bucket_bytes: int = 25 << 20, overlap: bool = True,
                  param_dtype: torch.dtype = torch.float32, grad_reduce_dtype: torch.dtype = torch.float32,
-                 defer_root: bool = False, host_pages: bool = False):
+                 defer_root: bool = False, host_pages: bool = False, expert_axes: Optional[tuple] = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroDataParallel: stage {stage} is not 0, 1, 2 or 3. Fix: set train.zero to one of them")
         self.model, self.axis = model, data_axis
+        self.expert_axis, expert_data = expert_axes or (None, None)
         self.settings = ZeroSettings.of(stage, data_axis, overlap, param_dtype, grad_reduce_dtype, defer_root)
         # ZeRO-3 host pages: chunks and AdamW moments in one mapping, staging slots (gridshard.zero.pages)
         device = next(model.parameters()).device
         self.host_pages = host_pages and pages_act(stage, device)
-        layout = UnitLayout(self.settings, self.host_pages)
+        layout = UnitLayout(self.settings, self.host_pages, data_axis, expert_data)
         self.units = layout.units(model, bucket_bytes)
         self.arena = layout.plan_arena(self.units, device) if stage == 3 else None
         # host pages at D > 1: 2 send and MAX_IN_FLIGHT + 1 receive slots of the largest unit in fp32
@@ -77,7 +80,7 @@ class ZeroDataParallel(ReadsSettings):
                                    reductions=MAX_IN_FLIGHT + 1) if pooled else None
         self._moments = layout.moments                 # id(stepped tensor) → (exp_avg, exp_avg_sq) views
         trim = heap_trimmer(device) if self.host_pages else None
-        self.gathering = ParameterGather(self.units, data_axis, self.overlap, stage == 3, self.staging, trim)
+        self.gathering = ParameterGather(self.units, self.overlap, stage == 3, self.staging, trim)
         self.reduction = GradientReduction(self.settings, data_axis, self.units, self.staging, self.gathering)
         # the step, as the trainer drives it (:class:`~.reduction.GradientReduction`: arm before the last
         # backward, sync after it, after_step after the optimizer, zero_grad before the next), and ZeRO-3's
@@ -104,6 +107,12 @@ class ZeroDataParallel(ReadsSettings):
         """ZeRO ≥ 1: the norm of the stepped elements is summed over data ranks too (each element
         once); ZeRO-0: None, every rank holds whole gradients."""
         return self.axis if self.stage else None
+
+    @property
+    def expert_norm_axis(self):
+        """ZeRO-0 with experts split over E > 1 expert ranks: ``mesh.expert``, over which their whole
+        blocks differ (:func:`gridshard.engine.clip.global_grad_norm`); otherwise None."""
+        return self.expert_axis if self.stage == 0 else None
 
     def stepped(self) -> list:
         """Every :class:`SteppedTensor` (checkpoint blocks; tied weights once): ZeRO ≥ 1 the

@@ -72,16 +72,16 @@ class _RegatherInBackward(torch.autograd.Function):
 
 
 class ParameterGather(StagingSlots):
-    """ZeRO-3's gathering of ``units``' parameters over ``axis`` (module docstring): hooks on their
+    """ZeRO-3's gathering of ``units``' parameters, each over its unit's axis (module docstring): hooks on their
     modules gather before a use and free after it, ``gather_order`` (the root, then the layers as
     the forward runs them) says which unit to prefetch; ``zero3``: the stage is 3 (below, every
     unit stays gathered and this is a no-op). ``staging``: the reducer's pool or None;
     ``trim_heap``: glibc's ``malloc_trim`` with host pages, else None (``trimmer``), called after
     construction and in the first ``TRIMMED_LAYERS`` layers of each backward."""
 
-    def __init__(self, units: list, axis, overlap: bool, zero3: bool, staging: Optional[StagingPool],
+    def __init__(self, units: list, overlap: bool, zero3: bool, staging: Optional[StagingPool],
                  trim_heap: Optional[Callable[[int], int]]):
-        self.units, self.axis, self.overlap, self.zero3 = units, axis, overlap, zero3
+        self.units, self.overlap, self.zero3 = units, overlap, zero3
         self.staging, self.trimmer = staging, trim_heap
         self._trims_left = 0                           # heap trims left in the coming backward
         # ZeRO-3 prefetch order: the root (embedding first), then the layers as the forward runs them
@@ -143,7 +143,7 @@ class ParameterGather(StagingSlots):
             return
         u.param_pages.restore()
         u.send_slot = self._take_slot("gather")
-        u.prefetch = C.all_gather_into(u.param_buffer, u.param_chunk, self.axis, async_op=True,
+        u.prefetch = C.all_gather_into(u.param_buffer, u.param_chunk, u.axis, async_op=True,
                                        staging=self._slot_view(u.send_slot, u.param_buffer.dtype))
         u.gathered = True
 

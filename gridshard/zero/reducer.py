@@ -46,7 +46,7 @@ __all__ = ["SteppedTensor", "ZeroDataParallel", "build_reducer", "whole_paramete
 def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, overlap: bool,
                   param_dtype: torch.dtype = torch.float32,
                   grad_reduce_dtype: torch.dtype = torch.float32, defer_root: bool = False,
-                  host_pages: bool = False) -> ZeroDataParallel:
+                  host_pages: bool = False, expert_axes=None) -> ZeroDataParallel:
     """The reducer of ``train.zero`` = ``zero`` for ``model`` (laid out by :func:`gridshard.parallelize`)
     over ``data_axis``; registered as ``model.grad_reducer`` (:func:`gridshard.parallel.state_dict.
     gathered_state_dict` gathers through it). ``overlap``: reduce during the backward
@@ -58,10 +58,11 @@ def build_reducer(model: nn.Module, data_axis, zero: int, bucket_bytes: int, ove
     parameter of ``model`` in bf16 — the one cast of the run; what it steps is the masters, and
     :meth:`~.reduction.GradientReduction.after_step` copies them back. ``grad_reduce_dtype``: the dtype the
     gradients are reduced in (``train.grad_reduce_dtype``). ``host_pages``: ZeRO-3's memory outside glibc's heap on
-    a Linux CPU (``train.zero3_host_memory`` through :func:`gridshard.zero.pages.host_pages_in_effect`)."""
+    a Linux CPU (``train.zero3_host_memory`` through :func:`gridshard.zero.pages.host_pages_in_effect`).
+    ``expert_axes``: (``mesh.expert``, ``mesh.expert_data``) at E > 1 (:class:`ZeroDataParallel`)."""
     reducer = ZeroDataParallel(model, data_axis, zero, bucket_bytes, overlap=overlap, param_dtype=param_dtype,
                                grad_reduce_dtype=grad_reduce_dtype, defer_root=defer_root,
-                               host_pages=host_pages)
+                               host_pages=host_pages, expert_axes=expert_axes)
     if param_dtype != torch.float32:                   # parameters without a gradient (frozen) too
         with torch.no_grad():
             for p in model.parameters():

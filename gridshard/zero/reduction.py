@@ -199,7 +199,7 @@ class GradientReduction(ReadsSettings, StagingSlots):
         elif u.accumulated:                            # bf16 reduce: the fp32 sum of the micro-batches, cast once
             u.grad_buffer.copy_(u.accum.add_(u.grad_buffer))
             self._drop_accum(u)
-        return C.all_reduce(u.send, self.axis, async_op=True, inplace=True)
+        return C.all_reduce(u.send, u.axis, async_op=True, inplace=True)
 
     def _cast_into_reduced(self, u: Unit) -> torch.Tensor:
         """ZeRO-0 under bf16 storage: the bucket's fp32 reduced buffer gets its storage and the
@@ -231,7 +231,7 @@ class GradientReduction(ReadsSettings, StagingSlots):
             out = u.scratch = torch.empty(out.numel(), dtype=send.dtype, device=out.device)
             u.scratch_first = not u.reductions
         u.recv_slot = self._take_slot("reduce")
-        return C.reduce_scatter_flat(send, self.axis, async_op=True, out=out,
+        return C.reduce_scatter_flat(send, u.axis, async_op=True, out=out,
                                      staging=self._slot_view(u.recv_slot, send.dtype))
 
     def _free_grad_buffer(self, u: Unit) -> None:
@@ -275,8 +275,8 @@ class GradientReduction(ReadsSettings, StagingSlots):
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
         for u in self.units:
-            if self.axis.size > 1:
-                u.reduced.div_(self.axis.size)         # the sum over data ranks (and micro-batches) → mean
+            if self.axis.size > 1:                     # the sum over data ranks (and micro-batches) → mean;
+                u.reduced.div_(self.axis.size)         # experts too: their sum covers all R ranks' tokens
             self._hand_grads(u)
             u.ready = 0
         self.gathering.free_all()                      # ZeRO-3: the root, and any layer that got no gradient
@@ -285,7 +285,7 @@ class GradientReduction(ReadsSettings, StagingSlots):
         """Each stepped tensor's ``.grad``: its slice of the reduced chunk (ZeRO-0 fp32: the
         parameters' own ``.grad`` already are)."""
         if self.stage:
-            lo = u.layout.chunk(self.part)[0]
+            lo = u.layout.chunk(u.part)[0]
             where = {id(p): off for p, off in zip(u.params, u.layout.offsets)}
             for s in u.stepped:
                 a, b = s.elements
@@ -304,9 +304,10 @@ class GradientReduction(ReadsSettings, StagingSlots):
             for u in self.units:
                 u.param_chunk.copy_(u.master)
             self._end_reduction()
-        if self.stage not in (1, 2) or self.axis.size == 1:
+        if self.stage not in (1, 2):
             return
-        pending = [C.all_gather_into(u.param_buffer, u.param_chunk, self.axis, async_op=True) for u in self.units]
+        pending = [C.all_gather_into(u.param_buffer, u.param_chunk, u.axis, async_op=True) for u in self.units
+                   if u.axis.size > 1]
         for work in pending:
             work.wait()
 

@@ -26,8 +26,6 @@ class ZeroSettings:
     defer_root: bool                  # a pipeline's tied-embedding copy: the root is reduced in sync()
     fp32_accumulation: bool           # ZeRO-0/1, bf16 storage, overlap: earlier micro-batches into fp32
     persistent: bool                  # a gradient buffer exists (not ZeRO-0 at D = 1 in fp32)
-    parts: int                        # D at ZeRO ≥ 1, 1 at ZeRO-0
-    part: int                         # this rank's part
     max_in_flight: Optional[int]      # ZeRO ≥ 1: MAX_IN_FLIGHT
 
     @classmethod
@@ -35,7 +33,6 @@ class ZeroSettings:
            grad_reduce_dtype: torch.dtype, defer_root: bool) -> "ZeroSettings":
         mixed = param_dtype != torch.float32
         overlap = overlap and data_axis.size > 1
-        parts, part = (data_axis.size, data_axis.rank) if stage else (1, 0)
         return cls(stage=stage, param_dtype=param_dtype, mixed=mixed,
                    reduce_fp32=not mixed or grad_reduce_dtype == torch.float32,
                    overlap=overlap,
@@ -46,7 +43,7 @@ class ZeroSettings:
                    fp32_accumulation=stage <= 1 and mixed and overlap,
                    # ZeRO-0, D = 1, fp32: nothing to reduce, autograd's own gradients
                    persistent=stage > 0 or data_axis.size > 1 or mixed,
-                   parts=parts, part=part, max_in_flight=MAX_IN_FLIGHT if stage else None)
+                   max_in_flight=MAX_IN_FLIGHT if stage else None)
 
 
 class ReadsSettings:

@@ -7,6 +7,13 @@
   ``vit.encoder.layer.N``: :mod:`gridshard.parallel.decoder_layers`) and one *root* unit with
   everything else (embedding, final norm, head; a tied weight once).
 
+Each unit is reduced over its own ``axis``: the reducer's data axis (``mesh.data_context``, R ranks),
+or for an MoE layer's experts split over E expert ranks (:mod:`gridshard.mesh_expert`) the
+``expert_data`` axis (R/E ranks holding the same experts): those parameters form units of their own
+(ZeRO ≥ 1: ``layers.N.experts`` after ``layers.N``; ZeRO-0: buckets of their own). Either way the
+sum is divided by R: an expert's gradient sums the contributions of the tokens of all R ranks
+(those of its E-rank block arrive through the dispatch), so ÷R is the data mean for it too.
+
 Each unit lays its parameters end to end in persistent flat buffers of L_u elements, padded to
 a multiple of the unit's parts — D at ZeRO ≥ 1, whose data ranks own equal chunks, 1 at
 ZeRO-0, whose every rank owns everything (:class:`~.flat_layout.FlatLayout`,
@@ -50,6 +57,7 @@ from typing import Optional
 
 import torch
 
+from ..nn.sharding import expert_split, get_spec
 from ..parallel.decoder_layers import decoder_layers
 from ..theory.training import bucket_partition
 from .flat_layout import FlatLayout
@@ -67,6 +75,9 @@ class Unit:
     names: list
     params: list
     modules: list = field(default_factory=list)
+    axis: object = None                             # the Axis the gradients are reduced over (module docstring)
+    parts: int = 1                                  # ZeRO ≥ 1: axis.size ranks own equal chunks; ZeRO-0: 1
+    part: int = 0                                   # this rank's chunk
     layout: Optional[FlatLayout] = None
     param_buffer: Optional[torch.Tensor] = None     # [L]: the parameters are views of it
     param_chunk: Optional[torch.Tensor] = None      # [C]: this rank's chunk (ZeRO ≤ 2: a view of param_buffer)
@@ -118,14 +129,23 @@ class UnitLayout(ReadsSettings):
     chunks carved from one :class:`~.pages.ChunkArena` (``arena``, :meth:`plan_arena`). ``moments``:
     id(stepped tensor) → its (exp_avg, exp_avg_sq) arena views, filled by :meth:`lay_out`."""
 
-    def __init__(self, settings: ZeroSettings, host_pages: bool):
-        self.settings, self.host_pages = settings, host_pages
+    def __init__(self, settings: ZeroSettings, host_pages: bool, axis, expert_axis=None):
+        self.settings, self.host_pages, self.axis, self.expert_axis = settings, host_pages, axis, expert_axis
         self.arena: Optional[ChunkArena] = None
         self.moments: dict = {}
 
     def units(self, model, bucket_bytes: int) -> list:
-        """The units of ``model``: ZeRO-0 buckets, ZeRO ≥ 1 decoder layers and the root."""
-        return self.layer_units(model) if self.stage else self.bucket_units(model, bucket_bytes)
+        """The units of ``model``: ZeRO-0 buckets, ZeRO ≥ 1 decoder layers and the root, each with
+        its reduction axis and its parts."""
+        units = self.layer_units(model) if self.stage else self.bucket_units(model, bucket_bytes)
+        for u in units:
+            u.axis = u.axis or self.axis
+            u.parts, u.part = (u.axis.size, u.axis.rank) if self.stage else (1, 0)
+        return units
+
+    def _by_expert(self, p) -> bool:
+        """Whether ``p`` is reduced over the expert-data axis (its spec splits it over the experts)."""
+        return self.expert_axis is not None and expert_split(get_spec(p))
 
     def bucket_units(self, model, bucket_bytes: int) -> list:
         """ZeRO-0: the trainable parameters by (dtype, device), in model order, cut into buckets of at
@@ -133,12 +153,13 @@ class UnitLayout(ReadsSettings):
         groups: dict = {}
         for name, p in model.named_parameters():
             if p.requires_grad:
-                groups.setdefault((p.dtype, p.device), []).append((name, p))
+                groups.setdefault((p.dtype, p.device, self._by_expert(p)), []).append((name, p))
         units = []
-        for (dtype, _), named in groups.items():
+        for (dtype, _, by_expert), named in groups.items():
             size = 4 if self.mixed and self.reduce_fp32 else (self.param_dtype if self.mixed else dtype).itemsize
             for idx in bucket_partition([p.numel() for _, p in named], size, bucket_bytes):
-                units.append(Unit(f"bucket.{len(units)}", [named[i][0] for i in idx], [named[i][1] for i in idx]))
+                units.append(Unit(f"bucket.{len(units)}", [named[i][0] for i in idx], [named[i][1] for i in idx],
+                                  axis=self.expert_axis if by_expert else None))
         return units
 
     def layer_units(self, model) -> list:
@@ -155,7 +176,11 @@ class UnitLayout(ReadsSettings):
                 units.append(unit)
 
         for lname, module in decoder_layers(model):
-            take(Unit(lname, [], [], modules=[module]), module.named_parameters(prefix=lname))
+            named = list(module.named_parameters(prefix=lname))
+            take(Unit(lname, [], [], modules=[module]), [(n, p) for n, p in named if not self._by_expert(p)])
+            experts = [m for m in module.modules() if any(self._by_expert(p) for p in m.parameters(recurse=False))]
+            take(Unit(f"{lname}.experts", [], [], modules=experts, axis=self.expert_axis),
+                 [(n, p) for n, p in named if self._by_expert(p)])
         take(Unit("root", [], []), model.named_parameters())
         for u in units:
             if len({p.dtype for p in u.params}) > 1:
@@ -170,7 +195,7 @@ class UnitLayout(ReadsSettings):
     def _chunk_pieces(self, u: Unit) -> list:
         """ZeRO-3: (numel, dtype) of ``u``'s long-lived chunks in arena order — parameter chunk,
         reduced chunk, fp32 master (bf16 storage), AdamW's two moments of the stepped chunk."""
-        c, stored = u.layout.padded // self.parts, self._stored_dtype(u)
+        c, stored = u.layout.padded // u.parts, self._stored_dtype(u)
         stepped = torch.float32 if self.mixed else stored
         return [(c, stored), (c, torch.float32)] + ([(c, torch.float32)] if self.mixed else []) + [(c, stepped)] * 2
 
@@ -181,7 +206,7 @@ class UnitLayout(ReadsSettings):
     def plan_arena(self, units, device) -> Optional[ChunkArena]:
         """ZeRO-3: every unit's layout, and with host pages the arena sized for all their chunks."""
         for u in units:
-            u.layout = FlatLayout.of([p.numel() for p in u.params], self.parts)
+            u.layout = FlatLayout.of([p.numel() for p in u.params], u.parts)
         if not self.host_pages:
             return None
         self.arena = ChunkArena.on(device, [piece for u in units for piece in self._chunk_pieces(u)])
@@ -191,7 +216,7 @@ class UnitLayout(ReadsSettings):
     def _lay_out_zero3(self, u: Unit, shapes) -> None:
         """ZeRO-3: ``u``'s parameter and gradient buffers as :class:`~.pages.FlatPages`, its chunks
         carved from the arena in :meth:`_chunk_pieces` order (zeros), the values copied in."""
-        first, stored, (lo, hi) = u.params[0], self._stored_dtype(u), u.layout.chunk(self.part)
+        first, stored, (lo, hi) = u.params[0], self._stored_dtype(u), u.layout.chunk(u.part)
         # a zero [C] chunk: carved from the arena (host pages), else its own tensor
         chunk = lambda dtype: (self.arena.take(hi - lo, dtype) if self.arena is not None     # noqa: E731
                                else torch.zeros(hi - lo, dtype=dtype, device=first.device))
@@ -215,9 +240,9 @@ class UnitLayout(ReadsSettings):
         """Allocate ``u``'s buffers, make the parameters and gradients views of them and record
         what this rank steps (module docstring; ZeRO-3: :meth:`_lay_out_zero3`)."""
         first, shapes = u.params[0], [p.shape for p in u.params]
-        u.layout = u.layout or FlatLayout.of([p.numel() for p in u.params], self.parts)
+        u.layout = u.layout or FlatLayout.of([p.numel() for p in u.params], u.parts)
         new = lambda n, dtype=first.dtype: torch.zeros(n, dtype=dtype, device=first.device)     # noqa: E731
-        lo, hi = u.layout.chunk(self.part)
+        lo, hi = u.layout.chunk(u.part)
         if self.stage == 3:
             self._lay_out_zero3(u, shapes)
         else:
@@ -235,7 +260,7 @@ class UnitLayout(ReadsSettings):
         stepped = u.master if self.mixed else u.param_chunk
         if self.stage:
             u.reduced = u.reduced if self.stage == 3 else new(hi - lo, torch.float32)
-            for name, p, off, (a, b) in zip(u.names, u.params, u.layout.offsets, u.layout.owned(self.part)):
+            for name, p, off, (a, b) in zip(u.names, u.params, u.layout.offsets, u.layout.owned(u.part)):
                 if b > a:
                     u.stepped.append(SteppedTensor(name, p, stepped[off + a - lo:off + b - lo], (a, b)))
                     if u.moments:                      # the optimizer's state for it (ZeroDataParallel.adam_moments)

@@ -70,6 +70,10 @@ class OneDScheme(Scheme):
         return build_1d(name, module, kind, build.mesh, build.sequence_parallel, build.sp_in_embedding,
                         build.kv_replication, overlap_input_grad=build.overlap_input_grad, tied_embedding=tied)
 
+    def token_gathers(self, mesh, sequence_parallel: bool) -> tuple:
+        """Under sequence parallelism the sequence blocks of ``tensor``; otherwise nothing."""
+        return ((mesh.tensor, 1),) if self.sequence_parallel_in_effect(sequence_parallel, mesh.tensor.size) else ()
+
     def check_replicated(self, name: str, module, sequence_parallel: bool) -> None:
         """A replicated module sees the whole activation, except under sequence parallelism."""
         if sequence_parallel:

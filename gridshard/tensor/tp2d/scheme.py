@@ -103,6 +103,14 @@ class TwoDScheme(Scheme):
         return build_2d(name, module, kind, build.mesh, tied_embedding=tied, overlap=build.summa_overlap,
                         vector_cache=build.vector_cache)
 
+    def token_gathers(self, mesh, sequence_parallel: bool) -> tuple:
+        """The hidden blocks of my rows (``row``, the last dim), then the batch blocks (``col``, dim 0):
+        :func:`gridshard.tensor.tp2d.linear.hidden_cut_2d`'s axes."""
+        from .linear import hidden_cut_2d
+
+        cut = hidden_cut_2d(mesh)
+        return (cut.reduce, -1), (cut.gather, 0)
+
     def check_replicated(self, name: str, module, sequence_parallel: bool) -> None:
         build_2d(name, module, "replicate", None)          # raises: the residual stream is split over the grid
 

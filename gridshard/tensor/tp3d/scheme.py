@@ -113,6 +113,14 @@ class ThreeDScheme(Scheme):
         """The 3D layer of ``kind`` on the residual orientation ``mesh.cube`` (:func:`gridshard.tensor.tp3d.build.build_3d`)."""
         return build_3d(name, module, kind, build.mesh.cube, tied_embedding=tied, vector_cache=build.vector_cache)
 
+    def token_gathers(self, mesh, sequence_parallel: bool) -> tuple:
+        """On the residual orientation: the hidden blocks of my rows (``output``, the last dim), then the
+        batch blocks (``batch``, q² ranks, dim 0): :func:`gridshard.tensor.tp3d.linear.hidden_cut_3d`'s axes."""
+        from .linear import hidden_cut_3d
+
+        cut = hidden_cut_3d(mesh.cube)
+        return (cut.reduce, -1), (cut.gather, 0)
+
     def check_replicated(self, name: str, module, sequence_parallel: bool) -> None:
         build_3d(name, module, "replicate", None)          # raises: the residual stream is split over the cube
 
