@@ -32,7 +32,9 @@ def test_mixtral_weights_load_by_rename_and_give_its_logits():
     theta = config.to_dict()["rope_parameters"]["rope_theta"]
     ours = Transformer(ModelConfig(**DIMS, norm_eps=config.rms_norm_eps, rope_theta=theta, experts=4,
                                    experts_per_token=2, expert_ffn_hidden=24)).eval()
-    ours.load_state_dict({hf_to_gridshard_name(k): v for k, v in hf.state_dict().items()}, strict=True)
+    loaded = ours.load_state_dict({hf_to_gridshard_name(k): v for k, v in hf.state_dict().items()}, strict=False)
+    assert not loaded.unexpected_keys                             # every Mixtral tensor has its place; ours has
+    assert all(k.endswith("gate.expert_bias") for k in loaded.missing_keys)    # only the (zero) balancing bias more
     tokens = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         assert relative_error(ours(tokens), hf(tokens).logits) < 1e-5
@@ -93,3 +95,15 @@ def test_a_shape_mixtral_does_not_compute_is_refused(field, value):
     mixtral_shaped(shape)
     with pytest.raises(CheckpointError, match=f"{field}={value!r}.*Fix:"):
         mixtral_shaped({**shape, field: value})
+
+
+def test_a_balancing_bias_mixtral_has_no_place_for_is_dropped_when_zero_and_refused_otherwise():
+    import torch
+
+    from gridshard.checkpoint.hf_io import _without_zero_bias
+
+    w = torch.ones(2)
+    kept = _without_zero_bias({"layers.0.mlp.gate.weight": w, "layers.0.mlp.gate.expert_bias": torch.zeros(4)})
+    assert list(kept) == ["layers.0.mlp.gate.weight"]
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.gate\.expert_bias is not zero.*Fix:"):
+        _without_zero_bias({"layers.0.mlp.gate.weight": w, "layers.0.mlp.gate.expert_bias": torch.tensor([0., .1])})

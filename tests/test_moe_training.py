@@ -36,9 +36,9 @@ _RUNS = TrainCache(_train, agree=1, what="the losses and MoE metrics", timeout=3
 
 def _layout(data, zero=0, capacity=None, recompute="none", expert=1, dispatch="all_to_all", pipeline=1,
             schedule="1f1b", layers=None, context=1, context_mode="ring", tensor=1, mode="none", sp=False,
-            micro_batch=2, depth=1):
+            micro_batch=2, depth=1, bias_rate=0.0):
     train = {**CFG["train"], "zero": zero, "moe_capacity": capacity, "recompute": recompute,
-             "micro_batch": micro_batch}
+             "micro_batch": micro_batch, "moe_bias_rate": bias_rate}
     parallel = {"data": data, "expert": expert, "expert_dispatch": dispatch, "pipeline": pipeline,
                 "pipeline_schedule": schedule, "virtual_stages": 2 if schedule in ("interleaved_1f1b", "zero_bubble")
                 else 1, "context": context, "context_mode": context_mode, "tensor": tensor, "tensor_mode": mode,
@@ -121,6 +121,15 @@ def test_tensor_modes_with_experts_match_one_process(data, expert, tensor, mode,
     _assert_same(got, one)
 
 
+def test_the_balancing_bias_steers_alike_at_every_layout():
+    """train.moe_bias_rate: the bias moves from the step's load summed over all ranks, the same everywhere."""
+    plain, _ = _RUNS(_layout(1))
+    one, _ = _RUNS(_layout(1, bias_rate=0.05))
+    got, _ = _RUNS(_layout(4, 1, expert=2, bias_rate=0.05))
+    _assert_same(got, one)
+    assert max_rel(one["loss"], plain["loss"]) > 1e-4                # it steered the routing
+
+
 def test_plot_draws_the_load_per_expert(tmp_path):
     import json
     import os
@@ -162,7 +171,7 @@ def _rules(**sections):
     ({"train": {"moe_capacity": 0}}, "train.moe_capacity=0"),
     ({"model": {"moe_every": 0}}, "model.moe_every=0"),
     ({"model": {"moe_every": 3}}, "model.moe_every=3"),
-    ({"train": {"moe_bias_rate": 1e-3}}, "train.moe_bias_rate=0.001"),
+    ({"train": {"moe_bias_rate": -1e-3}}, "train.moe_bias_rate=-0.001"),
     ({"model": {"experts": 0, "experts_per_token": None}, "train": {"moe_capacity": 1.0}}, "train.moe_capacity=1.0"),
     ({"parallel": {"data": 4, "expert": 3}}, "parallel.expert=3 does not divide data × context = 4×1"),
     ({"model": {"experts": 6}, "parallel": {"data": 4, "expert": 4}},
@@ -206,7 +215,8 @@ def _resume_body(cfg, run_dir):
 
 
 def test_a_run_resumes_exactly(tmp_path):
-    cfg = {**CFG, "train": {**CFG["train"], "decay_steps": 6, "moe_capacity": 1.0}}
+    """With capacity drops and the balancing bias, which the checkpoint carries."""
+    cfg = {**CFG, "train": {**CFG["train"], "decay_steps": 6, "moe_capacity": 1.0, "moe_bias_rate": 0.05}}
     cont, resumed = train_on_ranks(_resume_body, cfg, str(tmp_path), timeout=300)[0]
     assert len(resumed) == 3 and resumed == cont[3:], (resumed, cont)
     from click.testing import CliRunner                            # the checkpoint generates in one process
@@ -216,34 +226,34 @@ def test_a_run_resumes_exactly(tmp_path):
     assert out.exit_code == 0 and "step 6" in out.output, out.output
 
 
-def _reshard_body(cfg, run_dir, saved_at):
+def _reshard_body(cfg, run_dir):
     from gridshard.engine import Trainer
     from gridshard.parallel import gathered_state_dict
 
     trainer = Trainer(cfg, run_dir=run_dir, progress=False)
     losses = trainer.run()
     state = gathered_state_dict(trainer.model)
-    return losses, state if saved_at is None else None
+    return losses, state
 
 
 def test_a_run_saved_at_one_expert_size_resumes_at_others(tmp_path):
-    """Saved at E = 4 (D = 4, ZeRO-1), resumed at E = 1 (D = 4, ZeRO-0) and E = 2 (D = 2, ZeRO-2): the
-    losses after the resume and the final weights are the uninterrupted E = 4 run's."""
+    """Saved at E = 4 (D = 4, ZeRO-1), resumed at E = 1 (D = 4, ZeRO-0), E = 2 (D = 2, ZeRO-2) and
+    (E = 2, T = 2 1D): the losses after the resume and the final weights are the uninterrupted E = 4 run's."""
     import os
 
     import torch
 
     from gridshard.checkpoint.files import checkpoints_root
 
-    def cfg(data, expert, zero, **train):
-        lay = _layout(data, zero, expert=expert)
+    def cfg(data, expert, zero, tensor=1, **train):
+        lay = _layout(data, zero, expert=expert, tensor=tensor, mode="1d" if tensor > 1 else "none")
         return {**lay, "train": {**lay["train"], "steps": 6, "decay_steps": 6, "save_interval": 3, **train}}
 
-    full, state = train_on_ranks(_reshard_body, cfg(4, 4, 1), str(tmp_path / "e4"), None, timeout=300)[0]
+    full, state = train_on_ranks(_reshard_body, cfg(4, 4, 1), str(tmp_path / "e4"), timeout=300)[0]
     step3 = os.path.join(checkpoints_root(str(tmp_path / "e4")), "step_3")
-    for data, expert, zero in ((4, 1, 0), (2, 2, 2)):
-        losses, got = train_on_ranks(_reshard_body, cfg(data, expert, zero, resume=step3),
-                                     str(tmp_path / f"e{expert}"), None, timeout=300)[0]
+    for data, expert, zero, tensor in ((4, 1, 0, 1), (2, 2, 2, 1), (2, 2, 1, 2)):
+        losses, got = train_on_ranks(_reshard_body, cfg(data, expert, zero, tensor, resume=step3),
+                                     str(tmp_path / f"e{expert}t{tensor}"), timeout=300)[0]
         assert len(losses) == 3 and max_rel(losses, full[3:]) < 1e-5, (expert, losses, full[3:])
         assert max(float((got[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)) for k, v in state.items()) < 1e-4
         assert got.keys() == state.keys() and got["layers.0.mlp.experts.down_proj"].shape[0] == 4

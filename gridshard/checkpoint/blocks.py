@@ -122,6 +122,14 @@ def model_blocks(model: torch.nn.Module, reducer=None, writing: bool = False) ->
     return _stepped_blocks(model, reducer, lambda name: MODEL + name, lambda s: s.tensor, writing)
 
 
+def buffer_blocks(model: torch.nn.Module) -> dict:
+    """key → block of every persistent buffer of ``model`` (an MoE router's balancing bias), held
+    whole and equal on every rank that has it (DCP writes it once), fqn ``"model." + name``."""
+    params = {id(p) for p in model.parameters()}
+    return {MODEL + name: CanonicalBlock(MODEL + name, tuple(b.shape), (0,) * b.dim(), b)
+            for name, b in model.state_dict(keep_vars=True).items() if id(b) not in params}
+
+
 def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every parameter AdamW state (zero moments, step 0) if it has none yet, in the
     form ``torch.optim.AdamW`` itself creates on its first step, so a checkpoint can be read

@@ -58,10 +58,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 from ..disk import disk_errno, one_line, write_failure
 from ..errors import NonFiniteError, SaveError
 from . import files as F
-from .blocks import (BlockSavePlanner, CanonicalBlock, model_blocks,
+from .blocks import (BlockSavePlanner, CanonicalBlock, buffer_blocks, model_blocks,
                      optimizer_blocks, set_optimizer_step, staged_copy)
 from .faults import FaultPlan, hit
 from .reader import open_checkpoint, read_blocks
+
+
+def _saved_buffers(model, checked) -> dict:
+    """:func:`buffer_blocks` the checkpoint holds: one written before buffers were saved has none, and
+    the buffers keep their starting values (an MoE bias, then only ever zero)."""
+    return {k: b for k, b in buffer_blocks(model).items() if k in checked.metadata.state_dict_metadata}
 
 
 def rng_blocks(rank: int, device: torch.device) -> dict:
@@ -137,7 +143,7 @@ class Checkpointer:
         self.wait()
         self.last_requested = step
         hit(self.faults, "save_start", self.rank, step)
-        boxes = {**model_blocks(model, reducer, writing=True),
+        boxes = {**model_blocks(model, reducer, writing=True), **buffer_blocks(model),
                  **optimizer_blocks(model, optimizer, reducer, writing=True),
                  **rng_blocks(self.rank, next(model.parameters()).device)}
         staged = staged_copy(boxes)
@@ -285,7 +291,7 @@ class Checkpointer:
         blocks of the model's parameters only — no optimizer (it need not exist yet), no
         generator states, no step. Any layout reads any checkpoint. Returns ``meta.json``."""
         checked = open_checkpoint(folder, (self.rank, self.world), self.group)
-        read_blocks(checked, model_blocks(model), self.group)
+        read_blocks(checked, {**model_blocks(model), **_saved_buffers(model, checked)}, self.group)
         return checked.meta
 
     def load(self, folder: str, model, optimizer, load_optimizer: bool = True, reducer=None) -> dict:
@@ -293,7 +299,7 @@ class Checkpointer:
         generator states when the world size is the one that wrote it. Returns ``meta.json``."""
         checked = open_checkpoint(folder, (self.rank, self.world), self.group)
         meta = checked.meta
-        boxes = dict(model_blocks(model, reducer))
+        boxes = {**model_blocks(model, reducer), **_saved_buffers(model, checked)}
         if load_optimizer:
             boxes.update(optimizer_blocks(model, optimizer, reducer))
         device = next(model.parameters()).device

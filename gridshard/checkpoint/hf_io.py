@@ -68,6 +68,18 @@ def mixtral_shaped(m: dict) -> None:
                                 f"gridshard, or train a Mixtral-shaped model to export.")
 
 
+def _without_zero_bias(tensors: dict) -> dict:
+    """The checkpoint's tensors without the MoE routers' balancing bias, which Mixtral has no place
+    for: dropped when zero (it never steered anything), a CheckpointError otherwise."""
+    bias = {k: v for k, v in tensors.items() if k.endswith(".gate.expert_bias")}
+    steered = [k for k, v in bias.items() if bool(v.any())]
+    if steered:
+        raise F.CheckpointError(f"{steered[0]} is not zero: this model was trained with train.moe_bias_rate, whose "
+                                f"balancing bias steers the routing, and MixtralForCausalLM has no such bias. Fix: keep "
+                                f"it in gridshard, or export a model trained with moe_bias_rate=0.")
+    return {k: v for k, v in tensors.items() if k not in bias}
+
+
 def _hf_config_json(path: str, model_cfg: dict) -> dict:
     """The Hugging Face ``config.json`` a ``model.hf_config`` run was trained from, parsed
     (never copied byte for byte: ``meta.json`` names the path, and a checkpoint from elsewhere
@@ -107,7 +119,7 @@ def export_hf(folder: str, out_dir: str) -> list:
 
             hf_fields = hf_vit_config_fields(saved_model_config(model_cfg))
     else:
-        named, hf_fields = export_hf_state_dict(tensors), hf_llama_config(model_cfg)
+        named, hf_fields = export_hf_state_dict(_without_zero_bias(tensors)), hf_llama_config(model_cfg)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_fields, f, indent=1)

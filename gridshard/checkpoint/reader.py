@@ -174,7 +174,9 @@ def _check_meta_against_tensors(meta: dict, metadata) -> None:
     parameter (the model built from it on the meta device: the same code that builds the
     training model, so no shape rule is written twice) equal the checkpoint's tensors. A
     model trained from ``model.hf_config`` is stored under Hugging Face names: those are
-    renamed, and tensors the gridshard model lacks (e.g. Qwen2's q/k/v biases) are allowed."""
+    renamed, and tensors the gridshard model lacks (e.g. Qwen2's q/k/v biases) are allowed. The
+    model's persistent buffers (an MoE router's balancing bias) may be held, at their shapes; a
+    checkpoint written before they were saved lacks them."""
     from ..models.hf import hf_to_gridshard_name
     from ..models.llama import Transformer
     from ..models.vit import VisionTransformer, saved_model_config
@@ -188,6 +190,7 @@ def _check_meta_against_tensors(meta: dict, metadata) -> None:
         raise F.Refused(f"{F.META}'s model section does not describe a model ({type(e).__name__}: {str(e)[:120]})") \
             from None
     expected = {n: tuple(p.shape) for n, p in plain.named_parameters()}
+    buffers = {n: tuple(b.shape) for n, b in plain.state_dict(keep_vars=True).items() if n not in expected}
     hf = bool(model.get("hf_config"))
     rename = hf_to_gridshard_name if hf else (lambda name: name)
     saved = {rename(fqn[len(MODEL):]): tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
@@ -202,7 +205,7 @@ def _check_meta_against_tensors(meta: dict, metadata) -> None:
             raise F.Refused(f"{F.META} describes a model ({short}) whose {name!r} has shape {shape}, but the "
                             f"checkpoint's tensor has shape {saved[name]} (meta.json does not belong to these "
                             f"tensors)")
-    extra = sorted(set(saved) - set(expected))
+    extra = sorted(n for n in set(saved) - set(expected) if buffers.get(n) != saved[n])   # a buffer: at its shape
     if extra and not hf:
         raise F.Refused(f"the checkpoint holds {MODEL}{extra[0][:80]}, which the model {F.META} describes ({short}) "
                         f"does not have (meta.json does not belong to these tensors)")

@@ -43,6 +43,4 @@ def check_moe(cfg: TrainConfig):
          f"experts: parallel.expert must divide model.experts={experts}",
          f"use one of {[e for e in range(1, experts + 1) if experts % e == 0 and p.data * p.context * p.tensor_depth % e == 0]}"),
         ("train.moe_aux_loss", t.moe_aux_loss, t.moe_aux_loss < 0, "it must be >= 0 (0: off)", "use e.g. 0.01"),
-        ("train.moe_bias_rate", t.moe_bias_rate, t.moe_bias_rate != 0, "the balancing bias is not saved in "
-         "checkpoints yet, so a resumed run would lose it (issue 38)", "use train.moe_bias_rate=0 and the aux "
-         "loss (train.moe_aux_loss)")])
+        ("train.moe_bias_rate", t.moe_bias_rate, t.moe_bias_rate < 0, "it must be >= 0 (0: off)", "use e.g. 1e-3")])

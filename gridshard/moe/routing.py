@@ -81,12 +81,12 @@ class Router(nn.Module):
             n_experts, top_k, score, normalize, capacity
         self.sequence_axis = None               # context parallelism: the C ranks a sequence lies on
         self.weight = nn.Parameter(torch.empty(n_experts, hidden))
-        # not in the state dict until checkpoints carry it (train.moe_bias_rate accepts only 0 so far)
-        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+        # in the state dict, so checkpoints carry it (gridshard.checkpoint.blocks.buffer_blocks)
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
     def reset_buffers(self, device) -> None:
         """The balancing bias at its start, zeros, on ``device`` (``gridshard.parallelize`` builds on meta)."""
-        self.expert_bias = torch.zeros(self.n_experts, dtype=torch.float32, device=device)
+        self.register_buffer("expert_bias", torch.zeros(self.n_experts, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor, seq_len: int) -> Routing:
         """x [N, h], N a multiple of ``seq_len`` (whole sequences, token order) → :class:`Routing`."""
