@@ -113,7 +113,7 @@ def export_hf(folder: str, out_dir: str) -> list:
     hf_fields = _hf_config_json(hf_json, model_cfg) if hf_json else None
     vit = model_cfg.get("kind") == "vit"
     if hf_json or vit:                              # HF's names already (a ViT's are ViTForImageClassification's)
-        named = {k: v.contiguous() for k, v in tensors.items()}
+        named = {k: v.contiguous() for k, v in _without_zero_bias(tensors).items()}
         if vit:
             from ..models.vit import hf_vit_config_fields, saved_model_config
 

@@ -7,10 +7,19 @@ from .schema import MOE_MODEL_FIELDS, TrainConfig
 
 
 def check_moe(cfg: TrainConfig):
-    """Mixture-of-Experts fields (docs/moe.md): used only with experts, in range, and (issue 38 in
-    progress): every layout runs them."""
+    """Mixture-of-Experts fields (docs/moe.md): used only with experts, in range; every layout runs
+    them. A Hugging Face config (``model.hf_config``: Mixtral, Qwen3-MoE) sets its own: explicit MoE
+    fields must then say what it says (a run's saved config spells them out)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    experts, stray = m.experts or 0, [k for k in MOE_MODEL_FIELDS if getattr(m, k) is not None]
+    hf = m.hf_config is not None and m.kind == "llama"
+    mc = m.resolve() if hf else None
+    experts = (mc.experts if hf else m.experts) or 0
+    stray = [k for k in MOE_MODEL_FIELDS if getattr(m, k) is not None and not hf]
+    if hf:
+        first_broken([(f"model.{k}", getattr(m, k), True, f"model.hf_config={m.hf_config!r} sets it to "
+                       f"{getattr(mc, k)!r}: a Hugging Face config sets its own layers", f"remove model.{k}")
+                      for k in ("experts",) + MOE_MODEL_FIELDS
+                      if getattr(m, k) is not None and getattr(m, k) != getattr(mc, k)])
     if experts <= 0:
         return first_broken([
             ("model.experts", experts, experts < 0, "it must be >= 0 (0: a dense model)", "use e.g. 8, or 0"),
@@ -24,10 +33,8 @@ def check_moe(cfg: TrainConfig):
              "model)", "set parallel.expert=1, or model.experts")])
     first_broken([
         ("model.kind", m.kind, m.kind != "llama", "Mixture-of-Experts layers are built for the decoder",
-         "use model.kind: llama"),
-        ("model.hf_config", m.hf_config, m.hf_config is not None, "model.experts applies to gridshard's own decoder; "
-         "a Hugging Face config sets its own layers", "remove model.experts and its MoE fields")])
-    mc = m.resolve()                                   # the defaults of the fields left unset
+         "use model.kind: llama")])
+    mc = mc or m.resolve()                             # the defaults of the fields left unset
     k, every = mc.experts_per_token, mc.moe_every
     first_broken([
         ("model.experts_per_token", k, not 1 <= k <= experts, f"each token picks k of the model.experts={experts} "

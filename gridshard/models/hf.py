@@ -1,5 +1,13 @@
-"""Hugging Face Llama-family models (Llama, Mistral, Qwen2 layouts): build from a config,
-read their dimensions, and move weights by name.
+"""Hugging Face Llama-family models (Llama, Mistral, Qwen2 layouts, and the Mixture-of-Experts
+Mixtral and Qwen3-MoE): build from a config, read their dimensions, and move weights by name.
+
+A Mixtral or Qwen3-MoE is built with gridshard's MoE block (:class:`gridshard.moe.layer.MoEBlock`)
+in place of each of its sparse MoE blocks (:func:`use_our_moe_blocks`): the same parameters under
+the same names (transformers 5: ``mlp.gate.weight``, ``mlp.experts.gate_up_proj``,
+``mlp.experts.down_proj``) and the same routing (softmax top-k, normalised where the config says),
+so its weights load as they are and its logits are transformers' own; the block brings expert
+parallelism, the per-sequence aux loss and the statistics (docs/moe.md). Qwen2-MoE's gated shared
+expert has no counterpart yet and is refused.
 
 ``transformers`` is optional (``pip install gridshard[hf]``); it is imported only inside the
 functions that need it (here, :mod:`gridshard.models.hf_stages` for its causal mask and
@@ -65,6 +73,30 @@ def sliding_window_in_effect(fields: dict):
     return None
 
 
+def hf_moe_fields(c: dict) -> dict:
+    """The :class:`ModelConfig` MoE fields of a Hugging Face config's fields ({} for a dense one):
+    Mixtral (every layer, normalised top-k) and Qwen3-MoE (layer i when (i+1) % decoder_sparse_step
+    == 0, ``norm_topk_prob``); ConfigError for an MoE shape gridshard's block does not compute."""
+    model_type = c.get("model_type")
+    if model_type == "mixtral":
+        return {"experts": c["num_local_experts"], "experts_per_token": c.get("num_experts_per_tok", 2),
+                "expert_ffn_hidden": c["intermediate_size"]}
+    if model_type == "qwen3_moe":
+        if c.get("mlp_only_layers"):
+            raise ConfigError(f"model.hf_config: mlp_only_layers={c['mlp_only_layers']} makes chosen layers dense, "
+                              f"which gridshard's layer rule ((i+1) % moe_every == 0) cannot say. Fix: use "
+                              f"decoder_sparse_step instead, or an empty mlp_only_layers.")
+        experts = c["num_experts"] if "num_experts" in c else c["num_local_experts"]    # transformers 5 writes the latter
+        return {"experts": experts, "experts_per_token": c.get("num_experts_per_tok", 8),
+                "expert_ffn_hidden": c["moe_intermediate_size"], "moe_every": c.get("decoder_sparse_step", 1),
+                "router_normalize": bool(c.get("norm_topk_prob", False))}
+    if model_type in ("qwen2_moe", "deepseek_v3", "olmoe"):
+        raise ConfigError(f"model.hf_config: model_type={model_type!r} is a Mixture-of-Experts shape gridshard's "
+                          f"MoE block does not compute yet (Qwen2-MoE: a gated shared expert). Fix: use a Mixtral or "
+                          f"Qwen3-MoE config, or gridshard's own model with model.experts.")
+    return {}
+
+
 def model_config_of_hf_json(path: str) -> ModelConfig:
     """The dimensions of a Hugging Face Llama-family config as a :class:`ModelConfig` (used for
     validation, FLOPs and parameter counts; the model itself is Hugging Face's)."""
@@ -73,7 +105,7 @@ def model_config_of_hf_json(path: str) -> ModelConfig:
         dims = {field: c[key] if default is None else c.get(key, default)
                 for field, (key, default) in HF_CONFIG_KEYS.items()}
         return ModelConfig(**{**dims, "kv_heads": dims["kv_heads"] or None,
-                              "tie_embeddings": bool(dims["tie_embeddings"])})
+                              "tie_embeddings": bool(dims["tie_embeddings"]), **hf_moe_fields(c)})
     except KeyError as e:
         raise ConfigError(f"model.hf_config={path!r} lacks {e.args[0]!r}: gridshard reads Llama-family configs "
                           f"(hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size). "
@@ -92,7 +124,23 @@ def build_hf_causal_lm(path_or_config, device="meta"):
     else:
         config = path_or_config
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        use_our_moe_blocks(model)
+    return model
+
+
+def use_our_moe_blocks(model) -> None:
+    """Replace every sparse MoE block of a Hugging Face Mixtral / Qwen3-MoE ``model`` (built on the
+    current device) by a :class:`gridshard.moe.layer.MoEBlock` of its config (module docstring)."""
+    from ..moe.layer import MoEBlock
+
+    moe = hf_moe_fields(model.config.to_dict())
+    if not moe:
+        return
+    for i, layer in enumerate(model.model.layers):
+        if type(layer.mlp).__name__.endswith("SparseMoeBlock"):
+            layer.mlp = MoEBlock(model.config.hidden_size, moe["experts"], moe["experts_per_token"],
+                                 moe["expert_ffn_hidden"], normalize=moe.get("router_normalize", True), layer=i)
 
 
 def hf_to_gridshard_name(name: str) -> str:

@@ -56,7 +56,7 @@ from .materialize import init_laws, materialize
 from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, VIT_PLAN, Plan
 from .shared_input import first_input, install_shared_input, replace_input
 
-HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,9 @@ def _split_sequence(model: nn.Module, dims: ModelDims, mesh, context_mode: Conte
                                axis=axis)
     if splits:
         model.split_sequence(axis.size, axis.rank)
+    for module in model.modules():
+        if callable(getattr(module, "sequences_over", None)):       # an MoE block: per-sequence sums over C
+            module.sequences_over(axis)
     if dims.hf:
         from ..models.hf import attend_over_context
 
@@ -248,8 +251,6 @@ def _split_sequence(model: nn.Module, dims: ModelDims, mesh, context_mode: Conte
     for module in model.modules():
         if isinstance(module, Attention):
             module.attend_over_context(attend)
-        if callable(getattr(module, "sequences_over", None)):       # an MoE block: per-sequence sums over C
-            module.sequences_over(axis)
 
 
 def _split_experts(model: nn.Module, axis, kind: str) -> None:
