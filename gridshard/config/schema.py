@@ -113,13 +113,12 @@ class ModelSection(BaseModel):
 
     def unmodelled(self) -> Optional[str]:
         """What the memory model and the planner do not price in this model, or None: a Hugging Face
-        architecture, a Vision Transformer, a Mixture-of-Experts decoder (issue 38)."""
+        architecture, a Vision Transformer. (A Mixture-of-Experts decoder: the memory model prices it,
+        the planner's search does not enumerate expert parallelism yet, ``gridshard.planner.search``.)"""
         if self.hf_config is not None:
             return "a Hugging Face architecture (model.hf_config; plan with the equivalent explicit model.* fields)"
         if self.kind == "vit":
             return "a Vision Transformer (model.kind: vit; choose its layout by hand, docs/vision.md)"
-        if self.experts:
-            return "a Mixture-of-Experts model (model.experts > 0) yet"
         return None
 
     def explicit_fields(self) -> dict:

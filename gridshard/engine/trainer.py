@@ -121,7 +121,7 @@ class Trainer:
         ids = [int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None
         stage = self.mesh.pipeline.rank                # the rank's blocks: its stages, first / last ends
         mode, T, depth = self.layout.layer_mode, self.layout.layer_tensor, self.layout.depth
-        blocks = rank_parameter_blocks(self.model_cfg, mode, T, ids, stage == 0, stage == p.pipeline - 1)
+        blocks = rank_parameter_blocks(self.model_cfg, mode, T, ids, stage == 0, stage == p.pipeline - 1, p.expert)
         return predict_rank_memory(
             self.model_cfg, mode=mode, T=T, sequence_parallel=self.layout.sequence_parallel,
             data=p.data * p.context * depth, data_rank=self.mesh.data_context.rank, zero=t.zero, recompute=t.recompute,
@@ -130,7 +130,7 @@ class Trainer:
             pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
             layer_ids=ids, baseline_bytes=self.mem_baseline, precision=t.precision, blocks=blocks,
             grad_reduce_dtype=t.grad_reduce_dtype, context=p.context, context_mode=p.context_mode,
-            overlap_grad_reduce=t.overlap_grad_reduce,
+            overlap_grad_reduce=t.overlap_grad_reduce, expert=p.expert,
             extra_bytes=sum(int(getattr(x, "nbytes", 0)) for x in resident) if self.device.type == "cpu" else 0)
 
     # ---- checkpoints (resume and model.init_from are the composer's: gridshard.engine.job) ----

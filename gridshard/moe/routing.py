@@ -90,8 +90,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_len: int) -> Routing:
         """x [N, h], N a multiple of ``seq_len`` (whole sequences, token order) → :class:`Routing`."""
-        logits = F.linear(x.float(), self.weight.float())
-        p = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        with torch.autocast(x.device.type, enabled=False):        # fp32 under bf16/fp16 autocast too
+            logits = F.linear(x.float(), self.weight.float())
+            p = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         experts = torch.topk(p + self.expert_bias, self.top_k, dim=-1).indices
         weights = p.gather(-1, experts)
         if self.normalize:

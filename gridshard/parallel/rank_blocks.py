@@ -9,10 +9,12 @@ evaluated) and reads every parameter's layout, ``ShardSpec.local_shape``
 (:mod:`gridshard.nn.sharding`). A layer kind added to the model, the plan or the layer
 constructors is in the memory model and the planner as soon as ``parallelize`` builds it.
 
-Cost: the decoder layers of :class:`gridshard.models.Transformer` all have one layout, so one
-layer is laid out, not L (a model of ``layers=1``): a rank's blocks are the root parameters it
-holds plus, for each of its decoder layers i, layer 0's blocks renamed ``layers.0.`` →
-``layers.i.``. About 2 ms per (model, tensor mode, T); the planner memoises it
+Cost: the decoder layers of :class:`gridshard.models.Transformer` have one layout per kind
+(dense, or MoE where ``cfg.is_moe_layer(i)``), so ``moe_every`` layers are laid out, not L (one
+for a dense model or every layer MoE; layer ``moe_every − 1`` is the MoE kind): a rank's blocks
+are the root parameters it holds plus, for each of its decoder layers i, its kind's blocks renamed
+to ``layers.i.``. An MoE layer's experts split over E expert ranks (``expert``) are marked
+(``ParamBlock.expert``: ZeRO shards them over the expert-data ranks). About 2 ms per (model, tensor mode, T); the planner memoises it
 (:mod:`gridshard.planner.memo`).
 
 Pipeline ranks: the root parameters registered before the decoder layers (the embedding) go
@@ -32,10 +34,10 @@ import torch
 
 from ..errors import LayoutError
 from ..job_layout import TensorMode
-from ..nn.sharding import mesh_coords
+from ..nn.sharding import expert_split, mesh_coords
 from ..theory.memory import ParamBlock, kv_replica_grad_extra
 
-LAYER0 = "layers.0."
+LAYER0 = "layers.0."                                 # a layer's blocks are named relative to ``layers.<i>.``
 
 
 @dataclass(frozen=True)
@@ -47,61 +49,72 @@ class LaidOutModel:
     them, each with the ``first`` name it is tied to (or None)."""
 
     first: Tuple[Tuple[str, tuple], ...]
-    layer: Tuple[Tuple[str, tuple, int], ...]
+    layer: Tuple[Tuple[str, tuple, int, bool], ...]
     last: Tuple[Tuple[str, tuple, Optional[str]], ...]
+    moe_layer: Tuple[Tuple[str, tuple, int, bool], ...] = ()      # an MoE layer's (name, shape, extra, expert)
+    moe_every: int = 0                                            # layer i is MoE when (i+1) % moe_every == 0
 
     def rank_blocks(self, layer_ids: Iterable[int], has_embedding: bool = True, has_head: bool = True) -> list:
         """The :class:`ParamBlock` list of a rank holding decoder layers ``layer_ids`` and the
         first / last stage's root parameters when ``has_embedding`` / ``has_head``."""
         blocks = [ParamBlock(name, shape) for name, shape in self.first] if has_embedding else []
         for i in layer_ids:
-            blocks += [ParamBlock(f"layers.{i}.{name}", shape, i, extra) for name, shape, extra in self.layer]
+            kind = self.moe_layer if self.moe_every and (i + 1) % self.moe_every == 0 else self.layer
+            blocks += [ParamBlock(f"layers.{i}.{name}", shape, i, extra, by_expert)
+                       for name, shape, extra, by_expert in kind]
         if has_head:
             blocks += [ParamBlock(tied_to or name, shape) for name, shape, tied_to in self.last
                        if not (has_embedding and tied_to is not None)]
         return blocks
 
 
-def laid_out_model(cfg, mode="none", T: int = 1) -> LaidOutModel:
-    """Lay out a one-layer :class:`gridshard.models.Transformer` of ``cfg`` (a
-    :class:`gridshard.models.ModelConfig`) on the meta device for tensor mode ``mode`` and
-    size ``T`` (module docstring) and read its parameters' layouts."""
+def laid_out_model(cfg, mode="none", T: int = 1, expert: int = 1) -> LaidOutModel:
+    """Lay out a :class:`gridshard.models.Transformer` of ``cfg`` (a :class:`gridshard.models.ModelConfig`)
+    with one layer of each kind on the meta device for tensor mode ``mode``, size ``T`` and ``expert``
+    expert ranks (module docstring) and read its parameters' layouts."""
     from ..mesh import ShapeMesh
     from ..models.llama import Transformer
     from .parallelize import parallelize
 
     mode = TensorMode.parse(mode)
+    every = cfg.moe_every if cfg.experts else 0
     with torch.device("meta"):
-        plain = Transformer(dataclasses.replace(cfg, layers=1))
-    mesh = ShapeMesh(tensor=T, tensor_mode=mode)
+        plain = Transformer(dataclasses.replace(cfg, layers=max(1, every)))
+    mesh = ShapeMesh(data=expert, tensor=T, tensor_mode=mode, expert=expert)
     model = parallelize(plain, mesh, device="meta")
     _, size = mesh_coords(mesh)
     layouts = model.parallel_context.layouts
     extra = kv_replica_grad_extra(cfg, mode, T)
-    first, layer, last, owner = [], [], [], {}
+    first, kinds, last, owner = [], {}, [], {}
+    moe_index = f"layers.{every - 1}." if every else None
     for name, param in model.named_parameters(remove_duplicate=False):
         shape = layouts[name].local_shape(size)
         if tuple(param.shape) != shape:
             raise LayoutError(f"parameter {name!r}: the layer built a {tuple(param.shape)} block but its layout "
                               f"says {shape}. Fix: make the layer's ShardSpec describe the block it allocates.")
         tied_to = owner.setdefault(id(param), name)
-        if name.startswith(LAYER0):
-            layer.append((name[len(LAYER0):], shape, extra.get(name[len(LAYER0):], 0)))
-        elif not layer:
+        prefix = next((p for p in (LAYER0, moe_index) if p and name.startswith(p)), None)
+        if name.startswith("layers.") and prefix is None:
+            continue                                        # a middle dense layer: layer 0's kind
+        if prefix is not None:
+            rel = name[len(prefix):]
+            kinds.setdefault(prefix, []).append((rel, shape, extra.get(rel, 0), expert_split(layouts[name])))
+        elif not kinds:
             first.append((name, shape))
         else:
             last.append((name, shape, tied_to if tied_to != name else None))
-    return LaidOutModel(tuple(first), tuple(layer), tuple(last))
+    return LaidOutModel(tuple(first), tuple(kinds[LAYER0]), tuple(last), tuple(kinds.get(moe_index, ())), every)
 
 
 def rank_parameter_blocks(cfg, mode="none", T: int = 1, layer_ids: Optional[Iterable[int]] = None,
-                          has_embedding: bool = True, has_head: bool = True) -> list:
+                          has_embedding: bool = True, has_head: bool = True, expert: int = 1) -> list:
     """The :class:`ParamBlock` list of one rank of ``gridshard.parallelize(Transformer(cfg), mesh)``
     (``mode``, ``T``: the mesh's tensor mode and size): the layouts of :func:`laid_out_model`.
     ``layer_ids``: this pipeline rank's decoder layers (default all); ``has_embedding`` /
-    ``has_head``: whether it holds the first / last stage (the final norm goes with the head)."""
+    ``has_head``: whether it holds the first / last stage (the final norm goes with the head);
+    ``expert``: the expert ranks an MoE model's experts are split over."""
     layers = range(cfg.layers) if layer_ids is None else layer_ids
-    return laid_out_model(cfg, mode, T).rank_blocks(layers, has_embedding, has_head)
+    return laid_out_model(cfg, mode, T, expert).rank_blocks(layers, has_embedding, has_head)
 
 
 __all__ = ["LaidOutModel", "laid_out_model", "rank_parameter_blocks"]

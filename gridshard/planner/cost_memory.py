@@ -95,7 +95,9 @@ def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
             schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=int(baseline_bytes),
             margin_fraction=float(margin_fraction), precision=precision,
             context=layout.context, context_mode=layout.context_mode,
-            overlap_grad_reduce=layout.overlap_grad_reduce, blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1))
+            overlap_grad_reduce=layout.overlap_grad_reduce, expert=layout.expert,
+            blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1,
+                               layout.expert))
         if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
             extra = max(0, interleaved_in_flight(r, P, V, A) - mem.details["in_flight"])
             buffers = (V - 1) * 2 * A * boundary_bytes(layout.tensor_mode, layout.sequence_parallel, layout.tensor,

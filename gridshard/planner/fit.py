@@ -105,7 +105,7 @@ def config_layout(cfg):
     return Layout(p.data, p.pipeline, p.tensor, str(p.tensor_mode), p.sequence_parallel, t.zero, t.recompute,
                   t.micro_batch, p.pipeline_schedule, p.virtual_stages,
                   None if p.stage_layers is None else tuple(p.stage_layers), p.context, p.context_mode,
-                  p.tensor_depth, t.overlap_grad_reduce).layer_layout()
+                  p.tensor_depth, t.overlap_grad_reduce, p.expert, p.expert_dispatch).layer_layout()
 
 
 def _hardware(budget: MemoryBudget):

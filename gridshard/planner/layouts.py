@@ -81,6 +81,8 @@ class Layout:
     context_mode: str = "ring"                  # ring | all_to_all (C > 1)
     tensor_depth: int = 1                       # d: 2.5D depth layers (T = q²·d); 1 otherwise
     overlap_grad_reduce: bool = True            # train.overlap_grad_reduce (false: whole-gradient accumulation)
+    expert: int = 1                             # E: an MoE model's expert ranks (divides D·C)
+    expert_dispatch: str = "all_to_all"         # all_to_all | all_gather (E > 1)
 
     @property
     def mode(self) -> TensorMode:
@@ -112,7 +114,8 @@ class Layout:
                 "tensor_mode": self.tensor_mode, "tensor_depth": self.tensor_depth,
                 "sequence_parallel": self.sequence_parallel, "pipeline_schedule": self.pipeline_schedule,
                 "virtual_stages": self.virtual_stages,
-                "stage_layers": None if self.stage_layers is None else list(self.stage_layers)}
+                "stage_layers": None if self.stage_layers is None else list(self.stage_layers),
+                **({"expert": self.expert, "expert_dispatch": self.expert_dispatch} if self.expert > 1 else {})}
 
     def train_section(self) -> dict:
         return {"zero": self.zero, "recompute": self.recompute, "micro_batch": self.micro_batch,
@@ -125,6 +128,7 @@ class Layout:
             if self.pipeline > 1 else ""
         split = "" if self.stage_layers is None else f" layers={split_label(self.stage_layers)}"
         ctx = f" C{self.context} {self.context_mode}" if self.context > 1 else ""
+        ctx += f" E{self.expert} {self.expert_dispatch}" if self.expert > 1 else ""
         return (f"D{self.data} P{self.pipeline}{ctx} T{self.tensor} {mode}{pipe}{split} z{self.zero} "
                 f"rc={self.recompute} m{self.micro_batch}" + ("" if self.overlap_grad_reduce else " whole-grad"))
 

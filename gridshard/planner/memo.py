@@ -27,20 +27,21 @@ def model_key(cfg) -> tuple:
     return type(cfg), tuple(sorted(vars(cfg).items()))
 
 
-def rank_blocks(cfg, mode, T: int, layer_ids: Optional[Iterable[int]], first: bool, last: bool) -> list:
+def rank_blocks(cfg, mode, T: int, layer_ids: Optional[Iterable[int]], first: bool, last: bool,
+                expert: int = 1) -> list:
     """:func:`gridshard.parallel.rank_blocks.rank_parameter_blocks`, memoised (module docstring)."""
     layers = tuple(range(cfg.layers)) if layer_ids is None else tuple(layer_ids)
-    return _rank_blocks(model_key(cfg), str(mode), T, layers, first, last)
+    return _rank_blocks(model_key(cfg), str(mode), T, layers, first, last, expert)
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_blocks(model: tuple, mode: str, T: int, layer_ids: tuple, first: bool, last: bool) -> list:
-    return _laid_out(model, mode, T).rank_blocks(layer_ids, has_embedding=first, has_head=last)
+def _rank_blocks(model: tuple, mode: str, T: int, layer_ids: tuple, first: bool, last: bool, expert: int) -> list:
+    return _laid_out(model, mode, T, expert).rank_blocks(layer_ids, has_embedding=first, has_head=last)
 
 
 @functools.lru_cache(maxsize=64)
-def _laid_out(model: tuple, mode: str, T: int):
+def _laid_out(model: tuple, mode: str, T: int, expert: int = 1):
     from ..parallel.rank_blocks import laid_out_model
 
     cls, items = model                     # a model_key: an equal config back
-    return laid_out_model(cls(**dict(items)), mode, T)
+    return laid_out_model(cls(**dict(items)), mode, T, expert)

@@ -264,6 +264,10 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None
         raise ConfigError(f"the planner's memory and communication formulas do not describe "
                           f"{cfg.model.unmodelled()}. Fix: choose this model's layout by hand; `gridshard train` "
                           f"still checks it before launch.")
+    if cfg.model.experts:
+        raise ConfigError("the planner does not search the expert-parallel layouts of a Mixture-of-Experts model yet "
+                          "(model.experts > 0; issue 38). Fix: choose parallel.expert and the rest by hand; `gridshard "
+                          "train` checks the layout's predicted memory before launch (docs/moe.md).")
     feasible, rejected, counts = [], [], collections.Counter()
     mc = cfg.model.resolve()
     for layout in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages,

@@ -44,3 +44,48 @@ def dispatch_volume(kind: str, counts: Sequence[Sequence[int]], tokens: Sequence
 def balanced_all_to_all_bytes(tokens: int, top_k: int, hidden: int, elem_bytes: int, expert: int) -> float:
     """One layer's all-to-all bytes per rank, forward and backward, under balanced routing."""
     return 2 * 2 * hidden * elem_bytes * tokens * top_k * (expert - 1) / expert
+
+
+def moe_layer_saved_tensors(cfg, dense: dict, residual: int, tokens: int, sequences: int, recompute: str,
+                            e: int, param_bytes: int = 4, expert: int = 1) -> dict:
+    """What one MoE decoder layer keeps for backward, tensor by tensor: the dense layer's ``dense``
+    (:func:`gridshard.theory.memory.layer_saved_tensors`, same recompute) with its MLP's tensors
+    replaced by the MoE block's, for N = ``tokens`` (the tensor group's micro-batch: the block runs
+    on it whole, :meth:`gridshard.moe.layer.MoEBlock.tokens_over`), b = ``sequences``, n experts, k
+    per token, f_e wide, s shared, M = N·k slots (dropless; capacity keeps fewer), e activation and
+    p parameter bytes (asserted against the saved-tensor meter, ``tests/test_moe_memory.py``)::
+
+        router     N·n·4 (scores) + N·k·8 (choices) + N·4 + N·k·4 (normalising) + N·k·1 (kept)
+                   + N·h·4 if e < 4 (its fp32 input) + n·h·4 if p < 4 (its fp32 weight)
+        aux loss   b·n·4
+        dispatch   M·8 (token of each slot) + M·8 (slot of each result)
+        experts    M·(h + 4·f_e)·e          (rows, gate|up, silu(g), the product)
+        combine    N·k·e (weights) + N·k·h·e (the slots' results)
+        shared     N·4·s·f_e·e
+
+    and the block's input: kept (N·h·e) where the router reads it in fp32 or the shared experts read
+    it, when it is a tensor of its own (gathered from the residual block, T > 1) or under recompute
+    ``none`` (``selective`` rebuilds the norm output; the dense count's y, R·e, is taken out under
+    ``none`` and this counted instead). At E > 1 (all-to-all) the experts' rows are the received
+    ones (balanced: M) and the reordering keeps 2·M·8 more. ``full``: the layer input only."""
+    if recompute == "full":
+        return dict(dense)
+    n, k, h, fe = cfg.experts, cfg.experts_per_token, cfg.hidden, cfg.expert_ffn_hidden
+    N, M, b = tokens, tokens * k, sequences
+    out = {name: v for name, v in dense.items() if name not in ("gate g", "silu(g)", "up u", "silu(g)·u")}
+    gathered = residual != N * h
+    if recompute == "none":                              # the norm's y is not what the block keeps
+        norm = next(name for name in out if name.startswith("mlp_norm"))
+        out[norm] -= residual * e
+    reads_x = e >= 4 or cfg.shared_experts > 0
+    if reads_x and (gathered or recompute == "none"):
+        out["moe input"] = N * h * e
+    out["router"] = N * n * 4 + N * k * 8 + N * 4 + N * k * 4 + N * k + (N * h * 4 if e < 4 else 0) \
+        + (n * h * 4 if param_bytes < 4 else 0)
+    out["aux loss"] = b * n * 4
+    out["dispatch"] = 2 * M * 8 + (2 * M * 8 if expert > 1 else 0)
+    out["experts"] = M * (h + 4 * fe) * e
+    out["combine"] = N * k * e + N * k * h * e
+    if cfg.shared_experts:
+        out["shared experts"] = N * 4 * cfg.shared_experts * fe * e
+    return out

@@ -136,6 +136,7 @@ from typing import Optional
 
 from ...job_layout import TensorMode
 from ..context import context_attention_saved_bytes
+from ..moe import moe_layer_saved_tensors
 from ..pipeline import DTYPE_BYTES
 from .model_state import FP32
 
@@ -156,10 +157,12 @@ class ActivationBytes:
     final_norm: int
     head_and_loss: int
     weight_copies: int = 0
+    moe_layers: int = 0              # of ``layers``, the MoE ones (:func:`gridshard.theory.moe.moe_layer_saved_tensors`)
+    per_moe_layer: int = 0
 
     @property
     def decoder(self) -> int:
-        return self.per_layer * self.layers
+        return self.per_layer * (self.layers - self.moe_layers) + self.per_moe_layer * self.moe_layers
 
     @property
     def per_microbatch(self) -> int:
@@ -272,7 +275,8 @@ def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int, e: int = FP32
 def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", layers: Optional[int] = None,
                      has_embedding: bool = True, has_head: bool = True, precision: str = "fp32",
-                     param_bytes: int = FP32, context: int = 1) -> ActivationBytes:
+                     param_bytes: int = FP32, context: int = 1, moe_layers: Optional[int] = None,
+                     expert: int = 1) -> ActivationBytes:
     """Activation bytes one micro-batch keeps on one rank (module docstring §2).
 
     ``micro_batch``: sequences of the tensor group's micro-batch (2D splits them over grid
@@ -282,15 +286,21 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
     (4: fp32 parameters, which autocast copies to e bytes); ``context``: C, the context ranks
     ``seq_len`` is split over — every per-token tensor, the RoPE tables included, holds the rank's
     b·S/C tokens, plus the C > 1 attention term
-    (:func:`gridshard.theory.context.context_attention_saved_bytes`)."""
+    (:func:`gridshard.theory.context.context_attention_saved_bytes`). An MoE model (``cfg.experts``):
+    ``moe_layers`` of the rank's layers are MoE (default: those of all ``cfg.layers``), each keeping
+    :func:`gridshard.theory.moe.moe_layer_saved_tensors` (``expert``: E)."""
     s_r = seq_len // context                     # the rank's 2c tokens of every sequence
     N = micro_batch * s_r
     e = activation_element_bytes(precision)
     sp = TensorMode.parse(mode).sequence_parallel_in_effect(sequence_parallel, T)
     L = cfg.layers if layers is None else layers
+    dense = layer_saved_tensors(cfg, mode, T, sp, N, recompute, e, context)
+    moe = getattr(cfg, "experts", 0) and (sum(map(cfg.is_moe_layer, range(L))) if moe_layers is None else moe_layers)
+    per_moe = sum(moe_layer_saved_tensors(cfg, dense, _rank_shape(cfg, mode, T, sp, N).residual, N, micro_batch,
+                                          recompute, e, param_bytes, expert).values()) if moe else 0
     return ActivationBytes(
-        per_layer=layer_saved_bytes(cfg, mode, T, sp, N, recompute, e, context),
-        layers=L,
+        per_layer=sum(dense.values()),
+        layers=L, moe_layers=moe or 0, per_moe_layer=per_moe,
         rope_tables=2 * s_r * cfg.head_dim * e if L else 0,
         embedding=embedding_saved_bytes(mode, T, N) if has_embedding else 0,
         final_norm=norm_saved_bytes(cfg, mode, T, sp, N, e) if has_head else 0,

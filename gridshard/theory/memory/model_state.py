@@ -114,6 +114,9 @@ class ParamBlock:
     #: elements of gradient storage this parameter's ``.grad`` keeps alive beyond its own
     #: (a view into a larger buffer; :func:`kv_replica_grad_extra`, replicated kv heads)
     grad_extra: int = 0
+    #: an MoE layer's experts split over the E expert ranks: ZeRO shards them over the R/E
+    #: expert-data ranks, in a unit of their own (:mod:`gridshard.zero.units`)
+    expert: bool = False
 
     @property
     def numel(self) -> int:
@@ -182,11 +185,20 @@ class ModelState:
 
 def zero_units(blocks: Sequence) -> dict:
     """ZeRO's units of ``blocks`` (ParamBlocks or pairs, :func:`_as_blocks`): decoder layer (or
-    ``"root"``) → its blocks in the order given (:mod:`gridshard.zero.data_parallel`)."""
+    ``"root"``; an MoE layer's split experts ``(layer, "experts")``) → its blocks in the order given
+    (:mod:`gridshard.zero.data_parallel`)."""
     units: dict = {}
     for b in _as_blocks(blocks):
-        units.setdefault(b.layer if b.in_decoder_layer else "root", []).append(b)
+        key = b.layer if b.in_decoder_layer else "root"
+        units.setdefault((key, "experts") if b.expert else key, []).append(b)
     return units
+
+
+def unit_parts(unit, data: int, data_rank: int, expert: int = 1) -> tuple:
+    """(parts, part) a ZeRO unit is sharded into and this rank's: the D data ranks, or for split
+    experts (``(layer, "experts")``) the D/E expert-data ranks, member ``data_rank // E``
+    (:mod:`gridshard.mesh_expert`)."""
+    return (data // expert, data_rank // expert) if isinstance(unit, tuple) else (data, data_rank)
 
 
 def _stepped_in_chunk(bs: list, data: int, data_rank: int) -> int:
@@ -206,13 +218,15 @@ def param_element_bytes(precision: str) -> int:
 
 
 def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank: int = 0,
-                      step_counters: bool = True, param_bytes: int = FP32) -> ModelState:
+                      step_counters: bool = True, param_bytes: int = FP32, expert: int = 1) -> ModelState:
     """Model-state bytes of one rank for its parameter blocks (module docstring §1).
 
     ``blocks``: :class:`ParamBlock` s or (local shape, decoder layer or None) pairs, each unit's
     in its parameter order; ``zero`` ∈ {0, 1, 2, 3}; ``data`` = D; ``data_rank`` which chunk this
     rank owns; ``step_counters`` counts AdamW's 4-byte ``step`` tensor per stepped parameter;
-    ``param_bytes``: 4 (fp32 storage) or 2 (bf16 storage with fp32 masters, :func:`param_element_bytes`).
+    ``param_bytes``: 4 (fp32 storage) or 2 (bf16 storage with fp32 masters, :func:`param_element_bytes`);
+    ``expert``: E, the expert ranks an MoE model's experts are split over (their units are sharded
+    over D/E ranks, :func:`unit_parts`: every sum below is over units of their own parts).
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
@@ -225,11 +239,12 @@ def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank:
             return ModelState(p * n + FP32 * n, p * n, ADAM_STATES * FP32 * n + counters, step_transient=(FP32 - p) * n)
         return ModelState(FP32 * n, FP32 * sum(b.numel + b.grad_extra for b in blocks),
                           ADAM_STATES * FP32 * n + counters)
-    D, units = data, zero_units(blocks)
-    L = {u: unit_padded_numel([b.numel for b in bs], D) for u, bs in units.items()}
-    C = sum(L.values()) // D
-    s = sum(unit_shard_numel([b.numel for b in bs], D, data_rank) for bs in units.values())
-    counters = STEP_COUNTER_BYTES * sum(_stepped_in_chunk(bs, D, data_rank) for bs in units.values())
+    units = zero_units(blocks)
+    parts = {u: unit_parts(u, data, data_rank, expert) for u in units}
+    L = {u: unit_padded_numel([b.numel for b in bs], parts[u][0]) for u, bs in units.items()}
+    C = sum(L[u] // parts[u][0] for u in units)
+    s = sum(unit_shard_numel([b.numel for b in bs], *parts[u]) for u, bs in units.items())
+    counters = STEP_COUNTER_BYTES * sum(_stepped_in_chunk(bs, *parts[u]) for u, bs in units.items())
     opt = ADAM_STATES * FP32 * s + (counters if step_counters else 0)
     master = FP32 * C if mixed else 0
     if zero == 1:
@@ -242,25 +257,26 @@ def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank:
     return ModelState(p * C + master, FP32 * C, opt, transient=transient)
 
 
-def _units_padded(blocks: Sequence, data: int) -> dict:
-    """L_u of every ZeRO unit of ``blocks`` (module docstring §1)."""
-    return {u: unit_padded_numel([b.numel for b in bs], data) for u, bs in zero_units(blocks).items()}
+def _units_padded(blocks: Sequence, data: int, expert: int = 1) -> dict:
+    """L_u of every ZeRO unit of ``blocks`` (module docstring §1; split experts: :func:`unit_parts`)."""
+    return {u: unit_padded_numel([b.numel for b in bs], unit_parts(u, data, 0, expert)[0])
+            for u, bs in zero_units(blocks).items()}
 
 
 def zero_reduce_cast_bytes(blocks: Sequence, zero: int, data: int, param_bytes: int = FP32,
-                           reduce_bytes: int = FP32) -> int:
+                           reduce_bytes: int = FP32, expert: int = 1) -> int:
     """What reducing the units in flight adds under bf16 storage at ZeRO ≥ 1 (module docstring
     §1): each one's fp32 cast, 4·(L_root + L_(1) + L_(2) + L_(3)) with ``reduce_bytes`` 4, or its
     2-byte output chunk, 2·(…)/D, with 2; 0 at ZeRO-0 or with fp32 storage."""
     if zero == 0 or param_bytes >= FP32:
         return 0
-    L = _units_padded(blocks, data)
+    L = _units_padded(blocks, data, expert)
     in_flight = L.get("root", 0) + sum(sorted((v for u, v in L.items() if u != "root"), reverse=True)[:3])
     return FP32 * in_flight if reduce_bytes >= FP32 else param_bytes * in_flight // data
 
 
 def zero_accumulator_bytes(blocks: Sequence, zero: int, data: int, micro_batches: int = 1,
-                           overlap: bool = True, param_bytes: int = FP32) -> int:
+                           overlap: bool = True, param_bytes: int = FP32, expert: int = 1) -> int:
     """bf16 storage at ZeRO-0/1 with ``micro_batches`` > 1 (P = 1, D > 1, ``overlap``): the fp32
     accumulator each earlier micro-batch's bf16 gradients are added into (module docstring §1),
     4 bytes per gradient element — ZeRO-0: 4n (its fp32 reduced buffer, allocated at the first
@@ -268,12 +284,12 @@ def zero_accumulator_bytes(blocks: Sequence, zero: int, data: int, micro_batches
     0 otherwise."""
     if zero > 1 or param_bytes >= FP32 or micro_batches <= 1 or data <= 1 or not overlap:
         return 0
-    return FP32 * (sum(b.numel for b in _as_blocks(blocks)) if zero == 0 else sum(_units_padded(blocks, data).values()))
+    return FP32 * (sum(b.numel for b in _as_blocks(blocks)) if zero == 0 else sum(_units_padded(blocks, data, expert).values()))
 
 
 def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batches: int = 1,
                             sharded_accumulation: bool = True, param_bytes: int = FP32,
-                            reduce_bytes: int = FP32) -> int:
+                            reduce_bytes: int = FP32, expert: int = 1) -> int:
     """Gradient buffers alive during a ZeRO-2/3 backward (module docstring §1); for ZeRO-0/1,
     whose full gradients are already in the held state, 0 — under bf16 storage (``param_bytes``
     2) plus, at ZeRO ≥ 1, what the reduction of the units in flight adds in ``reduce_bytes``,
@@ -281,16 +297,17 @@ def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batche
     ``sharded_accumulation``: the reducer reduces inside the backward
     (:func:`gridshard.theory.zero.reduces_in_backward`): ZeRO-2/3 reduce-scatter every micro-batch;
     ZeRO-0/1 under bf16 accumulate in fp32."""
-    accumulator = zero_accumulator_bytes(blocks, zero, data, micro_batches, sharded_accumulation, param_bytes)
+    accumulator = zero_accumulator_bytes(blocks, zero, data, micro_batches, sharded_accumulation, param_bytes,
+                                         expert)
     if accumulator:                                    # ZeRO-1 fp32 reduce sends the accumulator itself: no cast
-        return accumulator + (zero_reduce_cast_bytes(blocks, zero, data, param_bytes, reduce_bytes)
+        return accumulator + (zero_reduce_cast_bytes(blocks, zero, data, param_bytes, reduce_bytes, expert)
                               if zero == 1 and reduce_bytes < FP32 else 0)
     if zero == 0:
         return 0
-    L = _units_padded(blocks, data)
+    L = _units_padded(blocks, data, expert)
     layers = sorted((v for u, v in L.items() if u != "root"), reverse=True)
     in_flight = L.get("root", 0) + sum(layers[:3])
-    cast = zero_reduce_cast_bytes(blocks, zero, data, param_bytes, reduce_bytes)
+    cast = zero_reduce_cast_bytes(blocks, zero, data, param_bytes, reduce_bytes, expert)
     if zero < 2:
         return cast
     if micro_batches > 1 and not sharded_accumulation:

@@ -71,7 +71,7 @@ class RankMemory:
 
 
 def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last,
-                      precision, pb, P, n_microbatches, in_flight, context, context_mode) -> tuple:
+                      precision, pb, P, n_microbatches, in_flight, context, context_mode, expert=1) -> tuple:
     """(:class:`ActivationBytes`, logits workspace, stage buffers, attention backward buffers) of
     one rank (:func:`predict_rank_memory`). At C > 1 (``context``) every per-token term holds the
     rank's s_r = S/C tokens of each sequence (activations, logits workspace, stage buffers), the
@@ -80,8 +80,10 @@ def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, s
     (they exist once the head's backward has freed the logits workspace: the caller counts only
     what exceeds it); the ring's buffers hold the rank's sequences (m; m/q in 2D, m/q² in 3D) and heads."""
     s_r = seq_len // context
+    moe = sum(map(cfg.is_moe_layer, layer_ids)) if getattr(cfg, "experts", 0) else 0
     acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
-                            has_embedding=first, has_head=last, precision=precision, param_bytes=pb, context=context)
+                            has_embedding=first, has_head=last, precision=precision, param_bytes=pb, context=context,
+                            moe_layers=moe, expert=expert)
     workspace = logits_workspace_bytes(cfg, micro_batch, s_r, mode, T, precision) if last else 0
     stage_buffers = 0 if P == 1 else stage_buffer_bytes(first, last, n_microbatches, in_flight, boundary_bytes(
         mode, sequence_parallel, T, micro_batch, s_r, cfg.hidden, precision))
@@ -91,15 +93,16 @@ def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, s
     return acts, workspace, stage_buffers, ring
 
 
-def _reduction_terms(blocks, zero: int, data: int, A: int, P: int, overlap: bool, pb: int, rb: int) -> tuple:
+def _reduction_terms(blocks, zero: int, data: int, A: int, P: int, overlap: bool, pb: int, rb: int,
+                     expert: int = 1) -> tuple:
     """(gradient bytes of the backward, late cast) of :func:`predict_rank_memory`. ``overlap``: the
     reducer reduces in the backward (:func:`gridshard.theory.zero.reduces_in_backward`: ZeRO-2/3's
     sharded accumulation, ZeRO-0/1's fp32 accumulation under bf16); without it in a pipeline (ZeRO-0/1,
     ``zero_bubble``) the reduction runs in ``sync()`` once the schedule's backward freed the
     activations, so its cast (:func:`zero_reduce_cast_bytes`) is *late*: taken out of the backward."""
-    late = zero_reduce_cast_bytes(blocks, zero, data, pb, rb) if P > 1 and not overlap else 0
+    late = zero_reduce_cast_bytes(blocks, zero, data, pb, rb, expert) if P > 1 and not overlap else 0
     return zero_gradient_transient(blocks, zero, data, A, sharded_accumulation=overlap, param_bytes=pb,
-                                   reduce_bytes=rb) - late, late
+                                   reduce_bytes=rb, expert=expert) - late, late
 
 
 def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_parallel: bool = False, data: int = 1,
@@ -109,7 +112,7 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                         baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
                         blocks: Sequence, precision: str = "fp32",
                         grad_reduce_dtype: str = "fp32", context: int = 1, context_mode: str = "ring",
-                        overlap_grad_reduce: bool = True) -> RankMemory:
+                        overlap_grad_reduce: bool = True, expert: int = 1) -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
     (:attr:`ActivationBytes.per_microbatch` × :func:`gridshard.theory.pipeline.peak_in_flight`; one
@@ -133,25 +136,26 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     (``train.grad_reduce_dtype``) prices the ZeRO reduction's transient.
 
     Context parallelism (``context`` C > 1, ``context_mode``): :func:`_activation_terms`; the caller
-    passes ``data`` = D·C and the rank's index among them (ZeRO shards over data × context)."""
+    passes ``data`` = D·C and the rank's index among them (ZeRO shards over data × context).
+    ``expert``: E, an MoE model's expert ranks (split experts sharded over D·C/E ranks, §1)."""
     P = pipeline
     if layer_ids is None:
         layer_ids = StageSplit.of(cfg.layers, P).rank_layer_ids(pipeline_rank) if P > 1 else range(cfg.layers)
     layer_ids = list(layer_ids)
     first, last = pipeline_rank == 0, pipeline_rank == P - 1
     pb = param_element_bytes(precision)               # bf16: bf16 storage, fp32 masters, no weight copies
-    state = model_state_bytes(blocks, zero, data, data_rank, param_bytes=pb)
+    state = model_state_bytes(blocks, zero, data, data_rank, param_bytes=pb, expert=expert)
     in_flight = peak_in_flight(pipeline_rank, P, n_microbatches, schedule) if P > 1 else 1
     acts, workspace, stage_buffers, ring = _activation_terms(
         cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last, precision, pb,
-        P, n_microbatches, in_flight, context, context_mode)
+        P, n_microbatches, in_flight, context, context_mode, expert)
     overlap = reduces_in_backward(zero, data, P, schedule, overlap_grad_reduce)
     grads, late = _reduction_terms(blocks, zero, data, n_microbatches, P, overlap, pb,
-                                   param_element_bytes(grad_reduce_dtype))
+                                   param_element_bytes(grad_reduce_dtype), expert)
     backward = state.transient + grads
     freed = acts.per_microbatch * in_flight + workspace      # gone when the step's (or late reduction's) transient exists
     # bf16 ZeRO-0 accumulating in its fp32 reduced buffer: the step's 18 bytes/param are within the backward's 20
-    step = 0 if zero_accumulator_bytes(blocks, zero, data, n_microbatches, overlap, pb) and zero == 0 \
+    step = 0 if zero_accumulator_bytes(blocks, zero, data, n_microbatches, overlap, pb, expert) and zero == 0 \
         else state.step_transient
     return RankMemory(baseline=int(baseline_bytes) + int(extra_bytes), params=state.params, grads=state.grads,
                       optimizer=state.optimizer,
