@@ -2,8 +2,8 @@
 ``gate_up_proj``/``down_proj``, router ``gate.weight``) are one model under one set of names:
 Mixtral's weights load by the dense Llama's rename and give its logits; a trained MoE checkpoint
 exports as a Mixtral that transformers loads with our logits; a shape Mixtral does not compute is
-refused before anything is written. A Mixtral or Qwen3-MoE ``model.hf_config`` is built with our MoE
-block (transformers' logits and loss) and trains at every expert-parallel size as in one process."""
+refused before anything is written. A Mixtral, Qwen2-MoE or Qwen3-MoE ``model.hf_config`` is built with
+our MoE block (transformers' logits and loss) and trains at every expert-parallel size as in one process."""
 import json
 
 import pytest
@@ -116,7 +116,11 @@ HF_MOE = {"mixtral": dict(model_type="mixtral", vocab_size=256, hidden_size=32, 
           "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=256, hidden_size=32, intermediate_size=48,
                             moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                            norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=64)}
+                            norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=64),
+          "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=256, hidden_size=32, intermediate_size=48,
+                            moe_intermediate_size=24, shared_expert_intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                            norm_topk_prob=False, decoder_sparse_step=1, max_position_embeddings=64)}
 
 
 def _hf_config(tmp_path, kind):
@@ -157,7 +161,8 @@ def _hf_train(cfg):
 
 
 @pytest.mark.parametrize("kind,data,expert,zero", [("qwen3_moe", 2, 2, 1),
-                                                   pytest.param("mixtral", 4, 4, 3, marks=pytest.mark.wide)])
+                                                   pytest.param("mixtral", 4, 4, 3, marks=pytest.mark.wide),
+                                                   pytest.param("qwen2_moe", 2, 2, 2, marks=pytest.mark.wide)])
 def test_an_hf_moe_config_trains_at_every_expert_size_as_in_one_process(tmp_path, kind, data, expert, zero):
     from gridshard.testing.compare import max_rel
     from gridshard.testing.train_cache import train_on_ranks

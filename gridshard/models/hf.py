@@ -1,13 +1,13 @@
 """Hugging Face Llama-family models (Llama, Mistral, Qwen2 layouts, and the Mixture-of-Experts
-Mixtral and Qwen3-MoE): build from a config, read their dimensions, and move weights by name.
+Mixtral, Qwen2-MoE and Qwen3-MoE): build from a config, read their dimensions, and move weights by name.
 
-A Mixtral or Qwen3-MoE is built with gridshard's MoE block (:class:`gridshard.moe.layer.MoEBlock`)
+A Mixtral, Qwen2-MoE or Qwen3-MoE is built with gridshard's MoE block (:class:`gridshard.moe.layer.MoEBlock`)
 in place of each of its sparse MoE blocks (:func:`use_our_moe_blocks`): the same parameters under
 the same names (transformers 5: ``mlp.gate.weight``, ``mlp.experts.gate_up_proj``,
 ``mlp.experts.down_proj``) and the same routing (softmax top-k, normalised where the config says),
 so its weights load as they are and its logits are transformers' own; the block brings expert
-parallelism, the per-sequence aux loss and the statistics (docs/moe.md). Qwen2-MoE's gated shared
-expert has no counterpart yet and is refused.
+parallelism, the per-sequence aux loss and the statistics (docs/moe.md). A Qwen2-MoE's gated shared
+expert is its own module, kept under its names (:meth:`~gridshard.moe.layer.MoEBlock.attach_shared`).
 
 ``transformers`` is optional (``pip install gridshard[hf]``); it is imported only inside the
 functions that need it (here, :mod:`gridshard.models.hf_stages` for its causal mask and
@@ -90,10 +90,18 @@ def hf_moe_fields(c: dict) -> dict:
         return {"experts": experts, "experts_per_token": c.get("num_experts_per_tok", 8),
                 "expert_ffn_hidden": c["moe_intermediate_size"], "moe_every": c.get("decoder_sparse_step", 1),
                 "router_normalize": bool(c.get("norm_topk_prob", False))}
-    if model_type in ("qwen2_moe", "deepseek_v3", "olmoe"):
+    if model_type == "qwen2_moe":                      # + a gated shared expert (MoEBlock.attach_shared)
+        fields = hf_moe_fields({**c, "model_type": "qwen3_moe"})
+        shared, width = c.get("shared_expert_intermediate_size", 0), fields["expert_ffn_hidden"]
+        if shared % width:
+            raise ConfigError(f"model.hf_config: shared_expert_intermediate_size={shared} is not a multiple of "
+                              f"moe_intermediate_size={width}, which gridshard's parameter and FLOP counts assume "
+                              f"(shared_experts = their ratio). Fix: use a multiple.")
+        return {**fields, "shared_experts": shared // width}
+    if model_type in ("deepseek_v3", "olmoe"):
         raise ConfigError(f"model.hf_config: model_type={model_type!r} is a Mixture-of-Experts shape gridshard's "
-                          f"MoE block does not compute yet (Qwen2-MoE: a gated shared expert). Fix: use a Mixtral or "
-                          f"Qwen3-MoE config, or gridshard's own model with model.experts.")
+                          f"MoE block does not compute yet. Fix: use a Mixtral, Qwen2-MoE or Qwen3-MoE config, or "
+                          f"gridshard's own model with model.experts.")
     return {}
 
 
@@ -139,8 +147,11 @@ def use_our_moe_blocks(model) -> None:
         return
     for i, layer in enumerate(model.model.layers):
         if type(layer.mlp).__name__.endswith("SparseMoeBlock"):
-            layer.mlp = MoEBlock(model.config.hidden_size, moe["experts"], moe["experts_per_token"],
-                                 moe["expert_ffn_hidden"], normalize=moe.get("router_normalize", True), layer=i)
+            block = MoEBlock(model.config.hidden_size, moe["experts"], moe["experts_per_token"],
+                             moe["expert_ffn_hidden"], normalize=moe.get("router_normalize", True), layer=i)
+            if getattr(layer.mlp, "shared_expert", None) is not None:        # Qwen2-MoE: its gated shared expert
+                block.attach_shared(layer.mlp.shared_expert, layer.mlp.shared_expert_gate)
+            layer.mlp = block
 
 
 def hf_to_gridshard_name(name: str) -> str:

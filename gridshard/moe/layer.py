@@ -76,6 +76,8 @@ class MoEBlock(nn.Module):
         self.gate = Router(hidden, n_experts, top_k, score, normalize, capacity)
         self.experts = Experts(n_experts, hidden, expert_ffn)
         self.shared_experts = Experts(1, hidden, shared_ffn) if shared_ffn else None
+        self.shared_expert: Optional[nn.Module] = None      # a gated shared expert (Qwen2-MoE): attach_shared
+        self.shared_expert_gate: Optional[nn.Module] = None
         self.dispatch: Optional[ExpertDispatch] = None      # E > 1: the exchange over the expert ranks
         self.token_gathers: tuple = ()                      # T > 1: the residual block → the whole micro-batch
         self.reset_buffers(None)
@@ -104,6 +106,11 @@ class MoEBlock(nn.Module):
     def reset_stats(self) -> None:
         for name, _ in self.STATS:
             getattr(self, name).zero_()
+
+    def attach_shared(self, expert: nn.Module, gate: nn.Module) -> None:
+        """Qwen2-MoE's shared expert, gated per token: y_t += σ(gate(x_t)) · expert(x_t) (``expert`` an
+        MLP [N, h] → [N, h], ``gate`` a Linear h → 1; Hugging Face's own modules, under its names)."""
+        self.shared_expert, self.shared_expert_gate = expert, gate
 
     def tokens_over(self, gathers: tuple) -> None:
         """Tensor parallelism: the block gets a rank's block of the residual stream and runs on the whole
@@ -142,6 +149,8 @@ class MoEBlock(nn.Module):
             y = combine(self.experts(flat[order // self.top_k], load.tolist()), order, routing.weights)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, [b * s])
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         axis = self.gate.sequence_axis
         aux = sequence_aux_loss(routing, self.n_experts, s, axis)
         if torch._C._current_graph_task_id() == -1:        # not full recompute's second forward, in backward

@@ -56,7 +56,7 @@ from .materialize import init_laws, materialize
 from .plan import HF_LLAMA_PLAN, LLAMA_PLAN, VIT_PLAN, Plan
 from .shared_input import first_input, install_shared_input, replace_input
 
-HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
