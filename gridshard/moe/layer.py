@@ -13,7 +13,8 @@ For x [b, s, h] (N = b·s tokens) with n experts, k per token:
 4. combine: each result (E > 1: sent back) put back at its slot, y_t = Σ_j g_j · expert_{e_j}(x_t),
    summed over the k slots of token t in a fixed order (no scatter-add: the same bits on every run);
 5. shared experts (``shared_ffn`` > 0): one always-on SwiGLU MLP of width ``shared_ffn`` added,
-   y_t += shared(x_t) (DeepSeek's and Qwen2-MoE's shared experts, as one wider MLP).
+   y_t += shared(x_t) (DeepSeek's shared experts, as one wider MLP; Qwen2-MoE's gated one is
+   :meth:`MoEBlock.attach_shared`).
 
 The auxiliary loss α·Σ_b L_b / B (:func:`gridshard.moe.routing.sequence_aux_loss`) reaches the
 gradients without changing any loss plumbing: the block's output passes through
@@ -119,8 +120,8 @@ class MoEBlock(nn.Module):
         backward keep my block; on the way out each is undone, forward keep my block, backward
         all-gather: inside, every tensor rank holds the same values and whole gradients, so its
         parameters (replicated over tensor ranks) get whole gradients with no tensor reduction, and
-        the aux loss and statistics count every token once per tensor rank. The experts' FLOPs are
-        repeated on the T tensor ranks (docs/moe.md: the measured cost)."""
+        the aux loss and statistics count every token once (they are summed over data ranks, not
+        tensor ranks). The experts' FLOPs are repeated on the T tensor ranks (docs/moe.md)."""
         self.token_gathers = tuple(gathers)
 
     def sequences_over(self, axis) -> None:
