@@ -18,7 +18,7 @@ Payloads as the ledger counts them: the whole gathered tensor for all_gather and
 the bytes sent to other ranks for all_to_all_v.) A full recompute runs the forward's share again.
 
 Under balanced routing (c^σ_e = N·k/n for every σ, e) the all-to-all's bytes are
-2·h·b·N·k·(E − 1)/E per direction pair, :func:`balanced_all_to_all_bytes`.
+2·h·b·N·k·(E − 1)/E per direction pair (docs/moe.md compares the dispatchers with it).
 """
 from __future__ import annotations
 
@@ -39,11 +39,6 @@ def dispatch_volume(kind: str, counts: Sequence[Sequence[int]], tokens: Sequence
     rows, hb = E * max(tokens), hidden * elem_bytes
     return {"all_gather": (5, counted + rows * (hb + 12 * top_k) + rows * hb),
             "reduce_scatter": (3, 2 * rows * hb + rows * top_k * 4)}
-
-
-def balanced_all_to_all_bytes(tokens: int, top_k: int, hidden: int, elem_bytes: int, expert: int) -> float:
-    """One layer's all-to-all bytes per rank, forward and backward, under balanced routing."""
-    return 2 * 2 * hidden * elem_bytes * tokens * top_k * (expert - 1) / expert
 
 
 def moe_layer_saved_tensors(cfg, dense: dict, residual: int, tokens: int, sequences: int, recompute: str,
