@@ -20,7 +20,11 @@ against the dense MLP on the same tokens, taking turns; the *exchange share* is 
 rank spends in the block's exchanges (the ledger's timed collectives on the expert axis) over the
 block's time. On a 2-core machine E = 4 ranks share 2 cores: compare the ratios, not the times.
 
-    .venv/bin/python benchmarks/bench_moe.py [--experts 4 8] [--expert 1 2 4] [--rounds 20]
+Last, expert tensor parallelism (``--tensor-split T``, n = 8): on T gloo ranks with the same rows,
+the experts whole (what a tensor group runs: repeated on each rank) against each expert's width
+split T ways with the all-reduces the split needs (forward output, backward input gradient).
+
+    .venv/bin/python benchmarks/bench_moe.py [--experts 4 8] [--expert 1 2 4] [--tensor-split 2] [--rounds 20]
 """
 from __future__ import annotations
 
@@ -129,11 +133,43 @@ def _expert_parallel(sizes, rounds: int, n_experts: int = 8) -> None:
                   f"{t['exchange'] / t['MoE block']:.0%} (rank 0, n={n_experts})", flush=True)
 
 
+def _tensor_split_body(tensor: int, n_experts: int, rounds: int) -> dict:
+    """On each of T tensor ranks holding the same sorted rows (the tensor group's micro-batch, as
+    after :meth:`~gridshard.moe.layer.MoEBlock.tokens_over`'s gathers): medians (s) of the experts
+    as gridshard runs them (whole, repeated on every tensor rank) and as expert tensor parallelism
+    would (each expert's width split T ways, the input's gradient and the output all-reduced over
+    the tensor group: Megatron's f and g around a column- then row-split MLP), forward + backward."""
+    from gridshard.comm.dual_ops import copy_to_group, reduce_from_group
+    from gridshard.mesh import build_mesh
+    from gridshard.moe.experts import Experts
+
+    mesh = build_mesh(tensor=tensor)
+    torch.manual_seed(0)
+    whole, split = Experts(n_experts, H, FE), Experts(n_experts, H, FE // tensor)
+    for p in list(whole.parameters()) + list(split.parameters()):
+        torch.nn.init.normal_(p, std=0.02)
+    rows = BATCH * SEQ * K
+    counts = [len(c) for c in torch.arange(rows).tensor_split(n_experts)]
+    x = torch.randn(rows, H, requires_grad=True)
+    return _race({"repeated": lambda: whole(x, counts).sum().backward(),
+                  "split": lambda: reduce_from_group(split(copy_to_group(x, mesh.tensor), counts),
+                                                     mesh.tensor).sum().backward()}, rounds)
+
+
+def _tensor_split(tensor: int, rounds: int, n_experts: int = 8) -> None:
+    from _runner import run_rank0
+
+    t = run_rank0(tensor, _tensor_split_body, tensor, n_experts, rounds, timeout=600)
+    print(f"T={tensor} experts (n={n_experts}, {BATCH * SEQ * K} rows): repeated {1e3 * t['repeated']:.1f}, "
+          f"split with its two all-reduces {1e3 * t['split']:.1f} ({t['split'] / t['repeated']:.2f}x)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--experts", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--experts", type=int, nargs="*", default=[4, 8], help="experts n of the one-process rows (none: skip)")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--expert", type=int, nargs="*", default=[1, 2, 4], help="expert-parallel sizes (none: skip)")
+    p.add_argument("--tensor-split", type=int, default=2, help="T of the expert tensor split measured (0: skip)")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"h={H} k={K} f_e={FE} tokens={BATCH}x{SEQ}, one thread, medians of {args.rounds} rounds (ms)")
@@ -147,6 +183,8 @@ def main() -> None:
         print(f"n={n} forward: per-expert loop {1e3 * g['per-expert loop']:.2f}, grouped_mm "
               f"{1e3 * g['grouped_mm']:.2f} ({g['grouped_mm'] / g['per-expert loop']:.2f}x the loop)")
     _expert_parallel(args.expert, args.rounds)
+    if args.tensor_split > 1:
+        _tensor_split(args.tensor_split, args.rounds)
 
 
 if __name__ == "__main__":

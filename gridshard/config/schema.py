@@ -113,8 +113,8 @@ class ModelSection(BaseModel):
 
     def unmodelled(self) -> Optional[str]:
         """What the memory model and the planner do not price in this model, or None: a Hugging Face
-        architecture, a Vision Transformer. (A Mixture-of-Experts decoder: the memory model prices it,
-        the planner's search does not enumerate expert parallelism yet, ``gridshard.planner.search``.)"""
+        architecture, a Vision Transformer. (A Mixture-of-Experts decoder is priced: its memory, its
+        active FLOPs and its dispatch; the search enumerates the expert ranks, ``gridshard.planner``.)"""
         if self.hf_config is not None:
             return "a Hugging Face architecture (model.hf_config; plan with the equivalent explicit model.* fields)"
         if self.kind == "vit":

@@ -10,6 +10,7 @@ Each term is priced in its own module, with its math, and assembled here (:func:
 * compute per micro-batch (t_gemm + t_elem + t_ops): :mod:`.price_compute`;
 * tensor communication per micro-batch (exposed: it sits between dependent matmuls): :mod:`.price_tensor`;
 * context communication per micro-batch (C > 1): :mod:`.price_context`;
+* an MoE model's dispatch and combine per micro-batch (E > 1) and its active FLOPs: :mod:`.price_expert`;
 * pipeline stage sends per micro-batch: :mod:`.price_pipeline`;
 * data parallelism per step (the gradient reduction, ZeRO's gathers): :mod:`.price_data`;
 * which link each mesh dim uses, and a collective's seconds on it (latency + ring wire bytes /
@@ -69,13 +70,14 @@ from .memo import rank_blocks
 from .price_compute import _compute_mb, gemm_flops
 from .price_context import _context_mb
 from .price_data import _data_step
+from .price_expert import _expert_mb, moe_layer_count
 from .price_links import _Pricing, _pricing, call_seconds
 from .price_pipeline import _pipeline_mb
 from .price_tensor import _tensor_mb, tensor_volumes
 
 ADAMW_BYTES_PER_ELEM = 28
 STEP_PARTS = ("compute_s", "tensor_comm_s", "pipeline_comm_s", "data_comm_s", "bubble_s", "optimizer_s", "overhead_s",
-              "context_comm_s")            # the seconds a StepTime adds up, in this order
+              "context_comm_s", "expert_comm_s")            # the seconds a StepTime adds up, in this order
 
 
 @dataclass
@@ -91,6 +93,7 @@ class StepTime:
     overhead_s: float
     details: dict = field(default_factory=dict)
     context_comm_s: float = 0.0  # exposed ring sends / all-to-alls (C > 1)
+    expert_comm_s: float = 0.0   # an MoE model's dispatch and combine (E > 1)
 
     @property
     def total_s(self) -> float:
@@ -151,8 +154,9 @@ def _step_extras(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last
     over the world) and ``_global_losses`` (all-reduce of the pending steps' float64 losses over
     data, then pipeline), ÷ ``log_interval`` (``log``)."""
     hw, levels, T, world, level = pr.hw, pr.levels, layout.tensor, layout.world, pr.levels["data"]
-    blocks = rank_blocks(cfg, layout.tensor_mode, T, layer_ids, first, last)
-    owned = sum(b.numel for b in blocks) / (layout.data * layout.context if layout.zero >= 1 else 1)
+    R, E = layout.data * layout.context, layout.expert
+    blocks = rank_blocks(cfg, layout.tensor_mode, T, layer_ids, first, last, E)
+    owned = sum(b.numel / ((R // E if b.expert else R) if layout.zero >= 1 else 1) for b in blocks)
     small_calls = [("tensor", T), ("pipeline", layout.pipeline), ("data", layout.data * layout.context)]
     logs = max(1, log_interval)           # steps between log steps: the pending losses
     at_log = (call_seconds(hw, level, "all_gather", 32 * world, world)
@@ -180,13 +184,15 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     s, P, s_r = seq_len, layout.pipeline, seq_len // layout.context       # s_r: the rank's tokens of a sequence
     A = micro_batches_per_step(global_batch, layout.micro_batch, layout.data)
     layers = cfg.layers if layer_ids is None else len(layer_ids)
-    busy_compute_mb, flops = _compute_mb(cfg, layout, hw, s, layers, last, precision, activation_bytes)
+    moe_layers = moe_layer_count(cfg, layer_ids)
+    busy_compute_mb, flops = _compute_mb(cfg, layout, hw, s, layers, last, precision, activation_bytes, moe_layers)
     compute_mb = busy_compute_mb * pr.stretch
     t_tensor_mb, busy_tensor_mb = _tensor_mb(cfg, layout, pr, s_r, layers, first, last)
     t_p2p_mb, busy_p2p_mb = _pipeline_mb(cfg, layout, pr, s_r, first, last, precision)
     t_ctx_mb, busy_ctx_mb = _context_mb(cfg, layout, pr, s, layers, precision)
+    t_exp_mb, busy_exp_mb = _expert_mb(cfg, layout, pr, s, layer_ids, precision)
     data = _data_step(cfg, layout, pr, layer_ids, first, last, A, int(bucket_mb * (1 << 20)), compute_mb)
-    t_mb = compute_mb + t_tensor_mb + t_p2p_mb + t_ctx_mb + data.gather_per_mb_s
+    t_mb = compute_mb + t_tensor_mb + t_p2p_mb + t_ctx_mb + t_exp_mb + data.gather_per_mb_s
     bubble = bubble_fraction(P, A, layout.pipeline_schedule, layout.virtual_stages) if P > 1 else 0.0
     bubble_s = A * t_mb * bubble / (1.0 - bubble) if P > 1 else 0.0
     x = _step_extras(cfg, layout, pr, layer_ids, first, last, stop_agreement, log_interval)
@@ -194,6 +200,7 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
                        data_comm_s=data.exposed_reduce_s + data.gather_after_s + A * data.gather_per_mb_s,
                        bubble_s=bubble_s, optimizer_s=x["busy_opt"] * pr.stretch,
                        overhead_s=hw.step_overhead_s * pr.stretch + x["small"] + x["stop"], context_comm_s=A * t_ctx_mb,
+                       expert_comm_s=A * t_exp_mb,
                        details={"micro_batches": A, "bubble_fraction": bubble, "links": pr.levels,
                                 "contention": hw.contention(pr.ranks_per_node),
                                 "gemm_flops": gemm_flops(cfg, layout, s), "flops_per_microbatch": flops,
@@ -205,7 +212,8 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
                                     cfg, layout, s_r, layers, first, last))})
     busy = StepTime(compute_s=A * busy_compute_mb, tensor_comm_s=A * busy_tensor_mb, pipeline_comm_s=A * busy_p2p_mb,
                     data_comm_s=data.busy_s, bubble_s=0.0, optimizer_s=x["busy_opt"],
-                    overhead_s=hw.step_overhead_s + x["busy_small"] + x["busy_stop"], context_comm_s=A * busy_ctx_mb)
+                    overhead_s=hw.step_overhead_s + x["busy_small"] + x["busy_stop"], context_comm_s=A * busy_ctx_mb,
+                    expert_comm_s=A * busy_exp_mb)
     return RankCost(latency, busy)
 
 

@@ -32,6 +32,10 @@ combination the device count allows:
   would also stop the reduction hiding under the last backward).
   ``zero_bubble`` is not enumerated (the memory model does not describe its deferred
   weight passes, and ZeRO-3 refuses it);
+* an MoE model (``model.experts`` n > 0; issue 38): the expert ranks E (``parallel.expert``) over every
+  divisor of gcd(n, D·C·d) — the experts split evenly, the expert groups cut from the weight
+  replicas — and the dispatcher, ``all_to_all`` at every E > 1 and ``all_gather`` where E ≤ k
+  (:func:`expert_choices`; :mod:`.price_expert` prices them);
 * the stage split: the default (``stage_layers`` None: L/S layers per stage,
   :func:`gridshard.job_layout.stage_layer_counts`); the search adds the explicit split with one
   layer moved off the last stage (:func:`lighter_end_splits`, which can lighten either end)
@@ -46,6 +50,7 @@ verdicts equal a full :func:`gridshard.config.validate.validate_config` on sampl
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
@@ -108,14 +113,15 @@ class Layout:
                        tensor_depth=1)
 
     def parallel_section(self) -> dict:
-        """The ``parallel:`` keys (``stage_layers`` None for the default split)."""
+        """The ``parallel:`` keys (``stage_layers`` None for the default split), every one of them, so
+        that none of the input config's own values survives into a candidate (its ``expert``, say)."""
         return {"data": self.data, "pipeline": self.pipeline, "context": self.context,
                 "context_mode": self.context_mode, "tensor": self.tensor,
                 "tensor_mode": self.tensor_mode, "tensor_depth": self.tensor_depth,
                 "sequence_parallel": self.sequence_parallel, "pipeline_schedule": self.pipeline_schedule,
                 "virtual_stages": self.virtual_stages,
                 "stage_layers": None if self.stage_layers is None else list(self.stage_layers),
-                **({"expert": self.expert, "expert_dispatch": self.expert_dispatch} if self.expert > 1 else {})}
+                "expert": self.expert, "expert_dispatch": self.expert_dispatch}
 
     def train_section(self) -> dict:
         return {"zero": self.zero, "recompute": self.recompute, "micro_batch": self.micro_batch,
@@ -215,14 +221,33 @@ def contexts(world: int, seq_len: Optional[int], max_context: int = 8) -> list:
 
 def enumerate_layouts(world: int, global_batch: int, zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE,
                       micro_batches: Optional[list] = None, max_micro_batch: Optional[int] = None,
-                      seq_len: Optional[int] = None, max_context: int = 1) -> Iterator[Layout]:
+                      seq_len: Optional[int] = None, max_context: int = 1, experts: int = 0,
+                      experts_per_token: int = 1) -> Iterator[Layout]:
     """Every candidate layout of ``world`` ranks (module docstring), valid or not; micro-batches
     ``micro_batches`` if given, else the divisors of global_batch/D up to ``max_micro_batch``;
-    context sizes up to ``max_context`` (1: none) that split ``seq_len``."""
+    context sizes up to ``max_context`` (1: none) that split ``seq_len``; an MoE model's
+    (``experts`` > 0, k = ``experts_per_token``) expert sizes and dispatchers (:func:`expert_choices`)."""
     for C, cmode in contexts(world, seq_len, max_context):
         for layout in _enumerate_dpt(world // C, global_batch, zero_stages, recompute, micro_batches,
                                      max_micro_batch, C):
-            yield layout if C == 1 else replace(layout, context=C, context_mode=cmode)
+            layout = layout if C == 1 else replace(layout, context=C, context_mode=cmode)
+            if not experts:
+                yield layout
+                continue
+            for E, dispatch in expert_choices(layout.data * C * layout.tensor_depth, experts, experts_per_token):
+                yield replace(layout, expert=E, expert_dispatch=dispatch)
+
+
+def expert_choices(replicas: int, experts: int, top_k: int) -> list:
+    """(E, dispatcher) pairs of an MoE model (module docstring): every E dividing both ``experts``
+    and the R = D·C·d weight-replica ranks it is cut from; at E > 1 ``all_to_all``, and
+    ``all_gather`` too where E ≤ k: under balanced routing it moves (E − 1)·N rows of h where the
+    all-to-all moves (E − 1)·N·k/E (:func:`gridshard.theory.moe.dispatch_volume`), more bytes in
+    more calls once E > k, so there it never wins."""
+    out = [(1, "all_to_all")]
+    for E in divisors(math.gcd(replicas, experts))[1:]:
+        out += [(E, "all_to_all")] + ([(E, "all_gather")] if E <= top_k else [])
+    return out
 
 
 def _enumerate_dpt(world: int, global_batch: int, zero_stages, recompute, micro_batches, max_micro_batch,
@@ -266,5 +291,5 @@ def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available:
     return None
 
 
-__all__ = ["Layout", "enumerate_layouts", "contexts", "factorisations", "divisors", "apply_layout", "layout_problem",
+__all__ = ["Layout", "enumerate_layouts", "expert_choices", "contexts", "factorisations", "divisors", "apply_layout", "layout_problem",
            "lighter_end_splits", "split_label", "overlap_choices", "RECOMPUTE", "SCHEDULES"]

@@ -5,7 +5,8 @@ Per micro-batch on the slowest pipeline rank (notation: :mod:`.cost_time`; × th
 
     F_layer = flops_per_token(V=0, L=1)             (6·N_mm of one layer + 12·s·h)
     F_head  = flops_per_token(V, L=0)               (6·V·h, last stage only)
-    F       = m·s·(L_r·F_layer + F_head)/T
+    F       = m·s·(L_r·F_layer + F_head)/T  (an MoE layer: its MLP's 18·h·f/T replaced by F_moe,
+                                          not divided by T: :mod:`.price_expert`)
             + recompute: full  m·s·L_r·F_layer/(3T)                 (one more forward)
                          selective m·s·L_r·(F_layer(s) − F_layer(s=0))/(3T)   (attention core forward)
     t_gemm  = F / (peak[precision] · efficiency(G))   G = FLOPs of the rank's gate|up GEMM:
@@ -23,6 +24,7 @@ from __future__ import annotations
 from ..theory.training import flops_per_token
 from .hardware import Hardware
 from .layouts import Layout
+from .price_expert import moe_flops_per_token
 
 ELEMENTWISE_PASSES = 3
 
@@ -33,16 +35,20 @@ def gemm_flops(cfg, layout: Layout, seq: int) -> float:
     return 2.0 * N * h * f / layout.mode.gemm_split(layout.tensor)
 
 
-def microbatch_flops(cfg, layout: Layout, seq: int, layers: int, last: bool) -> float:
+def microbatch_flops(cfg, layout: Layout, seq: int, layers: int, last: bool, moe_layers: int = 0) -> float:
     """F of the module docstring: one micro-batch's FLOPs on a rank with ``layers`` decoder
     layers (+ the head when ``last``), with the recompute's extra forward; at C > 1 the rank's S/C
-    tokens of each sequence, each attending over the whole sequence (÷ C)."""
+    tokens of each sequence, each attending over the whole sequence (÷ C); ``moe_layers`` of the
+    layers are MoE layers (:mod:`.price_expert`: their block's FLOPs repeat on the T ranks)."""
     m, T, kvh = layout.micro_batch, layout.tensor, cfg.kv_heads * cfg.head_dim
     f_layer = flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, seq, kvh)
     f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, cfg.ffn_hidden, seq, kvh)
-    flops = m * seq * (layers * f_layer + (f_head if last else 0.0)) / T
+    # an MoE layer: its MLP's 18·h·f replaced by F_moe, not divided by T (.price_expert)
+    moe = moe_layers * (moe_flops_per_token(cfg) - 18.0 * cfg.hidden * cfg.ffn_hidden / T) if moe_layers else 0.0
+    layer_flops = m * seq * (layers * f_layer / T + moe)
+    flops = layer_flops + m * seq * (f_head if last else 0.0) / T
     if layout.recompute == "full":
-        flops += m * seq * layers * f_layer / (3 * T)
+        flops += layer_flops / 3
     elif layout.recompute == "selective":
         core = f_layer - flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, 0, kvh)
         flops += m * seq * layers * core / (3 * T)
@@ -50,9 +56,9 @@ def microbatch_flops(cfg, layout: Layout, seq: int, layers: int, last: bool) -> 
 
 
 def _compute_mb(cfg, layout: Layout, hw: Hardware, seq: int, layers: int, last: bool, precision: str,
-                activation_bytes: int) -> tuple:
+                activation_bytes: int, moe_layers: int = 0) -> tuple:
     """(seconds at full speed, FLOPs) of one micro-batch's compute: t_gemm + t_elem + t_ops."""
-    flops = microbatch_flops(cfg, layout, seq, layers, last)
+    flops = microbatch_flops(cfg, layout, seq, layers, last, moe_layers)
     t_gemm = flops / hw.flops_rate(precision, gemm_flops(cfg, layout, seq))
     passes = ELEMENTWISE_PASSES + (1 if layout.recompute == "full" else 0)      # full: the forward again
     t_elem = passes * activation_bytes / (hw.elementwise_bandwidth or hw.memory_bandwidth)

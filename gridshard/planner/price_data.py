@@ -1,4 +1,5 @@
-"""Data-parallel communication of one step on a rank (over data × context: D·C ranks).
+"""Data-parallel communication of one step on a rank (over data × context: D·C ranks; an MoE model's
+experts split over E > 1 expert ranks over their D·C/E expert-data ranks, in units of their own).
 
 Per step, on the data group's link (:mod:`.price_links`; bytes:
 :func:`~gridshard.theory.training.dp_gradient_allreduce` over the trainer's buckets at ZeRO-0,
@@ -28,13 +29,17 @@ from .memo import rank_blocks
 from .price_links import FP32, _Pricing, comm_cpu_seconds, comm_seconds
 
 
-def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int):
+def data_comm(cfg, layout: Layout, layer_ids, first: bool, last: bool, A: int, bucket_bytes: int,
+              experts: bool = False):
     """(gradient-reduction CommVolume, after-step / in-step gather CommVolume, reduction units) of one step
-    (over data × context: D·C ranks)."""
-    D = layout.data * layout.context
-    blocks = rank_blocks(cfg, layout.tensor_mode, layout.tensor, layer_ids, first, last)
-    if D == 1:
-        return None, None, 1
+    over data × context (D·C ranks), for the rank's dense parameters; ``experts``: for its split
+    experts instead (E > 1: their own units over the D·C/E expert-data ranks, :mod:`gridshard.mesh_expert`)."""
+    D, E = layout.data * layout.context, layout.expert
+    blocks = [b for b in rank_blocks(cfg, layout.tensor_mode, layout.tensor, layer_ids, first, last, E)
+              if b.expert == experts]
+    D = D // E if experts else D
+    if D == 1 or not blocks:
+        return None, None, 0
     if layout.zero == 0:
         numels = [b.numel for b in blocks]
         buckets = bucket_partition(numels, FP32, bucket_bytes)
@@ -74,15 +79,17 @@ def _data_step(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last: 
     sharded accumulation, whose A reduce-scatter waves each run in their micro-batch's backward —
     the last unit of the last wave exposed."""
     reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, bucket_bytes)
+    ex_reduce, ex_gather, ex_units = data_comm(cfg, layout, layer_ids, first, last, A, bucket_bytes, experts=True)
+    reduce, gather, units = [reduce, ex_reduce], [gather, ex_gather], units + ex_units
     level, hw = pr.levels["data"], pr.hw
-    out = _DataCost(busy_s=comm_cpu_seconds([gather, reduce], hw, level))     # (None: no such calls)
-    if gather is not None:
-        t_gather = comm_seconds([gather], hw, level, pr.skew)
+    out = _DataCost(busy_s=comm_cpu_seconds(gather + reduce, hw, level))     # (None: no such calls)
+    if any(g is not None for g in gather):
+        t_gather = comm_seconds(gather, hw, level, pr.skew)
         if layout.zero == 3:
             out.gather_per_mb_s = t_gather / A          # per micro-batch (its layer gathers)
         else:
             out.gather_after_s = t_gather
-    out.reduce_s = comm_seconds([reduce], hw, level, pr.skew)
+    out.reduce_s = comm_seconds(reduce, hw, level, pr.skew)
     D = layout.data * layout.context
     ov = layout.overlap_grad_reduce                 # train.overlap_grad_reduce (the planner enumerates it)
     in_backward = reduces_in_backward(layout.zero, D, layout.pipeline, layout.pipeline_schedule, ov)

@@ -63,16 +63,32 @@ def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
     """Which link each mesh dim uses: mesh order (data, pipeline, context, tensor), tensor innermost,
     ``devices_per_node`` consecutive ranks per node; the data reduction runs over data × context.
     At 2.5D the tensor dim is (depth, grid): the SUMMA group is one depth layer's q² consecutive
-    ranks, and the reducer's data × context × depth group spans C·T ranks when D = 1."""
+    ranks, and the reducer's data × context × depth group spans C·T ranks when D = 1. An MoE
+    model's expert group (E > 1): :func:`expert_level`."""
     world, CT = layout.world, layout.context * layout.tensor
     per_node = max(1, world // max(1, nodes))
     inside = lambda span: "intra" if span <= per_node else "inter"  # noqa: E731
     levels = {"tensor": inside(layout.layer_tensor), "context": inside(CT), "pipeline": inside(CT * layout.pipeline),
               "data": inside(world if layout.data > 1 else CT)}
+    if layout.expert > 1:                   # an MoE model's expert group
+        levels["expert"] = expert_level(layout, per_node)
     axes = layout.mode.tensor_axis_levels(layout.layer_tensor, world, per_node)
     if axes is not None:                    # a mode whose tensor axes leave a node one by one (3D)
         levels["tensor_axes"] = axes
     return levels
+
+
+def expert_span(layout: Layout) -> int:
+    """Global ranks an expert group spans: E consecutive members of a data × context group
+    (:mod:`gridshard.mesh_expert`), context members T ranks apart and data members P·C·T (mesh order
+    data, pipeline, context, tensor): E·T when E ≤ C, else (E/C − 1)·P·C·T + C·T."""
+    E, C, T, P = layout.expert, layout.context, layout.layer_tensor, layout.pipeline
+    return E * T if E <= C else (E // C - 1) * P * C * T + C * T
+
+
+def expert_level(layout: Layout, per_node: int) -> str:
+    """``intra`` when the expert group fits in one node of ``per_node`` ranks, else ``inter``."""
+    return "intra" if expert_span(layout) <= per_node else "inter"
 
 
 @dataclass
@@ -95,4 +111,4 @@ def _pricing(layout: Layout, hw: Hardware, nodes: int) -> _Pricing:
                     0.0 if throughput_node else hw.sync_skew_s, ranks_per_node)
 
 
-__all__ = ["comm_seconds", "comm_cpu_seconds", "call_seconds", "link_levels"]
+__all__ = ["comm_seconds", "comm_cpu_seconds", "call_seconds", "link_levels", "expert_span", "expert_level"]

@@ -18,14 +18,15 @@ def _mib(n) -> str:
 
 def table(result: PlanResult, top: int = 10) -> str:
     """A fixed-width table of the ``top`` feasible layouts, best first."""
-    head = ["#", "layout", "mem/rank MiB", "step s", "compute", "tensor", "ctx", "pipe", "data", "bubble", "tok/s",
-            "MFU"]
+    moe = bool(getattr(result.config.model.resolve(), "experts", 0))
+    head = ["#", "layout", "mem/rank MiB", "step s", "compute", "tensor", "ctx"] + ["expert"] * moe + \
+        ["pipe", "data", "bubble", "tok/s", "MFU"]
     rows = []
     for i, c in enumerate(result.candidates[:top], 1):
         st = c.step
         rows.append([str(i), c.layout.label(), _mib(c.predicted_mem_bytes), f"{st.total_s:.4g}", f"{st.compute_s:.3g}",
-                     f"{st.tensor_comm_s:.3g}", f"{st.context_comm_s:.3g}", f"{st.pipeline_comm_s:.3g}",
-                     f"{st.data_comm_s:.3g}",
+                     f"{st.tensor_comm_s:.3g}", f"{st.context_comm_s:.3g}"] + [f"{st.expert_comm_s:.3g}"] * moe +
+                    [f"{st.pipeline_comm_s:.3g}", f"{st.data_comm_s:.3g}",
                      f"{st.bubble_s:.3g}", f"{c.tokens_per_s:,.0f}", "-" if c.mfu is None else f"{c.mfu:.1%}"])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
@@ -36,7 +37,7 @@ def table(result: PlanResult, top: int = 10) -> str:
              f"{cfg.train.precision}",
              f"layouts: {result.counts.get('feasible', 0)} feasible, {result.counts.get('memory', 0)} too large, "
              f"{result.counts.get('rule', 0)} against the config rules; step s = compute + exposed comm (tensor, "
-             f"context, pipe, data) + bubble + optimizer/overhead",
+             f"context, {'expert, ' * moe}pipe, data) + bubble + optimizer/overhead",
              fmt(head), fmt(["-" * w for w in widths])]
     return "\n".join(lines + [fmt(r) for r in rows])
 
@@ -61,7 +62,8 @@ def explain(result: PlanResult) -> str:
              f"  step {st.total_s:.4g} s = compute {st.compute_s:.3g} + tensor comm {st.tensor_comm_s:.3g} + pipeline "
              f"comm {st.pipeline_comm_s:.3g} + data comm (exposed) {st.data_comm_s:.3g} + bubble {st.bubble_s:.3g} "
              f"+ optimizer {st.optimizer_s:.3g} + overhead {st.overhead_s:.3g}"
-             + (f" + context comm (exposed) {st.context_comm_s:.3g}" if best.layout.context > 1 else ""),
+             + (f" + context comm (exposed) {st.context_comm_s:.3g}" if best.layout.context > 1 else "")
+             + (f" + expert comm {st.expert_comm_s:.3g}" if best.layout.expert > 1 else ""),
              f"  links: tensor {st.details['links']['tensor']}, "
              + (f"context {st.details['links']['context']}, " if best.layout.context > 1 else "")
              + f"pipeline {st.details['links']['pipeline']}, data "
@@ -73,7 +75,7 @@ def explain(result: PlanResult) -> str:
                      f"{st.details['contention']:.3g}), {st.details['throughput_bound_s']:.4g} s, above the critical "
                      f"path at full speed, {st.details['latency_bound_s']:.4g} s; a bubble costs nothing there "
                      f"(cost_time: two bounds)")
-    lines += _context_reason(result) + _depth_reason(result)
+    lines += _context_reason(result) + _expert_reason(result) + _depth_reason(result)
     # every registered mode that summarises its layouts (``plan_title``, ``plan_summary``)
     lines += [line for scheme in tensor_schemes() if scheme.plan_title for line in _mode_reason(result, scheme)]
     lines += _grad_reduce_reason(result)
@@ -121,6 +123,57 @@ def _context_reason(result: PlanResult) -> list:
     if best.layout.context_mode == "ring":
         out.append(f"  the ring's k/v sends overlap the attention compute (assumed): "
                    f"{best.step.context_comm_s:.3g} s exposed per step")
+    return out
+
+
+def _expert_reason(result: PlanResult) -> list:
+    """An MoE model's expert ranks (issue 38): what E the best layout takes, on which link and at what
+    dispatch cost; against the fastest feasible layout of every other E (or, where none fits, the
+    smallest one's memory); and the other dispatcher at the same layout. [] for a dense model."""
+    import dataclasses
+
+    mc, best = result.config.model.resolve(), result.best
+    n = getattr(mc, "experts", 0)
+    if not n:
+        return []
+    L, st = best.layout, best.step
+    E = L.expert
+    out = [f"  experts: {n} per MoE layer, {mc.experts_per_token} active per token; E = {E}: each rank holds "
+           f"{n // E} of them and their optimizer state, {gib(best.memory.params)} of parameters in all"
+           + (f"; tokens move by {L.expert_dispatch} on the {st.details['links']['expert']} link, "
+              f"{st.expert_comm_s:.3g} s per step (exposed: experts wait for their rows)" if E > 1 else
+              "; no dispatch")]
+    fastest, smallest = {}, {}
+    for c in result.candidates:
+        fastest.setdefault(c.layout.expert, c)
+    for c in result.rejected:
+        if c.memory is not None and c.layout.expert not in fastest:
+            e = c.layout.expert
+            if e not in smallest or c.predicted_mem_bytes < smallest[e].predicted_mem_bytes:
+                smallest[e] = c
+    for e in sorted(set(fastest) | set(smallest)):
+        if e == E:
+            continue
+        if e in fastest:
+            c = fastest[e]
+            out.append(f"  E = {e}: the fastest, {c.layout.label()}, {c.predicted_step_s / st.total_s:.2f}× the step "
+                       f"({_why(best, c)}), {c.predicted_mem_bytes / best.predicted_mem_bytes:.2f}× the memory")
+        else:
+            c = smallest[e]
+            m = c.memory
+            out.append(f"  E = {e}: no layout fits; the smallest, {c.layout.label()}, needs "
+                       f"{gib(c.predicted_mem_bytes)} (params {gib(m.params)}, grads {gib(m.grads)}, optimizer "
+                       f"{gib(m.optimizer)}, activations {gib(m.activations)}, buffers "
+                       f"{gib(m.comm_buffers + m.transient)}) > {gib(result.hardware.device_memory_bytes)}")
+    other = "all_gather" if L.expert_dispatch == "all_to_all" else "all_to_all"
+    twin = dataclasses.replace(L, expert_dispatch=other)
+    twin = next((c for c in result.candidates if c.layout == twin), None)
+    if E > 1 and twin is not None:
+        out.append(f"  {other} at this layout: {twin.predicted_step_s / st.total_s:.2f}× the step (expert comm "
+                   f"{twin.step.expert_comm_s:.3g} s)")
+    elif E > mc.experts_per_token:
+        out.append(f"  all_gather is not tried at E = {E} > k = {mc.experts_per_token}: it would move every rank's "
+                   f"tokens, E/k× the all-to-all's bytes (planner.layouts.expert_choices)")
     return out
 
 

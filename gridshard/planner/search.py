@@ -40,12 +40,13 @@ from ..config import load_config
 from ..config import validate as rules
 from ..errors import ConfigError
 from ..theory.memory import activation_bytes
-from ..theory.training import flops_per_token, mfu
+from ..theory.training import mfu, model_flops_per_token
 from .cost_memory import layout_memory, ranks_to_check, stage_layers_of_rank
 from .cost_time import StepTime, node_step, rank_cost
 from .hardware import Hardware, load_hardware
-from .layouts import Layout, apply_layout, enumerate_layouts, layout_problem, lighter_end_splits
+from .layouts import Layout, apply_layout, enumerate_layouts, expert_choices, layout_problem, lighter_end_splits
 from .price_compute import microbatch_flops
+from .price_expert import moe_layer_count
 
 
 class PlanError(ConfigError):
@@ -126,8 +127,7 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
     mc, s, G = cfg.model.resolve(), cfg.data.seq_len, cfg.train.global_batch
     prec = cfg.train.precision if cfg.train.precision in ("bf16", "fp16") else "fp32"
     cand = Candidate(layout, False, tokens_per_step=G * s, world=world,
-                     flops_per_token=flops_per_token(mc.vocab_size, mc.hidden, mc.layers, mc.ffn_hidden, s,
-                                                     mc.kv_heads * mc.head_dim),
+                     flops_per_token=model_flops_per_token("llama", mc, s),
                      peak_flops=hw.peak_flops.get(prec) or hw.peak_flops["fp32"])
     cand.reason = layout_problem(cfg, layout, world) or ""
     if cand.reason:
@@ -146,14 +146,15 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
     costs, seen = [], {}
     for r in check:
         ids, first, last = per_rank[r], r == 0, r == P - 1
-        key = (None if ids is None else len(ids), first, last)      # decoder layers are alike: the count matters
+        # decoder layers are alike: the counts (all, MoE) matter
+        key = (None if ids is None else len(ids), first, last, moe_layer_count(mc, ids))
         if key not in seen:
             # the element-wise work of a forward and backward: what the layers write without
             # recompute (recompute changes what is kept, not what is computed; rank_cost adds its pass)
             run = layout.layer_layout()          # 2.5D: the 2D layout each rank runs (m/d rows, q² ranks)
             acts = activation_bytes(mc, run.micro_batch, s, run.tensor_mode, run.tensor,
                                     run.sequence_parallel, "none", key[0], first, last,
-                                    context=run.context).total
+                                    context=run.context, moe_layers=key[3], expert=run.expert).total
             seen[key] = rank_cost(mc, layout, hw, seq_len=s, global_batch=G, precision=prec, nodes=nodes,
                                   layer_ids=ids, first=first, last=last, activation_bytes=acts,
                                   bucket_mb=cfg.train.bucket_mb, stop_agreement=stop_agreement,
@@ -163,6 +164,33 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
     cand.step = node_step(costs, hw, ranks_per_node)
     cand.feasible = not cand.reason
     return cand
+
+
+def expert_family(cfg, base: Layout, hw: Hardware, world: int, nodes: int, mc) -> tuple:
+    """(candidates, (why, count) of the variants not evaluated) of one layout without experts: itself
+    for a dense model; for an MoE model every (E, dispatcher) of :func:`~.layouts.expert_choices`.
+    Two shortcuts keep a 1024-device search to minutes: the config rules are read at E = 1 (the rules
+    on E hold by construction, the others do not read it), and when neither E = 1 nor the largest E
+    all-to-all fits, no other E is priced (the expert state falls as 1/E and nothing else changes
+    with E > 1 — an all-gather's buffers hold more — so every other E > 1 needs at least as much)."""
+    if not getattr(mc, "experts", 0):
+        return [evaluate(cfg, base, hw, world, nodes)], ("rule", 0)
+    choices = expert_choices(base.data * base.context * base.tensor_depth, mc.experts, mc.experts_per_token)
+    first = evaluate(cfg, base, hw, world, nodes)
+    if first.memory is None or len(choices) == 1:
+        return [first], ("rule", len(choices) - 1)
+    largest = (max(E for E, _ in choices), "all_to_all")
+    last = evaluate(cfg, dataclasses.replace(base, expert=largest[0]), hw, world, nodes)
+    if not first.feasible and not last.feasible and last.memory is not None:
+        return [first, last], ("memory", len(choices) - 2)
+    return [first, last] + [evaluate(cfg, dataclasses.replace(base, expert=E, expert_dispatch=d), hw, world, nodes)
+                            for E, d in choices[1:] if (E, d) != largest], ("memory", 0)
+
+
+def expert_keys(mc) -> dict:
+    """:func:`~.layouts.enumerate_layouts`'s MoE arguments of a model (none for a dense one)."""
+    experts = getattr(mc, "experts", 0)
+    return {"experts": experts, "experts_per_token": mc.experts_per_token} if experts else {}
 
 
 def gib(n: float) -> str:
@@ -232,8 +260,9 @@ def split_variants(cand: Candidate, model_cfg, seq_len: int) -> list:
         return []
     slowest = max(cand.rank_step_s.values())
     slow = {r for r, t in cand.rank_step_s.items() if t >= slowest * (1 - 1e-9)}
+    last_layer_moe = moe_layer_count(model_cfg, [model_cfg.layers - 1])
     head_outweighs_a_layer = (microbatch_flops(model_cfg, lay, seq_len, 0, True)
-                              > microbatch_flops(model_cfg, lay, seq_len, 1, False))
+                              > microbatch_flops(model_cfg, lay, seq_len, 1, False, last_layer_moe))
     off_last = P - 1 in slow and head_outweighs_a_layer
     splits = lighter_end_splits(model_cfg.layers, P * lay.virtual_stages, False, off_last)
     return [dataclasses.replace(lay, stage_layers=counts) for counts in splits]
@@ -264,21 +293,18 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None
         raise ConfigError(f"the planner's memory and communication formulas do not describe "
                           f"{cfg.model.unmodelled()}. Fix: choose this model's layout by hand; `gridshard train` "
                           f"still checks it before launch.")
-    if cfg.model.experts:
-        raise ConfigError("the planner does not search the expert-parallel layouts of a Mixture-of-Experts model yet "
-                          "(model.experts > 0; issue 38). Fix: choose parallel.expert and the rest by hand; `gridshard "
-                          "train` checks the layout's predicted memory before launch (docs/moe.md).")
     feasible, rejected, counts = [], [], collections.Counter()
     mc = cfg.model.resolve()
-    for layout in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages,
-                                    max_micro_batch=max_micro_batch, seq_len=cfg.data.seq_len,
-                                    max_context=max_context):
-        c = evaluate(cfg, layout, hw, world, nodes)
-        variants = (evaluate(cfg, x, hw, world, nodes) for x in split_variants(c, mc, cfg.data.seq_len))
-        faster = [v for v in variants if v.feasible and v.predicted_step_s < c.predicted_step_s]
-        for x in [c] + faster:
-            (feasible if x.feasible else rejected).append(x)
-            counts["feasible" if x.feasible else ("memory" if x.memory is not None else "rule")] += 1
+    for base in enumerate_layouts(world, cfg.train.global_batch, zero_stages=zero_stages,
+                                  max_micro_batch=max_micro_batch, seq_len=cfg.data.seq_len, max_context=max_context):
+        family, skipped = expert_family(cfg, base, hw, world, nodes, mc)
+        counts[skipped[0]] += skipped[1]
+        for c in family:
+            variants = (evaluate(cfg, x, hw, world, nodes) for x in split_variants(c, mc, cfg.data.seq_len))
+            faster = [v for v in variants if v.feasible and v.predicted_step_s < c.predicted_step_s]
+            for x in [c] + faster:
+                (feasible if x.feasible else rejected).append(x)
+                counts["feasible" if x.feasible else ("memory" if x.memory is not None else "rule")] += 1
     feasible.sort(key=_sort_key)
     result = PlanResult(feasible[:top] if top else feasible, rejected, cfg, hw, world, nodes, config,
                         tuple(overrides), dict(counts), note, note.endswith("(--nodes)"))
@@ -335,11 +361,13 @@ def _nearest_device_count(result: PlanResult, upward) -> Optional[tuple]:
         nodes = _nodes_for(result, n)
         option = f"--gpus {n}" + (f" --nodes {nodes}" if result.nodes_given else "")
         light = (evaluate(cfg, x, hw, n, nodes) for x in enumerate_layouts(
-            n, cfg.train.global_batch, zero_stages=(3,), recompute=("full",), micro_batches=[1]))
+            n, cfg.train.global_batch, zero_stages=(3,), recompute=("full",), micro_batches=[1],
+            **expert_keys(cfg.model.resolve())))
         best = min((c for c in light if c.feasible), key=_sort_key, default=None)
         if best is None:           # else the first feasible layout without ZeRO
             best = next((c for c in (evaluate(cfg, x, hw, n, nodes)
-                                     for x in enumerate_layouts(n, cfg.train.global_batch, zero_stages=(0,)))
+                                     for x in enumerate_layouts(n, cfg.train.global_batch, zero_stages=(0,),
+                                                                **expert_keys(cfg.model.resolve())))
                          if c.feasible), None)
         if best is not None:
             return option, best

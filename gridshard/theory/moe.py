@@ -26,19 +26,33 @@ from typing import Sequence
 
 
 def dispatch_volume(kind: str, counts: Sequence[Sequence[int]], tokens: Sequence[int], rank: int, hidden: int,
-                    top_k: int, elem_bytes: int) -> dict:
+                    top_k: int, elem_bytes: int, forward_only: bool = False) -> dict:
     """op → (calls, payload bytes) of one layer's forward and backward on expert rank ``rank``, the
     counts' all-gather included (module docstring): ``counts`` [E][n] the kept slots c^σ_e,
-    ``tokens`` [E] the N_σ, ``kind`` ``parallel.expert_dispatch``."""
+    ``tokens`` [E] the N_σ, ``kind`` ``parallel.expert_dispatch``. ``forward_only``: the forward's
+    share, what a full recompute runs again (all_to_all: the counts and 2 of the 4 exchanges;
+    all_gather: the counts, x, choices and weights gathered, y reduce-scattered)."""
     E, n = len(counts), len(counts[0])
     n_l, counted = n // E, E * (n + 1) * 8
     sent = lambda s, r: sum(counts[s][r * n_l:(r + 1) * n_l])        # noqa: E731 — a^s_r
     if kind == "all_to_all":
         moved = sum(sent(rank, r) for r in range(E) if r != rank) + sum(sent(s, rank) for s in range(E) if s != rank)
-        return {"all_gather": (1, counted), "all_to_all_v": (4, 2 * hidden * elem_bytes * moved)}
+        half = 1 if forward_only else 2
+        return {"all_gather": (1, counted), "all_to_all_v": (2 * half, half * hidden * elem_bytes * moved)}
     rows, hb = E * max(tokens), hidden * elem_bytes
+    if forward_only:
+        return {"all_gather": (4, counted + rows * (hb + 12 * top_k)), "reduce_scatter": (1, rows * hb)}
     return {"all_gather": (5, counted + rows * (hb + 12 * top_k) + rows * hb),
             "reduce_scatter": (3, 2 * rows * hb + rows * top_k * 4)}
+
+
+def balanced_dispatch_volume(kind: str, expert: int, experts: int, tokens: float, hidden: int, top_k: int,
+                             elem_bytes: int, forward_only: bool = False) -> dict:
+    """:func:`dispatch_volume` under balanced routing, every rank with ``tokens`` tokens and
+    c^σ_e = N·k/n slots for every expert (what the planner prices; fractional slots kept)."""
+    E = expert
+    return dispatch_volume(kind, [[tokens * top_k / experts] * experts] * E, [tokens] * E, 0, hidden, top_k,
+                           elem_bytes, forward_only)
 
 
 def moe_layer_saved_tensors(cfg, dense: dict, residual: int, tokens: int, sequences: int, recompute: str,
