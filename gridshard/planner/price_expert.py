@@ -17,6 +17,10 @@ the block runs on): :func:`gridshard.theory.moe.balanced_dispatch_volume` of eac
 (forward and backward; a full recompute runs the forward's share again), b the activation's
 bytes, priced on the expert group's link (:func:`~.price_links.expert_level`). It is exposed: the experts wait
 for their rows and the next layer for the combined output.
+
+Stated approximation: an MoE layer's tensor-parallel traffic is priced as a dense layer's
+(:mod:`.price_tensor`); the block's own gathers in and out (``token_gathers``) replace the dense
+MLP's entry and exit collectives, of the same activation size.
 """
 from __future__ import annotations
 
