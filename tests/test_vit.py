@@ -143,6 +143,19 @@ def test_vit_config_resolves_and_round_trips():
     assert load_config(cfg.resolved()).resolved() == cfg.resolved()
 
 
+def test_vit_without_a_config_file_uses_the_vit_defaults():
+    """`gridshard train model.kind=vit data.kind=digits` (no CONFIG): the default run's decoder preset
+    and sequence length are the schema's defaults, not written values, so a ViT drops them (issue 39)."""
+    from gridshard.config import load_config, validate_config
+
+    vit = load_config(None, ["model.kind=vit", "data.kind=digits"])
+    validate_config(vit, vit.world_size, False, check_data=False)
+    assert vit.model.preset is None and vit.model.resolve() == ViTConfig()
+    assert vit.data.seq_len == ViTConfig().seq_len
+    llama = load_config(None)
+    assert llama.model.preset == "tiny" and llama.data.seq_len == 128 and llama.data.kind == "stdlib"
+
+
 @pytest.mark.parametrize("sections, world, message", [
     ({"model": {"preset": "tiny"}}, 1, "model.preset='tiny' is invalid with model.kind=vit"),
     ({"model": {"vocab_size": 256}}, 1, "model.vocab_size is not a Vision Transformer field"),

@@ -190,8 +190,8 @@ def default_config_dict() -> dict:
     code, 2 data × 2 tensor (1d) ranks, ~1 minute on 4 CPU workers."""
     return {
         "parallel": {"data": 2, "tensor": 2, "tensor_mode": "1d", "sequence_parallel": False, "pipeline": 1},
-        "model": {"preset": "tiny"},
-        "data": {"kind": "stdlib", "seq_len": 128},
+        "model": {},                       # the schema's default: preset tiny (llama); none for a vit
+        "data": {},                        # the schema's default: stdlib bytes, seq_len 128 (a vit: its own)
         "train": {"global_batch": 16, "micro_batch": 4, "steps": 120, "lr": 3e-3, "min_lr": 3e-4,
                   "warmup_steps": 10, "precision": "fp32", "seed": 0, "log_interval": 10},
     }
