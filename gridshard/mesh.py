@@ -53,6 +53,7 @@ from .device import check_ranks_per_node, device_for_backend, resolve_backend
 from .errors import LayoutError
 from .job_layout import TensorMode
 from .mesh_dims import outer_layout, weight_replica_dims
+from .torch_private import flatten_mesh, set_group_timeout
 from .mesh_expert import expert_groups
 from .netutil import free_port
 
@@ -307,10 +308,10 @@ def layout_mesh(world_group, data: int, pipeline: int, tensor: int, tensor_mode:
     layer_mode, layer_tensor = tensor_mode.layer_layout(tensor, depth)
     names, sizes = zip(*layer_mode.tensor_dims(layer_tensor))
     dm = init_device_mesh(device_type, outer + sizes, mesh_dim_names=outer_names + names)
-    flat = dm[names]._flatten("tensor") if len(names) > 1 else None
+    flat = flatten_mesh(dm[names], "tensor") if len(names) > 1 else None
     submesh = layer_mode.tensor_submesh(dm[names])
     replicas = weight_replica_dims(outer_names) + layer_mode.weight_replica_dims()   # data, [context,] [depth], …
-    flat_dc = dm[replicas]._flatten("data_context") if len(replicas) > 1 else None
+    flat_dc = flatten_mesh(dm[replicas], "data_context") if len(replicas) > 1 else None
     mesh = ParallelMesh(dm, data, pipeline, tensor, tensor_mode, flat, context=context,
                         flat_data_context_mesh=flat_dc, depth=depth, tensor_submesh=submesh)
     if expert > 1:
@@ -343,14 +344,14 @@ def set_collective_timeout(groups, seconds: float) -> None:
     got, so the mesh's data, pipeline and tensor groups would ignore
     ``train.collective_timeout_s`` (seen on torch 2.13). :func:`layout_mesh` gives them the
     world group's; ``train.compile``'s first step raises and then restores it
-    (:mod:`gridshard.engine.warmup`). Uses ``torch.distributed.distributed_c10d._set_pg_timeout``
-    (private; what torchtitan uses to tighten the timeout after its first step)."""
+    (:mod:`gridshard.engine.warmup`). Uses :func:`gridshard.torch_private.set_group_timeout`
+    (a private torch name; what torchtitan uses to tighten the timeout after its first step)."""
     import datetime
 
     timeout = datetime.timedelta(seconds=seconds)
     for group in groups:
         if group is not None:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            set_group_timeout(timeout, group)
 
 
 class ShapeMesh:

@@ -66,7 +66,7 @@ def _eager(fn):
     Dynamo traces a call, it meets ``torch.compiler.disable(fn)`` and breaks the graph around
     it, so neither the process-group call nor the ledger's bookkeeping is traced (traced, the
     ledger's counters became guards that recompiled every call). Outside compilation ``fn``
-    is called directly; torch._dynamo is imported only by a compiled run (it costs seconds
+    is called directly; Dynamo is imported only by a compiled run (it costs seconds
     per process)."""
     disabled = []
 

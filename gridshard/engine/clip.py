@@ -29,6 +29,7 @@ import torch
 
 from ..comm import collectives as C
 from ..nn.sharding import expert_split, get_spec, mesh_coords
+from ..torch_private import foreach_mul_, foreach_norm
 
 
 def counts_here(p: torch.Tensor, mesh, spec=None) -> bool:
@@ -49,7 +50,7 @@ def _squares(grads: list, device) -> torch.Tensor:
     """Σ ‖g‖² over ``grads`` (0-dim float64)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack(torch._foreach_norm([g.float() for g in grads])).double().pow(2).sum()
+    return torch.stack(foreach_norm([g.float() for g in grads])).double().pow(2).sum()
 
 
 def global_grad_norm(params, mesh, specs=None, pipeline_axis=None, data_axis=None,
@@ -82,7 +83,7 @@ def global_grad_norm(params, mesh, specs=None, pipeline_axis=None, data_axis=Non
 def clip_gradients(params, total_norm: torch.Tensor, max_norm: float) -> None:
     """Scale gradients in place so the global norm is at most ``max_norm`` (0 = off).
 
-    The gradients are grouped by (device, dtype), in order: one ``torch._foreach_mul_`` per group
+    The gradients are grouped by (device, dtype), in order: one :func:`gridshard.torch_private.foreach_mul_` per group
     scales them (one multi-tensor kernel on CUDA instead of one launch per tensor); each element is
     multiplied by the same coefficient, cast to its dtype, as a per-tensor ``mul_`` would, so the
     result is the same bit for bit."""
@@ -94,4 +95,4 @@ def clip_gradients(params, total_norm: torch.Tensor, max_norm: float) -> None:
         if p.grad is not None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for (device, dtype), grads in groups.items():
-        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
+        foreach_mul_(grads, coef.to(device=device, dtype=dtype))

@@ -24,8 +24,8 @@ the trainer from the step's sequence count B; left None, B is this call's b (the
 
 Statistics of the calls since :meth:`MoEBlock.reset_stats` (buffers, not saved): ``aux_sum``
 Σ_b L_b, ``load`` [n] kept slots per expert, ``slots`` and ``dropped`` token-slots. A forward that
-runs inside backward (``train.recompute: full`` recomputing the layer, ``torch._C.
-_current_graph_task_id() != -1``: PyTorch has no public test for it) is not counted again.
+runs inside backward (``train.recompute: full`` recomputing the layer,
+:func:`gridshard.torch_private.in_backward`: PyTorch has no public test for it) is not counted again.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from torch import nn
 from ..comm.dual_ops import gather_from_group, scatter_to_group
 from ..errors import LayoutError
 from ..nn.sharding import ShardSpec, set_spec
+from ..torch_private import in_backward
 from .dispatch import ExpertDispatch, combine, sort_slots
 from .experts import Experts
 from .routing import Router, sequence_aux_loss
@@ -154,7 +155,7 @@ class MoEBlock(nn.Module):
             y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         axis = self.gate.sequence_axis
         aux = sequence_aux_loss(routing, self.n_experts, s, axis)
-        if torch._C._current_graph_task_id() == -1:        # not full recompute's second forward, in backward
+        if not in_backward():                            # not full recompute's second forward, in backward
             self._count(aux.detach() / (axis.size if axis is not None else 1), load, routing)
         y = y.view(b, s, h).to(x.dtype)
         if self.aux_coefficient and torch.is_grad_enabled():

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError
+from ..torch_private import assert_async
 
 
 def bad_id_slots(ids: torch.Tensor, vocab_size: int, index: int, n: int, ignore_index=None) -> torch.Tensor:
@@ -67,7 +68,7 @@ def raise_on_bad_ids(summed: torch.Tensor, vocab_size: int, what: str, ignore_in
     n = summed.numel() // 2
     flags = summed[:n]
     if summed.is_cuda:
-        torch._assert_async(flags.sum() == 0, f"{what}: an id lies outside the vocabulary [0, {vocab_size})")
+        assert_async(flags.sum() == 0, f"{what}: an id lies outside the vocabulary [0, {vocab_size})")
         return
     flags_list = flags.tolist()
     if not any(flags_list):

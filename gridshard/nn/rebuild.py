@@ -38,7 +38,7 @@ around a decoder layer's call (:func:`gridshard.parallel.recompute.rebuild_modul
 Every other tensor is handed to the hooks that were active when the region opened (the
 saved-tensor meter, a pipeline stage's meter) or kept as is: the region is transparent to them
 (only the innermost ``saved_tensors_hooks`` run, so the region reads the outer pair with
-``torch._C._autograd._top_saved_tensors_default_hooks``, as torch's AOT autograd does, and calls
+:func:`gridshard.torch_private.outer_saved_hooks`, as torch's AOT autograd does, and calls
 it itself).
 A consumer that saves a *copy* (autocast casting y to another dtype) has another storage: it is
 not recognised and nothing is dropped. Under ``torch.compile`` nothing is offered (Dynamo does
@@ -54,6 +54,8 @@ import weakref
 from typing import Callable, Optional
 
 import torch
+
+from ..torch_private import outer_saved_hooks
 
 
 class _Recipe:
@@ -142,7 +144,7 @@ class RebuildRegion:
 
     def open(self) -> None:
         """Start a call: offers are taken and the pack hook recognises them until :meth:`close`."""
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        outer = outer_saved_hooks()
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(t):

@@ -49,7 +49,7 @@ checks bit for bit in fp32 (and, with data parallelism, ZeRO-3, pipeline stages,
 How ``full`` is installed: nothing of the module is replaced (its ``forward`` stays its class's,
 parameter names and state dicts are unchanged). A forward pre-hook opens PyTorch's non-reentrant
 checkpoint region around the call (the generator behind ``torch.utils.checkpoint.checkpoint``
-and ``torch.distributed._composable.checkpoint``) and a forward hook, registered first among the
+and the composable ``checkpoint`` of ``torch.distributed``) and a forward hook, registered first among the
 forward hooks, closes it. Unlike the composable API, the recomputation runs the module's
 ``forward`` itself, not ``module(...)``: the hooks of other owners (ZeRO-3's gather and release,
 :mod:`gridshard.zero.data_parallel`) run once per forward, as without recompute, and not again

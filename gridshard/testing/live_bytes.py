@@ -23,8 +23,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from ..torch_private import TorchDispatchMode, tree_flatten
 
 
 class LiveBytesMeter(TorchDispatchMode):

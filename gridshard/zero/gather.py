@@ -45,9 +45,9 @@ import contextlib
 from typing import Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from ..comm import collectives as C
+from ..torch_private import in_backward, tree_map_only
 from .pages import StagingPool, StagingSlots
 from .settings import MAX_IN_FLIGHT
 
@@ -108,7 +108,7 @@ class ParameterGather(StagingSlots):
 
     def _pre_forward(self, u):
         # a forward inside backward (full recompute) finds its unit gathered: nothing to prefetch
-        return lambda _module, _args: self.gather(u, ahead=1 if torch._C._current_graph_task_id() == -1 else 0)
+        return lambda _module, _args: self.gather(u, ahead=0 if in_backward() else 1)
 
     def _post_forward(self, u):
         def hook(_module, _args, output):

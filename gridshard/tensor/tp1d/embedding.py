@@ -33,6 +33,7 @@ from ...errors import ShapeError
 from .linear import check_sequence_divisible
 from ...theory.vocab import padded_vocab_size
 from ...nn.sharding import ShardSpec, sharded_parameter, sequence_parallel_on
+from ...torch_private import assert_async
 
 
 def padded_normal_init(vocab_size: int, std: float):
@@ -55,7 +56,7 @@ def check_token_range(ids: torch.Tensor, vocab_size: int, what: str, ignore_inde
         ok = (ids >= 0) & (ids < vocab_size)
         if ignore_index is not None:
             ok |= ids == ignore_index
-        torch._assert_async(ok.all(), f"{what}: an id lies outside the vocabulary [0, {vocab_size})")
+        assert_async(ok.all(), f"{what}: an id lies outside the vocabulary [0, {vocab_size})")
         return
     live = ids if ignore_index is None else ids[ids != ignore_index]
     if live.numel() and (int(live.min()) < 0 or int(live.max()) >= vocab_size):

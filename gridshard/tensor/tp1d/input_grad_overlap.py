@@ -48,7 +48,7 @@ and re-gathered; only the input gradient's collective waits for the entry node. 
 deferred weight pass (``torch.distributed.pipelining`` re-runs it from its saved gradient), and
 each run that computes the weight gradient re-gathers: measured at P = 2, T = 2, V = 2 with SP,
 72 re-gathers on rank 0 over 3 steps where interleaved 1F1B has 48 (the same losses bit for bit). Skipping it in the input
-pass would need ``torch._C._will_engine_execute_node`` on the weights' accumulator nodes, which
+pass would need :func:`gridshard.torch_private.will_execute` on the weights' accumulator nodes, which
 torch 2.13 refuses inside ``autograd.grad``.
 """
 from __future__ import annotations

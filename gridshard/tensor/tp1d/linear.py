@@ -74,6 +74,7 @@ from .input_grad_overlap import column_input
 from ...errors import LayoutError, ShapeError, check_divisible
 from ...nn.precomputed import PrecomputedOutput
 from ...nn.sharding import ShardSpec, sharded_parameter, sequence_parallel_on
+from ...torch_private import will_execute
 
 T_NAME = "tensor-parallel size T"
 
@@ -137,7 +138,7 @@ class _ColumnProduct(torch.autograd.Function):
     sequence-first. Backward: dx = dy·W first; with a ``handoff``
     (:mod:`gridshard.tensor.tp1d.input_grad_overlap`) its collective starts now and runs while
     dW = dyᵀ·x is computed — only if this backward will reach the entry node that waits for
-    it (``torch._C._will_engine_execute_node``, as ``torch.autograd.graph.register_multi_grad_hook``
+    it (:func:`gridshard.torch_private.will_execute`, as ``torch.autograd.graph.register_multi_grad_hook``
     uses it): a pass that wants only weight gradients (zero bubble's deferred weight pass,
     ``autograd.grad`` w.r.t. parameters) launches nothing. Under sequence parallelism x is the
     all-gather of the rank's sequence block x_t: only x_t is saved (s/T·b·in elements instead
@@ -173,7 +174,7 @@ class _ColumnProduct(torch.autograd.Function):
             dx = (gs @ w.to(ctx.dtype)).to(ctx.in_dtype)
             if ctx.seq_first:
                 dx = dx.transpose(0, 1)
-            if ctx.entry is not None and torch._C._will_engine_execute_node(ctx.entry):
+            if ctx.entry is not None and will_execute(ctx.entry):
                 ctx.handoff.launch(dx)          # the input-gradient collective runs during dW
         if not wants_dw:
             return (dx, None, *(None for _ in parts))

@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ...errors import LayoutError, check_divisible
 from ...mesh import Axis, device_axis, group_timeout_s, set_collective_timeout
+from ...torch_private import flatten_mesh
 
 
 #: the cube's dims, outermost first (3D tensor parallelism; :mod:`gridshard.tensor.tp3d.mesh`)
@@ -109,8 +110,8 @@ class Mesh3D:
         sub-meshes, which creates their process groups: call it once per mesh and reuse the result
         (:meth:`with_ledger`, :meth:`swapped`)."""
         _check_cube_dims(device_mesh)                 # before the flattening creates any group
-        flat_wi = device_mesh["weight", "input"]._flatten("tp3d_weight_input")
-        flat_wo = device_mesh["weight", "output"]._flatten("tp3d_weight_output")
+        flat_wi = flatten_mesh(device_mesh["weight", "input"], "tp3d_weight_input")
+        flat_wo = flatten_mesh(device_mesh["weight", "output"], "tp3d_weight_output")
         return cls(device_mesh, flat_wi, flat_wo, ledger)
 
     @classmethod

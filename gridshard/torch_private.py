@@ -1,0 +1,125 @@
+"""Every private PyTorch name gridshard calls, in one place, each behind a gate (issue 39).
+
+A private name can change or vanish in any torch release. Each wrapper below looks its name up on
+the torch it runs on; where the name is missing it falls back to public API that gives the same
+result (slower, or without an overlap), or, where no public API can, raises one error naming the
+torch version, what needs the name and the fix. ``tests/test_torch_private.py`` runs every wrapper
+on the pinned torch (2.13) and every fallback with its private name hidden. This module imports
+nothing of gridshard.
+
+=========================  ==========================================  ================================
+wrapper                    private name (why no public one does)       without it
+=========================  ==========================================  ================================
+``in_backward``            ``_C._current_graph_task_id`` (-1 outside   error: a forward run inside
+                           a backward pass; full recompute's second    backward cannot be told apart
+                           forward runs inside one)
+``will_execute``           ``_C._will_engine_execute_node`` (what      False: the 1D input-gradient
+                           ``register_multi_grad_hook`` uses)          collective is not overlapped
+``outer_saved_hooks``      ``_C._autograd._top_saved_tensors_default_  error: the recompute rebuild
+                           hooks`` (only the innermost saved-tensor    would bypass outer hooks
+                           hooks run; AOT autograd reads it too)
+``assert_async``           ``_assert_async`` (checks on the device     a synchronous check
+                           without a host sync)
+``foreach_norm``,          ``_foreach_norm``, ``_foreach_mul_`` (one   one call per tensor
+``foreach_mul_``           kernel per group, as torch's optimizers)
+``flatten_mesh``           ``DeviceMesh._flatten`` (torch ≥ 2.6 has    error (the package needs
+                           no public flattening)                       torch ≥ 2.6)
+``set_group_timeout``      ``distributed_c10d._set_pg_timeout``        the group keeps the backend's
+                           (torchtitan uses it too)                    default timeout, with a warning
+``tree_flatten``,          ``utils._pytree``, ``utils._python_         error at import: testing and
+``tree_map_only``,         dispatch`` (no public module in 2.6)        ZeRO-3's gather need them
+``TorchDispatchMode``
+=========================  ==========================================  ================================
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+class PrivateTorchMissing(RuntimeError):
+    """A private torch name gridshard needs, with no public stand-in, is missing from this torch."""
+
+
+def _missing(name: str, needed_by: str) -> PrivateTorchMissing:
+    return PrivateTorchMissing(f"torch {torch.__version__} has no {name}, which {needed_by} needs. Fix: install the "
+                               f"pinned torch (pip install torch==2.13.0), or a release between 2.6 and 2.13.")
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is None:
+        raise _missing("torch._C._current_graph_task_id", "telling full recompute's forward from the first")
+    return task() != -1
+
+
+def will_execute(node) -> bool:
+    """Whether the running backward will execute autograd ``node``; False where torch cannot say."""
+    check = getattr(torch._C, "_will_engine_execute_node", None)
+    return bool(check(node)) if check is not None else False
+
+
+def outer_saved_hooks():
+    """The (pack, unpack) pair of the enclosing ``saved_tensors_hooks``, or None."""
+    top = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        raise _missing("torch._C._autograd._top_saved_tensors_default_hooks", "the recompute rebuild (nn/rebuild.py)")
+    return top(True)
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """Fail the run if ``condition`` (a 0-dim bool tensor) is false, without a host sync where torch can."""
+    check = getattr(torch, "_assert_async", None)
+    if check is not None:
+        check(condition, message)
+    elif not bool(condition):
+        raise RuntimeError(message)
+
+
+def foreach_norm(tensors: list) -> list:
+    """The 2-norm of each tensor."""
+    norm = getattr(torch, "_foreach_norm", None)
+    return list(norm(tensors)) if norm is not None else [torch.linalg.vector_norm(t) for t in tensors]
+
+
+def foreach_mul_(tensors: list, factor: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-dim ``factor``."""
+    mul = getattr(torch, "_foreach_mul_", None)
+    if mul is not None:
+        mul(tensors, factor)
+    else:
+        for t in tensors:
+            t.mul_(factor)
+
+
+def flatten_mesh(device_mesh, name: str):
+    """One mesh dim over the dims of ``device_mesh`` (a slice of a DeviceMesh), named ``name``."""
+    flatten = getattr(device_mesh, "_flatten", None)
+    if flatten is None:
+        raise _missing("DeviceMesh._flatten", "the flattened tensor and data × context mesh dims")
+    return flatten(name)
+
+
+def set_group_timeout(timeout, group) -> None:
+    """Give process ``group`` this ``timeout`` (a timedelta)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        warnings.warn(f"torch {torch.__version__} cannot change a process group's timeout: the mesh's groups keep "
+                      f"the backend's default, not train.collective_timeout_s", stacklevel=2)
+        return
+    setter(timeout, group)
+
+
+try:
+    from torch.utils._pytree import tree_flatten, tree_map_only
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError as e:                        # pragma: no cover - the pinned torch has them
+    raise _missing("torch.utils._pytree / torch.utils._python_dispatch", "ZeRO-3's gather and the test meters") from e
+
+
+__all__ = ["in_backward", "will_execute", "outer_saved_hooks", "assert_async", "foreach_norm", "foreach_mul_",
+           "flatten_mesh", "set_group_timeout", "tree_flatten", "tree_map_only", "TorchDispatchMode",
+           "PrivateTorchMissing"]

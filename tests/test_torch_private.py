@@ -1,0 +1,83 @@
+"""Every private PyTorch name gridshard calls goes through :mod:`gridshard.torch_private` (issue 39):
+each wrapper works on the pinned torch, each falls back (or fails with one clear error) when its
+private name is hidden, and no other file of the package names a private ``torch.X._Y``."""
+import datetime
+import os
+import re
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gridshard import torch_private as tp
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "gridshard")
+
+
+def test_no_private_torch_name_outside_the_gated_module():
+    pattern = re.compile(r"torch\.\w*\._\w|torch\._(?!_)\w|\._flatten\(|_set_pg_timeout")
+    found = []
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and not path.endswith("torch_private.py"):
+                with open(path) as f:
+                    found += [f"{path}:{i}" for i, line in enumerate(f, 1) if pattern.search(line)]
+    assert found == []
+
+
+def test_the_wrappers_on_this_torch():
+    x = torch.ones(3, requires_grad=True)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(tp.in_backward())
+            return g * 2
+
+    assert not tp.in_backward()
+    Probe.apply(x).sum().backward()
+    assert seen == [True]
+    assert tp.outer_saved_hooks() is None
+    pack, unpack = (lambda t: t), (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert tp.outer_saved_hooks() == (pack, unpack)
+    tp.assert_async(torch.tensor(True), "never")
+    ts = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
+    assert [float(n) for n in tp.foreach_norm(ts)] == [5.0, 1.0]
+    tp.foreach_mul_(ts, torch.tensor(2.0))
+    assert ts[0].tolist() == [6.0, 8.0]
+    assert tp.tree_flatten(([torch.ones(1)], {"a": 2}))[0][1] == 2
+
+
+def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    with pytest.raises(tp.PrivateTorchMissing, match="Fix: install the pinned torch"):
+        tp.in_backward()
+    monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    with pytest.raises(tp.PrivateTorchMissing, match="recompute rebuild"):
+        tp.outer_saved_hooks()
+    monkeypatch.delattr(torch._C, "_will_engine_execute_node")
+    assert tp.will_execute(object()) is False
+    for name in ("_assert_async", "_foreach_norm", "_foreach_mul_"):
+        monkeypatch.delattr(torch, name)
+    tp.assert_async(torch.tensor(True), "never")
+    with pytest.raises(RuntimeError, match="an id"):
+        tp.assert_async(torch.tensor(False), "an id")
+    ts = [torch.tensor([3.0, 4.0])]
+    assert float(tp.foreach_norm(ts)[0]) == 5.0
+    tp.foreach_mul_(ts, torch.tensor(0.5))
+    assert ts[0].tolist() == [1.5, 2.0]
+    with pytest.raises(tp.PrivateTorchMissing, match="DeviceMesh._flatten"):
+        tp.flatten_mesh(object(), "tensor")
+    monkeypatch.delattr(dist.distributed_c10d, "_set_pg_timeout")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tp.set_group_timeout(datetime.timedelta(seconds=5), None)
+    assert "collective_timeout_s" in str(caught[0].message)
