@@ -89,16 +89,28 @@ class ContextMode(str, Enum):
                               f"(any C) or 'all_to_all' (C divides the local heads).") from None
 
     def check_heads(self, local_heads: int, local_kv_heads: int, C: int) -> None:
-        """LayoutError unless C divides this rank's query and k/v heads (all_to_all only: each
-        context rank then attends with H/C of them over the whole sequence)."""
+        """LayoutError unless all_to_all can split this rank's heads over C: C divides the query
+        heads (each context rank attends with H/C of them over the whole sequence), and the k/v
+        heads are a multiple of C or divide it (:func:`traded_kv_heads`: then each is replicated)."""
         if self is not ContextMode.ALL_TO_ALL or C == 1:
             return
-        for name, n in (("query", local_heads), ("k/v", local_kv_heads)):
-            if n % C:
-                raise LayoutError(f"context_mode='all_to_all' with context={C}: a rank's {n} {name} heads (after "
-                                  f"the tensor split) are not divisible by C, and all_to_all gives each context "
-                                  f"rank 1/C of them. Fix: use context_mode='ring', or a context size among the "
-                                  f"divisors of {n}.")
+        if local_heads % C:
+            raise LayoutError(f"context_mode='all_to_all' with context={C}: a rank's {local_heads} query heads (after "
+                              f"the tensor split) are not divisible by C, and all_to_all gives each context rank 1/C "
+                              f"of them. Fix: use context_mode='ring', or a context size among the divisors of "
+                              f"{local_heads}.")
+        if local_kv_heads % C and C % local_kv_heads:
+            raise LayoutError(f"context_mode='all_to_all' with context={C}: a rank's {local_kv_heads} k/v heads (after "
+                              f"the tensor split) neither split over C nor divide it (then each would be replicated "
+                              f"C/{local_kv_heads} times). Fix: use context_mode='ring', or a context size that "
+                              f"divides or is a multiple of {local_kv_heads}.")
+
+
+def traded_kv_heads(kv_heads: int, C: int) -> int:
+    """The k/v heads all_to_all context attention trades over C ranks: H_kv when C divides them,
+    else C — each head replicated C/H_kv times (C a multiple of H_kv), so that each context rank gets
+    one, the k/v head of its H/C query heads (as DeepSpeed's Ulysses does; :mod:`gridshard.context.all_to_all`)."""
+    return kv_heads if C <= 1 or kv_heads % C == 0 else C
 
 
 def check_context_sequence(seq_len: int, C: int, T: int = 1, sequence_parallel: bool = False) -> None:

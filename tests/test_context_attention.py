@@ -59,7 +59,8 @@ def _case(mode, b, S, H, H_kv, d, seed):
     return errs, fwd == theory["forward"] and wire_ok, bwd == theory["backward"]
 
 
-@pytest.mark.parametrize("mode,H,H_kv", [("ring", 4, 2), ("ring", 2, 2), ("all_to_all", 8, 4)])
+@pytest.mark.parametrize("mode,H,H_kv", [("ring", 4, 2), ("ring", 2, 2), ("all_to_all", 8, 4), ("all_to_all", 8, 2),
+                                        ("all_to_all", 4, 1)])
 def test_context_attention_matches_causal_attention(mode, H, H_kv):
     for errs, fwd_ok, bwd_ok in run_on_ranks(4, _case, mode, 2, 16, H, H_kv, 8, seed=7 + H_kv):
         assert fwd_ok and bwd_ok

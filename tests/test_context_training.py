@@ -8,7 +8,7 @@ targets or the other context ranks' tokens moves the loss by percents). Each lay
 with one process over 10 steps of AdamW with clipping active: loss and global gradient norm
 within 1e-5 relative per step, final gathered parameters within 1e-5 (relative Frobenius).
 
-In ``make test``: (D, P, C, T) = (1, 1, 4, 1) ring. Wide: (1, 1, 4, 1) all_to_all, (1, 1, 2, 4) 2D,
+In ``make test``: (D, P, C, T) = (1, 1, 4, 1) ring, and all_to_all at C = 4 over 2 k/v heads (replicated). Wide: (1, 1, 4, 1) all_to_all, (1, 1, 2, 4) 2D,
 (1, 2, 2, 1) 1F1B and GPipe, and with 4 layers and V = 2 interleaved 1F1B and zero bubble (ring; zero
 bubble also all_to_all), (2, 1, 2, 1) ZeRO-2, (1, 1, 2, 1) ZeRO-3, (1, 1, 2, 2) 1D + sequence
 parallelism (ring and all_to_all), C = 2 with selective (ring) and full (all_to_all) recompute: the
@@ -142,6 +142,23 @@ def _expected_context_ledger(mode: str) -> dict:
     return {"send" if mode == "ring" else "all_to_all": (per[0] * times, per[1] * times)}
 
 
+def test_all_to_all_replicates_fewer_kv_heads_than_context_ranks():
+    """2 k/v heads on C = 4 context ranks, all_to_all (issue 39): each k/v head goes to 2 ranks, and
+    10 steps equal one process within 1e-5 (loss, gradient norm, final parameters); the context
+    ledger is the closed form with the 4 traded k/v heads."""
+    from gridshard.theory.context import all_to_all_attention_volume
+
+    few = {**BASE["model"], "kv_heads": 2}
+    cfg = {**_config(C=4, mode="all_to_all"), "model": few}
+    ref_loss, ref_norm, _, ref_params = run_config({**_config(), "model": few})
+    loss, norm, _, params = run_config(cfg)
+    assert max(max_rel(loss, ref_loss), max_rel(norm, ref_norm), max_rel_tensors(params, ref_params)) <= TOL
+    b, s_r, d = BASE["train"]["micro_batch"], BASE["data"]["seq_len"] // 4, MODEL["hidden"] // MODEL["heads"]
+    one = all_to_all_attention_volume(4, b, s_r, MODEL["heads"], 2, d, 4)
+    passes = MODEL["layers"] * BASE["train"]["steps"] * BASE["train"]["global_batch"] // b
+    assert context_ledgers(cfg)[0]["all_to_all"] == (8 * passes, passes * (one["forward"][1] + one["backward"][1]))
+
+
 @pytest.mark.wide
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_interleaved_and_zero_bubble_at_c2_give_the_one_process_run(name):
@@ -203,18 +220,21 @@ def test_context_config_is_validated_before_launch():
               "model": {**MODEL, "max_seq_len": 32}}
     msg = _error(sp_len, 8)
     assert "C·T = 8" in msg and "multiple of 8" in msg, msg
-    msg = _error(_config(C=8, mode="all_to_all"), 8)        # 8 query heads, 4 k/v heads: 8 ∤ 4
-    assert "all_to_all" in msg and "4 k/v heads" in msg and "ring" in msg, msg
-    msg = _error(_config(C=2, T=4, mode="all_to_all"), 8)   # T=4 leaves 1 k/v head per rank
-    assert "1 k/v heads" in msg, msg
+    msg = _error(_config(C=8, T=2, mode="all_to_all"), 16)  # T=2 leaves 4 query heads per rank: 8 ∤ 4
+    assert "all_to_all" in msg and "4 query heads" in msg and "ring" in msg, msg
+    twelve = {**_config(C=6, mode="all_to_all"), "model": {**MODEL, "hidden": 96, "heads": 12, "max_seq_len": 36},
+              "data": {**BASE["data"], "seq_len": 36}}
+    msg = _error(twelve, 6)                                  # 4 k/v heads on C = 6: 6 ∤ 4 and 4 ∤ 6
+    assert "4 k/v heads" in msg and "neither split over C nor divide it" in msg, msg
     for kw in SCHEDULES.values():                 # every pipeline schedule is built at C > 1
         assert resolve_config(_deep(**kw), world_size=4, cuda_available=False).parallel.virtual_stages == 2
     compiled = {**_config(C=2), "train": {**_config(C=2)["train"], "compile": True}}
     assert resolve_config(compiled, world_size=2, cuda_available=False).train.compile    # built: tests/test_compile.py
     grid = resolve_config(_config(C=2, T=4, mode="all_to_all", tensor_mode="2d"), world_size=8)
     assert JobLayout.from_config(grid).q == 2                     # 2D: 4/q = 4 heads, 2 k/v heads per rank
-    msg = _error(_config(C=4, T=4, mode="all_to_all", tensor_mode="2d"), 16)
-    assert "2 k/v heads" in msg, msg
+    assert resolve_config(_config(C=4, T=4, mode="all_to_all", tensor_mode="2d"), world_size=16)   # 2 k/v heads: ×2
+    msg = _error(_config(C=8, T=4, mode="all_to_all", tensor_mode="2d"), 32)
+    assert "4 query heads" in msg, msg
 
 
 def _mesh_body(D, C, T):
@@ -295,8 +315,9 @@ def test_parallelize_wires_attention_and_positions_and_refuses_other_models():
         assert model.context_split == (2, 1)
         attend = [layer.self_attn.context_attention for layer in model.layers]
         assert all(a.func is fn and a.keywords["axis"].size == 2 and a.keywords["axis"].rank == 1 for a in attend)
-    with pytest.raises(LayoutError, match="2 k/v heads"):
-        laid_out("all_to_all", kv_heads=2, C=4, rank=0)
+    laid_out("all_to_all", kv_heads=2, C=4, rank=0)           # 2 k/v heads, each replicated on 2 of 4 ranks
+    with pytest.raises(LayoutError, match="8 query heads"):
+        laid_out("all_to_all", kv_heads=2, C=16, rank=0)
     with torch.device("meta"):
         vit = VisionTransformer(ViTConfig())
     with pytest.raises(LayoutError, match="VisionTransformer"):

@@ -7,7 +7,10 @@ S = 2c·C tokens; the tokens are put back in sequence order, causal attention ru
 sequence for those heads (any kernel: here ``F.scaled_dot_product_attention``), and one more
 all-to-all returns each rank's tokens with all heads. Queries need H divisible by C, keys and
 values H_kv divisible by C (each rank then attends with H/C query heads over H_kv/C k/v heads,
-the same grouping as the whole model).
+the same grouping as the whole model) or dividing C: then each k/v head is repeated C/H_kv times
+before the trade (:func:`gridshard.job_layout.traded_kv_heads`), so rank g gets k/v head
+g·H_kv/C — the one its query heads g·H/C … (g+1)·H/C − 1 use — and the repeat's backward sums the
+copies' gradients. The k/v trades then carry C heads instead of H_kv.
 
 The backward of an all-to-all is the inverse all-to-all, so the layer moves, per rank, in each
 direction: forward q, k, v in and the output back (4 calls), backward the same four in reverse.
@@ -21,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.ledger import record
+from ..job_layout import traded_kv_heads
 from .sequence_split import shard_sequence, unshard_sequence
 
 
@@ -64,13 +68,15 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis
 
     ``q`` [b, H, 2c, d], ``k``/``v`` [b, H_kv, 2c, d] as for
     :func:`gridshard.context.ring_attention.ring_attention`; returns this rank's [b, H, 2c, d]."""
-    C = axis.size
-    for name, heads in (("query", q.shape[1]), ("k/v", k.shape[1])):
-        if heads % C:
-            raise ValueError(f"{heads} {name} heads are not divisible by the context size C = {C}: "
-                             f"context_mode all_to_all gives each context rank H/C heads. Fix: use "
-                             f"parallel.context_mode: ring, or a C that divides {heads}.")
+    C, kv = axis.size, k.shape[1]
+    if q.shape[1] % C or (kv % C and C % kv):
+        raise ValueError(f"{q.shape[1]} query and {kv} k/v heads on a context size C = {C}: context_mode "
+                         f"all_to_all needs C | query heads and C | k/v heads or k/v heads | C. Fix: use "
+                         f"parallel.context_mode: ring, or another C.")
     if C > 1:                                                  # C = 1: plain causal attention
+        repeat = traded_kv_heads(kv, C) // kv
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         q, k, v = (_Trade.apply(t, axis, True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return _Trade.apply(out, axis, False) if C > 1 else out

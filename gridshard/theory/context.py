@@ -17,9 +17,13 @@ send (op ``send``, payload = wire bytes). C = 1 moves nothing.
 All-to-all attention (:mod:`gridshard.context.all_to_all`) trades sequence for heads: forward one
 all-to-all each for q (b·H·2c·d elements), k and v (b·H_kv·2c·d each) and the output (b·H·2c·d);
 backward the same four, inverted. Payload = the rank's local tensor; (C − 1)/C of it leaves the
-rank. Per rank and direction: 4 calls, b·2c·d·(2H + 2H_kv)·bytes_per_elem.
+rank. Per rank and direction: 4 calls, b·2c·d·(2H + 2H_kv')·bytes_per_elem, with H_kv' the
+k/v heads traded (:func:`gridshard.job_layout.traded_kv_heads`: H_kv, or C when H_kv < C divides it
+and each head is replicated C/H_kv times).
 """
 from __future__ import annotations
+
+from ..job_layout import traded_kv_heads
 
 
 def ring_block_bytes(b: int, local_tokens: int, kv_heads: int, head_dim: int, bytes_per_elem: int) -> int:
@@ -43,7 +47,8 @@ def all_to_all_attention_volume(C: int, b: int, local_tokens: int, heads: int, k
     all-to-alls per rank (module docstring)."""
     if C == 1:
         return {"forward": (0, 0), "backward": (0, 0)}
-    per_direction = b * local_tokens * head_dim * (2 * heads + 2 * kv_heads) * bytes_per_elem
+    kv = traded_kv_heads(kv_heads, C)
+    per_direction = b * local_tokens * head_dim * (2 * heads + 2 * kv) * bytes_per_elem
     return {"forward": (4, per_direction), "backward": (4, per_direction)}
 
 
@@ -94,6 +99,6 @@ def context_transient_bytes(C: int, mode: str, b: int, local_tokens: int, heads:
         return 0
     kv = ring_block_bytes(b, local_tokens, kv_heads, head_dim, e)
     if mode == "all_to_all":
-        return 2 * b * local_tokens * head_dim * (2 * heads + 2 * kv_heads) * e
+        return 2 * b * local_tokens * head_dim * (2 * heads + 2 * traded_kv_heads(kv_heads, C)) * e
     dkv = ring_block_bytes(b, local_tokens, kv_heads, head_dim, 4)
     return 2 * kv + 2 * dkv + b * heads * local_tokens * head_dim * (4 + e)
