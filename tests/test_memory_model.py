@@ -315,14 +315,15 @@ def test_pipeline_stage_buffers_by_hand():
 CONTEXT_SEQ = 16                                      # 2C = 4 chunks of 4 tokens
 
 
-def _measure_context(mode):
+def _measure_context(mode, kv_heads=2):
     """On each of 2 context ranks: saved-for-backward bytes of one forward per (precision, recompute)."""
     from gridshard import build_mesh, parallelize
     from gridshard.engine.memory_meter import SavedTensorMeter
     from gridshard.models import ModelConfig, Transformer
     from gridshard.parallel.recompute import apply_recompute
 
-    cfg = ModelConfig(vocab_size=97, hidden=64, layers=1, heads=4, kv_heads=2, ffn_hidden=96, max_seq_len=CONTEXT_SEQ)
+    cfg = ModelConfig(vocab_size=97, hidden=64, layers=1, heads=4, kv_heads=kv_heads, ffn_hidden=96,
+                      max_seq_len=CONTEXT_SEQ)
     g = torch.Generator().manual_seed(0)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (2, CONTEXT_SEQ), generator=g) for _ in range(2))
     out = {}
@@ -340,15 +341,16 @@ def _measure_context(mode):
     return out, cfg
 
 
-@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
-def test_context_saved_activation_bytes_equal_the_formula(mode):
-    """One decoder layer (GQA: 4 query heads over 2 k/v heads) on C = 2 context ranks, ring and
-    all-to-all: the bytes autograd saves equal :func:`activation_bytes` with ``context=2`` exactly,
-    for recompute none / selective / full, fp32 and bf16 autocast (the C > 1 term included)."""
-    for rank, (got, cfg) in enumerate(run_on_ranks(2, _measure_context, mode)):
+@pytest.mark.parametrize("mode,kv_heads", [("ring", 2), ("all_to_all", 2), ("all_to_all", 1)])
+def test_context_saved_activation_bytes_equal_the_formula(mode, kv_heads):
+    """One decoder layer (GQA: 4 query heads over 2 k/v heads, or 1 replicated to the C ranks) on
+    C = 2 context ranks, ring and all-to-all: the bytes autograd saves equal :func:`activation_bytes`
+    with ``context=2`` exactly, for recompute none / selective / full, fp32 and bf16 autocast (the
+    C > 1 term included)."""
+    for rank, (got, cfg) in enumerate(run_on_ranks(2, _measure_context, mode, kv_heads)):
         for (precision, recompute), measured_bytes in got.items():
             formula = M.activation_bytes(cfg, 2, CONTEXT_SEQ, recompute=recompute, precision=precision,
-                                         context=2).total
+                                         context=2, context_mode=mode).total
             assert measured_bytes == formula, (mode, rank, precision, recompute, measured_bytes, formula)
 
 

@@ -53,7 +53,7 @@ def all_to_all_attention_volume(C: int, b: int, local_tokens: int, heads: int, k
 
 
 def context_attention_saved_bytes(C: int, token_rows: int, heads: int, head_dim: int, e: int,
-                                  recompute: str = "none") -> int:
+                                  recompute: str = "none", kv_heads: int = 0, mode: str = "ring") -> int:
     """Activation bytes one decoder layer keeps at C > 1 beyond the C = 1 layer of the same local
     tokens (:func:`gridshard.theory.memory.layer_saved_tensors`, which takes N = b·S/C tokens per
     rank: every per-token tensor shrinks by C). ``token_rows`` n = b·2c (2D: over q), ``heads`` H_r
@@ -76,10 +76,14 @@ def context_attention_saved_bytes(C: int, token_rows: int, heads: int, head_dim:
         extra = n·H_r·d·e        (none)        0  (selective, full: the core is recomputed and
                                                     its output reaches o_proj the same way)
 
-    C = 1: 0."""
+    and under all-to-all with ``kv_heads`` H_kv < C replicated to C heads
+    (:func:`gridshard.job_layout.traded_kv_heads`), SDPA keeps the traded k and v of C heads where
+    the C = 1 count has H_kv: + 2·n·(C − H_kv)·d·e (recompute none; selective keeps the core's
+    un-replicated inputs). C = 1: 0."""
     if C == 1 or recompute != "none":
         return 0
-    return token_rows * heads * head_dim * e
+    replicated = traded_kv_heads(kv_heads, C) - kv_heads if mode == "all_to_all" and kv_heads else 0
+    return token_rows * heads * head_dim * e + 2 * token_rows * replicated * head_dim * e
 
 
 def context_transient_bytes(C: int, mode: str, b: int, local_tokens: int, heads: int, kv_heads: int,

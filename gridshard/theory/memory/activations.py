@@ -215,7 +215,7 @@ def norm_saved_bytes(cfg, mode: str, T: int, sequence_parallel: bool, tokens: in
 
 
 def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens: int, recompute: str = "none",
-                        e: int = FP32, context: int = 1) -> dict:
+                        e: int = FP32, context: int = 1, context_mode: str = "ring") -> dict:
     """What one decoder layer keeps for backward, tensor by tensor (module docstring §2): name →
     bytes, in forward order; the two norms as one entry each (:func:`norm_saved_bytes`). Under
     ``selective`` q, k, v are the core's inputs (before RoPE, same sizes), ``lse``, ``silu(g)``
@@ -238,7 +238,7 @@ def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens:
     out = {"attn_norm (x, rstd, y)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
            "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e, "lse": n * r.heads * FP32,
            "mlp_norm (x, rstd, y)": norm, "gate g": f, "silu(g)": f, "up u": f, "silu(g)·u": f}
-    extra = context_attention_saved_bytes(context, n, r.heads, d, e, recompute)
+    extra = context_attention_saved_bytes(context, n, r.heads, d, e, recompute, r.kv_heads, str(context_mode))
     return {**out, "o_proj input (C > 1 copy)": extra} if extra else out
 
 
@@ -276,7 +276,7 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
                      sequence_parallel: bool = False, recompute: str = "none", layers: Optional[int] = None,
                      has_embedding: bool = True, has_head: bool = True, precision: str = "fp32",
                      param_bytes: int = FP32, context: int = 1, moe_layers: Optional[int] = None,
-                     expert: int = 1) -> ActivationBytes:
+                     expert: int = 1, context_mode: str = "ring") -> ActivationBytes:
     """Activation bytes one micro-batch keeps on one rank (module docstring §2).
 
     ``micro_batch``: sequences of the tensor group's micro-batch (2D splits them over grid
@@ -294,7 +294,7 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
     e = activation_element_bytes(precision)
     sp = TensorMode.parse(mode).sequence_parallel_in_effect(sequence_parallel, T)
     L = cfg.layers if layers is None else layers
-    dense = layer_saved_tensors(cfg, mode, T, sp, N, recompute, e, context)
+    dense = layer_saved_tensors(cfg, mode, T, sp, N, recompute, e, context, context_mode)
     moe = getattr(cfg, "experts", 0) and (sum(map(cfg.is_moe_layer, range(L))) if moe_layers is None else moe_layers)
     per_moe = sum(moe_layer_saved_tensors(cfg, dense, _rank_shape(cfg, mode, T, sp, N).residual, N, micro_batch,
                                           recompute, e, param_bytes, expert).values()) if moe else 0

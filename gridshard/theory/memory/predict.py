@@ -83,7 +83,7 @@ def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, s
     moe = sum(map(cfg.is_moe_layer, layer_ids)) if getattr(cfg, "experts", 0) else 0
     acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
                             has_embedding=first, has_head=last, precision=precision, param_bytes=pb, context=context,
-                            moe_layers=moe, expert=expert)
+                            moe_layers=moe, expert=expert, context_mode=context_mode)
     workspace = logits_workspace_bytes(cfg, micro_batch, s_r, mode, T, precision) if last else 0
     stage_buffers = 0 if P == 1 else stage_buffer_bytes(first, last, n_microbatches, in_flight, boundary_bytes(
         mode, sequence_parallel, T, micro_batch, s_r, cfg.hidden, precision))
