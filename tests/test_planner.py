@@ -429,6 +429,16 @@ def test_model_too_large_names_the_nearest_feasible():
     assert "no layout of 1 × cpu fits" in msg and "Nearest feasible: --gpus" in msg
 
 
+def test_nearest_alternative_splits_a_long_sequence_over_context_ranks():
+    """Issue 39: a sequence too long for any layout of 2 devices, whose activations fit only split
+    over context ranks: the nearest feasible alternative is searched with C > 1 too, and named."""
+    long = ["model.preset=tiny", "data.seq_len=16777216", "model.max_seq_len=16777216", "train.global_batch=8",
+            "train.micro_batch=1", "parallel.data=1", "parallel.tensor=1", "parallel.tensor_mode=none"]
+    with pytest.raises(PlanError, match=r"Nearest feasible: --gpus (\d+) with D\d+ P\d+ C\d+ ") as err:
+        plan(None, 2, hardware="cpu", overrides=long, max_micro_batch=1)
+    assert "Fix: more devices" not in str(err.value)
+
+
 def test_hardware_files_and_efficiency_curve():
     for name in ("h100", "h200", "a100", "cpu"):
         hw = load_hardware(name)

@@ -112,6 +112,7 @@ class PlanResult:
     counts: dict = field(default_factory=dict)
     nodes_note: str = ""                   # how the node count was chosen (--explain)
     nodes_given: bool = False              # the caller chose the node count
+    max_context: int = 8                   # the largest C searched (the nearest alternative's too)
 
     @property
     def best(self) -> Candidate:
@@ -308,7 +309,7 @@ def plan(config=None, gpus: Optional[int] = None, *, nodes: Optional[int] = None
                 counts["feasible" if x.feasible else ("memory" if x.memory is not None else "rule")] += 1
     feasible.sort(key=_sort_key)
     result = PlanResult(feasible[:top] if top else feasible, rejected, cfg, hw, world, nodes, config,
-                        tuple(overrides), dict(counts), note, note.endswith("(--nodes)"))
+                        tuple(overrides), dict(counts), note, note.endswith("(--nodes)"), max_context)
     if not feasible and raise_if_none:
         raise PlanError(no_layout_message(result))
     return result
@@ -352,8 +353,10 @@ def _nodes_for(result: PlanResult, n: int) -> Optional[int]:
 def _nearest_device_count(result: PlanResult, upward) -> Optional[tuple]:
     """(the options to pass, the best candidate) of the device count nearest to N with a
     feasible layout, each count on the nodes :func:`_nodes_for` gives it; searched over the
-    lightest settings only (ZeRO-3 or 0, full recompute, micro-batch 1) to stay quick."""
+    lightest settings only (ZeRO-3 or 0, full recompute, micro-batch 1) to stay quick, with every
+    context size the search tried (a long sequence may fit only split over context ranks)."""
     cfg, hw, N = result.config, result.hardware, result.world
+    more = dict(expert_keys(cfg.model.resolve()), seq_len=cfg.data.seq_len, max_context=result.max_context)
     if upward:
         tries = [N * k for k in (2, 4, 8, 16, 32, 64)]
     else:
@@ -362,13 +365,12 @@ def _nearest_device_count(result: PlanResult, upward) -> Optional[tuple]:
         nodes = _nodes_for(result, n)
         option = f"--gpus {n}" + (f" --nodes {nodes}" if result.nodes_given else "")
         light = (evaluate(cfg, x, hw, n, nodes) for x in enumerate_layouts(
-            n, cfg.train.global_batch, zero_stages=(3,), recompute=("full",), micro_batches=[1],
-            **expert_keys(cfg.model.resolve())))
+            n, cfg.train.global_batch, zero_stages=(3,), recompute=("full",), micro_batches=[1], **more))
         best = min((c for c in light if c.feasible), key=_sort_key, default=None)
         if best is None:           # else the first feasible layout without ZeRO
             best = next((c for c in (evaluate(cfg, x, hw, n, nodes)
                                      for x in enumerate_layouts(n, cfg.train.global_batch, zero_stages=(0,),
-                                                                **expert_keys(cfg.model.resolve())))
+                                                                **more))
                          if c.feasible), None)
         if best is not None:
             return option, best
