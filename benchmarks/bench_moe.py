@@ -166,7 +166,8 @@ def _tensor_split(tensor: int, rounds: int, n_experts: int = 8) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--experts", type=int, nargs="*", default=[4, 8], help="experts n of the one-process rows (none: skip)")
+    p.add_argument("--experts", type=int, nargs="*", default=[4, 8],
+                   help="experts n of the one-process rows (none: skip)")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--expert", type=int, nargs="*", default=[1, 2, 4], help="expert-parallel sizes (none: skip)")
     p.add_argument("--tensor-split", type=int, default=2, help="T of the expert tensor split measured (0: skip)")

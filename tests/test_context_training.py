@@ -8,7 +8,8 @@ targets or the other context ranks' tokens moves the loss by percents). Each lay
 with one process over 10 steps of AdamW with clipping active: loss and global gradient norm
 within 1e-5 relative per step, final gathered parameters within 1e-5 (relative Frobenius).
 
-In ``make test``: (D, P, C, T) = (1, 1, 4, 1) ring, and all_to_all at C = 4 over 2 k/v heads (replicated). Wide: (1, 1, 4, 1) all_to_all, (1, 1, 2, 4) 2D,
+In ``make test``: (D, P, C, T) = (1, 1, 4, 1) ring, and all_to_all at C = 4 over 2 k/v heads
+(replicated). Wide: (1, 1, 4, 1) all_to_all, (1, 1, 2, 4) 2D,
 (1, 2, 2, 1) 1F1B and GPipe, and with 4 layers and V = 2 interleaved 1F1B and zero bubble (ring; zero
 bubble also all_to_all), (2, 1, 2, 1) ZeRO-2, (1, 1, 2, 1) ZeRO-3, (1, 1, 2, 2) 1D + sequence
 parallelism (ring and all_to_all), C = 2 with selective (ring) and full (all_to_all) recompute: the

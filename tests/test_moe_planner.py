@@ -94,8 +94,8 @@ def test_expert_gradients_reduced_over_the_expert_data_ranks():
 
 def test_small_moe_plan_explains_its_expert_choice_and_writes_a_valid_config(tmp_path):
     # the config's own parallel.expert (4) must not leak into the candidates with another E
-    r = plan(None, 8, hardware="h100", overrides=TINY_MOE + ["parallel.data=8", "parallel.expert=4"], zero_stages=(0, 1),
-             max_micro_batch=2)
+    r = plan(None, 8, hardware="h100", overrides=TINY_MOE + ["parallel.data=8", "parallel.expert=4"],
+             zero_stages=(0, 1), max_micro_batch=2)
     assert {c.layout.expert for c in r.candidates} >= {1, 2, 4}
     assert {c.layout.expert for c in r.candidates if c.layout.data * c.layout.context == 2} == {1, 2}
     text = explain(r)

@@ -291,5 +291,5 @@ def layout_problem(cfg: TrainConfig, layout: Layout, world: int, cuda_available:
     return None
 
 
-__all__ = ["Layout", "enumerate_layouts", "expert_choices", "contexts", "factorisations", "divisors", "apply_layout", "layout_problem",
-           "lighter_end_splits", "split_label", "overlap_choices", "RECOMPUTE", "SCHEDULES"]
+__all__ = ["Layout", "enumerate_layouts", "expert_choices", "contexts", "factorisations", "divisors", "apply_layout",
+           "layout_problem", "lighter_end_splits", "split_label", "overlap_choices", "RECOMPUTE", "SCHEDULES"]
