@@ -271,8 +271,9 @@ def test_3d_config_rules_and_layout_facts():
         config_error({**_config(8, "3d"), "model": {**MODEL, "hidden": 36, "heads": 2}}, 8)
     assert "parallel.sequence_parallel=True is invalid" in config_error(_config(8, "3d", sp=True), 8)
     base = _config(8, "3d")
-    assert "context_mode='all_to_all' with context=2: a rank's 1 k/v heads" in \
-        config_error({**base, "parallel": {**base["parallel"], "context": 2, "context_mode": "all_to_all"}}, 16)
+    # 3D leaves a rank 2 query heads and 1 k/v head: all_to_all at C = 2 replicates the k/v head, C = 4 cannot split
+    assert "context_mode='all_to_all' with context=4: a rank's 2 query heads" in \
+        config_error({**base, "parallel": {**base["parallel"], "context": 4, "context_mode": "all_to_all"}}, 32)
     # the shape-only mesh: rank t = (i·q + j)·q + l, tokens block i·q + j, targets block i·q + l
     for t in range(8):
         mesh = ShapeMesh(tensor=8, tensor_mode="3d", tensor_rank=t)
