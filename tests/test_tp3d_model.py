@@ -141,8 +141,8 @@ def test_3d_data_parallel_zero3_gives_the_one_process_run(reference):
 @pytest.mark.wide
 def test_3d_context_parallel_gives_the_one_process_run(reference):
     """16 ranks: (D, C, T) = (1, 2, 8): every sequence split over the C = 2 context ranks (chunks i and
-    2C − 1 − i), each running 3D on its chunks with the attention crossing the context axis (ring:
-    all_to_all needs C to divide the rank's K/q = 1 kv head, refused by the config); the reducer's group
+    2C − 1 − i), each running 3D on its chunks with the attention crossing the context axis (ring;
+    all_to_all would replicate the rank's K/q = 1 kv head, tests/test_context_training.py); the reducer's group
     is data × context (2 ranks)."""
     got = _run(_config(8, "3d", C=2))
     _check_against(reference, got, "3D (1, C=2, 8) ring")
