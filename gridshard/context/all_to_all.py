@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.ledger import record
-from ..job_layout import traded_kv_heads
+from ..job_layout import ContextMode, traded_kv_heads
 from .sequence_split import shard_sequence, unshard_sequence
 
 
@@ -69,10 +69,7 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis
     ``q`` [b, H, 2c, d], ``k``/``v`` [b, H_kv, 2c, d] as for
     :func:`gridshard.context.ring_attention.ring_attention`; returns this rank's [b, H, 2c, d]."""
     C, kv = axis.size, k.shape[1]
-    if q.shape[1] % C or (kv % C and C % kv):
-        raise ValueError(f"{q.shape[1]} query and {kv} k/v heads on a context size C = {C}: context_mode "
-                         f"all_to_all needs C | query heads and C | k/v heads or k/v heads | C. Fix: use "
-                         f"parallel.context_mode: ring, or another C.")
+    ContextMode.ALL_TO_ALL.check_heads(q.shape[1], kv, C)      # LayoutError naming the heads and a fix
     if C > 1:                                                  # C = 1: plain causal attention
         repeat = traded_kv_heads(kv, C) // kv
         if repeat > 1:
