@@ -34,7 +34,10 @@ with D = rowsum(dO ∘ O), P = exp(s − ℓ), dV_b = Pᵀ·dO, dP = dO·V_bᵀ,
 dQ += dS·K_b·scale and dK_b = dSᵀ·Q·scale — the kernels' own backward, called per block with the
 *merged* O and ℓ in place of the block's. dQ and the k/v gradients accumulate in fp32. The k/v
 blocks ring again; their gradients travel with them and one last shift takes each home: C − 1
-k/v sends and C gradient sends per rank.
+k/v sends and C gradient sends per rank. Both overlap the computation: at step j the next k/v
+block is in flight while the block in hand is computed, and so is that block's gradient from the
+ranks before (sent at their step j − 1): this rank computes its own share into a fresh buffer,
+then adds the arrived partial and sends the sum on, which arrives while step j + 1 computes.
 
 Communication per rank and layer (:func:`gridshard.theory.context.ring_attention_sends`): forward
 C − 1 sends of one k/v block, backward C − 1 k/v sends and C sends of the fp32 k/v gradient.
@@ -130,16 +133,21 @@ class RingAttention(torch.autograd.Function):
         lses = [x.contiguous() for x in lse.chunk(2, dim=2)]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         ring = _Ring(axis) if axis.size > 1 else None
+        arriving = None                                 # the block's gradient from the ranks before, in flight
         for ks, vs, pairs in _ring_steps(kv, axis):
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for qi, ki, causal in pairs:
                 dq_b, dk_b, dv_b = kernel.backward(dOs[qi], qs[qi], ks[ki], vs[ki], os_[qi], lses[qi], scale, causal)
                 dq[:, :, qi * c:(qi + 1) * c] += dq_b
                 dkv[0, :, :, ki * c:(ki + 1) * c] += dk_b
                 dkv[1, :, :, ki * c:(ki + 1) * c] += dv_b
-            if ring is not None:
-                dkv = ring.wait(ring.start(dkv, tag=1))       # the gradients travel with their block
+            if arriving is not None:
+                dkv += ring.wait(arriving)
+            if ring is not None:                        # on with its block; it arrives while the next block computes
+                arriving = ring.start(dkv, tag=1)
+        if ring is not None:
+            dkv = ring.wait(arriving)                   # the last shift takes each block's gradient home
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 

@@ -92,8 +92,9 @@ def context_transient_bytes(C: int, mode: str, b: int, local_tokens: int, heads:
     (the ring's buffers; all-to-all's traded copies), per rank: ``local_tokens`` = 2c.
 
     * ring backward (:meth:`RingAttention.backward`): the stacked k/v block in hand and the one in
-      flight (2·B_kv, B_kv = 2·b·H_kv·2c·d·e), the fp32 k/v gradient accumulator and the one in
-      flight (2·B_dkv), the fp32 dq accumulator (b·H·2c·d·4) and the contiguous dO (b·H·2c·d·e);
+      flight (2·B_kv, B_kv = 2·b·H_kv·2c·d·e), three fp32 k/v gradient blocks (3·B_dkv: the one this
+      step fills, the one it sent on and the one arriving, both in flight while it computes), the
+      fp32 dq accumulator (b·H·2c·d·4) and the contiguous dO (b·H·2c·d·e);
       the block kernel's own workspace is tiled (O(block)), not counted;
     * all-to-all backward: the output gradient traded to [b, H/C, S, d] and the q, k, v gradients
       traded back, b·2c·d·(2H + 2H_kv)·e (twice: the exchange's send and receive buffers).
@@ -105,4 +106,4 @@ def context_transient_bytes(C: int, mode: str, b: int, local_tokens: int, heads:
     if mode == "all_to_all":
         return 2 * b * local_tokens * head_dim * (2 * heads + 2 * traded_kv_heads(kv_heads, C)) * e
     dkv = ring_block_bytes(b, local_tokens, kv_heads, head_dim, 4)
-    return 2 * kv + 2 * dkv + b * heads * local_tokens * head_dim * (4 + e)
+    return 2 * kv + 3 * dkv + b * heads * local_tokens * head_dim * (4 + e)
