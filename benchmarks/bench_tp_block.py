@@ -30,11 +30,10 @@ the 3D layer family on a :class:`gridshard.tensor.tp3d.mesh.Mesh3D` — the norm
 q, k, v, gate, up (``Linear3D``) on the residual orientation, ``o_proj`` and ``down_proj`` on the
 swapped one, so the residual stream keeps its layout; the attention core runs on the rank's heads
 (column block j) of its whole sequences (batch block i·q + l) — what ``parallelize`` builds at 3D
-(:func:`gridshard.tensor.tp3d.build.build_3d`). Each projection is its own 3D product (its own gathers
-of the input block: ``parallelize``'s shared input fuses q|k|v and gate|up in 1D and 2D only;
-concatenating the local weight blocks into one product would move less, but autograd would then
-keep the concatenated weight block as an activation). Weights are the reference model's, cut by
-each parameter's ``ShardSpec``.
+(:func:`gridshard.tensor.tp3d.build.build_3d`), with q|k|v and gate|up each computed as one product
+of the joined weight blocks from one gather of the input block
+(:func:`gridshard.parallel.shared_input.install_shared_input`, as ``parallelize`` hooks them). Weights
+are the reference model's, cut by each parameter's ``ShardSpec``.
 
 Per mode and rank (the table prints the max over ranks):
 
@@ -129,8 +128,9 @@ def theory_volume(mode: str, a) -> tuple:
       parameter bytes ``tp2d.block2d_param_bytes`` over the D = 2 replicas;
     * 2.5d: one depth layer's 2D block on b/d sequences (``tp2p5d.lift``), + the depth sum: one
       all-reduce of the same parameter bytes over the d = 2 layers;
-    * 3d: two ``tp3d.rmsnorm3d_comm`` and seven ``tp3d.linear3d_comm``: q h → h, k and v h → K·d,
-      gate and up h → f on the residual orientation, o h → h and down f → h on the swapped one."""
+    * 3d: ``tp3d.block3d_comm``: two ``tp3d.rmsnorm3d_comm`` and four ``tp3d.linear3d_comm``: q|k|v
+      h → h + 2·K·d and gate|up h → 2f (one product each, the input gathered once) on the residual
+      orientation, o h → h and down f → h on the swapped one."""
     from gridshard.theory import CommVolume
     from gridshard.tensor.tp1d import theory as tp1d
     from gridshard.tensor.tp2d import theory as tp2d
@@ -142,11 +142,7 @@ def theory_volume(mode: str, a) -> tuple:
         v = tp1d.block_comm(b, s, h, WORLD, mode == "1d+sp", heads=H, kv_heads=K)
         return v.wire_bytes(), sum(v.calls.values())
     if mode in ("3d", "3d-layers"):
-        n, kd = b * s, K * (h // H)
-        norm, kv, up = tp3d.rmsnorm3d_comm(n, h, Q), tp3d.linear3d_comm(n, h, kd, Q), tp3d.linear3d_comm(n, h, f, Q)
-        vol = tp3d.combine(norm, norm, tp3d.linear3d_comm(n, h, h, Q), kv, kv,
-                           tp3d.linear3d_comm(n, h, h, Q, swapped=True), up, up,
-                           tp3d.linear3d_comm(n, f, h, Q, swapped=True))
+        vol = tp3d.block3d_comm(b, s, h, f, Q, heads=H, kv_heads=K)
         return tp3d.wire_bytes(vol), tp3d.rounds(vol)
     replicas = DATA_2D if mode == "2d" else DEPTH
     grads = CommVolume(replicas).add("all_reduce", tp2d.block2d_param_bytes(h, f, Q, heads=H, kv_heads=K))
@@ -213,7 +209,9 @@ def _copy_t(w):
 def build_3d_layer(ref_layer, cfg, mesh):
     """The plain DecoderLayer with ``ref_layer``'s weights, laid out on the 3D ``mesh`` (module
     docstring)."""
+    from gridshard.job_layout import TensorMode
     from gridshard.models.llama import DecoderLayer
+    from gridshard.parallel.shared_input import install_shared_input
     from gridshard.tensor.tp3d.linear import Linear3D
     from gridshard.tensor.tp3d.norm import RMSNorm3D
 
@@ -234,6 +232,8 @@ def build_3d_layer(ref_layer, cfg, mesh):
     mlp.down_proj = linear3d(mlp, "mlp", "down_proj", sw)
     layer.input_layernorm = RMSNorm3D(cfg.hidden, mesh, cfg.norm_eps)
     layer.post_attention_layernorm = RMSNorm3D(cfg.hidden, mesh, cfg.norm_eps)
+    install_shared_input(attn, ("q_proj", "k_proj", "v_proj"), TensorMode.THREE_D)
+    install_shared_input(mlp, ("gate_proj", "up_proj"), TensorMode.THREE_D)
     return layer
 
 

@@ -77,15 +77,16 @@ def test_3d_priced_from_its_theory_axis_by_axis():
     h, f, q, m = mc.hidden, mc.ffn_hidden, 2, CUBE.micro_batch
     layer = tensor_comm_3d(mc, CUBE, s, 1, False, False)
     want = tp3d.block3d_comm(m, s, h, f, q, heads=mc.heads, kv_heads=mc.kv_heads)
-    assert _same(layer, want) and tp3d.rounds(layer) == 7 * 8 + 2 * 4    # 7 linears × 8 calls + 2 norms × 4
-    # the block's ring bytes: seven Linear3D closed forms plus two norms (statistics and weight vectors)
+    assert _same(layer, want) and tp3d.rounds(layer) == 4 * 8 + 2 * 4    # 4 products × 8 calls + 2 norms × 4
+    # the block's ring bytes: four Linear3D closed forms (q|k|v and gate|up each one product of the joined
+    # width: the norm output gathered once) plus two norms (statistics and weight vectors)
     n, kv = m * s, mc.kv_heads * mc.head_dim
-    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+    linears = [(h, h + 2 * kv), (h, h), (h, 2 * f), (f, h)]
     norms = 2 * ((q - 1) / q * 2 * 2 * n // q ** 2 * 4 + 2 * (q * q - 1) / (q * q) * h // q * 4)
     assert math.isclose(tp3d.wire_bytes(layer), sum(tp3d.linear3d_wire_bytes(n, i, o, q) for i, o in linears) + norms)
-    # ... on their orientations' axes: q, k, v, gate, up read the residual layout (X gathered twice and dX
+    # ... on their orientations' axes: q|k|v and gate|up read the residual layout (X gathered twice and dX
     # scattered on input, Y scattered and dY gathered on output); o and down, built on the swapped one, the reverse
-    col, row = [linears[k] for k in (0, 1, 2, 4, 5)], [linears[k] for k in (3, 6)]
+    col, row = [linears[k] for k in (0, 2)], [linears[k] for k in (1, 3)]
     by_hand = lambda reads, writes: {  # noqa: E731
         "all_gather": sum(2 * n * i // q ** 2 * 4 for i, _ in reads) + sum(n * o // q ** 2 * 4 for _, o in writes),
         "reduce_scatter": sum(n * i // q ** 2 * 4 for i, _ in reads) + sum(n * o // q ** 2 * 4 for _, o in writes)}

@@ -148,6 +148,71 @@ def _layernorm_and_frozen_input(q, b, s, h, f, seed):
     return True
 
 
+# ---- q|k|v as one product of the joined weight blocks (the shared input) ------------------------------------------
+class _Readers(nn.Module):
+    """Layers that all read the parent's one input (attention's q, k, v; the MLP's gate, up)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.names = tuple(f"part{k}" for k in range(len(layers)))
+        for name, layer in zip(self.names, layers):
+            setattr(self, name, layer)
+
+    def forward(self, x):
+        return [getattr(self, name)(x) for name in self.names]
+
+
+def _shared_input(q, b, s, h, outs, bias, swapped, seed):
+    """Linear3D parts read one input through ``install_shared_input``: outputs, the input gradient and
+    every parameter gradient equal separate plain linears'; the ledger equals one Linear3D of width
+    Σ out (the input gathered once: the closed-form minimum ``linear3d_wire_bytes(N, h, Σ out)``) plus
+    each part's bias vector, and autograd keeps the one input block."""
+    from gridshard.job_layout import TensorMode
+    from gridshard.parallel.shared_input import install_shared_input
+    from gridshard.theory import CommVolume
+
+    base = build_mesh_3d(q)
+    mesh = base.swapped() if swapped else base
+    what = f"joined Linear3D h={h} outs={outs} bias={bias} {mesh} seed={seed}"
+    torch.manual_seed(seed)
+    ref = _Readers([plain_linear(h, o, bias, 0.1) for o in outs])
+    torch.manual_seed(seed)
+    par = _Readers([Linear3D(h, o, mesh, bias=bias, init_std=0.1) for o in outs])
+    if bias:
+        for k, name in enumerate(par.names):
+            _set_vector(getattr(par, name).bias, getattr(ref, name).bias, mesh, 0.0, seed + 1 + k)
+    install_shared_input(par, par.names, TensorMode.THREE_D)
+    X = randn((b, s, h), seed + 10).requires_grad_()
+    Gs = [randn((b, s, o), seed + 20 + k) for k, o in enumerate(outs)]
+    Ys = ref(X)
+    torch.autograd.backward(Ys, Gs)
+    x = _blk(X, mesh).requires_grad_()
+    LEDGER.reset()
+    with SavedActivations(par) as saved:
+        ys = par(x)
+    out = mesh.swapped()
+    for k, (y, Y) in enumerate(zip(ys, Ys)):
+        assert_close(y, _blk(Y, out), TOL, f"{what} part {k} forward")
+    torch.autograd.backward(ys, [_blk(G, out) for G in Gs])
+    assert_close(x.grad, _blk(X.grad, mesh), TOL, f"{what} input grad")
+    _compare_parameters(par, ref, mesh, what)
+    n, e = b * s, 4
+    vol = tp3d.linear3d_comm(n, h, sum(outs), q, swapped=swapped)
+    biases = []
+    for o in outs if bias else ():                   # each part's own bias vector, on its output layout's batch axis
+        v = {a: CommVolume(q * q if "_" in a else q) for a in tp3d.AXES}
+        v[tp3d.roles(not swapped)["batch"]].add("all_gather", o // q * e).add("reduce_scatter", o // q * e)
+        biases.append(v)
+    _ledger_matches(tp3d.combine(vol, *biases), what)
+    assert tp3d.wire_bytes(vol) == pytest.approx(tp3d.linear3d_wire_bytes(n, h, sum(outs), q)), what
+    separate = tp3d.combine(*[tp3d.linear3d_comm(n, h, o, q, swapped=swapped) for o in outs])
+    saved_input = (len(outs) - 1) * 3 * n * h // q ** 2 * e         # Σ over the extra parts: 2 gathers, 1 scatter
+    assert sum(separate[a].payload_bytes() - vol[a].payload_bytes() for a in tp3d.AXES) == saved_input, what
+    assert saved.activation_bytes == tp3d.linear3d_saved_activation_bytes(n, h, q), (what, saved.activation_bytes)
+    assert saved.weight_concat_bytes == 0, (what, "the joined weight block is not kept for backward")
+    return True
+
+
 # ---- embedding → head → loss ------------------------------------------------------------------------------------
 def _lm_path(q, b, s, h, vocab, scale, reduction, seed):
     """Vocabulary-parallel embedding (V padded to q²) → ×scale → head (V padded to q) →
@@ -204,6 +269,12 @@ def test_linear_norm_chain_two_micro_batches():
 @pytest.mark.wide
 def test_layernorm_and_linear_without_input_grad_both_orientations():
     assert all(run_on_ranks(8, _layernorm_and_frozen_input, Q, 4, 5, 16, 8, fresh_seed()))
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("outs,bias,swapped", [((16, 8, 8), False, False), ((24, 24), True, True)])
+def test_shared_input_parts_gather_the_input_once(outs, bias, swapped):
+    assert all(run_on_ranks(8, _shared_input, Q, 4, 3, 16, outs, bias, swapped, fresh_seed()))
 
 
 @pytest.mark.wide

@@ -9,8 +9,8 @@ but breaks the canonical layout (its rank blocks interleave the parts).
 So the projections keep separate parameters and the parent module gets a forward
 pre-hook that, for its input x,
 
-Each mode's product is its scheme's (``shared_input_fusion``: ``gridshard/tensor/tp1d/fused_input.py``,
-``gridshard/tensor/tp2d/fused_input.py``):
+Each mode's product is its scheme's (``shared_input_fusion``: ``gridshard/tensor/tp1d/fused_input.py``;
+2D and 3D share :func:`gridshard.tensor.grid_linear.shared_input_fusion`):
 
 * 1D: prepares x once (the sequence all-gather under sequence parallelism, else
   ``copy_to_group``) and computes ``x · [W_q; W_k; W_v]_tᵀ`` on the concatenated local
@@ -20,13 +20,18 @@ Each mode's product is its scheme's (``shared_input_fusion``: ``gridshard/tensor
 * 2D: computes one SUMMA A·B with B = [W_q | W_k | W_v] (the local [in/q, n/q] blocks
   side by side: column j of the grid holds block j of every part, so the product's
   block j is [q block j | k block j | v block j]) and adds each part's gathered bias;
+* 3D: computes one cube product X·[A_q | A_k | A_v] of the joined local blocks
+  (:func:`gridshard.tensor.tp3d.matmul.matmul_3d_parts`: X gathered over ``input`` once, the
+  joined weight over ``weight`` in one call, one reduce-scatter of the product) and adds each
+  part's gathered bias;
 
 then splits the result into the children's output blocks (made contiguous: models
 ``view`` them into heads; under SP contiguous in the sequence-first order of the gathered x)
 and leaves each child its slice in the child's ``precomputed`` slot
 (:mod:`gridshard.nn.precomputed`). Communication per forward+backward is therefore
 that of one layer of width Σ out: the old fused-weight figures of
-:mod:`gridshard.tensor.tp1d.theory` / :mod:`gridshard.tensor.tp2d.theory`. If the parent calls a child
+:mod:`gridshard.tensor.tp1d.theory` / :mod:`gridshard.tensor.tp2d.theory`, and
+:func:`gridshard.tensor.tp3d.theory.block3d_comm`'s products of the joined widths. If the parent calls a child
 with another tensor than its own input, the child just computes on its own (correct,
 only without the saving).
 """
@@ -60,7 +65,7 @@ def first_input(args, kwargs):
 
 def install_shared_input(parent: torch.nn.Module, child_names, mode) -> None:
     """Hook ``parent`` so its children ``child_names`` (layers of ``mode`` that its scheme can fuse,
-    :meth:`~gridshard.tensor_scheme.TensorScheme.shared_input_fusion`: 1D column layers, 2D
+    :meth:`~gridshard.tensor_scheme.TensorScheme.shared_input_fusion`: 1D column layers, 2D and 3D
     linears) are computed together from the parent's first input.
 
     The parent's input is *replaced* by the prepared one (1D: the full sequence under SP),

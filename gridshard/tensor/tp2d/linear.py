@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from ...comm.grid_ops import GatheredVectors, gather_vector
-from .summa import summa_ab
+from .summa import summa_ab, summa_ab_parts
 from ...nn.sharding import ShardSpec, mesh_coords
 from ..grid_linear import GridLinear
 from ..hidden_cut import HiddenCut
@@ -83,6 +83,10 @@ class Linear2D(GridLinear):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return summa_ab(x, self.weight, self.mesh, self.overlap)
+
+    def product_parts(self, x: torch.Tensor, weights) -> torch.Tensor:
+        """One SUMMA A·B with B = [W_0 | W_1 | …]: column j of the grid holds block j of every part."""
+        return summa_ab_parts(x, weights, self.mesh, self.overlap)
 
     def gathered_bias(self) -> torch.Tensor:
         return gather_vector_2d(self.bias, self.mesh, self.vector_cache)

@@ -30,7 +30,8 @@ from ..base import Scheme
 from ...theory.memory import FP32, RankShape
 from ...theory.vocab import padded_vocab_size
 from .cost import tensor_comm_2d
-from .fused_input import fusion
+from ..grid_linear import shared_input_fusion
+from .linear import Linear2D
 
 
 class TwoDScheme(Scheme):
@@ -157,5 +158,5 @@ class TwoDScheme(Scheme):
         return self.side(T) ** 3
 
     def shared_input_fusion(self, children):
-        """One SUMMA A·B on the concatenated blocks (:mod:`gridshard.tensor.tp2d.fused_input`)."""
-        return fusion(children)
+        """One SUMMA A·B on the joined blocks (:func:`gridshard.tensor.grid_linear.shared_input_fusion`)."""
+        return shared_input_fusion(children, Linear2D)

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from ...comm.grid_ops import GatheredVectors, gather_vector
-from .matmul import matmul_3d
+from .matmul import matmul_3d, matmul_3d_parts
 from ...theory.vocab import padded_vocab_size
 from ...nn.sharding import ShardSpec
 from ..grid_linear import GridLinear
@@ -92,6 +92,10 @@ class Linear3D(GridLinear):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return matmul_3d(x, self.weight, self.mesh)
+
+    def product_parts(self, x: torch.Tensor, weights) -> torch.Tensor:
+        """One cube product of the joined weight blocks (:func:`gridshard.tensor.tp3d.matmul.matmul_3d_parts`)."""
+        return matmul_3d_parts(x, weights, self.mesh)
 
     def gathered_bias(self) -> torch.Tensor:
         return gather_vector_3d(self.bias, self.out_mesh, self.vector_cache)

@@ -24,6 +24,8 @@ from __future__ import annotations
 from ...errors import LayoutError
 from .mesh import CUBE_DIMS, Mesh3D
 from .build import build_3d
+from ..grid_linear import shared_input_fusion
+from .linear import Linear3D
 from .cross_entropy import cross_entropy_3d
 from .vision import classification_loss_3d
 from ...tensor_scheme import DivisibilityRule
@@ -112,6 +114,11 @@ class ThreeDScheme(Scheme):
     def build_layer(self, name, module, kind: str, build, tied=None):
         """The 3D layer of ``kind`` on the residual orientation ``mesh.cube`` (:func:`gridshard.tensor.tp3d.build.build_3d`)."""
         return build_3d(name, module, kind, build.mesh.cube, tied_embedding=tied, vector_cache=build.vector_cache)
+
+    def shared_input_fusion(self, children):
+        """q|k|v (gate|up) as one cube product of the joined weight blocks: the input gathered once
+        (:func:`gridshard.tensor.tp3d.matmul.matmul_3d_parts`)."""
+        return shared_input_fusion(children, Linear3D)
 
     def token_gathers(self, mesh, sequence_parallel: bool) -> tuple:
         """On the residual orientation: the hidden blocks of my rows (``output``, the last dim), then the

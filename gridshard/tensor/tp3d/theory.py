@@ -187,41 +187,43 @@ def block3d_comm(batch: int, seq: int, hidden: int, ffn: int, q: int, bytes_per_
                  heads: int | None = None, kv_heads: int | None = None) -> dict:
     """One Llama decoder block forward + backward on the cube, N = b·s tokens of the tensor group's
     micro-batch. The layers as ``parallelize`` lays them out at 3D: RMSNorm3D (residual
-    orientation) → q_proj h→h, k_proj and v_proj h→K·d, three Linear3D on the residual orientation
-    (their outputs land in the swapped one: batch block i·q + l, heads block j) → the attention core,
-    local on H/q heads and K/q kv heads → o_proj h→h on the swapped orientation (back to the residual
-    layout); RMSNorm3D → gate_proj and up_proj h→f (residual orientation) → down_proj f→h (swapped).
-    Each projection is its own Linear3D, so each gathers its input itself (q, k, v: three gathers of
-    the same norm output; gate, up: two). Per axis (q ranks on ``weight``/``input``/``output``)::
+    orientation) → q_proj h→h, k_proj and v_proj h→K·d on the residual orientation, computed as one
+    product of the joined weight blocks (their outputs land in the swapped one: batch block i·q + l,
+    heads block j; :func:`gridshard.tensor.tp3d.matmul.matmul_3d_parts`) → the attention core, local
+    on H/q heads and K/q kv heads → o_proj h→h on the swapped orientation (back to the residual
+    layout); RMSNorm3D → gate_proj and up_proj h→f as one product (residual orientation) →
+    down_proj f→h (swapped). So the norm output is gathered once per joined product, the minimum:
+    q|k|v moves what one Linear3D h → h + 2·K·d moves, gate|up one h → 2f. Per axis (q ranks on
+    ``weight``/``input``/``output``)::
 
-        input + output (the two activation axes, one Linear3D each way):
-            Σ_linears 3·N·in/q²·e + 2·N·out/q²·e            (8 calls per linear)
-        weight:  Σ_linears 3·in·out/q²·e
+        input + output (the two activation axes, one product each way):
+            Σ_products 3·N·in/q²·e + 2·N·out/q²·e            (8 calls per product, 4 products)
+        weight:  Σ_products 3·in·out/q²·e
         output (residual norms): 2 × two all-reduces of N/q² fp32; batch: 2 × (h/q·e gather + scatter)
-    """
+
+    Against separate products (8 calls each, 7 in all) the joined ones save 2·N·h/q²·e per extra
+    part on each of ``input``'s three calls: 3·(2 + 1)·N·h/q²·e per block, 24 calls fewer."""
     n, e = batch * seq, bytes_per_elem
     kv = _kv_width(hidden, heads, kv_heads)
     norm = rmsnorm3d_comm(n, hidden, q, e)
-    return combine(norm, linear3d_comm(n, hidden, hidden, q, e), linear3d_comm(n, hidden, kv, q, e),
-                   linear3d_comm(n, hidden, kv, q, e), linear3d_comm(n, hidden, hidden, q, e, swapped=True),
-                   norm, linear3d_comm(n, hidden, ffn, q, e), linear3d_comm(n, hidden, ffn, q, e),
-                   linear3d_comm(n, ffn, hidden, q, e, swapped=True))
+    return combine(norm, linear3d_comm(n, hidden, hidden + 2 * kv, q, e),
+                   linear3d_comm(n, hidden, hidden, q, e, swapped=True),
+                   norm, linear3d_comm(n, hidden, 2 * ffn, q, e), linear3d_comm(n, ffn, hidden, q, e, swapped=True))
 
 
 def block3d_recompute_comm(batch: int, seq: int, hidden: int, ffn: int, q: int, bytes_per_elem: int = 4,
                            heads: int | None = None, kv_heads: int | None = None) -> dict:
     """What ``recompute: full`` repeats per 3D decoder block (the 1D/2D rule): the forward
-    products of q, k, v, o, gate and up (:func:`linear3d_forward_comm`; the down projection's input
-    is the last tensor backward needs) and the two norms' forward: one all-reduce of N/q² fp32
-    statistics on ``output`` and the weight's gather h/q·e on ``batch`` each."""
+    products of q|k|v (joined), o and gate|up (joined) (:func:`linear3d_forward_comm`; the down
+    projection's input is the last tensor backward needs) and the two norms' forward: one
+    all-reduce of N/q² fp32 statistics on ``output`` and the weight's gather h/q·e on ``batch`` each."""
     n, e = batch * seq, bytes_per_elem
     kv = _kv_width(hidden, heads, kv_heads)
     norm = _zero(q)
     norm["output"].add("all_reduce", n // q ** 2 * 4)
     norm["weight_input"].add("all_gather", hidden // q * e)
     fwd = lambda i, o, sw=False: linear3d_forward_comm(n, i, o, q, e, swapped=sw)  # noqa: E731
-    return combine(norm, fwd(hidden, hidden), fwd(hidden, kv), fwd(hidden, kv), fwd(hidden, hidden, True),
-                   norm, fwd(hidden, ffn), fwd(hidden, ffn))
+    return combine(norm, fwd(hidden, hidden + 2 * kv), fwd(hidden, hidden, True), norm, fwd(hidden, 2 * ffn))
 
 
 def tied_head3d_comm(tokens: int, hidden: int, vocab: int, q: int, bytes_per_elem: int = 4) -> dict:
