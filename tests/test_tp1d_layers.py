@@ -189,6 +189,11 @@ def _check_row(mesh, sp, b, s, h, seed):
         assert_close(x.grad, last_dim_shard(X.grad, mesh) if parallel_in else X.grad, TOL, f"{what} input grad")
         compare_parameters(par, ref, mesh, what)
         assert par.weight.shape == (h, n // T)
+        if bias and not skip:      # autocast over fp32 parameters: the output in the compute dtype, as F.linear's
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y16, Y16 = par(x.detach()), ref(X.detach())
+            assert y16.dtype == Y16.dtype == torch.bfloat16, (what, y16.dtype)
+            assert_close(y16.float(), _residual(Y16.float(), mesh, sp), 5e-2, f"{what} bf16 autocast forward")
 
 
 def _gate_up(y, blocks):

@@ -116,7 +116,8 @@ class _ReduceScatterSequenceBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial, bias, axis, dim):
         ctx.axis, ctx.dim = axis, dim
-        return C.reduce_scatter(partial, axis, dim) + bias
+        block = C.reduce_scatter(partial, axis, dim)
+        return block + bias.to(block.dtype)          # autocast: the block's (compute) dtype, as F.linear's
 
     @staticmethod
     def backward(ctx, g):
@@ -149,7 +150,7 @@ def reduce_scatter_sequence_bias(x: torch.Tensor, bias: torch.Tensor, axis: Axis
     reduce-scatter + bias, backward all-gather, and the bias gradient summed over the
     gathered gradient (complete on every rank, no collective of its own)."""
     if axis.size == 1:
-        return x + bias
+        return x + bias.to(x.dtype)
     return _ReduceScatterSequenceBias.apply(x, bias, axis, dim)
 
 

@@ -361,7 +361,7 @@ class RowParallelLinear(nn.Module):
             bias = copy_to_group(bias, self.axis)
         if self.skip_bias_add:
             return y, bias
-        return y if bias is None else y + bias
+        return y if bias is None else y + bias.to(y.dtype)    # autocast: y in the compute dtype, as F.linear's
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.in_local}), out={self.out_features}, "
