@@ -26,6 +26,11 @@ wrapper                    private name (why no public one does)       without i
                            no public flattening)                       torch ≥ 2.6)
 ``set_group_timeout``      ``distributed_c10d._set_pg_timeout``        the group keeps the backend's
                            (torchtitan uses it too)                    default timeout, with a warning
+``skip_under_compile``     ``_dynamo.decorators.skip`` (Dynamo         the wrapper frames compile per
+                           neither inlines nor compiles the frame;     argument shape (torch's
+                           ``torch.compiler.disable`` would wrap it    recompile-limit warnings),
+                           and import Dynamo at every gridshard        results unchanged
+                           import)
 ``tree_flatten``,          ``utils._pytree``, ``utils._python_         error at import: testing and
 ``tree_map_only``,         dispatch`` (no public module in 2.6)        ZeRO-3's gather need them
 ``TorchDispatchMode``
@@ -113,6 +118,19 @@ def set_group_timeout(timeout, group) -> None:
     setter(timeout, group)
 
 
+def skip_under_compile(fn) -> None:
+    """Dynamo graph-breaks at a call of ``fn`` instead of inlining it, and leaves ``fn``'s own
+    frame uncompiled (frames that ``fn`` calls are treated as usual). Imports Dynamo."""
+    try:
+        from torch._dynamo.decorators import skip
+    except ImportError:
+        warnings.warn(f"torch {torch.__version__} has no torch._dynamo.decorators.skip: under train.compile "
+                      f"gridshard's collective wrappers compile per argument shape (slower first step, "
+                      f"recompile warnings; results unchanged)", stacklevel=2)
+        return
+    skip(fn)
+
+
 try:
     from torch.utils._pytree import tree_flatten, tree_map_only
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -121,5 +139,5 @@ except ImportError as e:                        # pragma: no cover - the pinned 
 
 
 __all__ = ["in_backward", "will_execute", "outer_saved_hooks", "assert_async", "foreach_norm", "foreach_mul_",
-           "flatten_mesh", "set_group_timeout", "tree_flatten", "tree_map_only", "TorchDispatchMode",
+           "flatten_mesh", "set_group_timeout", "skip_under_compile", "tree_flatten", "tree_map_only", "TorchDispatchMode",
            "PrivateTorchMissing"]

@@ -3,7 +3,8 @@ run's losses (relative 1e-5) and parameters, on one device and with 1D tensor pa
 (whose collectives are graph breaks that run eagerly: the ledger's calls are unchanged), and
 (wide) with context parallelism at C = 2, ring and all-to-all, gridshard's and a Hugging Face Llama.
 Nothing compiles again after the first step (``torch._dynamo.config.error_on_recompile`` from the
-second step on: a recompile fails the run)."""
+second step on: a recompile fails the run), and no code object reaches torch's recompile limit in the
+first (``fail_on_recompile_limit_hit``: a frame past the limit would silently run eagerly from then on)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,13 +18,15 @@ BASE = {"model": {"preset": "tiny"}, "data": {"kind": "stdlib", "seq_len": 32, "
                   "seed": 3, "eval_interval": 0}}
 
 
-def _cfg(T, mode, sp, compile_):
+def _cfg(T, mode, sp, compile_, micro_batch=2):
     return {**BASE, "parallel": {"data": 1, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
-            "train": {**BASE["train"], "compile": compile_}}
+            "train": {**BASE["train"], "compile": compile_, "global_batch": 2 * micro_batch,
+                      "micro_batch": micro_batch}}
 
 
 def _body(cfg):
     torch._dynamo.reset()
+    torch._dynamo.config.fail_on_recompile_limit_hit = cfg["train"]["compile"]
     trainer = Trainer(cfg, progress=False)
     first_step = trainer.step
 
@@ -38,15 +41,22 @@ def _body(cfg):
         losses = trainer.run()
     finally:
         torch._dynamo.config.error_on_recompile = False
+        torch._dynamo.config.fail_on_recompile_limit_hit = False
     calls = {k: v.count for k, v in trainer.ledger.entries.items() if k[1] != "world"}
     state = gathered_state_dict(trainer.model)
     return (losses, state, calls) if dist.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("layout", [(1, "none", False), (2, "1d", True)], ids=["T1", "T2-1d-SP"])
+@pytest.mark.parametrize("layout", [(1, "none", False), (2, "1d", True),
+                                    pytest.param((8, "3d", False), marks=pytest.mark.wide)],
+                         ids=["T1", "T2-1d-SP", "T8-3d"])
 def test_compiled_layers_train_like_eager(layout):
+    """(wide) 3D at q = 2 (micro-batch 4: q² = 4 batch blocks): the layer's collectives and the
+    gathered-vector window break its graph; before the collective wrappers were skipped
+    (``collectives.compile_eagerly``) their frames hit the recompile limit in the first step."""
     T, mode, sp = layout
-    eager, compiled = (run_on_ranks(T, _body, _cfg(T, mode, sp, c), timeout=600)[0] for c in (False, True))
+    mb = 4 if mode == "3d" else 2
+    eager, compiled = (run_on_ranks(T, _body, _cfg(T, mode, sp, c, mb), timeout=600)[0] for c in (False, True))
     for a, b in zip(eager[0], compiled[0]):
         assert abs(a - b) <= 1e-5 * abs(a), (eager[0], compiled[0])
     assert len(eager[0]) == len(compiled[0]) == BASE["train"]["steps"]

@@ -81,3 +81,31 @@ def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
         warnings.simplefilter("always")
         tp.set_group_timeout(datetime.timedelta(seconds=5), None)
     assert "collective_timeout_s" in str(caught[0].message)
+
+
+def test_skip_under_compile_keeps_a_function_out_of_dynamo(monkeypatch):
+    """A skipped function runs eagerly inside a compiled caller (the caller breaks its graph at
+    the call): it never sees ``is_compiling()``; unskipped, Dynamo traces it."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    traced, skipped = [], []
+
+    def f_traced(x):                  # two code objects: Dynamo's guards match functions by code
+        traced.append(torch.compiler.is_compiling())
+        return x + 1
+
+    def f_skipped(x):
+        skipped.append(torch.compiler.is_compiling())
+        return x + 1
+
+    tp.skip_under_compile(f_skipped)
+    assert torch.compile(lambda x: f_traced(x * 2) * 3, backend="eager")(torch.ones(2)).tolist() == [9.0, 9.0]
+    assert torch.compile(lambda x: f_skipped(x * 2) * 3, backend="eager")(torch.ones(2)).tolist() == [9.0, 9.0]
+    assert True in traced and skipped == [False]
+    monkeypatch.delattr(torch._dynamo.decorators, "skip")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tp.skip_under_compile(lambda x: x)
+    assert "recompile warnings; results unchanged" in str(caught[0].message)
+    torch._dynamo.reset()

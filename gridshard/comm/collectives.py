@@ -61,24 +61,44 @@ from ..mesh import Axis
 from .ledger import record
 
 
-def _eager(fn):
-    """Run the collective ``fn`` eagerly under ``torch.compile`` (``train.compile``): when
-    Dynamo traces a call, it meets ``torch.compiler.disable(fn)`` and breaks the graph around
-    it, so neither the process-group call nor the ledger's bookkeeping is traced (traced, the
-    ledger's counters became guards that recompiled every call). Outside compilation ``fn``
-    is called directly; Dynamo is imported only by a compiled run (it costs seconds
-    per process)."""
-    disabled = []
+def eager(fn):
+    """Run the collective ``fn`` eagerly under ``torch.compile`` (``train.compile``), as a graph
+    break: neither the process-group call nor the ledger's bookkeeping is traced (traced, the
+    ledger's counters became guards that recompiled every call).
+
+    Outside compilation ``run`` calls ``fn`` directly, and Dynamo is never imported for it (an
+    import costs a second per process, and ``gridshard plan`` never compiles).
+    :func:`compile_eagerly` (called by :func:`gridshard.parallel.compile.apply_compile` before any
+    layer compiles) gives every collective ``torch.compiler.disable(fn)`` to call and has Dynamo
+    skip the wrappers (:func:`gridshard.torch_private.skip_under_compile`): a compiled caller
+    breaks its graph at the call, and the wrapper's own frame is neither inlined nor compiled.
+    Without the skip (before this, or where torch lacks the private name) Dynamo compiled each
+    wrapper frame once per argument shape: at 3D (q = 2) the wrapper of every collective together
+    hit torch's recompile limit (8) in the first step, and every run printed its warning."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if not torch.compiler.is_compiling():
+        if run.under_compile is None:
             return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))
-        return disabled[0](*args, **kwargs)
+        return run.under_compile(*args, **kwargs)
 
+    run.under_compile = None
+    _EAGER.append(run)
     return run
+
+
+_EAGER: list = []          # every @eager wrapper, in definition order (filled once, at import)
+
+
+def compile_eagerly() -> None:
+    """Prepare every collective for ``torch.compile``d callers (idempotent; see :func:`eager`).
+    Imports Dynamo (``torch.compiler.disable``): call it only when something compiles."""
+    from ..torch_private import skip_under_compile
+
+    for run in _EAGER:
+        if run.under_compile is None:
+            run.under_compile = torch.compiler.disable(run.__wrapped__)
+        skip_under_compile(run)
 
 
 # torch >= 2.13 names the flat-buffer collectives *_single; older releases *_tensor.
@@ -165,7 +185,7 @@ def _issue(call, entry, result: torch.Tensor, async_op: bool, device):
     return result
 
 
-@_eager
+@eager
 def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False, inplace: bool = False):
     """Sum (or max) ``x`` over ``axis``; returns a new contiguous tensor (``x`` itself with
     ``inplace``, which needs a contiguous ``x`` that the caller no longer reads as it was: module
@@ -182,7 +202,7 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = Fa
                   out.device)
 
 
-@_eager
+@eager
 def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = False):
     """Concatenate every member's ``x`` along ``dim`` in group-rank order.
 
@@ -210,7 +230,7 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = Fals
     return result if outermost or async_op else torch.cat(out.chunk(n, 0), dim=dim)     # async: outermost only
 
 
-@_eager
+@eager
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bool = False, staging=None):
     """Gather every member's flat ``x`` (m elements) into the flat ``out`` (n·m, member order),
     a persistent buffer; ``x`` may be ``out``'s own chunk of this member (in place, no send
@@ -228,7 +248,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, axis: Axis, async_op: bo
                   async_op, out.device)
 
 
-@_eager
+@eager
 def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = False):
     """Sum ``x`` over the group and keep this member's 1/n block along ``dim``.
 
@@ -259,7 +279,7 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = -1, async_op: bool = 
                   x.device)
 
 
-@_eager
+@eager
 def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False, out: Optional[torch.Tensor] = None,
                         staging=None):
     """Sum a flat buffer ``x`` of n·m elements over the group; member k keeps elements
@@ -281,7 +301,7 @@ def reduce_scatter_flat(x: torch.Tensor, axis: Axis, async_op: bool = False, out
                   async_op, x.device)
 
 
-@_eager
+@eager
 def all_to_all_uneven(x: torch.Tensor, axis: Axis, send_counts: list, recv_counts: list) -> torch.Tensor:
     """Rows of ``x`` (dim 0) in member order, ``send_counts[k]`` of them for member k, exchanged:
     the result holds ``recv_counts[k]`` rows from each member k, in member order (an MoE layer's
@@ -312,7 +332,7 @@ class PendingCollective:
         return self.tensor
 
 
-@_eager
+@eager
 def broadcast(x: torch.Tensor, axis: Axis, src: int, async_op: bool = False):
     """Send ``x`` from group member ``src`` (an index into ``axis.ranks``) to every member.
 

@@ -120,13 +120,21 @@ def gather_vector(shard: torch.Tensor, axis, cache: Optional[GatheredVectors] = 
     gradient still runs in every backward, so gradients reach the owner shards as before."""
     if axis.size == 1:
         return shard
+    return _GatheredVector.apply(shard, _full_vector(shard, axis, cache), axis)
+
+
+@C.eager
+def _full_vector(shard: torch.Tensor, axis, cache: Optional[GatheredVectors]) -> torch.Tensor:
+    """The gathered vector of ``shard``: the window's kept copy, or an all-gather (kept while a
+    window is open). Eager under ``torch.compile`` (:func:`collectives.eager`): whether the cache
+    holds the vector is Python state Dynamo would guard on, recompiling as the window fills."""
     full = cache.lookup(shard) if cache is not None and cache.open else None
     if full is None:
         with torch.no_grad():
             full = C.all_gather(shard.detach(), axis, 0)
         if cache is not None:
             cache.keep(shard, full)
-    return _GatheredVector.apply(shard, full, axis)
+    return full
 
 
 def gather_along(x: torch.Tensor, axis, dim: int = -1) -> torch.Tensor:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..comm.collectives import compile_eagerly
 from .decoder_layers import decoder_layers
 
 
@@ -36,6 +37,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
     """Compile every decoder layer's forward of ``model`` in place; returns how many. Before or
     after :func:`gridshard.parallel.recompute.apply_recompute` alike: full recompute re-runs the
     forward a call ran, the compiled one."""
+    compile_eagerly()
     layers = decoder_layers(model)
     for _, module in layers:
         module.forward = torch.compile(module.forward, backend=backend)
