@@ -113,12 +113,11 @@ class ModelSection(BaseModel):
 
     def unmodelled(self) -> Optional[str]:
         """What the memory model and the planner do not price in this model, or None: a Hugging Face
-        architecture, a Vision Transformer. (A Mixture-of-Experts decoder is priced: its memory, its
-        active FLOPs and its dispatch; the search enumerates the expert ranks, ``gridshard.planner``.)"""
+        architecture. (A Mixture-of-Experts decoder is priced: its memory, its active FLOPs and its
+        dispatch; the search enumerates the expert ranks, ``gridshard.planner``. A Vision Transformer
+        is priced too: :mod:`gridshard.theory.memory.vision`.)"""
         if self.hf_config is not None:
             return "a Hugging Face architecture (model.hf_config; plan with the equivalent explicit model.* fields)"
-        if self.kind == "vit":
-            return "a Vision Transformer (model.kind: vit; choose its layout by hand, docs/vision.md)"
         return None
 
     def explicit_fields(self) -> dict:

@@ -46,8 +46,6 @@ from ..device import rank_device
 from ..errors import ConfigError
 from ..job_layout import JobLayout
 from ..mesh import build_mesh, init_distributed
-from ..models import Transformer
-from ..models.vit import VisionTransformer
 from ..moe.training import MoETraining
 from ..parallel import context_of, parallelize
 from ..parallel.compile import apply_compile
@@ -92,6 +90,7 @@ class Job:
     ledger: CommLedger
     mesh: Any
     mem_baseline: int                        # the process's bytes before the model existed (CPU)
+    data_bytes: int = 0                      # what loading the data added to them (CPU: imports, resident arrays)
     math_modes: dict = field(default_factory=dict)    # train.tf32 / train.deterministic in effect
     composed: list = field(default_factory=list)      # COMPOSITION_ORDER, as the stages ran
     model: Any = None
@@ -136,7 +135,9 @@ def build_job(config=None, run_dir: Optional[str] = None, *, overrides=()) -> Jo
     _optimizer(job)
     _checkpointer(job)
     _driver(job)
+    before = rss_now() if job.device.type == "cpu" else 0
     _data(job)
+    job.data_bytes = max(0, rss_now() - before) if job.device.type == "cpu" else 0
     job.warmup = start_warmup(job)             # train.compile: a longer collective timeout until compiled
     return job
 
@@ -202,9 +203,8 @@ def _model_on_meta(job: Job):
         from ..models.hf import build_hf_causal_lm
 
         return build_hf_causal_lm(job.cfg.model.hf_config, device="meta")
-    family = VisionTransformer if job.cfg.model.kind == "vit" else Transformer
     with torch.device("meta"):
-        return family(job.model_cfg)
+        return job.model_cfg.build()
 
 
 def _stage_split(job: Job, plain):

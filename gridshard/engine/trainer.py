@@ -110,15 +110,18 @@ class Trainer:
         or None for a model the memory model does not describe (``ModelSection.unmodelled``). At C > 1
         ZeRO shards over data × context: the model state is that of D·C data ranks. At 2.5D (d depth
         layers) a rank is priced as 2D on its layer's q² ranks with m/d rows per micro-batch and the
-        depth among the D·C·d ranks ZeRO shards over (``JobLayout.layer_mode``, docs/tp2p5d.md)."""
+        depth among the D·C·d ranks ZeRO shards over (``JobLayout.layer_mode``, docs/tp2p5d.md). On CPU the
+        baseline is the resident set before the model was built plus what loading the data added to it
+        (``Job.data_bytes``: the data's imports, e.g. scikit-learn for the digits, and its resident arrays)."""
         if self.cfg.model.unmodelled() is not None:
             return None
+        from ..parallel.decoder_layers import decoder_layers
         from ..parallel.rank_blocks import rank_parameter_blocks
         from ..theory.memory import predict_rank_memory
 
         p, t = self.cfg.parallel, self.cfg.train
         resident = [x for x in (tokens, val_tokens) if x is not None and not isinstance(x, np.memmap)]
-        ids = [int(i) for i in self.model.layers.keys()] if p.pipeline > 1 else None
+        ids = [int(name.rsplit(".", 1)[1]) for name, _ in decoder_layers(self.model)] if p.pipeline > 1 else None
         stage = self.mesh.pipeline.rank                # the rank's blocks: its stages, first / last ends
         mode, T, depth = self.layout.layer_mode, self.layout.layer_tensor, self.layout.depth
         blocks = rank_parameter_blocks(self.model_cfg, mode, T, ids, stage == 0, stage == p.pipeline - 1, p.expert)
@@ -131,7 +134,8 @@ class Trainer:
             layer_ids=ids, baseline_bytes=self.mem_baseline, precision=t.precision, blocks=blocks,
             grad_reduce_dtype=t.grad_reduce_dtype, context=p.context, context_mode=p.context_mode,
             overlap_grad_reduce=t.overlap_grad_reduce, expert=p.expert,
-            extra_bytes=sum(int(getattr(x, "nbytes", 0)) for x in resident) if self.device.type == "cpu" else 0)
+            extra_bytes=max(self.data_bytes, sum(int(getattr(x, "nbytes", 0)) for x in resident))
+            if self.device.type == "cpu" else 0)
 
     # ---- checkpoints (resume and model.init_from are the composer's: gridshard.engine.job) ----
     def save_checkpoint(self, step: int, blocking: bool = False) -> None:

@@ -77,6 +77,13 @@ class ModelConfig:
         if self.expert_ffn_hidden is None:
             self.expert_ffn_hidden = self.ffn_hidden
 
+    #: the memory model's family (:mod:`gridshard.theory.memory`) and the MLP's matrices (gate, up, down)
+    family, mlp_matrices = "decoder", 3
+
+    def build(self) -> "Transformer":
+        """The plain model of this shape (on the current default device: build it under ``torch.device("meta")``)."""
+        return Transformer(self)
+
     def is_moe_layer(self, index: int) -> bool:
         return self.experts > 0 and (index + 1) % self.moe_every == 0
 

@@ -78,6 +78,16 @@ class ViTConfig:
         return self.heads
 
     tie_embeddings = False     # no output layer shares the input's weight (the pipeline's tied-weight sync reads it)
+    #: the memory model's family (:mod:`gridshard.theory.memory.vision`) and the MLP's matrices (intermediate, output)
+    family, mlp_matrices = "vit", 2
+    experts = 0                # a dense encoder (the memory model and the laid-out blocks read it)
+
+    def build(self) -> "VisionTransformer":
+        """The plain model of this shape (on the current default device: build it under ``torch.device("meta")``)."""
+        return VisionTransformer(self)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return False
 
     @property
     def vocab_size(self) -> int:

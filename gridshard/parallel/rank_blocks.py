@@ -36,9 +36,7 @@ from ..errors import LayoutError
 from ..job_layout import TensorMode
 from ..nn.sharding import expert_split, mesh_coords
 from ..theory.memory import ParamBlock, kv_replica_grad_extra
-
-LAYER0 = "layers.0."                                 # a layer's blocks are named relative to ``layers.<i>.``
-
+from .decoder_layers import layer_parameter
 
 @dataclass(frozen=True)
 class LaidOutModel:
@@ -69,46 +67,46 @@ class LaidOutModel:
 
 
 def laid_out_model(cfg, mode="none", T: int = 1, expert: int = 1) -> LaidOutModel:
-    """Lay out a :class:`gridshard.models.Transformer` of ``cfg`` (a :class:`gridshard.models.ModelConfig`)
-    with one layer of each kind on the meta device for tensor mode ``mode``, size ``T`` and ``expert``
-    expert ranks (module docstring) and read its parameters' layouts."""
+    """Lay out the model of ``cfg`` (a :class:`gridshard.models.ModelConfig`: the decoder; a
+    :class:`gridshard.models.vit.ViTConfig`: the ViT, encoder layers ``vit.encoder.layer.N``) with one
+    layer of each kind on the meta device for tensor mode ``mode``, size ``T`` and ``expert`` expert
+    ranks (module docstring) and read its parameters' layouts."""
     from ..mesh import ShapeMesh
-    from ..models.llama import Transformer
     from .parallelize import parallelize
 
     mode = TensorMode.parse(mode)
     every = cfg.moe_every if cfg.experts else 0
     with torch.device("meta"):
-        plain = Transformer(dataclasses.replace(cfg, layers=max(1, every)))
+        plain = dataclasses.replace(cfg, layers=max(1, every)).build()
     mesh = ShapeMesh(data=expert, tensor=T, tensor_mode=mode, expert=expert)
     model = parallelize(plain, mesh, device="meta")
     _, size = mesh_coords(mesh)
     layouts = model.parallel_context.layouts
     extra = kv_replica_grad_extra(cfg, mode, T)
-    first, kinds, last, owner = [], {}, [], {}
-    moe_index = f"layers.{every - 1}." if every else None
+    first, dense, moe, last, owner = [], [], [], [], {}
     for name, param in model.named_parameters(remove_duplicate=False):
         shape = layouts[name].local_shape(size)
         if tuple(param.shape) != shape:
             raise LayoutError(f"parameter {name!r}: the layer built a {tuple(param.shape)} block but its layout "
                               f"says {shape}. Fix: make the layer's ShardSpec describe the block it allocates.")
         tied_to = owner.setdefault(id(param), name)
-        prefix = next((p for p in (LAYER0, moe_index) if p and name.startswith(p)), None)
-        if name.startswith("layers.") and prefix is None:
-            continue                                        # a middle dense layer: layer 0's kind
-        if prefix is not None:
-            rel = name[len(prefix):]
-            kinds.setdefault(prefix, []).append((rel, shape, extra.get(rel, 0), expert_split(layouts[name])))
-        elif not kinds:
+        in_layer = layer_parameter(name)
+        if in_layer is not None:                            # layer 0 the dense kind, layer every − 1 the MoE kind
+            i, rel = in_layer
+            block = (rel, shape, extra.get(rel, 0), expert_split(layouts[name]))
+            for kind, index in ((dense, 0), (moe, every - 1 if every else None)):
+                if i == index:
+                    kind.append(block)
+        elif not dense:
             first.append((name, shape))
         else:
             last.append((name, shape, tied_to if tied_to != name else None))
-    return LaidOutModel(tuple(first), tuple(kinds[LAYER0]), tuple(last), tuple(kinds.get(moe_index, ())), every)
+    return LaidOutModel(tuple(first), tuple(dense), tuple(last), tuple(moe), every)
 
 
 def rank_parameter_blocks(cfg, mode="none", T: int = 1, layer_ids: Optional[Iterable[int]] = None,
                           has_embedding: bool = True, has_head: bool = True, expert: int = 1) -> list:
-    """The :class:`ParamBlock` list of one rank of ``gridshard.parallelize(Transformer(cfg), mesh)``
+    """The :class:`ParamBlock` list of one rank of ``gridshard.parallelize(cfg.build(), mesh)``
     (``mode``, ``T``: the mesh's tensor mode and size): the layouts of :func:`laid_out_model`.
     ``layer_ids``: this pipeline rank's decoder layers (default all); ``has_embedding`` /
     ``has_head``: whether it holds the first / last stage (the final norm goes with the head);

@@ -8,7 +8,9 @@ Predicted peak per rank: the planner's worst rank of the config's own layout
 stage split). Its ``total`` is compared, not ``total_with_margin``: the headroom is taken on
 the memory side instead (below). The baseline (what a process holds before the model exists)
 is the packaged hardware file's ``reserved_bytes``: ``cpu`` (Python + torch + gloo, ~350 MiB)
-on the host, ``h100`` (CUDA context, NCCL, allocator: 2 GiB) on a GPU. With
+on the host, plus on the host what loading image data adds to each worker
+(:func:`gridshard.data.images.image_data_resident_bytes`: the digits' scikit-learn import and images),
+``h100`` (CUDA context, NCCL, allocator: 2 GiB) on a GPU. With
 ``train.offload=optimizer`` on a GPU the AdamW state lives in host memory and is left out of
 the device's bytes.
 
@@ -118,11 +120,13 @@ def _hardware(budget: MemoryBudget):
 
 def predicted_peak(cfg, budget: MemoryBudget):
     """(worst rank's RankMemory, its pipeline rank) of the config's layout (module docstring)."""
+    from ..data.images import image_data_resident_bytes
     from .cost_memory import layout_memory
 
     hw = _hardware(budget)
+    baseline = hw.reserved_bytes + (image_data_resident_bytes(cfg) if not budget.cuda else 0)
     mem, rank = layout_memory(cfg.model.resolve(), config_layout(cfg), cfg.data.seq_len, cfg.train.global_batch,
-                              hw.reserved_bytes, hw.margin_fraction, cfg.train.precision)
+                              baseline, hw.margin_fraction, cfg.train.precision)
     if budget.cuda and cfg.train.offload == "optimizer":
         mem = dataclasses.replace(mem, optimizer=0)
     return mem, rank

@@ -67,7 +67,7 @@ class Scheme(TensorScheme):
     def _grid_weight_elements(self, cfg, T: int, h_in: int) -> tuple:
         r = self.rank_shape(cfg, T, False, 0)
         d = cfg.head_dim
-        return h_in * (d * (2 * r.heads + 2 * r.kv_heads) + 3 * r.ffn), h_in * r.vocab_block
+        return h_in * (d * (2 * r.heads + 2 * r.kv_heads) + cfg.mlp_matrices * r.ffn), h_in * r.vocab_block
 
     def embedding_saved_bytes(self, T: int, tokens: int) -> int:
         """Token ids (N·8), plus the out-of-range mask (N·1) of a table split over T > 1 ranks."""
@@ -89,3 +89,52 @@ class Scheme(TensorScheme):
         """2D's norm function (3D: on the cube's output axis): x, y, the fp32 rstd per row and the
         gathered fp32 weight block h/q."""
         return r.residual * e + consumer_input + r.token_rows * FP32 + (cfg.hidden // q) * FP32
+
+    # ---- a Vision Transformer's terms (gridshard/theory/memory/vision.py) --------------------------------------
+    def layer_norm_saved_bytes(self, cfg, T: int, r: RankShape, e: int, pb: int, output_kept: bool) -> int:
+        """One LayerNorm (``F.layer_norm``): its input x (R·e), the mean and rstd per row (in the
+        parameters' dtype, pb bytes: measured on CPU, where a bf16 input with bf16 weights gives bf16
+        statistics) and, when ``output_kept``, the output y its consumer keeps (R·e)."""
+        rows = r.residual // cfg.hidden
+        return r.residual * e + 2 * rows * pb + (r.residual * e if output_kept else 0)
+
+    def image_embedding_saved_bytes(self, cfg, T: int, batch: int, e: int, pb: int) -> int:
+        """The patch convolution keeps the images (in the compute dtype: b·C·H²·e) and, under autocast
+        over wider parameters (e < pb), its e-byte kernel copy h·C·P²·e."""
+        kernel = cfg.hidden * cfg.channels * cfg.patch_size ** 2
+        return batch * cfg.channels * cfg.image_size ** 2 * e + (kernel * e if e < pb else 0)
+
+    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int) -> int:
+        """The class-token classifier keeps the final norm's output through the class row, a view of
+        it (R·e), and under autocast over wider parameters its e-byte weight copy h·K·e; then the
+        classification loss (:meth:`class_loss_bytes`)."""
+        copy = cfg.hidden * cfg.num_classes * e if e < pb else 0
+        return r.residual * e + copy + self.class_loss_bytes(cfg, r, batch)
+
+    @staticmethod
+    def class_loss_bytes(cfg, r: RankShape, batch: int) -> int:
+        """The fp32 log-softmax of the rank's b_r = N_r/s rows of logits (b_r·K·4), the labels (a
+        view of the whole micro-batch's, b·8) and the 4-byte total."""
+        return r.token_rows // cfg.seq_len * cfg.num_classes * FP32 + batch * INDEX_BYTES + FP32
+
+    @staticmethod
+    def grid_layer_norm_saved_bytes(cfg, r: RankShape, q: int, e: int, pb: int, output_bytes: int) -> int:
+        """2D's LayerNorm function (3D: on the cube's output axis): x̂ (R·e), the rstd per row (N_r·e),
+        the gathered weight block (h/q·pb) and ``output_bytes``, what its consumer keeps of y."""
+        return r.residual * e + r.token_rows * e + cfg.hidden // q * pb + output_bytes
+
+    @staticmethod
+    def grid_image_embedding_saved_bytes(cfg, batch: int, blocks: int, q: int, e: int) -> int:
+        """The grid's patch embedding: the rank's batch block of images (under autocast its e-byte
+        copy, b/``blocks`` rows; in fp32 a view of the whole micro-batch, b rows) and the e-byte copy
+        of its h/q kernel rows (h/q·C·P²·e, in any precision)."""
+        rows = batch if e == FP32 else batch // blocks
+        image = cfg.channels * cfg.image_size ** 2
+        return rows * image * e + cfg.hidden // q * cfg.channels * cfg.patch_size ** 2 * e
+
+    def grid_class_head_saved_bytes(self, cfg, r: RankShape, batch: int, q: int, e: int, pb: int) -> int:
+        """The grid's classifier: the class rows of the final norm's output (a view of it, R·e, when
+        the norm's output is already e-byte; else their e-byte copy b_r·h/q·e), the e-byte copy of its
+        h/q weight rows (h/q·K·e, in any precision) and the loss."""
+        row = r.residual * e if pb <= e else r.token_rows // cfg.seq_len * (cfg.hidden // q) * e
+        return row + cfg.hidden // q * cfg.num_classes * e + self.class_loss_bytes(cfg, r, batch)

@@ -136,6 +136,16 @@ class TwoDScheme(Scheme):
     def norm_saved_bytes(self, cfg, T: int, r: RankShape, e: int, consumer_input: int) -> int:
         return self.grid_norm_saved_bytes(cfg, r, self.side(T), e, consumer_input)
 
+    def layer_norm_saved_bytes(self, cfg, T: int, r: RankShape, e: int, pb: int, output_kept: bool) -> int:
+        """:meth:`grid_layer_norm_saved_bytes`; SUMMA keeps y's e-byte block (its autocast copy)."""
+        return self.grid_layer_norm_saved_bytes(cfg, r, self.side(T), e, pb, r.residual * e if output_kept else 0)
+
+    def image_embedding_saved_bytes(self, cfg, T: int, batch: int, e: int, pb: int) -> int:
+        return self.grid_image_embedding_saved_bytes(cfg, batch, self.batch_split(T), self.side(T), e)
+
+    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int) -> int:
+        return self.grid_class_head_saved_bytes(cfg, r, batch, self.side(T), e, pb)
+
     def autocast_weight_elements(self, cfg, T: int) -> tuple:
         """Every SUMMA weight block, h/q input rows each."""
         return self._grid_weight_elements(cfg, T, cfg.hidden // self.side(T))

@@ -157,6 +157,17 @@ class ThreeDScheme(Scheme):
     def norm_saved_bytes(self, cfg, T: int, r: RankShape, e: int, consumer_input: int) -> int:
         return self.grid_norm_saved_bytes(cfg, r, self.side(T), e, consumer_input)
 
+    def layer_norm_saved_bytes(self, cfg, T: int, r: RankShape, e: int, pb: int, output_kept: bool) -> int:
+        """2D's, with y kept as the norm computes it (the 3D product keeps its input block and casts
+        inside: fp32 under autocast over fp32 parameters)."""
+        return self.grid_layer_norm_saved_bytes(cfg, r, self.side(T), e, pb, r.residual * max(e, pb) if output_kept else 0)
+
+    def image_embedding_saved_bytes(self, cfg, T: int, batch: int, e: int, pb: int) -> int:
+        return self.grid_image_embedding_saved_bytes(cfg, batch, self.batch_split(T), self.side(T), e)
+
+    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int) -> int:
+        return self.grid_class_head_saved_bytes(cfg, r, batch, self.side(T), e, pb)
+
     def autocast_weight_elements(self, cfg, T: int) -> tuple:
         """None: the 3D product saves the fp32 parameter block and casts inside."""
         return 0, 0

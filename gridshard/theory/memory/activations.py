@@ -139,6 +139,7 @@ from ..context import context_attention_saved_bytes
 from ..moe import moe_layer_saved_tensors
 from ..pipeline import DTYPE_BYTES
 from .model_state import FP32
+from .vision import is_vision, vit_activation_terms, vit_logits_workspace_bytes
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,10 +289,17 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
     b·S/C tokens, plus the C > 1 attention term
     (:func:`gridshard.theory.context.context_attention_saved_bytes`). An MoE model (``cfg.experts``):
     ``moe_layers`` of the rank's layers are MoE (default: those of all ``cfg.layers``), each keeping
-    :func:`gridshard.theory.moe.moe_layer_saved_tensors` (``expert``: E)."""
+    :func:`gridshard.theory.moe.moe_layer_saved_tensors` (``expert``: E). A Vision Transformer's config
+    (``micro_batch`` images; ``seq_len`` unused): :func:`gridshard.theory.memory.vision.vit_activation_terms`."""
+    e = activation_element_bytes(precision)
+    if is_vision(cfg):                           # a ViT: its own layers (gridshard.theory.memory.vision)
+        L = cfg.layers if layers is None else layers
+        return ActivationBytes(layers=L, rope_tables=0,
+                               weight_copies=weight_copy_bytes(cfg, mode, T, L, False, recompute, e, param_bytes),
+                               **vit_activation_terms(cfg, micro_batch, mode, T, sequence_parallel, recompute,
+                                                      has_embedding, has_head, e, param_bytes))
     s_r = seq_len // context                     # the rank's 2c tokens of every sequence
     N = micro_batch * s_r
-    e = activation_element_bytes(precision)
     sp = TensorMode.parse(mode).sequence_parallel_in_effect(sequence_parallel, T)
     L = cfg.layers if layers is None else layers
     dense = layer_saved_tensors(cfg, mode, T, sp, N, recompute, e, context, context_mode)
@@ -312,6 +320,8 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
 def logits_workspace_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T: int = 1,
                            precision: str = "fp32") -> int:
     """The logits block (e bytes) and its fp32 upcast / gradient, alive around the loss but not
-    saved: N_r·V_r·(e + 4) (2·N_r·V_r·4 in fp32)."""
+    saved: N_r·V_r·(e + 4) (2·N_r·V_r·4 in fp32); a ViT's: :func:`gridshard.theory.memory.vision.vit_logits_workspace_bytes`."""
+    if is_vision(cfg):
+        return vit_logits_workspace_bytes(cfg, micro_batch, mode, T, activation_element_bytes(precision))
     r = _rank_shape(cfg, mode, T, False, micro_batch * seq_len)
     return r.token_rows * r.vocab_block * (activation_element_bytes(precision) + FP32)
