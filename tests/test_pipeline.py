@@ -177,6 +177,38 @@ def test_zero_bubble_is_exact_and_repeats_no_collective(references):
     assert zb[1] == inter[1] and zb[1][("all_reduce", "tensor")][0] > 0
 
 
+def _schedule_order(cfg):
+    """Per pipeline rank of the built schedule's action list (``pipeline_order``; None = an idle slot):
+    (slots, idle slots, most chunks whose forward ran and weight pass did not)."""
+    trainer = Trainer(cfg, progress=False)
+    out = {}
+    for rank, actions in trainer.pipeline.schedule.pipeline_order.items():
+        alive = peak = 0
+        for a in actions:
+            kind = None if a is None else a.computation_type.value
+            alive += {"F": 1, "W": -1}.get(kind, 0)
+            peak = max(peak, alive)
+        out[rank] = (len(actions), actions.count(None), peak)
+    return out
+
+
+def test_zero_bubble_order_has_the_formula_s_bubble_and_in_flight():
+    """The zero-bubble schedule gridshard builds (P = 2, V = 2, A = 4), read from PyTorch's own action
+    list with F, I and W one slot each: 3·V·A + P − 1 slots of which P − 1 idle on every rank, so
+    the bubble is :func:`gridshard.theory.pipeline.bubble_fraction`'s (P−1)/(3VA + P − 1), and at
+    most V·P chunks alive between a forward and its weight pass: ``zero_bubble_in_flight`` = P
+    micro-batches of the rank's layers."""
+    from gridshard.theory.pipeline import bubble_fraction, zero_bubble_in_flight
+
+    P, V, A = 2, 2, 4
+    order = run_on_ranks(2, _schedule_order, _cfg(1, P, 1, "none", False, "zero_bubble", V))[0]
+    assert sorted(order) == list(range(P))
+    for slots, idle, alive in order.values():
+        assert (slots, idle) == (3 * V * A + P - 1, P - 1)
+        assert idle / slots == pytest.approx(bubble_fraction(P, A, "zero_bubble", V))
+        assert -(-alive // V) == zero_bubble_in_flight(P, V, A) == P
+
+
 @pytest.mark.parametrize("layout", [(1, 2, 2, "1d", True), (1, 2, 4, "2d", False)], ids=["1d-SP", "2d"])
 def test_stage_sends_match_the_formula(layout):
     """The ledger's pipeline sends per rank equal A·boundary_bytes·(sends per micro-batch) per step."""

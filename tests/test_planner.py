@@ -65,7 +65,8 @@ def test_factorisations_and_enumeration():
     assert {x.zero for x in layouts if x.data == 2} == {0, 1, 2, 3}
     assert {x.pipeline_schedule for x in layouts if x.pipeline == 1} == {"1f1b"}
     assert {(x.pipeline_schedule, x.virtual_stages) for x in layouts if x.pipeline == 2} == \
-        {("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)}
+        {("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 2),
+         ("zero_bubble", 4)}
     assert {x.recompute for x in layouts} == {"none", "selective", "full"}
     assert {x.micro_batch for x in layouts if x.data == 2} == {1, 2, 4, 8}            # divisors of 16/2
 

@@ -46,6 +46,8 @@ from ..device import rank_device
 from ..errors import ConfigError
 from ..job_layout import JobLayout
 from ..mesh import build_mesh, init_distributed
+from ..models import Transformer
+from ..models.vit import VisionTransformer
 from ..moe.training import MoETraining
 from ..parallel import context_of, parallelize
 from ..parallel.compile import apply_compile
@@ -203,8 +205,9 @@ def _model_on_meta(job: Job):
         from ..models.hf import build_hf_causal_lm
 
         return build_hf_causal_lm(job.cfg.model.hf_config, device="meta")
+    family = VisionTransformer if job.cfg.model.kind == "vit" else Transformer
     with torch.device("meta"):
-        return job.model_cfg.build()
+        return family(job.model_cfg)
 
 
 def _stage_split(job: Job, plain):

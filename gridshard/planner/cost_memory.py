@@ -25,7 +25,11 @@ backward (Narayanan et al. 2021's interleaved schedule), so it holds about
 min(A, P − r); :func:`interleaved_in_flight` gives the count and the planner adds the
 difference × the rank's activation bytes per micro-batch; each of its V − 1 further stages is
 a middle stage, with its own receive buffers for the A micro-batches' inputs and output gradients
-(:func:`gridshard.theory.pipeline.stage_buffer_bytes`): + (V − 1)·2·A·B in comm buffers.
+(:func:`gridshard.theory.pipeline.stage_buffer_bytes`): + (V − 1)·2·A·B in comm buffers. Zero bubble
+(``zero_bubble``, V stages per rank as interleaving) the same, with
+:func:`gridshard.theory.pipeline.zero_bubble_in_flight` micro-batches held (P on every rank when P
+divides A: each chunk's activations kept until its deferred weight pass; fewer than 1F1B's P − r on
+no rank, more on the later ranks).
 
 Context parallelism (``layout.context`` C > 1): ZeRO shards over data × context, so the rank is
 data rank 0 of D·C; the activations, logits and stage buffers hold the rank's S/C tokens of each
@@ -42,7 +46,7 @@ import math
 
 from ..job_layout import StageSplit, micro_batches_per_step
 from ..theory.memory import predict_rank_memory
-from ..theory.pipeline import boundary_bytes
+from ..theory.pipeline import boundary_bytes, zero_bubble_in_flight
 from .layouts import Layout
 from .memo import rank_blocks
 
@@ -98,8 +102,10 @@ def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
             overlap_grad_reduce=layout.overlap_grad_reduce, expert=layout.expert,
             blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1,
                                layout.expert))
-        if layout.pipeline_schedule == "interleaved_1f1b" and P > 1:
-            extra = max(0, interleaved_in_flight(r, P, V, A) - mem.details["in_flight"])
+        if layout.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") and P > 1:
+            held = interleaved_in_flight(r, P, V, A) if layout.pipeline_schedule == "interleaved_1f1b" \
+                else zero_bubble_in_flight(P, V, A)
+            extra = max(0, held - mem.details["in_flight"])
             buffers = (V - 1) * 2 * A * boundary_bytes(layout.tensor_mode, layout.sequence_parallel, layout.tensor,
                                                        layout.micro_batch, seq_len // layout.context,
                                                        model_cfg.hidden, precision)

@@ -22,7 +22,9 @@ combination the device count allows:
 * ZeRO 0–3 when D > 1 (with D = 1 every stage holds the same bytes: only 0);
 * recompute none / selective / full;
 * micro_batch: every divisor of global_batch / D (up to ``max_micro_batch``, 16 by default);
-* P > 1: ``gpipe``, ``1f1b`` and ``interleaved_1f1b`` with V ∈ {2, 4} virtual stages.
+* P > 1: ``gpipe``, ``1f1b``, and ``interleaved_1f1b`` and ``zero_bubble`` with V ∈ {2, 4} virtual
+  stages (zero bubble's bubble and activations in flight: :mod:`gridshard.theory.pipeline`; ZeRO-3
+  refuses it, a config rule);
 * ``train.overlap_grad_reduce`` true and false (issue 23) exactly where it changes how ZeRO-2/3
   accumulate: ZeRO-2/3 with sharded accumulation (:func:`gridshard.theory.zero.sharded_accumulation`:
   D·C·d > 1, a schedule in ``SHARDED_ACCUMULATION_SCHEDULES``) under a pipeline (P > 1) with A > 1
@@ -30,8 +32,6 @@ combination the device count allows:
   gradient between micro-batches); false (label ``whole-grad``) accumulates whole gradients and
   reduces once per step. At P = 1 only true is enumerated, to keep the search small (there false
   would also stop the reduction hiding under the last backward).
-  ``zero_bubble`` is not enumerated (the memory model does not describe its deferred
-  weight passes, and ZeRO-3 refuses it);
 * an MoE model (``model.experts`` n > 0; issue 38): the expert ranks E (``parallel.expert``) over every
   divisor of gcd(n, D·C·d) — the experts split evenly, the expert groups cut from the weight
   replicas — and the dispatcher, ``all_to_all`` at every E > 1 and ``all_gather`` where E ≤ k
@@ -62,7 +62,7 @@ from ..tensor_scheme import tensor_schemes
 from ..theory.zero import sharded_accumulation
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 VIRTUAL_STAGES = (2, 4)
 
 
@@ -209,7 +209,7 @@ def _modes(T: int) -> list:
 def _schedules(P: int, C: int = 1) -> list:
     if P == 1 or C > 1:
         return [("1f1b", 1)]
-    return [("gpipe", 1), ("1f1b", 1)] + [("interleaved_1f1b", v) for v in VIRTUAL_STAGES]
+    return [("gpipe", 1), ("1f1b", 1)] + [(s, v) for s in ("interleaved_1f1b", "zero_bubble") for v in VIRTUAL_STAGES]
 
 
 def contexts(world: int, seq_len: Optional[int], max_context: int = 8) -> list:

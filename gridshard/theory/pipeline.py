@@ -27,6 +27,22 @@ idle for (P−1) of the A+P−1 slots of a step: bubble = (P−1)/(A+P−1); int
 per rank shrinks the idle slots V-fold: (P−1)/(V·A+P−1) (Narayanan et al. 2021)
 (:func:`bubble_fraction`).
 
+Zero bubble (``zero_bubble``: PyTorch's ``ScheduleInterleavedZeroBubble``, the ZB1P schedule of Qi
+et al. 2024, arXiv 2401.10241) splits each backward into an input pass I and a weight pass W, and
+fills the idle slots with deferred W passes. Counted in chunks (1/V of a rank's layers), each F,
+I and W one unit (a backward of 2 units split evenly, the paper's assumption), a rank is busy 3·V·A
+units and the slowest finishes at T = max(2VP + 2A − 1, 2VA + V·max(A, P) + P − 1); for A ≥ P
+(what the config requires: a multiple of P) T = 3VA + P − 1 and every rank idles P − 1 units::
+
+    bubble = (P−1)/(3·V·A + P − 1)        (a third of interleaved 1F1B's idle time)
+
+Each chunk's activations live from its F to its W (the weight pass reads the layers' inputs); at
+most min((V − 1)·A_r + P, V·A) chunks on every rank, A_r = A / max(1, ⌊A/P⌋) the micro-batches
+per round: P micro-batches of the rank's layers when P divides A (:func:`zero_bubble_in_flight`,
+an upper estimate: the I pass already frees what only the input gradient reads). Both replayed
+from PyTorch's own action lists for P ∈ {2, 3, 4, 8}, V ∈ {2, 4} and every A ≤ 8P the schedule
+accepts, with dependencies enforced (``tests/test_pipeline.py`` reads a real run's list).
+
 **Activations in flight.** GPipe runs all A forwards before any backward: stage i holds A
 micro-batches' activations at its peak. 1F1B starts backward as soon as the last stage has
 a loss: stage i holds at most min(A, P−i) (:func:`peak_in_flight`).
@@ -66,10 +82,21 @@ def step_send_bytes(stage_indices, num_stages: int, n_microbatches: int, per_bou
 
 def bubble_fraction(P: int, n_microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
     """Idle fraction of a step per stage at equal stage costs (module docstring)."""
-    A = n_microbatches
+    A, V = n_microbatches, virtual_stages
     if schedule == "interleaved_1f1b":
-        return (P - 1) / (virtual_stages * A + P - 1)
+        return (P - 1) / (V * A + P - 1)
+    if schedule == "zero_bubble":
+        makespan = max(2 * V * P + 2 * A - 1, 2 * V * A + V * max(A, P) + P - 1)
+        return 1 - 3 * V * A / makespan
     return (P - 1) / (A + P - 1)
+
+
+def zero_bubble_in_flight(P: int, V: int, n_microbatches: int) -> int:
+    """Micro-batches of a rank's whole layer set whose activations zero bubble holds at its peak
+    (module docstring): ⌈min((V − 1)·A_r + P, V·A) / V⌉, the same on every rank."""
+    A = n_microbatches
+    per_round = A // max(1, A // P)
+    return -(-min((V - 1) * per_round + P, V * A) // V)
 
 
 def peak_in_flight(stage: int, P: int, n_microbatches: int, schedule: str = "1f1b") -> int:
