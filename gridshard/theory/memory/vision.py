@@ -35,8 +35,6 @@ parameters and with bf16 parameters. Measured on CPU; CUDA's autocast runs ``lay
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from ...job_layout import TensorMode
 from .model_state import FP32
 
