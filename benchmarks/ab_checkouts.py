@@ -11,7 +11,8 @@ checkouts never share a module):
 * ``train3d``: ``gridshard train`` of the tiny Llama at (D, P, T) = (1, 1, 8), ``tensor_mode: 3d``,
   ``--steps`` steps: the median of the logged ``step_time_s`` after the first log interval
   (``RUN_DIR/metrics.jsonl``), and the final loss (the same in both checkouts when the change
-  keeps the arithmetic).
+  keeps the arithmetic);
+* ``train1d``: the same at (D, T) = (2, 2), ``tensor_mode: 1d``, on 4 processes.
 
 Runs alternate old/new, the first of each pair alternating too, so slow drifts of the machine's
 load hit both alike. Reported per checkout: the median and range of each figure over the pairs,
@@ -53,16 +54,22 @@ def _run_block(root: str, a) -> dict:
     raise SystemExit(f"block3d in {root} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
 
 
+TRAIN_LAYOUTS = {  # job: (processes, layout overrides)
+    "train3d": (8, ["parallel.data=1", "parallel.tensor=8", "parallel.tensor_mode=3d"]),
+    "train1d": (4, ["parallel.data=2", "parallel.tensor=2", "parallel.tensor_mode=1d"]),
+}
+
+
 def _run_train(root: str, a) -> dict:
+    nproc, layout = TRAIN_LAYOUTS[a.job]
     with tempfile.TemporaryDirectory() as run_dir:
-        cmd = [sys.executable, "-m", "gridshard", "train", "configs/tiny.yaml", "--nproc", "8", "--run-dir", run_dir,
-               "parallel.data=1", "parallel.tensor=8", "parallel.tensor_mode=3d", f"train.steps={a.steps}",
-               "train.log_interval=5", "train.warmup_steps=2"]
+        cmd = [sys.executable, "-m", "gridshard", "train", "configs/tiny.yaml", "--nproc", str(nproc), "--run-dir",
+               run_dir, *layout, f"train.steps={a.steps}", "train.log_interval=5", "train.warmup_steps=2"]
         env = {**os.environ, "PYTHONPATH": os.path.abspath(root), "OMP_NUM_THREADS": "1"}
         out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=3600, env=env)
         path = os.path.join(run_dir, "metrics.jsonl")
         if out.returncode or not os.path.exists(path):
-            raise SystemExit(f"train3d in {root} failed (rc {out.returncode}):\n{out.stdout[-3000:]}\n"
+            raise SystemExit(f"{a.job} in {root} failed (rc {out.returncode}):\n{out.stdout[-3000:]}\n"
                              f"{out.stderr[-3000:]}")
         with open(path) as f:
             recs = [json.loads(line) for line in f if line.strip()]
@@ -70,7 +77,7 @@ def _run_train(root: str, a) -> dict:
     return {"step_ms": statistics.median(r["step_time_s"] for r in steps[1:]) * 1e3, "loss": steps[-1]["loss"]}
 
 
-JOBS = {"block3d": _run_block, "train3d": _run_train}
+JOBS = {"block3d": _run_block, "train3d": _run_train, "train1d": _run_train}
 
 
 def main(argv=None) -> None:

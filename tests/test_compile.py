@@ -18,8 +18,9 @@ BASE = {"model": {"preset": "tiny"}, "data": {"kind": "stdlib", "seq_len": 32, "
                   "seed": 3, "eval_interval": 0}}
 
 
-def _cfg(T, mode, sp, compile_, micro_batch=2):
-    return {**BASE, "parallel": {"data": 1, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp},
+def _cfg(T, mode, sp, compile_, micro_batch=2, depth=1):
+    return {**BASE, "parallel": {"data": 1, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp,
+                                 "tensor_depth": depth},
             "train": {**BASE["train"], "compile": compile_, "global_batch": 2 * micro_batch,
                       "micro_batch": micro_batch}}
 
@@ -48,15 +49,19 @@ def _body(cfg):
 
 
 @pytest.mark.parametrize("layout", [(1, "none", False), (2, "1d", True),
+                                    pytest.param((4, "2d", False), marks=pytest.mark.wide),
+                                    pytest.param((8, "2.5d", False), marks=pytest.mark.wide),
                                     pytest.param((8, "3d", False), marks=pytest.mark.wide)],
-                         ids=["T1", "T2-1d-SP", "T8-3d"])
+                         ids=["T1", "T2-1d-SP", "T4-2d", "T8-2.5d", "T8-3d"])
 def test_compiled_layers_train_like_eager(layout):
-    """(wide) 3D at q = 2 (micro-batch 4: q² = 4 batch blocks): the layer's collectives and the
-    gathered-vector window break its graph; before the collective wrappers were skipped
-    (``collectives.compile_eagerly``) their frames hit the recompile limit in the first step."""
+    """(wide) 2D at q = 2, 2.5D at q = 2, d = 2 and 3D at q = 2 (micro-batch 4: q², d·q and q² batch
+    blocks): the layer's collectives and the gathered-vector window break its graph; before the
+    collective wrappers were skipped (``collectives.compile_eagerly``) their frames hit the recompile
+    limit in the first step at 3D."""
     T, mode, sp = layout
-    mb = 4 if mode == "3d" else 2
-    eager, compiled = (run_on_ranks(T, _body, _cfg(T, mode, sp, c, mb), timeout=600)[0] for c in (False, True))
+    mb, depth = (2, 1) if T < 4 else (4, 2 if mode == "2.5d" else 1)
+    eager, compiled = (run_on_ranks(T, _body, _cfg(T, mode, sp, c, mb, depth), timeout=600)[0]
+                       for c in (False, True))
     for a, b in zip(eager[0], compiled[0]):
         assert abs(a - b) <= 1e-5 * abs(a), (eager[0], compiled[0])
     assert len(eager[0]) == len(compiled[0]) == BASE["train"]["steps"]

@@ -50,6 +50,8 @@ Shapes (group of n ranks, ``dim`` = d):
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import math
 from typing import Optional
@@ -177,12 +179,25 @@ def _as_requested(x: torch.Tensor, async_op: bool):
 def _issue(call, entry, result: torch.Tensor, async_op: bool, device):
     """Run the process-group call ``call(async_op)``: with ``async_op`` return a
     :class:`PendingCollective` whose ``wait()`` is timed into ``entry``; otherwise time the
-    call itself and return ``result``."""
-    if async_op:
-        return PendingCollective(call(True), result, entry)
-    with entry.owner.timed(entry, device):
-        call(False)
+    call itself and return ``result``. While the job's profiler ranges are on
+    (:mod:`gridshard.engine.profiling`) the call is the range ``gridshard.{op} {axis} {bytes} B``."""
+    with _profiled(entry):
+        if async_op:
+            return PendingCollective(call(True), result, entry)
+        with entry.owner.timed(entry, device):
+            call(False)
     return result
+
+
+def _profiled(entry, wait: bool = False):
+    """While the ledger's job records a trace, its range for ``entry``'s latest call (``wait``: the
+    wait of an asynchronous one); else a no-op context. The name is built only while recording."""
+    ranges = entry.owner.ranges
+    if ranges is None or not ranges.on:
+        return contextlib.nullcontext()
+    if wait:
+        return ranges(f"gridshard.wait {entry.op} {entry.axis}")
+    return ranges(f"gridshard.{entry.op} {entry.axis} {entry.last_bytes} B")
 
 
 @eager
@@ -326,7 +341,8 @@ class PendingCollective:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            with self._entry.owner.timed(self._entry, self.tensor.device):
+            with _profiled(self._entry, wait=True), \
+                    self._entry.owner.timed(self._entry, self.tensor.device):
                 self._work.wait()
             self._work = None
         return self.tensor

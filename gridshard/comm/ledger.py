@@ -52,6 +52,7 @@ import contextvars
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,16 +79,20 @@ class LedgerEntry:
     payload_bytes: int = 0
     wire_bytes: float = 0.0
     seconds: float = 0.0
+    last_bytes: int = 0               # the payload of the latest call (a profiler range's name)
 
 
 @dataclass
 class CommLedger:
-    """Accumulates collectives by (op, axis). See the module docstring for the fields."""
+    """Accumulates collectives by (op, axis). See the module docstring for the fields. ``ranges``:
+    the job's profiler ranges (:class:`gridshard.engine.profiling.Ranges`, or None): while they are
+    on, each recorded collective is a named range of the trace."""
 
     enabled: bool = True
     timing: bool = False
     entries: dict = field(default_factory=dict)
     untracked: set = field(default_factory=set)
+    ranges: Any = None
 
     def reset(self) -> None:
         self.entries.clear()
@@ -102,6 +107,7 @@ class CommLedger:
         if entry is None:
             entry = self.entries[(op, axis)] = LedgerEntry(op, axis)
             entry.owner = self                      # async handles time their wait in the same ledger
+        entry.last_bytes = int(payload_bytes)
         if self.recording:
             entry.count += 1
             entry.payload_bytes += int(payload_bytes)

@@ -264,6 +264,12 @@ class TrainSection(BaseModel):
     time_comm: Optional[bool] = Field(None, description="time collectives for comm_share; default: on for CPU, "
                                                          "off on CUDA (timing synchronises the GPU around each "
                                                          "collective and defeats SUMMA's overlap)")
+    profile_start: Optional[int] = Field(None, description="record torch.profiler traces from this step (1-based; "
+                                                           "null = off) into RUN_DIR/profile/rank{R}.trace.json "
+                                                           "(docs/diagnosis.md)")
+    profile_steps: int = Field(2, description="with profile_start: how many steps the traces cover")
+    profile_ranks: Optional[List[int]] = Field(None, description="with profile_start: the global ranks that record "
+                                                                 "(null = every rank)")
 
 
 class TrainConfig(BaseModel):

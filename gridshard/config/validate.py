@@ -252,7 +252,7 @@ def _data(cfg: TrainConfig):
          "hold out more data (a larger val_fraction) or set data.val_fraction=0")])
 
 
-def _optim(cfg: TrainConfig, cuda_available: bool):
+def _optim(cfg: TrainConfig, cuda_available: bool, world_size: int):
     t = cfg.train
     _first_broken([
         ("train.lr", t.lr, t.lr < 0, "a learning rate must be >= 0", "use a positive value such as 3e-4"),
@@ -290,6 +290,13 @@ def _optim(cfg: TrainConfig, cuda_available: bool):
          "use train.zero=3, or train.zero3_host_memory=heap"),
         ("train.keep_checkpoints", t.keep_checkpoints, t.keep_checkpoints < 0,
          "it must be >= 0 (0 keeps every checkpoint)", "use e.g. 3"),
+        ("train.profile_start", t.profile_start, t.profile_start is not None and not 1 <= t.profile_start <= t.steps,
+         f"it is the first profiled step, between 1 and train.steps={t.steps}", "use e.g. 3, or null (off)"),
+        ("train.profile_steps", t.profile_steps, t.profile_steps < 1, "it must be >= 1", "use e.g. 2"),
+        ("train.profile_ranks", t.profile_ranks, t.profile_ranks is not None
+         and not all(0 <= r < world_size for r in t.profile_ranks),
+         f"every entry must be a global rank of the {world_size}-process job", f"use ranks in 0..{world_size - 1}, "
+         "or null (every rank)"),
         ("train.peak_flops", t.peak_flops, t.peak_flops is not None and not t.peak_flops > 0,
          "a device's peak FLOP/s must be > 0",
          "use the datasheet's dense figure, e.g. 989.4e12 for an H100 SXM in bf16, or null"),
@@ -315,7 +322,7 @@ def validate_config(cfg: TrainConfig, world_size: int, cuda_available: bool = Fa
     check_moe(cfg)
     if check_data:
         _data(cfg)
-    _optim(cfg, cuda_available)
+    _optim(cfg, cuda_available, world_size)
     return cfg
 
 

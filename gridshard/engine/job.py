@@ -57,6 +57,7 @@ from ..pipeline.tied import holds_tied_copy
 from ..theory.zero import reduces_in_backward
 from ..zero.reducer import build_reducer
 from .memory_meter import rss_now
+from .profiling import Ranges
 from .warmup import start_warmup
 from .optim import build_optimizer
 from .precision import DTYPES, Precision, apply_math_modes
@@ -93,6 +94,7 @@ class Job:
     mesh: Any
     mem_baseline: int                        # the process's bytes before the model existed (CPU)
     data_bytes: int = 0                      # what loading the data added to them (CPU: imports, resident arrays)
+    ranges: Ranges = field(default_factory=Ranges)    # gridshard's profiler ranges (engine.profiling)
     math_modes: dict = field(default_factory=dict)    # train.tf32 / train.deterministic in effect
     composed: list = field(default_factory=list)      # COMPOSITION_ORDER, as the stages ran
     model: Any = None
@@ -187,11 +189,12 @@ def _frame(config, overrides, run_dir) -> Job:
                                    start_step=saved.get("step"))
     p, model_cfg = cfg.parallel, cfg.model.resolve()
     math_modes = apply_math_modes(cfg.train.precision, cfg.train.tf32, cfg.train.deterministic, device)
-    ledger = CommLedger()                      # this job's collectives only (its mesh records here)
+    ranges = Ranges()                          # profiler ranges, on while a trace records (engine.profiling)
+    ledger = CommLedger(ranges=ranges)         # this job's collectives only (its mesh records here)
     mesh = build_mesh(p.data, p.pipeline, p.tensor, p.tensor_mode, ledger=ledger, context=p.context,
                       depth=p.tensor_depth, expert=p.expert)
     return Job(cfg=cfg, layout=JobLayout.from_config(cfg, model_cfg), model_cfg=model_cfg, device=device,
-               rank=rank, run_dir=run_dir, resume_from=resume_from, layout_changes=changes, ledger=ledger,
+               rank=rank, run_dir=run_dir, resume_from=resume_from, layout_changes=changes, ledger=ledger, ranges=ranges,
                mesh=mesh, mem_baseline=rss_now() if device.type == "cpu" else 0, math_modes=math_modes,
                ignore_index=-100 if cfg.data.ignore_token is None else cfg.data.ignore_token,
                decay_steps=cfg.train.decay_steps or cfg.train.steps)
@@ -367,7 +370,8 @@ def _driver(job: Job) -> None:
         job.driver = PipelineSchedule(job.pipeline, job.tied, job.device)
         counted = {id(q) for q in job.tied.counted(job.params)}
     else:
-        job.driver = MicroBatchLoop(job.model, job.context, job.precision, job.reducer, job.ignore_index, job.device)
+        job.driver = MicroBatchLoop(job.model, job.context, job.precision, job.reducer, job.ignore_index, job.device,
+                                    job.ranges)
         counted = {id(q) for q in job.params}
     spec_of = {id(q): s for q, s in zip(job.params, job.param_specs)}
     norm_tensors = job.reducer.norm_tensors()

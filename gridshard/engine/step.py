@@ -65,6 +65,7 @@ from ..comm import collectives as C
 from ..device import batch_to_device
 from .clip import clip_gradients, global_grad_norm
 from .optim import set_lr
+from .profiling import Ranges
 from ..schedule import lr_at
 
 
@@ -98,9 +99,10 @@ class StepResult:
 class MicroBatchLoop:
     """P = 1: the micro-batches one after the other on the whole model."""
 
-    def __init__(self, model, context, precision, reducer, ignore_index: int, device):
+    def __init__(self, model, context, precision, reducer, ignore_index: int, device, ranges=None):
         self.model, self.context, self.precision = model, context, precision
         self.reducer, self.ignore_index, self.device = reducer, ignore_index, device
+        self.ranges = ranges if ranges is not None else Ranges()     # profiler ranges (engine.profiling)
 
     def _loss_sum(self, tokens, targets) -> torch.Tensor:
         tokens = batch_to_device(self.context.shard_tokens(tokens), self.device)   # 2D: this grid row's rows
@@ -115,8 +117,10 @@ class MicroBatchLoop:
         for a, (tokens, targets) in enumerate(micro):
             if a == len(micro) - 1:
                 self.reducer.arm()                     # reduce buckets/units during the last backward
-            loss_sum = self._loss_sum(tokens, targets)
-            self.precision.scale(loss_sum * weight).backward()
+            with self.ranges("gridshard.forward"):
+                loss_sum = self._loss_sum(tokens, targets)
+            with self.ranges("gridshard.backward"):
+                self.precision.scale(loss_sum * weight).backward()
             sums.append(loss_sum.detach())
         return sums
 
@@ -163,7 +167,8 @@ def train_step(job, batch: StepBatch, skip_update: Optional[Callable] = None) ->
         job.moe.begin(job.precision.loss_scale())
     with job.context.vector_cache.window():            # parameters are fixed until the optimizer step
         sums = job.driver.forward_backward(batch.micro, weight)
-    job.reducer.sync()
+    with job.ranges("gridshard.grad_reduce"):
+        job.reducer.sync()
     job.precision.unscale(job.optimizer)
     norm = global_grad_norm([q for q, _ in job.norm_pairs], job.mesh, [s for _, s in job.norm_pairs],
                             pipeline_axis=job.mesh.pipeline, data_axis=job.reducer.norm_axis,
@@ -173,9 +178,10 @@ def train_step(job, batch: StepBatch, skip_update: Optional[Callable] = None) ->
     if skipped:
         job.reducer.zero_grad()
     else:
-        clip_gradients(job.clip_tensors, norm, t.grad_clip)
-        job.precision.step(job.optimizer)
-        job.reducer.after_step()                       # ZeRO-1/2: all-gather the updated chunks
+        with job.ranges("gridshard.optimizer"):
+            clip_gradients(job.clip_tensors, norm, t.grad_clip)
+            job.precision.step(job.optimizer)
+            job.reducer.after_step()                   # ZeRO-1/2: all-gather the updated chunks
     if job.moe is not None:
         job.moe.end(update_bias=not skipped)           # the routing statistics, bias update, metrics
     if job.warmup is not None:                         # train.compile: compiled; back to collective_timeout_s

@@ -71,6 +71,7 @@ from ..theory.training import mfu, model_flops_per_token
 from . import control
 from .job import Job, build_job
 from .metrics import RunFiles, device_peak_flops, format_postfix, interval_memory_peaks
+from .profiling import StepProfiler
 from .step import accuracy_metrics, evaluate, global_losses, train_step
 
 
@@ -91,6 +92,7 @@ class Trainer:
         self.flops_token = model_flops_per_token(self.cfg.model.kind, mc, seq)
         self.peak_flops = device_peak_flops(self.device, t.precision, t.tf32, t.peak_flops)
         self.predicted_mem = self._predict_memory(self.plan.tokens, getattr(self.val_plan, "tokens", None))
+        self.profiler = StepProfiler(t, self.rank, self.run_dir, self.device, self.ranges)   # train.profile_*
         self.files = RunFiles(self.run_dir, active=self.rank == 0,
                               keep_until_step=self.start_step if self.resume_from is not None else None,
                               log_to=t.log_to)
@@ -293,12 +295,15 @@ class Trainer:
         stoppable = control.stop_installed()           # the same on every rank (install_stop_handler)
         try:
             for k in range(self.start_step, t.steps):
+                self.profiler.before_step(k)
                 loss, norm, lr = self.step(k)
                 window.pending.append((loss, self.step_valid_tokens))
                 bar.update(1)
                 hit(self.faults, "step", self.rank, k + 1)
                 if saving and t.save_interval and (k + 1) % t.save_interval == 0:
-                    self.save_checkpoint(k + 1)
+                    with self.ranges("gridshard.checkpoint"):
+                        self.save_checkpoint(k + 1)
+                self.profiler.after_step(k)
                 is_eval = self.val_plan is not None and (
                     (t.eval_interval and (k + 1) % t.eval_interval == 0) or k + 1 == t.steps)
                 log_step = not ((k + 1) % t.log_interval and k + 1 != t.steps and not is_eval)
@@ -315,6 +320,7 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.close()
         finally:
+            self.profiler.close()
             bar.close()
             self.files.close()
             self.ledger.timing = prev_timing

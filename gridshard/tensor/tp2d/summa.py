@@ -61,15 +61,18 @@ backward. There is no process-wide switch.
 """
 from __future__ import annotations
 
-
 import torch
 
 from ...errors import ShapeError
 from ...comm import collectives as C
 
+
+@C.eager
 def _panel(x: torch.Tensor, axis, src: int, overlap: bool):
     """Broadcast member ``src``'s block along ``axis``; the source sends its own ``x``,
-    the others receive into a buffer of the same shape. Returns an object with ``wait()``."""
+    the others receive into a buffer of the same shape. Returns an object with ``wait()``. Eager
+    under ``train.compile`` (:func:`gridshard.comm.collectives.eager`): traced, its source index,
+    its Parameter or activation operand and the handle it returns recompiled it past torch's limit."""
     buf = x if axis.rank == src else torch.empty_like(x)
     if overlap:
         return C.broadcast(buf, axis, src, async_op=True)
