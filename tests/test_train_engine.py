@@ -202,7 +202,7 @@ def _metrics_body(cfg, run_dir):
 METRIC_KEYS = {"step", "loss", "valid_tokens", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_share", "peak_mem_bytes",
                "peak_mem_bytes_per_rank", "step_time_s", "tokens", "elapsed_s", "loss_scale", "bubble_share",
                "bubble_share_per_rank", "predicted_mem_bytes", "predicted_mem_bytes_per_rank", "skipped_steps",
-               "peak_mem_reserved_bytes"}
+               "peak_mem_reserved_bytes", "rank_wait_max", "straggler_rank"}
 
 
 def test_metrics_and_run_files(tmp_path):
@@ -231,5 +231,11 @@ def test_metrics_and_run_files(tmp_path):
     same = ("step", "loss", "lr", "grad_norm", "comm_share", "peak_mem_bytes_per_rank", "tokens")
     assert [{k: h[k] for k in same} for h in out[1][1]] == [{k: h[k] for k in same} for h in history]
     # rank 0 writes the run files; the end-of-run checkpoint (save_interval 0) is the only other entry
-    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.yaml", "metrics.jsonl", "ranks.jsonl"]
+    ranks = [json.loads(x) for x in (tmp_path / "ranks.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ranks] == [2, 4, 5] and all(len(r["ranks"]) == 2 for r in ranks)
+    for r, rec in zip(ranks, lines):             # the per-rank table behind the record's two fields
+        assert r["rank_wait_max"] == rec["rank_wait_max"] == max(x["wait_s"] for x in r["ranks"]) >= 0
+        assert min(x["wait_s"] for x in r["ranks"]) == 0 and r["straggler_rank"] == rec["straggler_rank"]
+        assert all(x["compute_s"] + x["comm_s"] + x["data_s"] == pytest.approx(r["step_time_s"]) for x in r["ranks"])
     assert math.isfinite(losses[-1])

@@ -73,8 +73,25 @@ def interval_memory_peaks(device: torch.device) -> tuple:
     return peak_memory_bytes(device), None
 
 
+def _start_jsonl(path: str, keep_until_step: Optional[int]) -> None:
+    """Start ``path`` empty, or for a resumed run with the records of steps ≤ ``keep_until_step``."""
+    kept = []
+    if keep_until_step is not None and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= keep_until_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    break                           # a line cut by the crash ends what is kept
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 class RunFiles:
-    """``RUN_DIR/config.yaml`` and ``RUN_DIR/metrics.jsonl`` (written by rank 0 only)."""
+    """``RUN_DIR/config.yaml``, ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/ranks.jsonl`` (written by rank 0 only)."""
 
     def __init__(self, run_dir: Optional[str], active: bool, keep_until_step: Optional[int] = None,
                  log_to=("jsonl",)):
@@ -93,19 +110,9 @@ class RunFiles:
             self.tb = SummaryWriter(os.path.join(self.run_dir, "tb"), purge_step=purge)
         if self.run_dir and self.jsonl:
             self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-            kept = []
-            if keep_until_step is not None and os.path.isfile(self.metrics_path):
-                with open(self.metrics_path) as f:
-                    for line in f:
-                        try:
-                            if json.loads(line)["step"] <= keep_until_step:
-                                kept.append(line if line.endswith("\n") else line + "\n")
-                        except (json.JSONDecodeError, KeyError, TypeError):
-                            break                   # a line cut by the crash ends what is kept
-            tmp = self.metrics_path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(kept)
-            os.replace(tmp, self.metrics_path)
+            self.ranks_path = os.path.join(self.run_dir, "ranks.jsonl")
+            for path in (self.metrics_path, self.ranks_path):
+                _start_jsonl(path, keep_until_step)
 
     def write_config(self, resolved: dict) -> None:
         if self.run_dir:
@@ -115,30 +122,39 @@ class RunFiles:
                 yaml.safe_dump(resolved, f, sort_keys=False)
 
     def append(self, record: dict) -> None:
-        """Append one line (a disk error: :class:`~gridshard.errors.SaveError`, one line)."""
+        """Append one line to metrics.jsonl (a disk error: :class:`~gridshard.errors.SaveError`, one line)."""
         if self.run_dir and self.jsonl:
-            line = json.dumps(record) + "\n"
-            try:
-                with open(self.metrics_path, "a") as f:
-                    f.write(line)
-            except OSError as e:
-                from ..checkpoint.files import checkpoints_root, latest_or_none
-                from ..disk import write_failure
-                from ..errors import SaveError
-
-                last = latest_or_none(checkpoints_root(self.run_dir))
-                # one line for a failed write of a run file, or None when it is not a disk error
-                why = write_failure(self.run_dir, self.metrics_path, e, f"the record of step {record.get('step')} "
-                                    f"was not appended to metrics.jsonl", need=len(line), need_what="the record",
-                                    last=last)
-                if why is None:
-                    raise
-                raise SaveError(why) from e
+            self._append_line(self.metrics_path, record)
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar("val/loss" if key == "val_loss" else f"train/{key}", value, record["step"])
             self.tb.flush()
+
+    def append_ranks(self, record: dict) -> None:
+        """Append one line to ranks.jsonl, the per-rank table of a log step (:mod:`gridshard.engine.rank_timing`)."""
+        if self.run_dir and self.jsonl:
+            self._append_line(self.ranks_path, record)
+
+    def _append_line(self, path: str, record: dict) -> None:
+        """Append ``record`` as one line of ``path`` (a disk error: :class:`~gridshard.errors.SaveError`)."""
+        line = json.dumps(record) + "\n"
+        try:
+            with open(path, "a") as f:
+                f.write(line)
+        except OSError as e:
+            from ..checkpoint.files import checkpoints_root, latest_or_none
+            from ..disk import write_failure
+            from ..errors import SaveError
+
+            last = latest_or_none(checkpoints_root(self.run_dir))
+            # one line for a failed write of a run file, or None when it is not a disk error
+            why = write_failure(self.run_dir, path, e, f"the record of step {record.get('step')} "
+                                f"was not appended to {os.path.basename(path)}", need=len(line),
+                                need_what="the record", last=last)
+            if why is None:
+                raise
+            raise SaveError(why) from e
 
     def close(self) -> None:
         if self.tb is not None:

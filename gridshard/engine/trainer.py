@@ -72,6 +72,7 @@ from . import control
 from .job import Job, build_job
 from .metrics import RunFiles, device_peak_flops, format_postfix, interval_memory_peaks
 from .profiling import StepProfiler
+from .rank_timing import straggler_verdict
 from .step import accuracy_metrics, evaluate, global_losses, train_step
 
 
@@ -93,6 +94,8 @@ class Trainer:
         self.peak_flops = device_peak_flops(self.device, t.precision, t.tf32, t.peak_flops)
         self.predicted_mem = self._predict_memory(self.plan.tokens, getattr(self.val_plan, "tokens", None))
         self.profiler = StepProfiler(t, self.rank, self.run_dir, self.device, self.ranges)   # train.profile_*
+        self.data_s = 0.0                              # seconds producing batches so far (engine.rank_timing)
+        self.straggler_named: Optional[int] = None     # the straggler last warned about
         self.files = RunFiles(self.run_dir, active=self.rank == 0,
                               keep_until_step=self.start_step if self.resume_from is not None else None,
                               log_to=t.log_to)
@@ -159,7 +162,10 @@ class Trainer:
         data ranks is the global loss; NaN when the step has no valid target —, global grad
         norm, lr) as tensors/floats without synchronising the host. The step's global
         valid-target count N is left in ``self.step_valid_tokens``."""
-        result = train_step(self.job, self.job.batch(k), skip_update=self._skip_nonfinite)
+        start = time.perf_counter()
+        batch = self.job.batch(k)
+        self.data_s += time.perf_counter() - start          # data loading, per rank (engine.rank_timing)
+        result = train_step(self.job, batch, skip_update=self._skip_nonfinite)
         self.step_valid_tokens = result.valid_targets
         return result.loss_share, result.grad_norm, result.lr
 
@@ -239,22 +245,27 @@ class Trainer:
         m = self.pipeline.meter if self.pipeline is not None else None
         return (m.busy_s, m.schedule_s) if m is not None else (0.0, 0.0)
 
-    def _gather_rank_stats(self, comm_s: float, wall_s: float, busy: tuple = (0.0, 0.0)) -> tuple:
+    def _gather_rank_stats(self, comm_s: float, wall_s: float, busy: tuple = (0.0, 0.0), data_s: float = 0.0,
+                           n_steps: int = 1) -> tuple:
         """(mean communication share, peak memory per rank, pipeline bubble share per rank,
-        predicted peak memory per rank, peak reserved memory per rank or None on CPU);
-        ``busy``: (time in stage forward/backward, wall time in the schedule) of the interval."""
+        predicted peak memory per rank, peak reserved memory per rank or None on CPU, the interval's
+        :class:`~gridshard.engine.rank_timing.StragglerVerdict` or None without collective timing);
+        ``busy``: (time in stage forward/backward, wall time in the schedule) of the interval;
+        ``comm_s`` / ``data_s``: this rank's seconds in collectives / data loading over its ``n_steps``."""
         idle = 1.0 - busy[0] / max(busy[1], 1e-12) if self.pipeline is not None else 0.0
         predicted = float(self.predicted_mem.total) if self.predicted_mem is not None else -1.0
         allocated, reserved = interval_memory_peaks(self.device)
         stats = torch.tensor([[comm_s / max(wall_s, 1e-12), float(allocated), idle, predicted,
-                               -1.0 if reserved is None else float(reserved)]],
+                               -1.0 if reserved is None else float(reserved), comm_s, data_s]],
                              dtype=torch.float64, device=self.device)
         with self.ledger.paused():
             allr = C.all_gather(stats, world_axis(self.ledger), dim=0).cpu()
         bubble = [float(x) for x in allr[:, 2]] if self.pipeline is not None else None
         predicted = [int(x) for x in allr[:, 3]] if self.predicted_mem is not None else None
         reserved = [int(x) for x in allr[:, 4]] if reserved is not None else None
-        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble, predicted, reserved
+        verdict = straggler_verdict(wall_s / n_steps, [float(x) / n_steps for x in allr[:, 5]],
+                                    [float(x) / n_steps for x in allr[:, 6]]) if self.ledger.timing else None
+        return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble, predicted, reserved, verdict
 
     # ---- stopping on request (gridshard.engine.control) ---------------------------------
     def _stop_agreed(self) -> bool:
@@ -328,7 +339,7 @@ class Trainer:
 
     def _window(self, now: float, steps: int) -> "_LogWindow":
         """A log interval starting now, after ``steps`` steps."""
-        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks())
+        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks(), self.data_s)
 
     def _log(self, k: int, window: "_LogWindow", norm, lr: float, is_eval: bool, all_losses: list, bar):
         """Log step ``k``: the interval's global losses (appended to ``all_losses``), rank
@@ -340,7 +351,8 @@ class Trainer:
         wall = now - window.time
         marks = self._meter_marks()
         busy = (marks[0] - window.busy[0], marks[1] - window.busy[1])
-        stats = self._gather_rank_stats(self.ledger.seconds() - window.comm_s, wall, busy)
+        stats = self._gather_rank_stats(self.ledger.seconds() - window.comm_s, wall, busy, self.data_s - window.data_s,
+                                        k + 1 - window.steps)
         losses = global_losses(self.job, window.pending)
         all_losses += losses
         # the loss is known globally only here (its sum over data ranks): a non-finite one
@@ -356,6 +368,7 @@ class Trainer:
             rec.update(accuracy_metrics(self.job))     # a classifier's accuracy, val_accuracy (else none)
         self.history.append(rec)
         self.files.append(rec)
+        self._report_ranks(k, stats[-1])
         bar.set_postfix(format_postfix(rec), refresh=False)
         window = self._window(time.perf_counter(), k + 1)
         if nonfinite and self.cfg.train.on_nonfinite == "stop":
@@ -367,10 +380,22 @@ class Trainer:
                           f"norms)", RuntimeWarning, stacklevel=3)
         return window
 
+    def _report_ranks(self, k: int, verdict) -> None:
+        """Rank 0: the interval's per-rank table into ``RUN_DIR/ranks.jsonl``, and one warning when a
+        straggler is named that was not the last one named (:mod:`gridshard.engine.rank_timing`)."""
+        if verdict is None or self.rank != 0:
+            return
+        self.files.append_ranks({"step": k + 1, "step_time_s": verdict.step_s, "rank_wait_max": verdict.rank_wait_max,
+                                 "straggler_rank": verdict.straggler_rank,
+                                 "ranks": [t.row() for t in verdict.ranks]})
+        if verdict.straggler_rank is not None and verdict.straggler_rank != self.straggler_named:
+            warnings.warn(verdict.warning(k + 1), RuntimeWarning, stacklevel=3)
+        self.straggler_named = verdict.straggler_rank
+
     def _record(self, k: int, loss, norm, lr: float, wall: float, n_steps: int, now: float, stats: tuple) -> dict:
         """The metrics record of log step ``k`` (docs/metrics.md): ``stats`` from :meth:`_gather_rank_stats`
         over the interval's ``n_steps`` steps and ``wall`` seconds."""
-        comm_share, mems, bubble, predicted, reserved = stats
+        comm_share, mems, bubble, predicted, reserved, verdict = stats
         tokens_per_step = self.cfg.train.global_batch * self.cfg.data.seq_len
         tps = n_steps * tokens_per_step / wall
         return {"step": k + 1, "loss": loss, "valid_tokens": self.step_valid_tokens,
@@ -382,18 +407,21 @@ class Trainer:
                 "predicted_mem_bytes_per_rank": predicted, "step_time_s": wall / n_steps,
                 "tokens": (k + 1) * tokens_per_step, "elapsed_s": now - self._run_start,
                 "loss_scale": self.precision.loss_scale(), "skipped_steps": self.skipped_steps,
-                "bubble_share": max(bubble) if bubble else None, "bubble_share_per_rank": bubble}
+                "bubble_share": max(bubble) if bubble else None, "bubble_share_per_rank": bubble,
+                "rank_wait_max": verdict.rank_wait_max if verdict else None,
+                "straggler_rank": verdict.straggler_rank if verdict else None}
 
 
 @dataclass
 class _LogWindow:
     """The current log interval: where it started (time, completed steps, communication
-    seconds, pipeline meter marks) and its steps' (loss share, N) pairs."""
+    seconds, pipeline meter marks, data-loading seconds) and its steps' (loss share, N) pairs."""
 
     time: float
     steps: int
     comm_s: float
     busy: tuple
+    data_s: float = 0.0
     pending: list = field(default_factory=list)
 
 
