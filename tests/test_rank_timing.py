@@ -1,6 +1,7 @@
 """Per-rank timing and stragglers (:mod:`gridshard.engine.rank_timing`): the verdict by hand, and a
 planted straggler — one worker process stopped (SIGSTOP) for 80 % of every 20 ms from outside,
-by its process id — named by ``straggler_rank`` at D = 4, while an unloaded run names none."""
+by its process id — named by ``straggler_rank`` and by ``gridshard diagnose`` at D = 4, while an unloaded run
+names none."""
 import os
 import signal
 import threading
@@ -30,10 +31,10 @@ def _pid():
     return os.getpid()
 
 
-def _train(cfg):
+def _train(cfg, run_dir=None):
     from gridshard.engine import Trainer
 
-    trainer = Trainer(cfg, progress=False)
+    trainer = Trainer(cfg, run_dir=run_dir, progress=False)
     trainer.run()
     return [(h["straggler_rank"], h["rank_wait_max"], h["step_time_s"]) for h in trainer.history]
 
@@ -65,24 +66,28 @@ def _cfg(parallel):
             "train": {"global_batch": 32, "micro_batch": 8, "steps": 12, "log_interval": 4, "eval_interval": 0}}
 
 
-def _run_with_straggler(parallel, slow: int):
+def _run_with_straggler(parallel, slow: int, run_dir=None):
     pids = run_on_ranks(4, _pid)
     pauser = _Pauser(pids[slow])
     pauser.start()
     try:
-        return run_on_ranks(4, _train, _cfg(parallel), timeout=600)[0]
+        return run_on_ranks(4, _train, _cfg(parallel), run_dir, timeout=600)[0]
     finally:
         pauser.done.set()
         pauser.join()
 
 
-def test_a_planted_straggler_is_named():
+def test_a_planted_straggler_is_named(tmp_path):
     """D = 4: rank 2 stopped 80 % of every 20 ms (measured: 78–79 % of the run). (At T = 4 the same pause is not named: the
     stopped rank is held inside the tensor collectives as often as between them, so its own
     collective time grows with everyone's and no per-rank time split tells it apart — docs/diagnosis.md.)"""
-    records = _run_with_straggler({"data": 4}, slow=2)          # stopped 16 ms of every 20 ms
+    from gridshard.diagnose import diagnose
+
+    records = _run_with_straggler({"data": 4}, slow=2, run_dir=str(tmp_path))     # stopped 16 ms of every 20 ms
     assert [r[0] for r in records[1:]] == [2, 2], records       # the log steps after the first interval
     assert all(r[1] > STRAGGLER_SHARE * r[2] for r in records[1:]), records
+    found = [f for f in diagnose(str(tmp_path))["findings"] if f["finding"] == "straggler"]
+    assert len(found) == 1 and found[0]["evidence"].startswith("rank 2 was named"), found
 
 
 def test_an_unloaded_run_names_none():

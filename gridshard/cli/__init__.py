@@ -6,6 +6,7 @@
     gridshard plan [CONFIG] --gpus N [--nodes K] [--hardware NAME|PROFILE.json] [--top K] [--json] [--write OUT.yaml]
                    [--explain] [key.sub=value ...];  gridshard plan --calibrate [--nproc N] [--out PROFILE.json]
     gridshard plot RUN_DIR [--out DIR]
+    gridshard diagnose RUN_DIR [--json] [--hardware NAME|PROFILE.json]
     gridshard prepare-data INPUT... --out DIR [--train-tokenizer --vocab-size N | --tokenizer FILE | --bytes]
                            [--overwrite]
     gridshard generate RUN_DIR|CKPT_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S]

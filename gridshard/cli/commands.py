@@ -1,4 +1,4 @@
-"""The ``gridshard`` commands other than ``train``: ``plan``, ``export``, ``plot``,
+"""The ``gridshard`` commands other than ``train``: ``plan``, ``export``, ``plot``, ``diagnose``,
 ``generate``, ``predict`` and ``prepare-data``. Each declares its options and hands over to
 its subsystem, imported when the command runs."""
 from __future__ import annotations
@@ -69,6 +69,21 @@ def plot(run_dir, out):
     with _refused_as():
         paths = plot_run(run_dir, out)
     click.echo("\n".join(paths))
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option("--hardware", default=None, help="The planner's hardware for the predicted step (default: cpu).")
+def diagnose(run_dir, as_json, hardware):
+    """Where RUN_DIR's step time and memory went, per rank, against the planner, with fixes (docs/diagnosis.md)."""
+    import json
+
+    from ..diagnose import diagnose as run_diagnose, format_report
+
+    with _refused_as("gridshard diagnose: "):
+        report = run_diagnose(run_dir, hardware)
+    click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
 
 
 @click.command()

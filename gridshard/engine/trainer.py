@@ -339,7 +339,14 @@ class Trainer:
 
     def _window(self, now: float, steps: int) -> "_LogWindow":
         """A log interval starting now, after ``steps`` steps."""
-        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks(), self.data_s)
+        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks(), self.data_s, self._axis_bytes())
+
+    def _axis_bytes(self) -> dict:
+        """This rank's recorded collective payload bytes so far, by mesh axis (the ledger's convention)."""
+        out: dict = {}
+        for (_, axis), entry in self.ledger.entries.items():
+            out[axis] = out.get(axis, 0) + entry.payload_bytes
+        return out
 
     def _log(self, k: int, window: "_LogWindow", norm, lr: float, is_eval: bool, all_losses: list, bar):
         """Log step ``k``: the interval's global losses (appended to ``all_losses``), rank
@@ -368,7 +375,7 @@ class Trainer:
             rec.update(accuracy_metrics(self.job))     # a classifier's accuracy, val_accuracy (else none)
         self.history.append(rec)
         self.files.append(rec)
-        self._report_ranks(k, stats[-1])
+        self._report_ranks(k, stats[-1], window, k + 1 - window.steps)
         bar.set_postfix(format_postfix(rec), refresh=False)
         window = self._window(time.perf_counter(), k + 1)
         if nonfinite and self.cfg.train.on_nonfinite == "stop":
@@ -380,14 +387,18 @@ class Trainer:
                           f"norms)", RuntimeWarning, stacklevel=3)
         return window
 
-    def _report_ranks(self, k: int, verdict) -> None:
-        """Rank 0: the interval's per-rank table into ``RUN_DIR/ranks.jsonl``, and one warning when a
-        straggler is named that was not the last one named (:mod:`gridshard.engine.rank_timing`)."""
+    def _report_ranks(self, k: int, verdict, window: "_LogWindow", n_steps: int) -> None:
+        """Rank 0: the interval's per-rank table and its own collective bytes per step by axis into
+        ``RUN_DIR/ranks.jsonl``, and one warning when a straggler is named that was not the last one
+        named (:mod:`gridshard.engine.rank_timing`)."""
         if verdict is None or self.rank != 0:
             return
+        now = self._axis_bytes()
+        per_axis = {a: (b - window.axis_bytes.get(a, 0)) / n_steps for a, b in sorted(now.items())}
         self.files.append_ranks({"step": k + 1, "step_time_s": verdict.step_s, "rank_wait_max": verdict.rank_wait_max,
                                  "straggler_rank": verdict.straggler_rank,
-                                 "ranks": [t.row() for t in verdict.ranks]})
+                                 "ranks": [t.row() for t in verdict.ranks],
+                                 "rank0_comm_bytes_per_step": {a: b for a, b in per_axis.items() if b}})
         if verdict.straggler_rank is not None and verdict.straggler_rank != self.straggler_named:
             warnings.warn(verdict.warning(k + 1), RuntimeWarning, stacklevel=3)
         self.straggler_named = verdict.straggler_rank
@@ -422,6 +433,7 @@ class _LogWindow:
     comm_s: float
     busy: tuple
     data_s: float = 0.0
+    axis_bytes: dict = field(default_factory=dict)
     pending: list = field(default_factory=list)
 
 

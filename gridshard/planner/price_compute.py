@@ -41,8 +41,9 @@ def microbatch_flops(cfg, layout: Layout, seq: int, layers: int, last: bool, moe
     tokens of each sequence, each attending over the whole sequence (÷ C); ``moe_layers`` of the
     layers are MoE layers (:mod:`.price_expert`: their block's FLOPs repeat on the T ranks)."""
     m, T, kvh = layout.micro_batch, layout.tensor, cfg.kv_heads * cfg.head_dim
-    f_layer = flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, seq, kvh)
-    f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, cfg.ffn_hidden, seq, kvh)
+    ffn = cfg.ffn_hidden * cfg.mlp_matrices / 3      # flops_per_token counts SwiGLU's 3·h·f; a ViT's GELU MLP has 2
+    f_layer = flops_per_token(0, cfg.hidden, 1, ffn, seq, kvh)
+    f_head = flops_per_token(cfg.vocab_size, cfg.hidden, 0, ffn, seq, kvh)
     # an MoE layer: its MLP's 18·h·f replaced by F_moe, not divided by T (.price_expert)
     moe = moe_layers * (moe_flops_per_token(cfg) - 18.0 * cfg.hidden * cfg.ffn_hidden / T) if moe_layers else 0.0
     layer_flops = m * seq * (layers * f_layer / T + moe)
@@ -50,7 +51,7 @@ def microbatch_flops(cfg, layout: Layout, seq: int, layers: int, last: bool, moe
     if layout.recompute == "full":
         flops += layer_flops / 3
     elif layout.recompute == "selective":
-        core = f_layer - flops_per_token(0, cfg.hidden, 1, cfg.ffn_hidden, 0, kvh)
+        core = f_layer - flops_per_token(0, cfg.hidden, 1, ffn, 0, kvh)
         flops += m * seq * layers * core / (3 * T)
     return flops / layout.context
 

@@ -128,7 +128,7 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
     mc, s, G = cfg.model.resolve(), cfg.data.seq_len, cfg.train.global_batch
     prec = cfg.train.precision if cfg.train.precision in ("bf16", "fp16") else "fp32"
     cand = Candidate(layout, False, tokens_per_step=G * s, world=world,
-                     flops_per_token=model_flops_per_token("llama", mc, s),
+                     flops_per_token=model_flops_per_token(cfg.model.kind, mc, s),
                      peak_flops=hw.peak_flops.get(prec) or hw.peak_flops["fp32"])
     cand.reason = layout_problem(cfg, layout, world) or ""
     if cand.reason:

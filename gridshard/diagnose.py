@@ -1,0 +1,232 @@
+"""``gridshard diagnose RUN_DIR``: a short report on where a finished (or running) job's time and
+memory went, and what to change.
+
+It reads what the trainer writes (``config.yaml``, ``metrics.jsonl``, ``ranks.jsonl``:
+:mod:`gridshard.engine.rank_timing`) and asks the planner about the same layout. The figures are
+medians over the log steps after the first, which holds the warm-up:
+
+* **step**: measured step time beside the planner's prediction for this layout and hardware
+  (:func:`gridshard.planner.evaluate`; ``--hardware``, default ``cpu`` on a CPU run);
+* **split**: per step, each rank's compute, collective (of which waiting) and data-loading seconds
+  and, for rank 0, the bytes its collectives moved on each mesh axis (the ledger's payload convention);
+  the pipeline bubble where there are stages;
+* **ranks**: the slowest rank by compute and how long the others waited for it; the straggler the
+  trainer named, if any;
+* **memory**: each rank's peak beside the memory model's prediction;
+* **findings**: each with its evidence and the fix, as the source documents' troubleshooting
+  chapter puts them. Where a config change applies, the finding gives it as ``key=value`` overrides
+  that pass the config rules on the same number of processes. The findings are: a straggler,
+  communication over half of the step, a bubble over a quarter, data loading over a tenth, and
+  memory under half used (a larger micro-batch) or over 90 % of the prediction's budget (ZeRO,
+  recompute).
+
+``--json`` prints the same as one JSON object.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Optional
+
+from .errors import ConfigError
+
+COMM_SHARE, BUBBLE_SHARE, DATA_SHARE = 0.5, 0.25, 0.1      # finding thresholds, shares of the step
+
+
+def _jsonl(path: str) -> list:
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break                                   # a line cut by a crash ends the file
+    return out
+
+
+def _median(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _valid(cfg, overrides: list) -> bool:
+    """Whether ``overrides`` applied to ``cfg`` pass the config rules on the same number of processes."""
+    from .config import load_config, validate_config
+
+    p = cfg.parallel
+    world = p.data * p.pipeline * p.context * p.tensor
+    try:
+        validate_config(load_config(cfg, overrides), world, check_data=False)
+    except (ConfigError, ValueError):
+        return False
+    return True
+
+
+def _fix(cfg, *candidates) -> Optional[list]:
+    """The first override list among ``candidates`` that passes the config rules, or None."""
+    return next((list(c) for c in candidates if c and _valid(cfg, list(c))), None)
+
+
+def diagnose(run_dir: str, hardware: Optional[str] = None) -> dict:
+    """The report of ``run_dir`` as a dict (module docstring)."""
+    from .config import load_config
+
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"{run_dir} has no config.yaml: it is not a gridshard run directory. Fix: pass the "
+                          f"RUN_DIR a `gridshard train --run-dir RUN_DIR` wrote.")
+    cfg = load_config(cfg_path)
+    records = [r for r in _jsonl(os.path.join(run_dir, "metrics.jsonl")) if "step_time_s" in r]
+    if not records:
+        raise ConfigError(f"{run_dir}/metrics.jsonl has no log step yet. Fix: diagnose after the first log step "
+                          f"(train.log_interval={cfg.train.log_interval}).")
+    steady = records[1:] or records
+    ranks = _jsonl(os.path.join(run_dir, "ranks.jsonl"))
+    ranks_steady = ranks[1:] or ranks
+    p = cfg.parallel
+    step_s = _median(r["step_time_s"] for r in steady)
+    report = {"run_dir": run_dir, "layout": {"data": p.data, "pipeline": p.pipeline, "context": p.context,
+                                             "tensor": p.tensor, "tensor_mode": str(p.tensor_mode)},
+              "log_steps": [r["step"] for r in records], "step_time_s": step_s,
+              "comm_share": _median(r.get("comm_share") for r in steady),
+              "bubble_share": _median(r.get("bubble_share") for r in steady),
+              "predicted_step_s": _predicted_step(cfg, hardware), "ranks": _rank_split(ranks_steady),
+              "rank0_comm_bytes_per_step": _median_dict(r.get("rank0_comm_bytes_per_step", {}) for r in ranks_steady),
+              "memory": _memory(steady[-1])}
+    report["findings"] = _findings(cfg, report, steady, ranks_steady)
+    return report
+
+
+def _predicted_step(cfg, hardware: Optional[str]) -> Optional[float]:
+    """The planner's step time for the run's own layout, or None when it cannot price it."""
+    from .planner import evaluate, load_hardware
+    from .planner.fit import config_layout
+
+    p = cfg.parallel
+    world = p.data * p.pipeline * p.context * p.tensor
+    if cfg.model.unmodelled() is not None:
+        return None
+    hw = load_hardware(hardware or "cpu")
+    cand = evaluate(cfg, config_layout(cfg), hw, world, price_too_large=True)
+    return None if cand.step is None else cand.step.total_s
+
+
+def _median_dict(dicts) -> dict:
+    dicts = list(dicts)
+    keys = sorted({k for d in dicts for k in d})
+    return {k: _median(d.get(k) for d in dicts) for k in keys}
+
+
+def _rank_split(ranks: list) -> list:
+    """Per rank, the median over log steps of its seconds per step (compute, comm, wait, data)."""
+    if not ranks:
+        return []
+    world = len(ranks[-1]["ranks"])
+    out = []
+    for r in range(world):
+        rows = [rec["ranks"][r] for rec in ranks if len(rec["ranks"]) == world]
+        out.append({"rank": r, **{k: _median(x[k] for x in rows) for k in ("compute_s", "comm_s", "wait_s", "data_s")}})
+    return out
+
+
+def _memory(last: dict) -> list:
+    peaks, predicted = last.get("peak_mem_bytes_per_rank") or [], last.get("predicted_mem_bytes_per_rank") or []
+    return [{"rank": r, "peak_bytes": peak, "predicted_bytes": predicted[r] if r < len(predicted) else None}
+            for r, peak in enumerate(peaks)]
+
+
+def _findings(cfg, report: dict, steady: list, ranks: list) -> list:
+    p, t = cfg.parallel, cfg.train
+    step_s, out = report["step_time_s"], []
+    named = [r.get("straggler_rank") for r in ranks if r.get("straggler_rank") is not None]
+    if named:
+        r = statistics.mode(named)
+        out.append({"finding": "straggler", "evidence": f"rank {r} was named a straggler at {len(named)} of "
+                    f"{len(ranks)} log steps: the others waited for its compute in every collective",
+                    "fix": f"check rank {r}'s device and host (clock throttling, other processes on its cores, a slow "
+                           "disk for its data); move the job off that machine or restart it there", "overrides": None})
+    comm = report["comm_share"]
+    if comm is not None and comm > COMM_SHARE:
+        overrides = _fix(cfg, [f"parallel.tensor={p.tensor // 2}", f"parallel.data={p.data * 2}"] if p.tensor > 1
+                         else None, [f"train.micro_batch={t.micro_batch * 2}"])
+        out.append({"finding": "communication", "evidence": f"collectives take {comm:.0%} of the step (median over "
+                    f"ranks and log steps)", "fix": "keep tensor groups inside a node and make them smaller, or give "
+                    "each collective more work (a larger micro-batch)", "overrides": overrides})
+    bubble = report["bubble_share"]
+    if bubble is not None and bubble > BUBBLE_SHARE:
+        overrides = _fix(cfg, [f"train.global_batch={t.global_batch * 2}"],
+                         ["parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_stages=2"])
+        out.append({"finding": "pipeline bubble", "evidence": f"the stages idle {bubble:.0%} of the schedule",
+                    "fix": "more micro-batches per step, or an interleaved / zero-bubble schedule",
+                    "overrides": overrides})
+    data = _median(r["data_s"] for r in report["ranks"]) if report["ranks"] else None
+    if data is not None and step_s and data > DATA_SHARE * step_s:
+        out.append({"finding": "data loading", "evidence": f"producing batches takes {data / step_s:.0%} of the step",
+                    "fix": "prepare the data once (gridshard prepare-data) and train from the prepared folder",
+                    "overrides": None})
+    out += _memory_findings(cfg, report["memory"])
+    return out
+
+
+def _memory_findings(cfg, memory: list) -> list:
+    """Memory far below the prediction's budget (a larger micro-batch), or near it (ZeRO, recompute)."""
+    from .planner.fit import machine_budget
+
+    p, t = cfg.parallel, cfg.train
+    peaks = [m["peak_bytes"] for m in memory if m["peak_bytes"]]
+    if not peaks:
+        return []
+    world = p.data * p.pipeline * p.context * p.tensor
+    budget = machine_budget(world).per_rank
+    worst = max(peaks)
+    if worst < 0.5 * budget:
+        overrides = _fix(cfg, [f"train.micro_batch={t.micro_batch * 2}"])
+        return [{"finding": "memory has room", "evidence": f"the largest peak is {worst / 2**30:.2f} GiB of the "
+                 f"{budget / 2**30:.2f} GiB a rank may use here", "fix": "raise the micro-batch (or the global batch)",
+                 "overrides": overrides}] if overrides else []
+    if worst > 0.9 * budget:
+        overrides = _fix(cfg, [f"train.zero={t.zero + 1}"] if t.zero < 3 and p.data > 1 else None,
+                         ["train.recompute=full"] if t.recompute != "full" else None)
+        return [{"finding": "memory nearly full", "evidence": f"the largest peak is {worst / 2**30:.2f} GiB of "
+                 f"{budget / 2**30:.2f} GiB", "fix": "shard more state (ZeRO) or recompute activations",
+                 "overrides": overrides}]
+    return []
+
+
+def format_report(report: dict) -> str:
+    """The report as text (module docstring)."""
+    L = report["layout"]
+    lines = [f"gridshard diagnose {report['run_dir']}: D{L['data']} P{L['pipeline']} C{L['context']} "
+             f"T{L['tensor']} {L['tensor_mode']}; log steps {report['log_steps'][0]}…{report['log_steps'][-1]} "
+             f"(medians after the first)"]
+    pred = report["predicted_step_s"]
+    lines.append(f"step: {report['step_time_s']:.4f} s measured"
+                 + (f", {pred:.4f} s predicted by the planner for this layout ({report['step_time_s'] / pred:.2f}×)"
+                    if pred else ", not priced by the planner"))
+    comm, bubble = report["comm_share"], report["bubble_share"]
+    lines.append("comm share: " + (f"{comm:.0%}" if comm is not None else "not timed (train.time_comm)")
+                 + (f"; pipeline bubble {bubble:.0%}" if bubble is not None else ""))
+    if report["ranks"]:
+        lines.append("per rank, seconds per step:   compute    comm (wait)        data")
+        for r in report["ranks"]:
+            lines.append(f"  rank {r['rank']:<4}                {r['compute_s']:9.4f} {r['comm_s']:7.4f} "
+                         f"({r['wait_s']:.4f}) {r['data_s']:9.4f}")
+        slow = max(report["ranks"], key=lambda r: r["compute_s"])
+        lines.append(f"slowest rank by compute: {slow['rank']}; the longest wait: "
+                     f"{max(r['wait_s'] for r in report['ranks']):.4f} s per step")
+    if report["rank0_comm_bytes_per_step"]:
+        lines.append("rank 0's collective bytes per step: " + ", ".join(
+            f"{axis} {b / 2**20:.3f} MiB" for axis, b in report["rank0_comm_bytes_per_step"].items()))
+    if report["memory"]:
+        lines.append("memory, peak / predicted: " + ", ".join(
+            f"rank {m['rank']} {m['peak_bytes'] / 2**20:.0f}/"
+            + (f"{m['predicted_bytes'] / 2**20:.0f} MiB" if m["predicted_bytes"] else "– MiB") for m in report["memory"]))
+    if not report["findings"]:
+        lines.append("findings: none")
+    for f in report["findings"]:
+        fix = f["fix"] + (f"; override: {' '.join(f['overrides'])}" if f["overrides"] else "")
+        lines.append(f"finding: {f['finding']}: {f['evidence']}. Fix: {fix}.")
+    return "\n".join(lines)
