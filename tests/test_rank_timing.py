@@ -25,6 +25,9 @@ def test_verdict_by_hand():
     assert even.straggler_rank is None and even.rank_wait_max == pytest.approx(0.02)
     edge = straggler_verdict(1.0, [0.5, 0.5, 0.5, 0.5 - STRAGGLER_SHARE], [0.0] * 4)   # at the share: not named
     assert edge.straggler_rank is None
+    assert straggler_verdict(1.0, [0.6, 0.7, 0.1, 0.65], [0.05, 0.0, 0.2, 0.0], n_steps=1).straggler_rank is None
+    tiny = straggler_verdict(0.04, [0.024, 0.026, 0.01, 0.025], [0.0] * 4)   # 0.015 s beyond (38 %): under 20 ms
+    assert tiny.straggler_rank is None
 
 
 def _pid():

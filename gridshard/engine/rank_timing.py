@@ -19,6 +19,7 @@ collective time is waiting::
 
 A rank the others wait for is a **straggler**: the rank with the most compute time, named when it
 exceeds the median compute time of the other ranks by more than ``STRAGGLER_SHARE`` of the step
+and by more than ``STRAGGLER_MIN_S``, over an interval of at least ``STRAGGLER_MIN_STEPS`` steps
 (what it does beyond them, they spend waiting for it in the collectives). Compute, not the least
 wait, names it: a rank held up inside a collective (descheduled, or paused) counts that time as
 collective time, so its own collective time is no floor. One such rank gets one warning line, with the likely causes (a slow or
@@ -35,6 +36,9 @@ from typing import List, Optional
 
 #: how far the slowest rank's compute time exceeds the others' median, as a share of the step, for it to be named
 STRAGGLER_SHARE = 0.25
+#: and at least this many seconds per step, over a log interval of at least this many steps: on a few shared
+#: CPU cores, one-step intervals and millisecond steps differ by a quarter between ranks with no straggler
+STRAGGLER_MIN_S, STRAGGLER_MIN_STEPS = 0.02, 3
 
 
 @dataclass(frozen=True)
@@ -74,16 +78,17 @@ class StragglerVerdict:
                 f"group that spans nodes. RUN_DIR/ranks.jsonl has the per-rank table.")
 
 
-def straggler_verdict(step_s: float, comm_s: List[float], data_s: List[float]) -> StragglerVerdict:
-    """The verdict of one interval from each rank's seconds per step in collectives and in data
-    loading (index = rank) and the step time (module docstring)."""
+def straggler_verdict(step_s: float, comm_s: List[float], data_s: List[float],
+                      n_steps: int = STRAGGLER_MIN_STEPS) -> StragglerVerdict:
+    """The verdict of one interval of ``n_steps`` steps from each rank's seconds per step in
+    collectives and in data loading (index = rank) and the step time (module docstring)."""
     floor = min(comm_s)
     ranks = [RankTimes(r, max(0.0, step_s - c - d), c, d, c - floor) for r, (c, d) in enumerate(zip(comm_s, data_s))]
     longest = max(t.wait_s for t in ranks)
     named = None
-    if len(ranks) > 1 and step_s > 0:
+    if len(ranks) > 1 and step_s > 0 and n_steps >= STRAGGLER_MIN_STEPS:
         slowest = max(ranks, key=lambda t: t.compute_s)
         others = statistics.median(t.compute_s for t in ranks if t.rank != slowest.rank)
-        if slowest.compute_s - others > STRAGGLER_SHARE * step_s:
+        if slowest.compute_s - others > max(STRAGGLER_SHARE * step_s, STRAGGLER_MIN_S):
             named = slowest.rank
     return StragglerVerdict(ranks, step_s, longest, named)

@@ -264,7 +264,7 @@ class Trainer:
         predicted = [int(x) for x in allr[:, 3]] if self.predicted_mem is not None else None
         reserved = [int(x) for x in allr[:, 4]] if reserved is not None else None
         verdict = straggler_verdict(wall_s / n_steps, [float(x) / n_steps for x in allr[:, 5]],
-                                    [float(x) / n_steps for x in allr[:, 6]]) if self.ledger.timing else None
+                                    [float(x) / n_steps for x in allr[:, 6]], n_steps) if self.ledger.timing else None
         return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble, predicted, reserved, verdict
 
     # ---- stopping on request (gridshard.engine.control) ---------------------------------
