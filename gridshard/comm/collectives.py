@@ -51,7 +51,6 @@ Shapes (group of n ranks, ``dim`` = d):
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import math
 from typing import Optional
