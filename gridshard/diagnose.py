@@ -56,10 +56,8 @@ def _valid(cfg, overrides: list) -> bool:
     """Whether ``overrides`` applied to ``cfg`` pass the config rules on the same number of processes."""
     from .config import load_config, validate_config
 
-    p = cfg.parallel
-    world = p.data * p.pipeline * p.context * p.tensor
     try:
-        validate_config(load_config(cfg, overrides), world, check_data=False)
+        validate_config(load_config(cfg, overrides), cfg.world_size, check_data=False)
     except (ConfigError, ValueError):
         return False
     return True
@@ -105,12 +103,10 @@ def _predicted_step(cfg, hardware: Optional[str]) -> Optional[float]:
     from .planner import evaluate, load_hardware
     from .planner.fit import config_layout
 
-    p = cfg.parallel
-    world = p.data * p.pipeline * p.context * p.tensor
     if cfg.model.unmodelled() is not None:
         return None
     hw = load_hardware(hardware or "cpu")
-    cand = evaluate(cfg, config_layout(cfg), hw, world, price_too_large=True)
+    cand = evaluate(cfg, config_layout(cfg), hw, cfg.world_size, price_too_large=True)
     return None if cand.step is None else cand.step.total_s
 
 
@@ -179,8 +175,7 @@ def _memory_findings(cfg, memory: list) -> list:
     peaks = [m["peak_bytes"] for m in memory if m["peak_bytes"]]
     if not peaks:
         return []
-    world = p.data * p.pipeline * p.context * p.tensor
-    budget = machine_budget(world).per_rank
+    budget = machine_budget(cfg.world_size).per_rank
     worst = max(peaks)
     if worst < 0.5 * budget:
         overrides = _fix(cfg, [f"train.micro_batch={t.micro_batch * 2}"])

@@ -180,23 +180,28 @@ def _issue(call, entry, result: torch.Tensor, async_op: bool, device):
     :class:`PendingCollective` whose ``wait()`` is timed into ``entry``; otherwise time the
     call itself and return ``result``. While the job's profiler ranges are on
     (:mod:`gridshard.engine.profiling`) the call is the range ``gridshard.{op} {axis} {bytes} B``."""
-    with _profiled(entry):
-        if async_op:
-            return PendingCollective(call(True), result, entry)
-        with entry.owner.timed(entry, device):
-            call(False)
+    ranges = entry.owner.ranges
+    if ranges is not None and ranges.on:
+        with ranges(f"gridshard.{entry.op} {entry.axis} {entry.last_bytes} B"):
+            return _run(call, entry, result, async_op, device)
+    return _run(call, entry, result, async_op, device)
+
+
+def _run(call, entry, result: torch.Tensor, async_op: bool, device):
+    if async_op:
+        return PendingCollective(call(True), result, entry)
+    with entry.owner.timed(entry, device):
+        call(False)
     return result
 
 
-def _profiled(entry, wait: bool = False):
-    """While the ledger's job records a trace, its range for ``entry``'s latest call (``wait``: the
-    wait of an asynchronous one); else a no-op context. The name is built only while recording."""
+def _profiled_wait(entry):
+    """While the ledger's job records a trace, the range of the wait for ``entry``'s asynchronous
+    call; else a no-op context. The name is built only while recording."""
     ranges = entry.owner.ranges
     if ranges is None or not ranges.on:
         return contextlib.nullcontext()
-    if wait:
-        return ranges(f"gridshard.wait {entry.op} {entry.axis}")
-    return ranges(f"gridshard.{entry.op} {entry.axis} {entry.last_bytes} B")
+    return ranges(f"gridshard.wait {entry.op} {entry.axis}")
 
 
 @eager
@@ -340,7 +345,7 @@ class PendingCollective:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            with _profiled(self._entry, wait=True), \
+            with _profiled_wait(self._entry), \
                     self._entry.owner.timed(self._entry, self.tensor.device):
                 self._work.wait()
             self._work = None

@@ -104,10 +104,12 @@ class Scheme(TensorScheme):
         kernel = cfg.hidden * cfg.channels * cfg.patch_size ** 2
         return batch * cfg.channels * cfg.image_size ** 2 * e + (kernel * e if e < pb else 0)
 
-    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int) -> int:
+    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int,
+                               sequence_parallel: bool = False) -> int:
         """The class-token classifier keeps the final norm's output through the class row, a view of
         it (R·e), and under autocast over wider parameters its e-byte weight copy h·K·e; then the
-        classification loss (:meth:`class_loss_bytes`)."""
+        classification loss (:meth:`class_loss_bytes`). ``sequence_parallel``: in effect
+        (:meth:`sequence_parallel_in_effect`); only 1D's classifier keeps something else under it."""
         copy = cfg.hidden * cfg.num_classes * e if e < pb else 0
         return r.residual * e + copy + self.class_loss_bytes(cfg, r, batch)
 

@@ -106,10 +106,12 @@ class OneDScheme(Scheme):
     def head_and_loss_saved_bytes(self, cfg, T: int, r: RankShape, e: int) -> int:
         return self.masked_loss_bytes(r)
 
-    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int) -> int:
+    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int,
+                               sequence_parallel: bool = False) -> int:
         """The replicated classifier's (:class:`gridshard.tensor.tp1d.classifier.Classifier1D`); under
-        sequence parallelism it keeps the gathered first rows of the T blocks (b·T·h·e), not the norm's output."""
-        if r.residual == r.token_rows * cfg.hidden:
+        sequence parallelism (``sequence_parallel``: in effect) it keeps the gathered first rows of the T
+        blocks (b·T·h·e), not the norm's output."""
+        if not sequence_parallel:
             return super().class_head_saved_bytes(cfg, T, r, batch, e, pb)
         copy = cfg.hidden * cfg.num_classes * e if e < pb else 0
         return batch * T * cfg.hidden * e + copy + self.class_loss_bytes(cfg, r, batch)

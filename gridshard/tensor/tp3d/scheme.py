@@ -165,7 +165,8 @@ class ThreeDScheme(Scheme):
     def image_embedding_saved_bytes(self, cfg, T: int, batch: int, e: int, pb: int) -> int:
         return self.grid_image_embedding_saved_bytes(cfg, batch, self.batch_split(T), self.side(T), e)
 
-    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int) -> int:
+    def class_head_saved_bytes(self, cfg, T: int, r: RankShape, batch: int, e: int, pb: int,
+                               sequence_parallel: bool = False) -> int:
         return self.grid_class_head_saved_bytes(cfg, r, batch, self.side(T), e, pb)
 
     def autocast_weight_elements(self, cfg, T: int) -> tuple:

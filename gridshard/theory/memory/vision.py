@@ -80,7 +80,8 @@ def vit_activation_terms(cfg, micro_batch: int, mode: str = "none", T: int = 1, 
     return {"per_layer": sum(vit_layer_saved_tensors(cfg, mode, T, sp, N, recompute, e, param_bytes).values()),
             "embedding": scheme.image_embedding_saved_bytes(cfg, T, micro_batch, e, param_bytes) if has_embedding else 0,
             "final_norm": scheme.layer_norm_saved_bytes(cfg, T, r, e, param_bytes, False) if has_head else 0,
-            "head_and_loss": scheme.class_head_saved_bytes(cfg, T, r, micro_batch, e, param_bytes) if has_head else 0}
+            "head_and_loss": scheme.class_head_saved_bytes(cfg, T, r, micro_batch, e, param_bytes, sp)
+            if has_head else 0}
 
 
 def vit_logits_workspace_bytes(cfg, micro_batch: int, mode: str, T: int, e: int) -> int:
