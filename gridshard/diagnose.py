@@ -16,9 +16,10 @@ medians over the log steps after the first, which holds the warm-up:
 * **findings**: each with its evidence and the fix, as the source documents' troubleshooting
   chapter puts them. Where a config change applies, the finding gives it as ``key=value`` overrides
   that pass the config rules on the same number of processes. The findings are: a straggler,
-  communication over half of the step, a bubble over a quarter, data loading over a tenth, and
+  communication over half of the step, a bubble over a quarter, data loading over a tenth,
   memory under half used (a larger micro-batch) or over 90 % of the prediction's budget (ZeRO,
-  recompute).
+  recompute), and a tensor or context group that spans nodes (``RUN_DIR/launch.json``,
+  :mod:`gridshard.engine.placement`).
 
 ``--json`` prints the same as one JSON object.
 """
@@ -164,6 +165,40 @@ def _findings(cfg, report: dict, steady: list, ranks: list) -> list:
                     "fix": "prepare the data once (gridshard prepare-data) and train from the prepared folder",
                     "overrides": None})
     out += _memory_findings(cfg, report["memory"])
+    out += _placement_findings(cfg, report["run_dir"])
+    return out
+
+
+def _placement_findings(cfg, run_dir: str) -> list:
+    """A tensor or context group whose ranks sit on more than one node (``RUN_DIR/launch.json``,
+    :mod:`gridshard.engine.placement`): its per-layer collectives cross the slow links between nodes.
+    The fix keeps each such group within a node: size gcd(size, ranks per node), the rest to data."""
+    import math
+
+    from .engine.placement import read_launch_record, spanning_groups
+
+    record = read_launch_record(run_dir)
+    if record is None:
+        return []
+    p, per_node, out = cfg.parallel, int(record["ranks_per_node"]), []
+    for axis in ("tensor", "context"):
+        spanning = spanning_groups(record, (axis,))
+        if not spanning:
+            continue
+        size = len(spanning[0]["ranks"])
+        inside = math.gcd(size, per_node)
+        data = p.data * size // inside
+        mode = ["parallel.tensor_mode=none"] if axis == "tensor" and inside == 1 else []
+        overrides = _fix(cfg, [f"parallel.{axis}={inside}", f"parallel.data={data}", *mode],
+                         [f"parallel.{axis}={inside}", f"parallel.data={data}", "parallel.tensor_mode=1d"]
+                         if axis == "tensor" and inside > 1 else None)
+        first = spanning[0]
+        out.append({"finding": f"{axis} group spans nodes", "evidence": f"{len(spanning)} of "
+                    f"{len(record['groups'].get(axis, []))} {axis} groups span nodes (ranks "
+                    f"{', '.join(str(r) for r in first['ranks'])} on nodes {', '.join(first['nodes'])}; "
+                    f"{per_node} ranks per node): their collectives in every layer cross the links between nodes",
+                    "fix": f"keep each {axis} group inside a node ({axis} size at most the ranks per node, "
+                           f"{per_node}), and give the rest to data parallelism", "overrides": overrides})
     return out
 
 

@@ -139,33 +139,41 @@ def _fits(mode: TensorMode, T: int, depth: int) -> bool:
     return True
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0, run_dir: Optional[str] = None) -> None:
     """Initialise the default process group from torchrun's environment.
 
     ``backend``: ``parallel.backend`` (``auto | nccl | gloo``; None = auto: nccl on GPUs,
     gloo otherwise, :mod:`gridshard.device`). Under nccl, more ranks on the node
     (``LOCAL_WORLD_SIZE``) than visible GPUs is refused before the group is joined. A single
     process with no launcher environment becomes a world of one. Idempotent.
+
+    The ranks first meet on the group's own store (:func:`gridshard.rendezvous.join`): a rank
+    that does not arrive within ``timeout_s`` is named, with what each arrived rank saw. With a
+    ``run_dir`` on nccl, the flight recorder's dumps go to ``RUN_DIR/flight_recorder/``.
     """
     if dist.is_initialized():
         return
     import datetime
 
+    from .rendezvous import join, keep_flight_recorder, rank0_store
+
     backend = resolve_backend(backend or "auto")
     if backend == "nccl":
         check_ranks_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), backend, "--nproc-per-node")
         torch.cuda.set_device(device_for_backend(backend))
+        if run_dir is not None:
+            keep_flight_recorder(run_dir)
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s)
     store = elastic_attempt_store(timeout)
     if store is None:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        store = rank0_store(timeout_s)
+    join(store, rank, world, timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def elastic_attempt_store(timeout):
@@ -251,11 +259,21 @@ class ParallelMesh:
     def world_size(self) -> int:
         return self.sizes[0] * self.sizes[1] * self.sizes[2] * self.context_size
 
+    def _axes(self) -> list:
+        return [self.data, self.pipeline, self.tensor, *self.tensor_axes, self.context, self.depth,
+                self.data_context, self.expert, self.expert_data]
+
     def groups(self) -> list:
         """The distinct process groups of this rank's axes (size-1 axes have none)."""
-        axes = [self.data, self.pipeline, self.tensor, *self.tensor_axes, self.context, self.depth,
-                self.data_context, self.expert, self.expert_data]
-        return list({id(a.group): a.group for a in axes if a.group is not None}.values())     # each once, in order
+        return list({id(a.group): a.group for a in self._axes() if a.group is not None}.values())  # each once, in order
+
+    def named_axes(self) -> list:
+        """This rank's axes of more than one rank, each name once (what ``RUN_DIR/launch.json`` records)."""
+        named: dict = {}
+        for a in self._axes():
+            if a.size > 1:
+                named.setdefault(a.name, a)
+        return list(named.values())
 
     def __repr__(self) -> str:
         d, p, t = self.sizes

@@ -26,6 +26,12 @@ wrapper                    private name (why no public one does)       without i
                            no public flattening)                       torch ≥ 2.6)
 ``set_group_timeout``      ``distributed_c10d._set_pg_timeout``        the group keeps the backend's
                            (torchtitan uses it too)                    default timeout, with a warning
+``default_store``          ``distributed_c10d._get_default_store``     None: a collective timeout
+                           (the world's rendezvous store; no public    names this rank's call only,
+                           getter)                                     not the peers that missed it
+``record_memory_history``, ``cuda.memory._record_memory_history``,    a warning; traces are
+``dump_memory_snapshot``   ``_dump_snapshot`` (the allocator's         written, memory snapshots
+                           history; no public API in 2.13)             are not
 ``skip_under_compile``     ``_dynamo.decorators.skip`` (Dynamo         the wrapper frames compile per
                            neither inlines nor compiles the frame;     argument shape (torch's
                            ``torch.compiler.disable`` would wrap it    recompile-limit warnings),
@@ -116,6 +122,43 @@ def set_group_timeout(timeout, group) -> None:
                       f"the backend's default, not train.collective_timeout_s", stacklevel=2)
         return
     setter(timeout, group)
+
+
+def default_store():
+    """The key-value store the default process group was created with, or None (not initialised, or
+    the private getter is gone)."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None or not dist.is_initialized():
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def record_memory_history(enabled: bool, max_entries: int = 100_000) -> bool:
+    """Start (``enabled``) or stop recording the CUDA caching allocator's history; False (with a
+    warning) where this torch has no such call."""
+    record = getattr(torch.cuda.memory, "_record_memory_history", None)
+    if record is None:
+        warnings.warn(f"torch {torch.__version__} cannot record CUDA memory history: train.profile_memory writes no "
+                      f"snapshots", stacklevel=2)
+        return False
+    if enabled:
+        record(max_entries=max_entries)
+    else:
+        record(enabled=None)
+    return True
+
+
+def dump_memory_snapshot(path: str) -> bool:
+    """Write the recorded CUDA memory history to ``path`` (a pickle torch's memory_viz reads; gridshard
+    only writes it); False where this torch cannot."""
+    dump = getattr(torch.cuda.memory, "_dump_snapshot", None)
+    if dump is None:
+        return False
+    dump(path)
+    return True
 
 
 def skip_under_compile(fn) -> None:

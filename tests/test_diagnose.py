@@ -56,6 +56,10 @@ def test_diagnose_a_d2_t2_run(tmp_path):
     assert "predicted by the planner" in text and "rank 0's collective bytes per step: " in text
     out = CliRunner().invoke(main, ["diagnose", str(tmp_path), "--json"])
     assert out.exit_code == 0 and json.loads(out.output)["log_steps"] == [3, 6, 9]
+    launch = json.loads((tmp_path / "launch.json").read_text())       # one host: no group spans nodes
+    assert launch["groups"]["tensor"] == [[0, 1], [2, 3]] and launch["groups"]["data"] == [[0, 2], [1, 3]]
+    assert len(launch["nodes"]) == 1 and launch["ranks_per_node"] == 4
+    assert not [f for f in report["findings"] if f["finding"].endswith("spans nodes")]
 
 
 def test_findings_by_hand(tmp_path):
@@ -86,3 +90,24 @@ def test_findings_by_hand(tmp_path):
 def test_not_a_run_directory(tmp_path):
     out = CliRunner().invoke(main, ["diagnose", str(tmp_path)])
     assert out.exit_code == 2 and "has no config.yaml" in out.output and "Fix:" in out.output
+
+
+def test_a_tensor_group_across_nodes_by_hand(tmp_path):
+    """T = 4 on two nodes of two ranks (the launch record a torchrun of --nnodes 2 --nproc-per-node 2
+    writes; the real launch is the wide test in tests/test_hang_nodes.py): the finding, with
+    T = 2 × D = 2 as the override."""
+    import yaml
+
+    from gridshard.config import load_config
+    from gridshard.engine.placement import launch_record, write_launch_record
+
+    cfg = load_config({**CFG, "parallel": {"data": 1, "tensor": 4, "tensor_mode": "1d"}})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    rec = {"step_time_s": 1.0, "comm_share": 0.2, "peak_mem_bytes_per_rank": [1 << 28] * 4}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({**rec, "step": s}) + "\n" for s in (3, 6)))
+    write_launch_record(str(tmp_path), launch_record(
+        [{"rank": r, "host": "h", "node": str(r // 2), "local_rank": r % 2, "groups": {"tensor": [0, 1, 2, 3]}}
+         for r in range(4)]))
+    found = [f for f in diagnose(str(tmp_path))["findings"] if f["finding"] == "tensor group spans nodes"]
+    assert len(found) == 1 and found[0]["overrides"] == ["parallel.tensor=2", "parallel.data=2"], found
+    assert "1 of 1 tensor groups span nodes (ranks 0, 1, 2, 3 on nodes 0, 1; 2 ranks per node)" in found[0]["evidence"]

@@ -526,12 +526,16 @@ def test_the_collective_timeout_reaches_init_process_group(monkeypatch):
 
     seen = []
     monkeypatch.setattr(job_module.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(job_module, "init_distributed", lambda backend, timeout_s: (seen.append(timeout_s), 1 / 0))
+    monkeypatch.setattr(job_module, "init_distributed",
+                        lambda backend, timeout_s, run_dir=None: (seen.append(timeout_s), 1 / 0))
     with pytest.raises(ZeroDivisionError):
         job_module.resolve_job_config({"train": {"collective_timeout_s": 42}})
     monkeypatch.setattr(mesh_module.dist, "init_process_group", lambda backend, **kw: seen.append(kw["timeout"]))
     monkeypatch.setattr(mesh_module, "elastic_attempt_store", lambda timeout: None)
-    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+    from gridshard.netutil import free_port
+
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(free_port()))):
         monkeypatch.setenv(var, value)
     mesh_module.init_distributed("gloo", timeout_s=42)
     assert seen == [42, datetime.timedelta(seconds=42)]

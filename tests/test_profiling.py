@@ -6,6 +6,7 @@ the profiled steps; ``profile_ranks`` limits the ranks; bad values are refused b
 import json
 
 import pytest
+import torch
 
 from gridshard.config import load_config, validate_config
 from gridshard.errors import ConfigError
@@ -54,9 +55,47 @@ def test_profile_ranks_limits_who_records(tmp_path):
 @pytest.mark.parametrize("train,world,field", [({"profile_start": 0}, 1, "train.profile_start"),
                                                ({"profile_start": 4}, 1, "train.profile_start"),
                                                ({"profile_start": 1, "profile_steps": 0}, 1, "train.profile_steps"),
-                                               ({"profile_start": 1, "profile_ranks": [2]}, 2, "train.profile_ranks")])
+                                               ({"profile_start": 1, "profile_ranks": [2]}, 2, "train.profile_ranks"),
+                                               ({"profile_memory": True}, 1, "train.profile_memory")])
 def test_bad_profile_settings_are_refused(train, world, field):
     cfg = load_config({"model": {"preset": "tiny"}, "parallel": {"data": world},
                        "train": {"global_batch": 2 * world, "micro_batch": 1, "steps": 3, **train}})
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate_config(cfg, world)
+
+
+def test_profile_ranks_all_is_every_rank():
+    cfg = load_config({"model": {"preset": "tiny"}, "train": {"global_batch": 2, "micro_batch": 1, "steps": 3,
+                                                              "profile_start": 1, "profile_ranks": "all"}})
+    validate_config(cfg, 1)
+    from gridshard.engine.profiling import Ranges, StepProfiler
+
+    assert StepProfiler(cfg.train, 0, "/nonexistent", torch.device("cpu"), Ranges()).records
+
+
+def test_memory_snapshots_after_the_profiled_steps_and_on_out_of_memory(tmp_path, monkeypatch):
+    """train.profile_memory on a CUDA device (the allocator calls replaced: this machine has none): the
+    history is recorded from the start, written after the profiled steps and on out-of-memory, and
+    stopped when the run ends; a rank outside profile_ranks records nothing."""
+    import gridshard.engine.profiling as profiling
+
+    calls = []
+    monkeypatch.setattr(profiling, "record_memory_history", lambda on: calls.append(("record", on)) or True)
+    monkeypatch.setattr(profiling, "dump_memory_snapshot", lambda path: open(path, "w").close())
+    cuda = torch.device("cuda")
+    train = load_config({"train": {"steps": 4, "profile_memory": True, "profile_ranks": [1]}}).train
+    assert not profiling.StepProfiler(train, 0, str(tmp_path), cuda, profiling.Ranges()).memory and calls == []
+    watch = profiling.StepProfiler(train, 1, str(tmp_path), cuda, profiling.Ranges())      # no profile_start
+    assert calls == [("record", True)]
+    for k in range(4):
+        watch.after_step(k)
+    assert not (tmp_path / "profile").exists()                  # nothing is due without profiled steps
+    assert watch.out_of_memory() == str(tmp_path / "profile" / "rank1.oom.memory.pickle")
+    watch.finish()
+    assert calls[-1] == ("record", False) and (tmp_path / "profile" / "rank1.oom.memory.pickle").exists()
+    timed = load_config({"train": {"steps": 4, "profile_memory": True, "profile_start": 2, "profile_steps": 2}}).train
+    prof = profiling.StepProfiler(timed, 0, str(tmp_path), cuda, profiling.Ranges())
+    prof.after_step(1)
+    assert not (tmp_path / "profile" / "rank0.memory.pickle").exists()
+    prof.after_step(2)                                          # step 3, the last profiled one
+    assert (tmp_path / "profile" / "rank0.memory.pickle").exists()

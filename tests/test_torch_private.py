@@ -16,7 +16,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "gridshard")
 
 
 def test_no_private_torch_name_outside_the_gated_module():
-    pattern = re.compile(r"torch\.\w*\._\w|torch\._(?!_)\w|\._flatten\(|_set_pg_timeout")
+    pattern = re.compile(r"torch\.\w*\._\w|torch\._(?!_)\w|\._flatten\(|_set_pg_timeout|_get_default_store")
     found = []
     for folder, _, files in os.walk(ROOT):
         for name in files:
@@ -81,6 +81,14 @@ def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
         warnings.simplefilter("always")
         tp.set_group_timeout(datetime.timedelta(seconds=5), None)
     assert "collective_timeout_s" in str(caught[0].message)
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    assert tp.default_store() is None
+    monkeypatch.delattr(torch.cuda.memory, "_record_memory_history")
+    monkeypatch.delattr(torch.cuda.memory, "_dump_snapshot")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert tp.record_memory_history(True) is False
+    assert "profile_memory" in str(caught[0].message) and tp.dump_memory_snapshot("/nonexistent") is False
 
 
 def test_skip_under_compile_keeps_a_function_out_of_dynamo(monkeypatch):

@@ -231,7 +231,7 @@ def test_metrics_and_run_files(tmp_path):
     same = ("step", "loss", "lr", "grad_norm", "comm_share", "peak_mem_bytes_per_rank", "tokens")
     assert [{k: h[k] for k in same} for h in out[1][1]] == [{k: h[k] for k in same} for h in history]
     # rank 0 writes the run files; the end-of-run checkpoint (save_interval 0) is the only other entry
-    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.yaml", "metrics.jsonl", "ranks.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.yaml", "launch.json", "metrics.jsonl", "ranks.jsonl"]
     ranks = [json.loads(x) for x in (tmp_path / "ranks.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ranks] == [2, 4, 5] and all(len(r["ranks"]) == 2 for r in ranks)
     for r, rec in zip(ranks, lines):             # the per-rank table behind the record's two fields

@@ -28,7 +28,7 @@ def default_run_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "logs", "tb")
+RUN_OUTPUTS = ("metrics.jsonl", "ranks.jsonl", "launch.json", "checkpoints", "logs", "tb", "profile", "flight_recorder")
 
 
 def _check_not_live(run_dir: str, overwrite: bool, launched: bool) -> None:

@@ -16,7 +16,7 @@ import click
 from .._stop import ENV as STOP_ENV
 from ..errors import ConfigError
 from .common import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_WORKER_ERROR
-from .failures import failure_message, stopped_at_message, stopped_message, write_rank_log
+from .failures import failure_message, rank_log_path, stopped_at_message, stopped_message, write_rank_log
 from .preflight import _resolve_for_launch
 from .run_dir import _owns_run_dir, _restarted
 
@@ -35,7 +35,8 @@ from .run_dir import _owns_run_dir, _restarted
               help="Restart all workers up to N times after a failure; each restart resumes from the latest "
                    "complete checkpoint (PyTorch's elastic agent). Under torchrun, pass it to torchrun instead.")
 @click.option("--overwrite", is_flag=True, help="Start over in a run directory that already holds a run (its "
-              "metrics, checkpoints, logs and TensorBoard files are removed first). Refused while that run is live.")
+              "metrics, per-rank timings, checkpoints, logs, traces and TensorBoard files are removed first). "
+              "Refused while that run is live.")
 @click.option("--allow-changed-schedule", is_flag=True, help="With --resume: accept a learning-rate schedule "
               "(lr, min_lr, warmup_steps, schedule, decay_steps, or steps as the decay's end) that changes the "
               "steps still to run; the change is named in the resume log. Same as train.allow_changed_schedule=true.")
@@ -127,7 +128,8 @@ def _worker(resolved, run_dir: str, progress: bool):
     signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_INTERRUPTED))
     heartbeat = Heartbeat(run_dir, rank)        # names a stalled rank if the job fails (failure_message)
     try:
-        init_distributed(resolved.config.parallel.backend, timeout_s=resolved.config.train.collective_timeout_s)
+        init_distributed(resolved.config.parallel.backend, timeout_s=resolved.config.train.collective_timeout_s,
+                         run_dir=run_dir)
         result = _run(resolved, run_dir, progress)
         dist.barrier()  # gloo may abort a rank that tears down while a peer is still mid-collective
         dist.destroy_process_group()
@@ -153,9 +155,19 @@ def _report(result, run_dir: str, wall_s: float) -> None:
 
 
 def _train_as_worker(resolved, run_dir: str, progress: bool) -> None:
-    """Under torchrun: this process is one worker; rank 0 reports."""
+    """Under torchrun: this process is one worker; rank 0 reports. A gridshard error (a rank missing
+    at the rendezvous, a collective timeout, divergence, a failed save) ends it with one line naming
+    the rank; the traceback goes to ``RUN_DIR/logs/rank_N.log``."""
+    from ..errors import GridshardError
+
     t0 = time.perf_counter()
-    result = _run(resolved, run_dir, progress)
+    try:
+        result = _run(resolved, run_dir, progress)
+    except GridshardError as e:
+        rank = int(os.environ.get("RANK", "0"))
+        write_rank_log(run_dir, rank, e)
+        click.echo(f"gridshard: rank {rank}: {e} (traceback: {rank_log_path(run_dir, rank)})", err=True)
+        sys.exit(EXIT_WORKER_ERROR)
     if int(os.environ.get("RANK", "0")) == 0:
         _report(result, run_dir, time.perf_counter() - t0)
     elif isinstance(result, dict):

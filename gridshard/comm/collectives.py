@@ -51,6 +51,7 @@ Shapes (group of n ranks, ``dim`` = d):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -342,9 +343,12 @@ class PendingCollective:
 
     def __init__(self, work, tensor: torch.Tensor, entry):
         self._work, self.tensor, self._entry = work, tensor, entry
+        self._call = entry.owner.last if entry is not None else None       # the ledger's position of the call
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
+            if self._call is not None:
+                self._entry.owner.last = dataclasses.replace(self._call, waiting=True)
             with _profiled_wait(self._entry), \
                     self._entry.owner.timed(self._entry, self.tensor.device):
                 self._work.wait()

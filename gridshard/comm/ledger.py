@@ -45,6 +45,14 @@ code that hands a step's work to such a component can say so with ``note_untrack
 and ``summary()`` then lists it as not recorded. The point-to-point sends of
 ``torch.distributed.pipelining`` schedules are recorded (op ``send``, axis ``pipeline``) by
 :class:`gridshard.pipeline.meter.StageMeter`, which wraps the stage's send-op constructors.
+
+Positions. Besides the totals, every call through :func:`record` — paused or not, counted or
+not — numbers itself on its group: ``calls[(axis name, member ranks)]`` is how many calls this
+rank has issued on that group, and ``last`` is the latest (:class:`CallPosition`; an async call's
+``wait()`` makes it current again, waiting). Every member issues the same calls on a group in the
+same order, so equal numbers mean the same collective; when one times out,
+:mod:`gridshard.engine.hang` compares the members' numbers to name who did not arrive. Cost: a
+dict update per call.
 """
 from __future__ import annotations
 
@@ -82,6 +90,22 @@ class LedgerEntry:
     last_bytes: int = 0               # the payload of the latest call (a profiler range's name)
 
 
+@dataclass(frozen=True)
+class CallPosition:
+    """One call on a group: ``op`` on axis ``axis`` (members ``ranks``, global ranks), this rank's
+    ``number``-th call on that group (1-based); ``waiting``: in the ``wait()`` of an async call."""
+
+    op: str
+    axis: str
+    ranks: tuple
+    number: int
+    waiting: bool = False
+
+    def row(self) -> dict:
+        return {"op": self.op, "axis": self.axis, "ranks": list(self.ranks), "number": self.number,
+                "waiting": self.waiting}
+
+
 @dataclass
 class CommLedger:
     """Accumulates collectives by (op, axis). See the module docstring for the fields. ``ranges``:
@@ -93,6 +117,16 @@ class CommLedger:
     entries: dict = field(default_factory=dict)
     untracked: set = field(default_factory=set)
     ranges: Any = None
+    calls: dict = field(default_factory=dict)       # {(axis name, member ranks): calls issued}: "Positions"
+    last: Any = None                                # the latest CallPosition
+
+    def enter(self, op: str, axis) -> CallPosition:
+        """Number a call of ``op`` on ``axis``'s group and make it the latest ("Positions")."""
+        key = (axis.name, axis.ranks)
+        number = self.calls.get(key, 0) + 1
+        self.calls[key] = number
+        self.last = CallPosition(op, axis.name, axis.ranks, number)
+        return self.last
 
     def reset(self) -> None:
         self.entries.clear()
@@ -194,7 +228,9 @@ def record(op: str, axis, payload_bytes: int, group_size: int | None = None) -> 
     moving ``payload_bytes`` in a group of ``group_size`` ranks (default ``axis.size``), added to
     :func:`ledger_of` the axis unless recording is paused. Returns the entry (async handles time
     their wait in it)."""
-    return ledger_of(axis).add(op, axis.name, payload_bytes, axis.size if group_size is None else group_size)
+    ledger = ledger_of(axis)
+    ledger.enter(op, axis)
+    return ledger.add(op, axis.name, payload_bytes, axis.size if group_size is None else group_size)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ See ``docs/config.md`` for every key.
 """
 from __future__ import annotations
 
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -268,8 +268,12 @@ class TrainSection(BaseModel):
                                                            "null = off) into RUN_DIR/profile/rank{R}.trace.json "
                                                            "(docs/diagnosis.md)")
     profile_steps: int = Field(2, description="with profile_start: how many steps the traces cover")
-    profile_ranks: Optional[List[int]] = Field(None, description="with profile_start: the global ranks that record "
-                                                                 "(null = every rank)")
+    profile_ranks: Union[Literal["all"], List[int], None] = Field(
+        None, description="with profile_start / profile_memory: the global ranks that record (all, or null = every rank)")
+    profile_memory: bool = Field(False, description="CUDA: record the caching allocator's history from the first step; "
+                                                    "a snapshot after the profiled steps "
+                                                    "(RUN_DIR/profile/rank{R}.memory.pickle) and on out-of-memory "
+                                                    "(rank{R}.oom.memory.pickle), for pytorch.org/memory_viz")
 
 
 class TrainConfig(BaseModel):

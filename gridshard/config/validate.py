@@ -293,7 +293,10 @@ def _optim(cfg: TrainConfig, cuda_available: bool, world_size: int):
         ("train.profile_start", t.profile_start, t.profile_start is not None and not 1 <= t.profile_start <= t.steps,
          f"it is the first profiled step, between 1 and train.steps={t.steps}", "use e.g. 3, or null (off)"),
         ("train.profile_steps", t.profile_steps, t.profile_steps < 1, "it must be >= 1", "use e.g. 2"),
-        ("train.profile_ranks", t.profile_ranks, t.profile_ranks is not None
+        ("train.profile_memory", True, t.profile_memory and not cuda_available,
+         "it records the CUDA caching allocator's history, and no CUDA GPU is visible",
+         "use train.profile_memory=false (CPU time and collectives: train.profile_start)"),
+        ("train.profile_ranks", t.profile_ranks, isinstance(t.profile_ranks, list)
          and not all(0 <= r < world_size for r in t.profile_ranks),
          f"every entry must be a global rank of the {world_size}-process job", f"use ranks in 0..{world_size - 1}, "
          "or null (every rank)"),

@@ -147,14 +147,15 @@ def build_job(config=None, run_dir: Optional[str] = None, *, overrides=()) -> Jo
 
 
 # ---- before the model: the resolved config, the mesh and the job layout ------------------
-def resolve_job_config(config, overrides=()) -> TrainConfig:
-    """The config validated against this process group (joined here when it is not yet):
+def resolve_job_config(config, overrides=(), run_dir: Optional[str] = None) -> TrainConfig:
+    """The config validated against this process group (joined here when it is not yet; with
+    ``run_dir``, where NCCL's flight recorder dumps):
     a :class:`ResolvedConfig` as it is (its world size must be this group's), anything else
     through :func:`gridshard.config.resolve_config`."""
     resolved = isinstance(config, ResolvedConfig)
     if not dist.is_initialized():
         loaded = config.config if resolved else load_config(config, overrides)
-        init_distributed(loaded.parallel.backend, timeout_s=loaded.train.collective_timeout_s)
+        init_distributed(loaded.parallel.backend, timeout_s=loaded.train.collective_timeout_s, run_dir=run_dir)
     if resolved:
         here = (dist.get_world_size(), rank_device().type == "cuda", list(overrides))
         if here != (config.world_size, config.cuda_available, []):
@@ -174,7 +175,7 @@ def resolve_job_config(config, overrides=()) -> TrainConfig:
 def _frame(config, overrides, run_dir) -> Job:
     """The resolved config, rank 0's run directory, the resume source (checked before anything
     is built), the job's ledger and mesh, and the job layout."""
-    cfg = resolve_job_config(config, overrides)
+    cfg = resolve_job_config(config, overrides, run_dir)
     device, rank = rank_device(), dist.get_rank()
     if dist.get_world_size() > 1:      # rank 0's run directory for all (e.g. timestamped defaults under torchrun)
         box = [run_dir]

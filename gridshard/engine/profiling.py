@@ -2,7 +2,7 @@
 
 Built on ``torch.profiler``; gridshard adds only what it alone knows: when to start and stop, where
 to write, and the names of its own ranges. The trace of steps s … s + n − 1 (1-based, ``profile_start``
-s, ``profile_steps`` n) of each recording rank (``profile_ranks``, default every rank) is written to
+s, ``profile_steps`` n) of each recording rank (``profile_ranks``: a list, or ``all``, the default) is written to
 ``RUN_DIR/profile/rank{R}.trace.json``, Chrome trace JSON (Perfetto, ``chrome://tracing``). The
 profiler records CPU activity, and on CUDA also the kernels.
 
@@ -17,7 +17,9 @@ read per range and no profiler call):
 * every collective the ledger records, as ``gridshard.{op} {axis} {bytes} B`` (the ledger's
   payload convention, :mod:`gridshard.comm.ledger`), and the wait of an asynchronous one as
   ``gridshard.wait {op} {axis}``;
-* ``gridshard.checkpoint``: a checkpoint save in the profiled steps.
+* ``gridshard.checkpoint``: a checkpoint save in the profiled steps;
+* ``gridshard.log``: a log step's metrics (one all-gather of every rank's figures, evaluation
+  when due), and ``gridshard.stop_check``: the all-reduce that agrees on a stop request.
 """
 from __future__ import annotations
 
@@ -28,35 +30,62 @@ from typing import Optional
 import torch
 
 from ..errors import ConfigError
+from ..torch_private import dump_memory_snapshot, record_memory_history
 
 
 class Ranges:
-    """gridshard's named profiler ranges (module docstring), recorded only while ``on``."""
+    """gridshard's named profiler ranges (module docstring), recorded only while ``on``. Whether or not
+    a trace records, they also remember where this rank is, for a collective timeout's message
+    (:mod:`gridshard.engine.hang`): ``step`` (1-based, set by the trainer), ``phase`` (the last range
+    entered) and ``micro_batch`` (its micro-batch, where the driver knows it)."""
 
     def __init__(self):
         self.on = False
+        self.step: Optional[int] = None
+        self.phase: Optional[str] = None
+        self.micro_batch: Optional[int] = None
 
-    def __call__(self, name: str):
+    def __call__(self, name: str, micro_batch: Optional[int] = None):
         """A ``record_function`` range named ``name`` while a trace records, else a no-op context."""
+        self.phase, self.micro_batch = name, micro_batch
         return torch.profiler.record_function(name) if self.on else contextlib.nullcontext()
+
+    def where(self) -> dict:
+        """This rank's step, phase and micro-batch (0-based), as last set."""
+        return {"step": self.step, "phase": self.phase, "micro_batch": self.micro_batch}
 
 
 class StepProfiler:
     """Starts ``torch.profiler`` before the first profiled step and writes the trace after the last
     (module docstring); does nothing on a rank that does not record or when ``train.profile_start``
-    is null. ``ranges``: the job's :class:`Ranges` (also read by its ledger for the collectives)."""
+    is null. ``ranges``: the job's :class:`Ranges` (also read by its ledger for the collectives).
+
+    ``train.profile_memory`` (CUDA): the caching allocator's history is recorded from the start
+    (:func:`gridshard.torch_private.record_memory_history`; it keeps each allocation's stack, which
+    slows allocation) and written as ``RUN_DIR/profile/rank{R}.memory.pickle`` when the profiled steps
+    end, and as ``rank{R}.oom.memory.pickle`` when the run runs out of memory (:meth:`out_of_memory`).
+    Both open at pytorch.org/memory_viz; gridshard only writes them."""
 
     def __init__(self, train, rank: int, run_dir: Optional[str], device: torch.device, ranges: Ranges):
         start = train.profile_start
         self.ranges, self.device = ranges, device
         self.first = start
         self.last = None if start is None else start + train.profile_steps - 1
-        self.records = start is not None and (train.profile_ranks is None or rank in train.profile_ranks)
-        if self.records and run_dir is None:
-            raise ConfigError("train.profile_start is set but the run has no run directory to write the traces to. "
-                              "Fix: pass a run directory (gridshard train --run-dir DIR), or train.profile_start=null.")
-        self.path = os.path.join(run_dir, "profile", f"rank{rank}.trace.json") if self.records else None
+        chosen = train.profile_ranks in (None, "all") or rank in train.profile_ranks
+        self.records = start is not None and chosen
+        self.memory = bool(train.profile_memory) and chosen and device.type == "cuda"
+        if (self.records or self.memory) and run_dir is None:
+            raise ConfigError("train.profile_start or train.profile_memory is set but the run has no run directory to "
+                              "write to. Fix: pass a run directory (gridshard train --run-dir DIR), or "
+                              "train.profile_start=null and train.profile_memory=false.")
+        folder = os.path.join(run_dir, "profile") if run_dir is not None else None
+        self.path = os.path.join(folder, f"rank{rank}.trace.json") if self.records else None
+        self.memory_paths = (os.path.join(folder, f"rank{rank}.memory.pickle"),
+                             os.path.join(folder, f"rank{rank}.oom.memory.pickle")) if self.memory else None
         self._profiler = None
+        self._snapshot_due = self.memory and start is not None
+        if self.memory:
+            self.memory = record_memory_history(True)
 
     def before_step(self, k: int) -> None:
         """Before 0-based step ``k``: start recording at the first profiled step."""
@@ -69,12 +98,17 @@ class StepProfiler:
             self.ranges.on = True
 
     def after_step(self, k: int) -> None:
-        """After 0-based step ``k``: stop at the last profiled step (or the run's last) and write the trace."""
-        if self._profiler is not None and k + 1 >= self.last:
+        """After 0-based step ``k``: at the last profiled step (or the run's last) write the trace and
+        the memory snapshot."""
+        if self.first is not None and k + 1 >= self.last:
             self.close()
 
     def close(self) -> None:
-        """Stop a recording in progress and write its trace (the run ended inside the profiled steps)."""
+        """Stop a recording in progress and write its trace and memory snapshot (also when the run
+        ended inside the profiled steps)."""
+        if self._snapshot_due and self.memory:
+            self._snapshot_due = False
+            self._dump(self.memory_paths[0])
         if self._profiler is None:
             return
         self.ranges.on = False
@@ -84,3 +118,21 @@ class StepProfiler:
         profiler.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         profiler.export_chrome_trace(self.path)
+
+    def out_of_memory(self) -> Optional[str]:
+        """The run ran out of device memory: write the history so far; its path, or None."""
+        if not self.memory:
+            return None
+        self._dump(self.memory_paths[1])
+        return self.memory_paths[1]
+
+    def finish(self) -> None:
+        """The run is over: :meth:`close`, then stop recording the memory history."""
+        self.close()
+        if self.memory:
+            self.memory = False
+            record_memory_history(False)
+
+    def _dump(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        dump_memory_snapshot(path)

@@ -117,9 +117,9 @@ class MicroBatchLoop:
         for a, (tokens, targets) in enumerate(micro):
             if a == len(micro) - 1:
                 self.reducer.arm()                     # reduce buckets/units during the last backward
-            with self.ranges("gridshard.forward"):
+            with self.ranges("gridshard.forward", a):
                 loss_sum = self._loss_sum(tokens, targets)
-            with self.ranges("gridshard.backward"):
+            with self.ranges("gridshard.backward", a):
                 self.precision.scale(loss_sum * weight).backward()
             sums.append(loss_sum.detach())
         return sums

@@ -68,9 +68,12 @@ from ..comm import collectives as C
 from ..errors import NonFiniteError
 from ..mesh import world_axis
 from ..theory.training import mfu, model_flops_per_token
+from ..torch_private import default_store
 from . import control
 from .job import Job, build_job
 from .metrics import RunFiles, device_peak_flops, format_postfix, interval_memory_peaks
+from .hang import explain_timeout, is_collective_timeout
+from .placement import gather_placement, write_launch_record
 from .profiling import StepProfiler
 from .rank_timing import straggler_verdict
 from .step import accuracy_metrics, evaluate, global_losses, train_step
@@ -100,6 +103,10 @@ class Trainer:
                               keep_until_step=self.start_step if self.resume_from is not None else None,
                               log_to=t.log_to)
         self.files.write_config(self.cfg.resolved())
+        if self.run_dir is not None:                   # where each rank runs, for `gridshard diagnose` (engine.placement)
+            record = gather_placement(self.rank, self.mesh, self.ledger)
+            if self.rank == 0:
+                write_launch_record(self.run_dir, record)
         self.progress = progress
         self.history: list = []                        # metrics records (every rank)
 
@@ -271,7 +278,8 @@ class Trainer:
     def _stop_agreed(self) -> bool:
         """Whether any rank was asked to stop (SIGINT) by now: one all-reduce (MAX) of a
         one-element flag over the world, not in the ledger, so all ranks stop after the same step."""
-        return self._on_any_rank(control.stop_requested(), world_axis(self.ledger))
+        with self.ranges("gridshard.stop_check"):
+            return self._on_any_rank(control.stop_requested(), world_axis(self.ledger))
 
     def _stopped(self, step: int, saving: bool, losses: list) -> "control.TrainingStopped":
         """Checkpoint the ``step`` completed steps (blocking; the save in flight, if it is this
@@ -306,6 +314,7 @@ class Trainer:
         stoppable = control.stop_installed()           # the same on every rank (install_stop_handler)
         try:
             for k in range(self.start_step, t.steps):
+                self.ranges.step, self.ranges.phase, self.ranges.micro_batch = k + 1, None, None   # engine.hang
                 self.profiler.before_step(k)
                 loss, norm, lr = self.step(k)
                 window.pending.append((loss, self.step_valid_tokens))
@@ -323,15 +332,23 @@ class Trainer:
                 stop = stoppable and (log_step or self.device.type == "cpu") and self._stop_agreed() \
                     and k + 1 != t.steps
                 if log_step or stop:
-                    window = self._log(k, window, norm, lr, is_eval, all_losses, bar)
+                    with self.ranges("gridshard.log"):
+                        window = self._log(k, window, norm, lr, is_eval, all_losses, bar)
                 if stop:
                     raise self._stopped(k + 1, saving, all_losses)
             if saving and t.steps > self.start_step and self.checkpointer.last_requested != t.steps:
                 self.save_checkpoint(t.steps, blocking=True)      # the end of the run is always saved
             if self.checkpointer is not None:
                 self.checkpointer.close()
+        except RuntimeError as e:
+            if is_collective_timeout(e):                       # name the call and who missed it (engine.hang)
+                raise explain_timeout(e, self.ledger, self.ranges, self.rank, t.collective_timeout_s,
+                                      default_store()) from e
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                self.profiler.out_of_memory()                  # train.profile_memory: the history up to here
+            raise
         finally:
-            self.profiler.close()
+            self.profiler.finish()
             bar.close()
             self.files.close()
             self.ledger.timing = prev_timing
