@@ -7,9 +7,11 @@ medians over the log steps after the first, which holds the warm-up:
 
 * **step**: measured step time beside the planner's prediction for this layout and hardware
   (:func:`gridshard.planner.evaluate`; ``--hardware``, default ``cpu`` on a CPU run);
-* **split**: per step, each rank's compute, collective (of which waiting) and data-loading seconds
-  and, for rank 0, the bytes its collectives moved on each mesh axis (the ledger's payload convention);
-  the pipeline bubble where there are stages;
+* **split**: rank 0's step in seconds: its collectives by parallel dimension (data, tensor, context,
+  expert, pipeline sends with the bubble), data loading and compute (the rest), each beside the
+  planner's part for this layout; per step, each rank's compute, collective (of which waiting)
+  and data-loading seconds and, for rank 0, the bytes its collectives moved on each mesh axis (the
+  ledger's payload convention);
 * **ranks**: the slowest rank by compute and how long the others waited for it; the straggler the
   trainer named, if any;
 * **memory**: each rank's peak beside the memory model's prediction;
@@ -92,15 +94,19 @@ def diagnose(run_dir: str, hardware: Optional[str] = None) -> dict:
               "log_steps": [r["step"] for r in records], "step_time_s": step_s,
               "comm_share": _median(r.get("comm_share") for r in steady),
               "bubble_share": _median(r.get("bubble_share") for r in steady),
-              "predicted_step_s": _predicted_step(cfg, hardware), "ranks": _rank_split(ranks_steady),
+              "ranks": _rank_split(ranks_steady),
               "rank0_comm_bytes_per_step": _median_dict(r.get("rank0_comm_bytes_per_step", {}) for r in ranks_steady),
               "memory": _memory(steady[-1])}
+    predicted = _predicted_step(cfg, hardware)
+    report["predicted_step_s"] = None if predicted is None else predicted["total_s"]
+    report["split"] = _split(report, _median_dict(r.get("rank0_comm_s_per_step", {}) for r in ranks_steady), predicted)
     report["findings"] = _findings(cfg, report, steady, ranks_steady)
     return report
 
 
-def _predicted_step(cfg, hardware: Optional[str]) -> Optional[float]:
-    """The planner's step time for the run's own layout, or None when it cannot price it."""
+def _predicted_step(cfg, hardware: Optional[str]) -> Optional[dict]:
+    """The planner's step time for the run's own layout, by part (:class:`gridshard.planner.cost_time.StepTime`
+    as a dict, with ``total_s``), or None when it cannot price it."""
     from .planner import evaluate, load_hardware
     from .planner.fit import config_layout
 
@@ -108,7 +114,44 @@ def _predicted_step(cfg, hardware: Optional[str]) -> Optional[float]:
         return None
     hw = load_hardware(hardware or "cpu")
     cand = evaluate(cfg, config_layout(cfg), hw, cfg.world_size, price_too_large=True)
-    return None if cand.step is None else cand.step.total_s
+    return None if cand.step is None else cand.step.as_dict()
+
+
+#: the parallel dimension whose traffic a mesh axis carries (every other axis is a tensor scheme's:
+#: tensor, row, col, depth, weight_input, ...)
+AXIS_DIMENSION = {"data": "data", "data_context": "data", "expert_data": "data", "context": "context",
+                  "expert": "expert", "pipeline": "pipeline", "pipeline_tied": "pipeline"}
+#: the planner's parts (StepTime) that price each row of the split
+PREDICTED_PARTS = {"compute": ("compute_s", "optimizer_s", "overhead_s"), "data": ("data_comm_s",),
+                   "tensor": ("tensor_comm_s",), "context": ("context_comm_s",), "expert": ("expert_comm_s",),
+                   "pipeline": ("pipeline_comm_s", "bubble_s")}
+
+
+def _split(report: dict, axis_seconds: dict, predicted: Optional[dict]) -> list:
+    """Rank 0's step, seconds per step: its collectives by parallel dimension (the ledger's timed seconds
+    per axis), the pipeline bubble, data loading, and the rest (compute: the math, the optimizer and
+    Python); each row beside the planner's parts for the same layout (``PREDICTED_PARTS``)."""
+    step_s = report["step_time_s"]
+    rank0 = report["ranks"][0] if report["ranks"] else None
+    if rank0 is None or step_s is None:
+        return []
+    comm = {}
+    for axis, seconds in axis_seconds.items():
+        dim = AXIS_DIMENSION.get(axis, "tensor")
+        comm[dim] = comm.get(dim, 0.0) + (seconds or 0.0)
+    bubble = (report["bubble_share"] or 0.0) * step_s
+    rows = {"data": comm.get("data", 0.0), "tensor": comm.get("tensor", 0.0), "context": comm.get("context", 0.0),
+            "expert": comm.get("expert", 0.0), "pipeline": comm.get("pipeline", 0.0) + bubble,
+            "data loading": rank0["data_s"] or 0.0}
+    rows["compute"] = max(0.0, step_s - sum(rows.values()))
+    order = ("compute", "data", "tensor", "context", "expert", "pipeline", "data loading")
+    out = []
+    for part in order:
+        want = None if predicted is None or part not in PREDICTED_PARTS else \
+            sum(predicted[k] for k in PREDICTED_PARTS[part])
+        if rows[part] or want:
+            out.append({"part": part, "measured_s": rows[part], "predicted_s": want})
+    return out
 
 
 def _median_dict(dicts) -> dict:
@@ -247,6 +290,13 @@ def format_report(report: dict) -> str:
         slow = max(report["ranks"], key=lambda r: r["compute_s"])
         lines.append(f"slowest rank by compute: {slow['rank']}; the longest wait: "
                      f"{max(r['wait_s'] for r in report['ranks']):.4f} s per step")
+    if report["split"]:
+        lines.append("rank 0's step, seconds:        measured   predicted")
+        for row in report["split"]:
+            want = f"{row['predicted_s']:11.4f}" if row["predicted_s"] is not None else "          –"
+            label = row["part"] if row["part"] in ("compute", "data loading") else f"{row['part']} comm" + \
+                (" + bubble" if row["part"] == "pipeline" else "")
+            lines.append(f"  {label:<26}{row['measured_s']:10.4f} {want}")
     if report["rank0_comm_bytes_per_step"]:
         lines.append("rank 0's collective bytes per step: " + ", ".join(
             f"{axis} {b / 2**20:.3f} MiB" for axis, b in report["rank0_comm_bytes_per_step"].items()))

@@ -52,8 +52,13 @@ def test_diagnose_a_d2_t2_run(tmp_path):
     assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
     for r in report["ranks"]:
         assert r["compute_s"] > 0 and r["comm_s"] > 0 and 0 <= r["wait_s"] <= r["comm_s"]
+    split = {row["part"]: row for row in report["split"]}    # rank 0's step by part, beside the planner's
+    assert {"compute", "data", "tensor"} <= set(split) and split["tensor"]["measured_s"] > 0, split
+    assert sum(row["measured_s"] for row in split.values()) == pytest.approx(report["step_time_s"])
+    assert all(split[p]["predicted_s"] > 0 for p in ("compute", "data", "tensor")), split
     text = format_report(report)
     assert "predicted by the planner" in text and "rank 0's collective bytes per step: " in text
+    assert "  tensor comm " in text and "rank 0's step, seconds:" in text
     out = CliRunner().invoke(main, ["diagnose", str(tmp_path), "--json"])
     assert out.exit_code == 0 and json.loads(out.output)["log_steps"] == [3, 6, 9]
     launch = json.loads((tmp_path / "launch.json").read_text())       # one host: no group spans nodes

@@ -1,7 +1,6 @@
 """Hangs that say who: a rank that never joins (:mod:`gridshard.rendezvous`) and a collective that
 one rank skips (:mod:`gridshard.engine.hang`), each ending in one message that names the missing
 rank."""
-import datetime
 import json
 import os
 import subprocess
@@ -73,14 +72,15 @@ def _train_skipping_a_gather(skipper: int, step: int):
 
     from gridshard.comm import collectives as C
     from gridshard.engine import Trainer
-    from gridshard.torch_private import set_group_timeout
+    from gridshard.mesh import set_collective_timeout
 
-    set_group_timeout(datetime.timedelta(seconds=TIMEOUT_S), dist.group.WORLD)     # the mesh's groups take it
+    set_collective_timeout([dist.group.WORLD], TIMEOUT_S)
     cfg = {"model": {"preset": "tiny", "layers": 2}, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 50_000},
            "parallel": {"data": 2, "tensor": 2, "tensor_mode": "1d"},
            "train": {"global_batch": 8, "micro_batch": 2, "steps": 8, "log_interval": 2, "eval_interval": 0,
                      "collective_timeout_s": TIMEOUT_S}}
     trainer = Trainer(cfg, progress=False)
+    set_collective_timeout(trainer.mesh.groups(), TIMEOUT_S)     # a mesh an earlier test built keeps its own
     real, skipped = C.all_gather, []
 
     def skipping(x, axis, dim=-1, async_op=False):

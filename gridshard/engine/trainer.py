@@ -356,13 +356,15 @@ class Trainer:
 
     def _window(self, now: float, steps: int) -> "_LogWindow":
         """A log interval starting now, after ``steps`` steps."""
-        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks(), self.data_s, self._axis_bytes())
+        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks(), self.data_s, self._axis_bytes(),
+                          self._axis_bytes("seconds"))
 
-    def _axis_bytes(self) -> dict:
-        """This rank's recorded collective payload bytes so far, by mesh axis (the ledger's convention)."""
+    def _axis_bytes(self, field_name: str = "payload_bytes") -> dict:
+        """This rank's recorded collective payload bytes so far (or another ledger field: ``seconds``), by mesh
+        axis (the ledger's convention)."""
         out: dict = {}
         for (_, axis), entry in self.ledger.entries.items():
-            out[axis] = out.get(axis, 0) + entry.payload_bytes
+            out[axis] = out.get(axis, 0) + getattr(entry, field_name)
         return out
 
     def _log(self, k: int, window: "_LogWindow", norm, lr: float, is_eval: bool, all_losses: list, bar):
@@ -405,17 +407,19 @@ class Trainer:
         return window
 
     def _report_ranks(self, k: int, verdict, window: "_LogWindow", n_steps: int) -> None:
-        """Rank 0: the interval's per-rank table and its own collective bytes per step by axis into
+        """Rank 0: the interval's per-rank table and its own collective bytes and seconds per step by axis into
         ``RUN_DIR/ranks.jsonl``, and one warning when a straggler is named that was not the last one
         named (:mod:`gridshard.engine.rank_timing`)."""
         if verdict is None or self.rank != 0:
             return
-        now = self._axis_bytes()
-        per_axis = {a: (b - window.axis_bytes.get(a, 0)) / n_steps for a, b in sorted(now.items())}
+        per_axis = {a: (b - window.axis_bytes.get(a, 0)) / n_steps for a, b in sorted(self._axis_bytes().items())}
+        seconds = {a: (s - window.axis_seconds.get(a, 0.0)) / n_steps
+                   for a, s in sorted(self._axis_bytes("seconds").items())}
         self.files.append_ranks({"step": k + 1, "step_time_s": verdict.step_s, "rank_wait_max": verdict.rank_wait_max,
                                  "straggler_rank": verdict.straggler_rank,
                                  "ranks": [t.row() for t in verdict.ranks],
-                                 "rank0_comm_bytes_per_step": {a: b for a, b in per_axis.items() if b}})
+                                 "rank0_comm_bytes_per_step": {a: b for a, b in per_axis.items() if b},
+                                 "rank0_comm_s_per_step": {a: seconds[a] for a, b in per_axis.items() if b}})
         if verdict.straggler_rank is not None and verdict.straggler_rank != self.straggler_named:
             warnings.warn(verdict.warning(k + 1), RuntimeWarning, stacklevel=3)
         self.straggler_named = verdict.straggler_rank
@@ -451,6 +455,7 @@ class _LogWindow:
     busy: tuple
     data_s: float = 0.0
     axis_bytes: dict = field(default_factory=dict)
+    axis_seconds: dict = field(default_factory=dict)
     pending: list = field(default_factory=list)
 
 
