@@ -2,8 +2,8 @@
 members did not arrive.
 
 When a collective waits longer than ``train.collective_timeout_s`` the backend raises (gloo:
-"Timed out waiting N ms for recv operation to complete"), which names neither the collective nor
-who is missing. The ledger numbers every call on each group (:mod:`gridshard.comm.ledger`,
+"Timed out waiting N ms for recv operation to complete"; or "Connection closed by peer" on a rank
+whose peer's own wait ended first), which names neither the collective nor who is missing. The ledger numbers every call on each group (:mod:`gridshard.comm.ledger`,
 "Positions"): the members issue the same calls on a group in the same order, so every member's
 k-th call on a group is the same collective. On a timeout, each rank that caught it
 
@@ -46,12 +46,19 @@ class CollectiveTimeout(GridshardError, RuntimeError):
     missing (module docstring)."""
 
 
+def _timed_out(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
 def is_collective_timeout(error: BaseException) -> bool:
     """Whether ``error`` is a backend's collective timeout (gloo's "Timed out waiting … ms", NCCL's
-    watchdog "timeout"), not one of gridshard's own errors."""
+    watchdog "timeout") or a member closing its connection mid-collective (gloo's "Connection
+    closed by peer": the member's own wait timed out first, or it died), not one of gridshard's own
+    errors."""
     text = str(error).lower()
     return isinstance(error, RuntimeError) and not isinstance(error, GridshardError) and \
-        ("timed out" in text or "timeout" in text)
+        (_timed_out(error) or "closed by peer" in text or "reset by peer" in text)
 
 
 def position(ledger, ranges, rank: int) -> dict:
@@ -69,7 +76,9 @@ def explain_timeout(error: BaseException, ledger, ranges, rank: int, timeout_s: 
     the process group's store (None: the peers' positions are not asked for)."""
     mine = position(ledger, ranges, rank)
     call = mine["call"]
-    head = f"a collective timed out after {timeout_s:g} s (train.collective_timeout_s) on rank {rank}"
+    head = (f"a collective timed out after {timeout_s:g} s (train.collective_timeout_s) on rank {rank}"
+            if _timed_out(error) else f"a collective broke off on rank {rank} (a member closed its connection: its own "
+            f"wait timed out first, or it died)")
     if call is None:
         return CollectiveTimeout(f"{head}, before any collective gridshard records ({_where(mine)}): {error}")
     members = [m for m in call["ranks"] if m != rank]
@@ -84,8 +93,8 @@ def explain_timeout(error: BaseException, ledger, ranges, rank: int, timeout_s: 
         theirs = answers.get(m)
         if theirs is None:
             missing.append(m)
-            notes.append(f"rank {m} did not answer in {min(answer_s, timeout_s):g} s (dead, stopped, or busy outside "
-                         f"any collective)")
+            notes.append(f"rank {m}, which did not answer in {min(answer_s, timeout_s):g} s (dead, stopped, or busy "
+                         f"outside any collective)")
             continue
         issued, at = _count(theirs, call), theirs.get("call") or {}
         if [at.get(k) for k in ("op", "axis", "ranks", "number")] == [call[k] for k in ("op", "axis", "ranks", "number")]:
@@ -95,14 +104,12 @@ def explain_timeout(error: BaseException, ledger, ranges, rank: int, timeout_s: 
             how = f"never issued call #{call['number']} on this group (it has issued {issued})"
         else:
             how = f"issued it (it has issued {issued} on this group)"
-        notes.append(f"rank {m} {how} and is in {_call(at)}" + (f", its call #{at['number']} there" if at else "")
+        notes.append(f"rank {m}, which {how} and is in {_call(at)}" + (f", its call #{at['number']} there" if at else "")
                      + f", {_where(theirs)}")
     if not missing:
         return CollectiveTimeout(f"{text}. Every member is in this call: the transfer itself stalled (a slow or "
                                  f"broken link between them, or an overloaded network). Backend: {error}")
-    names = ", ".join(str(m) for m in missing)
-    return CollectiveTimeout(f"{text}. Did not arrive: rank{'s' if len(missing) > 1 else ''} {names}: "
-                             + "; ".join(notes) + f". Backend: {error}")
+    return CollectiveTimeout(f"{text}. Did not arrive: " + "; ".join(notes) + f". Backend: {error}")
 
 
 def _exchange(store, mine: dict, members: list, answer_s: float) -> Optional[dict]:
