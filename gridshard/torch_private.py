@@ -32,6 +32,9 @@ wrapper                    private name (why no public one does)       without i
 ``record_memory_history``, ``cuda.memory._record_memory_history``,    a warning; traces are
 ``dump_memory_snapshot``   ``_dump_snapshot`` (the allocator's         written, memory snapshots
                            history; no public API in 2.13)             are not
+``register_fake_backend``  ``testing._internal.distributed.fake_pg``   error: ``gridshard emulate``
+                           (importing it registers torch's "fake"      cannot run
+                           process-group backend)
 ``skip_under_compile``     ``_dynamo.decorators.skip`` (Dynamo         the wrapper frames compile per
                            neither inlines nor compiles the frame;     argument shape (torch's
                            ``torch.compiler.disable`` would wrap it    recompile-limit warnings),
@@ -159,6 +162,18 @@ def dump_memory_snapshot(path: str) -> bool:
         return False
     dump(path)
     return True
+
+
+def register_fake_backend() -> None:
+    """Make torch's "fake" process-group backend (collectives that return at once, moving no data)
+    available to ``init_process_group`` (importing the module registers it, once per process)."""
+    import importlib
+
+    try:
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")
+    except ImportError:
+        raise _missing("torch.testing._internal.distributed.fake_pg", "gridshard emulate (the fake process group)") \
+            from None
 
 
 def skip_under_compile(fn) -> None:

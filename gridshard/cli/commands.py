@@ -1,4 +1,4 @@
-"""The ``gridshard`` commands other than ``train``: ``plan``, ``export``, ``plot``, ``diagnose``,
+"""The ``gridshard`` commands other than ``train``: ``plan``, ``emulate``, ``export``, ``plot``, ``diagnose``,
 ``generate``, ``predict`` and ``prepare-data``. Each declares its options and hands over to
 its subsystem, imported when the command runs."""
 from __future__ import annotations
@@ -69,6 +69,34 @@ def plot(run_dir, out):
     with _refused_as():
         paths = plot_run(run_dir, out)
     click.echo("\n".join(paths))
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, metavar="[CONFIG] [key.sub=value ...]")
+@click.option("--gpus", type=int, default=None, help="Ranks N of the job to emulate (default: the config's layout).")
+@click.option("--nodes", type=int, default=None, help="Nodes the N ranks are spread over (the planner's step).")
+@click.option("--ranks", default="first,last", show_default=True, help="first,last | all | R1,R2,...")
+@click.option("--steps", type=int, default=3, show_default=True, help="Optimizer steps per rank (the first warms up).")
+@click.option("--hardware", default="cpu", show_default=True, help="The planner's hardware for the predicted compute.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per rank, as a list.")
+def emulate(args, gpus, nodes, ranks, steps, hardware, as_json):
+    """Build and step single ranks of an N-rank job in one process each, on this device, against the
+    planner and the memory model (torch's fake process group: no other rank, no network; docs/planner.md).
+
+    \b
+      gridshard emulate configs/tiny.yaml --gpus 4 --ranks all parallel.data=2 parallel.tensor=2
+    """
+    import json
+
+    from ..config import load_config
+    from ..planner.emulate import chosen_ranks, emulate as run_emulate, format_reports
+
+    with _refused_as("gridshard emulate: "):
+        source, overrides = _split_args(args)
+        cfg = load_config(source, overrides)
+        world = gpus or cfg.world_size
+        reports = run_emulate(cfg, world, chosen_ranks(ranks, world), steps, hardware, nodes or 1)
+    click.echo(json.dumps(reports, indent=1) if as_json else format_reports(reports))
 
 
 @click.command()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .commands import diagnose, export, generate, plan, plot, predict, prepare_data
+from .commands import diagnose, emulate, export, generate, plan, plot, predict, prepare_data
 from .train import train
 
 
@@ -20,5 +20,5 @@ def main():
     """
 
 
-for command in (train, plan, export, plot, diagnose, generate, predict, prepare_data):
+for command in (train, plan, emulate, export, plot, diagnose, generate, predict, prepare_data):
     main.add_command(command)

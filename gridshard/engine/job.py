@@ -177,7 +177,9 @@ def _frame(config, overrides, run_dir) -> Job:
     is built), the job's ledger and mesh, and the job layout."""
     cfg = resolve_job_config(config, overrides, run_dir)
     device, rank = rank_device(), dist.get_rank()
-    if dist.get_world_size() > 1:      # rank 0's run directory for all (e.g. timestamped defaults under torchrun)
+    # rank 0's run directory for all (e.g. timestamped defaults under torchrun); not under the fake backend of
+    # gridshard emulate, whose collectives return nothing (planner.emulate)
+    if dist.get_world_size() > 1 and dist.get_backend() != "fake":
         box = [run_dir]
         dist.broadcast_object_list(box, 0)
         run_dir = box[0]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Optional
 
 import torch
@@ -44,11 +45,25 @@ class Ranges:
         self.step: Optional[int] = None
         self.phase: Optional[str] = None
         self.micro_batch: Optional[int] = None
+        self.times: Optional[dict] = None          # {name: seconds} while timed (gridshard emulate)
 
     def __call__(self, name: str, micro_batch: Optional[int] = None):
-        """A ``record_function`` range named ``name`` while a trace records, else a no-op context."""
+        """A ``record_function`` range named ``name`` while a trace records, else a no-op context; with
+        ``times`` set, each range's wall seconds are added to ``times[name]`` instead."""
         self.phase, self.micro_batch = name, micro_batch
+        if self.times is not None:
+            return self._timed(name)
         return torch.profiler.record_function(name) if self.on else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 
     def where(self) -> dict:
         """This rank's step, phase and micro-batch (0-based), as last set."""

@@ -66,6 +66,7 @@ class Candidate:
     peak_flops: float = 0.0
     world: int = 1
     rank_step_s: dict = field(default_factory=dict)   # pipeline rank → its critical path (the ranks priced)
+    rank_busy: dict = field(default_factory=dict)     # pipeline rank → its busy StepTime, uncontended (emulate)
 
     @property
     def predicted_mem_bytes(self) -> Optional[int]:
@@ -163,6 +164,7 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
                                   log_interval=cfg.train.log_interval)
         costs.append(seen[key])
     cand.rank_step_s = {r: c.latency.total_s for r, c in zip(check, costs)}
+    cand.rank_busy = {r: c.busy for r, c in zip(check, costs)}
     cand.step = node_step(costs, hw, ranks_per_node)
     cand.feasible = not cand.reason
     return cand

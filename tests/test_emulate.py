@@ -1,0 +1,59 @@
+"""Emulated ranks (``gridshard emulate``, :mod:`gridshard.planner.emulate`): each rank of a D2 T2
+(1D + SP, ZeRO-1) job, built alone in a process of its own on torch's fake process group, holds the
+same model-state bytes and records the same ledger bytes per axis as that rank of the real gloo
+run; bad ``--ranks`` and layouts not emulated yet are refused before any process starts."""
+import pytest
+from click.testing import CliRunner
+
+from gridshard.cli import main
+from gridshard.config import load_config
+from gridshard.errors import ConfigError
+from gridshard.planner.emulate import chosen_ranks, emulate
+from gridshard.testing import run_on_ranks
+
+CFG = {"model": {"preset": "tiny", "layers": 2}, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 50_000},
+       "parallel": {"data": 2, "tensor": 2, "tensor_mode": "1d", "sequence_parallel": True},
+       "train": {"global_batch": 8, "micro_batch": 2, "steps": 2, "log_interval": 1, "eval_interval": 0, "zero": 1}}
+STEPS = 2
+
+
+def _real_rank(cfg, steps):
+    """The real rank: the same steps as emulation (train_step on the job's own batches)."""
+    from gridshard.engine import Trainer
+    from gridshard.engine.memory_meter import model_state_tensor_bytes
+    from gridshard.engine.step import train_step
+
+    job = Trainer(cfg, progress=False).job
+    for k in range(steps):
+        train_step(job, job.batch(k))
+    comm: dict = {}
+    for (_, axis), entry in job.ledger.entries.items():
+        comm[axis] = comm.get(axis, 0) + entry.payload_bytes / steps
+    state = model_state_tensor_bytes(job.model, job.optimizer, job.reducer.memory_tensors())
+    return {a: b for a, b in sorted(comm.items()) if b}, sum(state.values())
+
+
+def test_emulated_ranks_hold_and_move_what_the_real_ranks_do():
+    real = run_on_ranks(4, _real_rank, CFG, STEPS, timeout=300)
+    reports = emulate(load_config(CFG), 4, [0, 1, 2, 3], steps=STEPS)
+    for rank, (report, (comm, state)) in enumerate(zip(reports, real)):
+        assert report["rank"] == rank and report["coords"] == {"data": rank // 2, "pipeline": 0, "context": 0,
+                                                               "tensor": rank % 2}
+        assert report["comm_bytes"] == comm and set(comm) == {"data", "tensor"}, (rank, report["comm_bytes"], comm)
+        assert report["model_state_bytes"] == state == report["predicted_model_state_bytes"], rank
+        assert 0.8 < report["peak_bytes"] / report["predicted_peak_bytes"] < 1.25, report
+        assert report["compute_s"] > 0 and report["predicted_compute_s"] > 0
+        assert {"gridshard.forward", "gridshard.backward", "gridshard.optimizer"} <= set(report["phases_s"])
+
+
+def test_ranks_and_refusals():
+    assert chosen_ranks("first,last", 8) == [0, 7] and chosen_ranks("all", 3) == [0, 1, 2]
+    assert chosen_ranks("5, 1,first", 8) == [0, 1, 5]
+    with pytest.raises(ConfigError, match="'8' is not a rank of the 8-rank job"):
+        chosen_ranks("0,8", 8)
+    piped = load_config({**CFG, "parallel": {"data": 1, "pipeline": 2, "tensor": 2, "tensor_mode": "1d"}})
+    with pytest.raises(ConfigError, match="pipeline layouts are not emulated yet"):
+        emulate(piped, 4, [0])
+    out = CliRunner().invoke(main, ["emulate", "--gpus", "4", "--ranks", "9", "parallel.data=2", "parallel.tensor=2",
+                                    "parallel.tensor_mode=1d"])
+    assert out.exit_code == 2 and "gridshard emulate: --ranks '9'" in out.output, out.output
