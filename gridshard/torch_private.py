@@ -35,6 +35,10 @@ wrapper                    private name (why no public one does)       without i
 ``register_fake_backend``  ``testing._internal.distributed.fake_pg``   error: ``gridshard emulate``
                            (importing it registers torch's "fake"      cannot run
                            process-group backend)
+``answer_stage_votes``     ``PipelineStage._warmup_forward_vote`` /    error: ``gridshard emulate``
+                           ``_warmup_backward_result`` (the stages'    cannot run a pipeline
+                           metadata vote goes through the group,
+                           which the fake backend cannot answer)
 ``skip_under_compile``     ``_dynamo.decorators.skip`` (Dynamo         the wrapper frames compile per
                            neither inlines nor compiles the frame;     argument shape (torch's
                            ``torch.compiler.disable`` would wrap it    recompile-limit warnings),
@@ -174,6 +178,18 @@ def register_fake_backend() -> None:
     except ImportError:
         raise _missing("torch.testing._internal.distributed.fake_pg", "gridshard emulate (the fake process group)") \
             from None
+
+
+def answer_stage_votes(stage) -> None:
+    """Under the fake process group (``gridshard emulate``): answer a ``PipelineStage``'s start-up vote
+    on static or dynamic tensor metadata locally with "static" — what every stage of a gridshard job
+    votes, since each is built with its input and output shapes — instead of through the group,
+    whose fake receive would read as "dynamic" and start a metadata exchange no one answers."""
+    for name in ("_warmup_forward_vote", "_warmup_backward_result"):
+        if not hasattr(stage, name):
+            raise _missing(f"PipelineStage.{name}", "gridshard emulate of a pipeline layout")
+    stage._warmup_forward_vote = lambda has_backward, received_acc=None: torch.ones(1, dtype=torch.int32)
+    stage._warmup_backward_result = lambda received_result=None: torch.ones(1, dtype=torch.int32)
 
 
 def skip_under_compile(fn) -> None:

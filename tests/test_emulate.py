@@ -1,7 +1,10 @@
 """Emulated ranks (``gridshard emulate``, :mod:`gridshard.planner.emulate`): each rank of a D2 T2
 (1D + SP, ZeRO-1) job, built alone in a process of its own on torch's fake process group, holds the
 same model-state bytes and records the same ledger bytes per axis as that rank of the real gloo
-run; bad ``--ranks`` and layouts not emulated yet are refused before any process starts."""
+run, and so does each rank of a P2 D2 pipeline (the issue's three 16-rank layouts in the wide
+matrix); bad ``--ranks`` and expert parallelism (not emulated yet) are refused before any process starts."""
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -33,17 +36,43 @@ def _real_rank(cfg, steps):
     return {a: b for a, b in sorted(comm.items()) if b}, sum(state.values())
 
 
-def test_emulated_ranks_hold_and_move_what_the_real_ranks_do():
-    real = run_on_ranks(4, _real_rank, CFG, STEPS, timeout=300)
-    reports = emulate(load_config(CFG), 4, [0, 1, 2, 3], steps=STEPS)
+def _compare(cfg: dict, world: int):
+    real = run_on_ranks(world, _real_rank, cfg, STEPS, timeout=900)
+    reports = emulate(load_config(cfg), world, list(range(world)), steps=STEPS)
     for rank, (report, (comm, state)) in enumerate(zip(reports, real)):
-        assert report["rank"] == rank and report["coords"] == {"data": rank // 2, "pipeline": 0, "context": 0,
-                                                               "tensor": rank % 2}
-        assert report["comm_bytes"] == comm and set(comm) == {"data", "tensor"}, (rank, report["comm_bytes"], comm)
-        assert report["model_state_bytes"] == state == report["predicted_model_state_bytes"], rank
+        assert report["rank"] == rank
+        assert report["comm_bytes"] == comm, (rank, report["comm_bytes"], comm)
+        assert report["model_state_bytes"] == state == report["predicted_model_state_bytes"], (rank, report, state)
         assert 0.8 < report["peak_bytes"] / report["predicted_peak_bytes"] < 1.25, report
         assert report["compute_s"] > 0 and report["predicted_compute_s"] > 0
-        assert {"gridshard.forward", "gridshard.backward", "gridshard.optimizer"} <= set(report["phases_s"])
+    return reports
+
+
+def test_emulated_ranks_hold_and_move_what_the_real_ranks_do():
+    reports = _compare(CFG, 4)
+    assert [r["coords"] for r in reports] == [{"data": r // 2, "pipeline": 0, "context": 0, "tensor": r % 2}
+                                              for r in range(4)]
+    assert set(reports[0]["comm_bytes"]) == {"data", "tensor"}
+    assert {"gridshard.forward", "gridshard.backward", "gridshard.optimizer"} <= set(reports[0]["phases_s"])
+
+
+def test_emulated_pipeline_ranks():
+    """P2 D2 (1F1B): the stages' start-up vote is answered locally; the sends are in the ledger."""
+    reports = _compare({**CFG, "parallel": {"data": 2, "pipeline": 2}, "train": {**CFG["train"], "global_batch": 16}}, 4)
+    assert reports[0]["comm_bytes"]["pipeline"] > 0
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("parallel,train", [
+    ({"data": 4, "pipeline": 2, "tensor": 2, "tensor_mode": "1d", "sequence_parallel": True}, {"zero": 1}),
+    ({"data": 2, "tensor": 8, "tensor_mode": "3d"}, {"zero": 3}),
+    ({"pipeline": 4, "tensor": 4, "tensor_mode": "2d", "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
+     {"global_batch": 16}),
+], ids=["D4P2T2-1d-sp-z1", "D2T8-3d-z3", "P4T4-2d-interleaved"])
+def test_the_issue_layouts_on_sixteen_ranks(parallel, train):
+    cfg = {**CFG, "model": {"preset": "tiny", "layers": 8}, "parallel": parallel,
+           "train": {**CFG["train"], "global_batch": 32, **train}}
+    _compare(cfg, 16)
 
 
 def test_ranks_and_refusals():
@@ -51,9 +80,9 @@ def test_ranks_and_refusals():
     assert chosen_ranks("5, 1,first", 8) == [0, 1, 5]
     with pytest.raises(ConfigError, match="'8' is not a rank of the 8-rank job"):
         chosen_ranks("0,8", 8)
-    piped = load_config({**CFG, "parallel": {"data": 1, "pipeline": 2, "tensor": 2, "tensor_mode": "1d"}})
-    with pytest.raises(ConfigError, match="pipeline layouts are not emulated yet"):
-        emulate(piped, 4, [0])
+    moe = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_moe.yaml"), ["parallel.expert=2"])
+    with pytest.raises(ConfigError, match="parallel.expert=2: with expert parallelism an MoE layer's dispatch sizes"):
+        emulate(moe, moe.world_size, [0])
     out = CliRunner().invoke(main, ["emulate", "--gpus", "4", "--ranks", "9", "parallel.data=2", "parallel.tensor=2",
                                     "parallel.tensor_mode=1d"])
     assert out.exit_code == 2 and "gridshard emulate: --ranks '9'" in out.output, out.output

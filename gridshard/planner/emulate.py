@@ -23,9 +23,11 @@ layout (:func:`gridshard.planner.evaluate`, ``--hardware``):
 * ``model_state_bytes``: parameters, gradients, optimizer state and ZeRO's own buffers as the
   rank holds them after its steps (:func:`gridshard.engine.memory_meter.model_state_tensor_bytes`,
   each storage once) against the model's params + grads + optimizer + comm buffers (ZeRO's flat
-  reduction buffers);
-* ``compute_s``: seconds per step in forward, backward, the gradient reduction's host work and
-  the optimizer (the job's named ranges, timed), the median over the steps after the first,
+  reduction buffers; a pipeline's receive buffers are activations, not model state);
+* ``compute_s``: the wall seconds of a whole step (every collective returns at once: what is
+  left is compute, the host's work and the optimizer), the median over the steps after the first,
+  with ``phases_s`` its named ranges (forward, backward per micro-batch at P = 1, the gradient
+  reduction, the optimizer);
   against the planner's compute + optimizer + overhead seconds of the rank's busy time
   (``predicted_compute_s``: uncontended, as one rank alone on its slot; on a CPU the emulated rank
   gets the threads a launched rank would, the cores over the ranks per node);
@@ -34,15 +36,17 @@ layout (:func:`gridshard.planner.evaluate`, ``--hardware``):
 
 What emulation cannot see: overlap of communication with compute, the time of the collectives
 themselves, NCCL's own buffers, stragglers and the allocator's fragmentation across steps of a
-long run. Not yet emulated: pipeline layouts (``torch.distributed.pipelining`` exchanges the
-backward's tensor metadata between stages through the process group, which the fake group
-cannot answer) and MoE layers (their dispatch sizes come through an all-to-all).
+long run. Pipeline stages vote on static or dynamic tensor metadata through the group at start-up;
+under the fake group each stage answers its own vote with "static", what every gridshard stage
+votes (:func:`gridshard.torch_private.answer_stage_votes`). Not yet emulated: expert parallelism
+(an MoE layer's dispatch sizes come through a collective at E > 1).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
 import statistics
+import time
 from typing import Optional
 
 from ..errors import ConfigError
@@ -70,14 +74,10 @@ def chosen_ranks(spec: str, world: int) -> list:
 
 def check_emulable(cfg) -> None:
     """Refuse what emulation cannot run yet (module docstring), before any process starts."""
-    p = cfg.parallel
-    if p.pipeline > 1:
-        raise ConfigError(f"gridshard emulate: parallel.pipeline={p.pipeline}: pipeline layouts are not emulated yet "
-                          f"(the pipeline runtime exchanges tensor metadata between stages through the process "
-                          f"group). Fix: emulate the layout's P = 1 counterpart, or run it for real.")
-    if getattr(cfg.model.resolve(), "experts", 0):
-        raise ConfigError("gridshard emulate: an MoE model's dispatch sizes come through an all-to-all, which the "
-                          "fake process group does not answer. Fix: emulate the dense counterpart (model.experts=0).")
+    if getattr(cfg.model.resolve(), "experts", 0) and cfg.parallel.expert > 1:
+        raise ConfigError(f"gridshard emulate: parallel.expert={cfg.parallel.expert}: with expert parallelism an MoE "
+                          f"layer's dispatch sizes come through a collective, which the fake process group does not "
+                          f"answer. Fix: emulate with parallel.expert=1 (the experts local to each rank), or run it.")
 
 
 def emulate(cfg, world: int, ranks: list, steps: int = 3, hardware: str = "cpu", nodes: int = 1) -> list:
@@ -120,12 +120,14 @@ def emulate_rank(config: dict, world: int, rank: int, steps: int, hardware: str 
         trainer = Trainer(config, progress=False)
         job = trainer.job
         job.ranges.times = {}
-        per_step = []
+        per_step, walls = [], []
         for k in range(steps):
-            before = dict(job.ranges.times)
-            train_step(job, job.batch(k))                  # no skip_update: nothing reads a fake result
+            before, batch = dict(job.ranges.times), job.batch(k)
+            start = time.perf_counter()
+            train_step(job, batch)                         # no skip_update: nothing reads a fake result
             if job.device.type == "cuda":
                 torch.cuda.synchronize(job.device)
+            walls.append(time.perf_counter() - start)
             per_step.append({n: s - before.get(n, 0.0) for n, s in job.ranges.times.items()})
         steady = per_step[1:] or per_step
         phases = {n: statistics.median(p.get(n, 0.0) for p in steady) for n in steady[0]}
@@ -141,9 +143,9 @@ def emulate_rank(config: dict, world: int, rank: int, steps: int, hardware: str 
                            "tensor": m.tensor.rank},
                 "peak_bytes": peak, "predicted_peak_bytes": None if mem is None else int(mem.total),
                 "model_state_bytes": int(state["params"] + state["grads"] + state["optimizer"] + state["extra"]),
-                "predicted_model_state_bytes": None if mem is None else int(mem.params + mem.grads + mem.optimizer
-                                                                            + mem.comm_buffers),
-                "compute_s": sum(phases.values()), "phases_s": phases,
+                "predicted_model_state_bytes": None if mem is None else int(
+                    mem.params + mem.grads + mem.optimizer + mem.comm_buffers - mem.details.get("stage_buffers", 0)),
+                "compute_s": statistics.median(walls[1:] or walls), "phases_s": phases,
                 "predicted_compute_s": _predicted_compute(trainer.cfg, world, nodes, hardware),
                 "comm_bytes": {a: b for a, b in sorted(comm.items()) if b}}
     finally:
