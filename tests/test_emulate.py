@@ -56,6 +56,7 @@ def test_emulated_ranks_hold_and_move_what_the_real_ranks_do():
     assert {"gridshard.forward", "gridshard.backward", "gridshard.optimizer"} <= set(reports[0]["phases_s"])
 
 
+@pytest.mark.wide
 def test_emulated_pipeline_ranks():
     """P2 D2 (1F1B): the stages' start-up vote is answered locally; the sends are in the ledger."""
     reports = _compare({**CFG, "parallel": {"data": 2, "pipeline": 2}, "train": {**CFG["train"], "global_batch": 16}}, 4)
@@ -65,7 +66,7 @@ def test_emulated_pipeline_ranks():
 @pytest.mark.wide
 @pytest.mark.parametrize("parallel,train", [
     ({"data": 4, "pipeline": 2, "tensor": 2, "tensor_mode": "1d", "sequence_parallel": True}, {"zero": 1}),
-    ({"data": 2, "tensor": 8, "tensor_mode": "3d"}, {"zero": 3}),
+    ({"data": 2, "tensor": 8, "tensor_mode": "3d"}, {"zero": 3, "micro_batch": 4}),
     ({"pipeline": 4, "tensor": 4, "tensor_mode": "2d", "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
      {"global_batch": 16}),
 ], ids=["D4P2T2-1d-sp-z1", "D2T8-3d-z3", "P4T4-2d-interleaved"])
@@ -86,3 +87,18 @@ def test_ranks_and_refusals():
     out = CliRunner().invoke(main, ["emulate", "--gpus", "4", "--ranks", "9", "parallel.data=2", "parallel.tensor=2",
                                     "parallel.tensor_mode=1d"])
     assert out.exit_code == 2 and "gridshard emulate: --ranks '9'" in out.output, out.output
+
+
+@pytest.mark.wide
+def test_plan_emulate_reranks_with_measured_compute():
+    """``gridshard plan --emulate 2``: the top two layouts, each re-priced with its emulated ranks."""
+    from gridshard.planner import plan
+    from gridshard.planner.emulate import emulated_plan
+
+    result = plan({**CFG, "parallel": {"data": 4}}, 4)
+    rows = emulated_plan(result, 2, steps=2)
+    assert sorted(r["layout"] for r in rows) == sorted(c.layout.label() for c in result.candidates[:2])
+    assert [r["emulated_step_s"] for r in rows] == sorted(r["emulated_step_s"] for r in rows)
+    for r in rows:
+        assert r["measured_compute_s"] > 0 and r["emulated_step_s"] > 0 and not r["dropped"]
+        assert {x["rank"] for x in r["ranks"]} == {0, 3}

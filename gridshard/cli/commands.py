@@ -25,7 +25,9 @@ from .common import _refused_as, _split_args
               "collectives over --nproc local ranks) and write a profile for --hardware.")
 @click.option("--nproc", type=int, default=4, show_default=True, help="Ranks for --calibrate.")
 @click.option("--out", default="gridshard-profile.json", show_default=True, help="Profile file of --calibrate.")
-def plan(args, gpus, nodes, hardware, top, as_json, write, explain_flag, calibrate_flag, nproc, out):
+@click.option("--emulate", "emulate_top", type=int, default=0, help="Emulate the first and last rank of the top K "
+              "layouts on this device (gridshard emulate) and re-rank them with the measured compute and peak.")
+def plan(args, gpus, nodes, hardware, top, as_json, write, explain_flag, calibrate_flag, nproc, out, emulate_top):
     """Rank every layout of CONFIG on N devices by predicted step time (docs/planner.md).
 
     \b
@@ -40,7 +42,7 @@ def plan(args, gpus, nodes, hardware, top, as_json, write, explain_flag, calibra
         if calibrate_flag:
             run_calibrate(nproc, out, overrides)          # parallel.backend=... picks the backend
             return
-        run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag)
+        run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag, emulate_top)
 
 
 @click.command()

@@ -21,13 +21,21 @@ def resolve_hardware(name: str):
     return name
 
 
-def run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag) -> None:
+def run_plan(source, overrides, gpus, nodes, hardware, top, as_json, write, explain_flag, emulate: int = 0) -> None:
     from . import report
     from .search import check_top, plan
 
     check_top(top)
     result = plan(source, gpus, nodes=nodes, hardware=resolve_hardware(hardware), overrides=overrides)
     click.echo(report.as_json(result, top) if as_json else report.table(result, top))
+    if emulate:
+        import json
+
+        from .emulate import emulated_plan, format_plan
+
+        rows = emulated_plan(result, emulate)
+        click.echo(json.dumps([{k: v for k, v in r.items() if k != "ranks"} for r in rows], indent=1) if as_json
+                   else "\n" + format_plan(rows))
     if explain_flag:
         click.echo("")
         click.echo(report.explain(result))

@@ -152,7 +152,7 @@ def emulate_rank(config: dict, world: int, rank: int, steps: int, hardware: str 
         dist.destroy_process_group()
 
 
-def _predicted_compute(cfg, world: int, nodes: int, hardware: str) -> Optional[float]:
+def _predicted_compute(cfg, world: int, nodes: int, hardware) -> Optional[float]:
     """The planner's busy compute + optimizer + overhead seconds of the layout's rank (its busy time,
     without the contention of other ranks on the node: what one emulated rank on its own slot
     measures), or None."""
@@ -161,7 +161,8 @@ def _predicted_compute(cfg, world: int, nodes: int, hardware: str) -> Optional[f
 
     if cfg.model.unmodelled() is not None:
         return None
-    cand = evaluate(cfg, config_layout(cfg), load_hardware(hardware), world, nodes=nodes, price_too_large=True)
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    cand = evaluate(cfg, config_layout(cfg), hw, world, nodes=nodes, price_too_large=True)
     if not cand.rank_busy:
         return None
     busy = cand.rank_busy[min(cand.rank_busy)]
@@ -185,4 +186,48 @@ def format_reports(reports: list) -> str:
             f"   {r['compute_s']:7.4f} ({r['predicted_compute_s'] or 0:7.4f}, "
             f"{ratio(r['compute_s'], r['predicted_compute_s'])})   "
             + ", ".join(f"{a} {b:.0f}" for a, b in r["comm_bytes"].items()))
+    return "\n".join(lines)
+
+
+def emulated_plan(result, k: int, steps: int = 3) -> list:
+    """``gridshard plan --emulate K``: the top ``k`` layouts of a :class:`~gridshard.planner.search.PlanResult`,
+    each with its first and last rank emulated on this device, re-priced with the measured compute and
+    peak, best first. The planner's compute + optimizer + overhead of the layout's ranks is replaced by
+    the emulated step's seconds (the slowest emulated rank): on the critical path as measured; in the
+    throughput regime of an over-subscribed node (this CPU) stretched by the node's contention, as
+    the planner stretches its own (:func:`gridshard.planner.cost_time.node_step`). Communication keeps
+    the planner's price (from the ledger's bytes, the same as the rank's: ``comm_bytes``). A layout
+    whose emulated peak exceeds the device's memory is dropped, with the reason."""
+    from ..config import load_config
+    from .report import written_config
+
+    hw, world = result.hardware, result.world
+    rows = []
+    for cand in result.candidates[:k]:
+        cfg = load_config(written_config(result, cand.layout))
+        reports = emulate(cfg, world, sorted({0, world - 1}), steps, hw, result.nodes)
+        measured = max(r["compute_s"] for r in reports)
+        peak = max(r["peak_bytes"] for r in reports)
+        step = cand.step
+        busy = [b.compute_s + b.optimizer_s + b.overhead_s for b in cand.rank_busy.values()]
+        if step.details.get("regime") == "throughput":
+            stretch = hw.contention(max(1, world // max(1, result.nodes)))
+            emulated = step.total_s + stretch * (measured - sum(busy) / len(busy))
+        else:
+            emulated = step.total_s - (step.compute_s + step.optimizer_s + step.overhead_s) + measured
+        reason = (f"emulated peak {peak / 2**30:.2f} GiB > {hw.device_memory_bytes / 2**30:.2f} GiB on {hw.name}"
+                  if peak > hw.device_memory_bytes else "")
+        rows.append({"layout": cand.layout.label(), "predicted_step_s": step.total_s, "emulated_step_s": emulated,
+                     "predicted_compute_s": max(busy), "measured_compute_s": measured, "peak_bytes": peak,
+                     "predicted_peak_bytes": cand.predicted_mem_bytes, "dropped": reason, "ranks": reports})
+    return sorted(rows, key=lambda r: (bool(r["dropped"]), r["emulated_step_s"]))
+
+
+def format_plan(rows: list) -> str:
+    lines = ["re-ranked with emulated ranks (first and last rank of each layout, on this device):",
+             "  #  layout                                 predicted s  emulated s   compute pred/meas   peak GiB"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"{i:>3}  {r['layout']:<38} {r['predicted_step_s']:11.4f} {r['emulated_step_s']:11.4f}   "
+                     f"{r['predicted_compute_s']:8.4f}/{r['measured_compute_s']:<8.4f}  {r['peak_bytes'] / 2**30:8.2f}"
+                     + (f"  dropped: {r['dropped']}" if r["dropped"] else ""))
     return "\n".join(lines)

@@ -305,8 +305,9 @@ def _why(best: Candidate, other: Candidate) -> str:
     return f"{k[:-2].replace('_', ' ')} {b[k]:.3g} s vs {a[k]:.3g} s"
 
 
-def written_config(result: PlanResult) -> dict:
-    """The input config (as written, plus the overrides) with the chosen ``parallel:`` section
+def written_config(result: PlanResult, layout=None) -> dict:
+    """The input config (as written, plus the overrides) with the chosen (``layout``, default the best)
+    ``parallel:`` section
     (``stage_layers`` when the layout has an explicit split, else none) and
     ``train.zero/recompute/micro_batch/overlap_grad_reduce`` merged in."""
     from ..config.load import apply_overrides, default_config_dict, read_yaml
@@ -321,7 +322,7 @@ def written_config(result: PlanResult) -> dict:
     else:
         raw = src.model_dump()
     raw = apply_overrides(raw, result.overrides)
-    layout = result.best.layout
+    layout = layout if layout is not None else result.best.layout
     parallel = {**(raw.get("parallel") or {}), **layout.parallel_section()}
     if parallel.get("stage_layers") is None:          # the default split: no key
         parallel.pop("stage_layers", None)
