@@ -281,6 +281,41 @@ def check_g_sdpa(ctx: Ctx) -> dict:
     return out
 
 
+def check_h_memory_snapshot(ctx: Ctx) -> dict:
+    """train.profile_memory on CUDA: the allocator history after the profiled steps, a pickle for
+    pytorch.org/memory_viz (refused without a GPU, so nothing to run on the dry run)."""
+    if not ctx.cuda_count:
+        return {"status": NO_CUDA}
+    ctx.train("H_memory", base_overrides("bf16", steps=4) + ["train.profile_memory=true", "train.profile_start=2",
+                                                              "train.profile_steps=2"])
+    path = os.path.join(ctx.work, "H_memory", "profile", "rank0.memory.pickle")
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    return {"snapshot_bytes": size, **({} if size else {"error": f"no memory snapshot at {path}"})}
+
+
+def check_i_emulate(ctx: Ctx) -> dict:
+    """gridshard emulate: rank 0 of an 8-rank ZeRO-3 layout of the check's model, on this device,
+    against the memory model's peak (issue 44: within 10 %) and the planner's compute."""
+    s = sizes()
+    args = [sys.executable, "-m", "gridshard", "emulate", "--gpus", "8" if not DRY else "2", "--ranks", "first",
+            "--steps", "3", "--json", "--hardware", "h200" if ctx.cuda_count else "cpu",
+            f"model.preset={s['preset']}", "data.kind=stdlib", f"data.seq_len={s['seq']}",
+            f"train.global_batch={s['batch'] * (8 if not DRY else 2)}", f"train.micro_batch={s['batch']}",
+            "train.precision=bf16", "train.zero=3", f"parallel.data={8 if not DRY else 2}", "parallel.tensor=1",
+            "parallel.tensor_mode=none", "parallel.pipeline=1", "train.eval_interval=0"]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=s["child_timeout"])
+    if proc.returncode:
+        raise RuntimeError(_failure_text(proc.stdout + proc.stderr))
+    rank = json.loads(proc.stdout)[0]
+    ratio = rank["peak_bytes"] / rank["predicted_peak_bytes"] if rank["predicted_peak_bytes"] else None
+    out = {"peak_bytes": rank["peak_bytes"], "predicted_peak_bytes": rank["predicted_peak_bytes"],
+           "peak_over_predicted": ratio, "compute_s": rank["compute_s"],
+           "predicted_compute_s": rank["predicted_compute_s"], "comm_bytes": rank["comm_bytes"]}
+    if ctx.cuda_count and ratio is not None and not 0.9 <= ratio <= 1.1:
+        out["error"] = f"emulated peak {ratio:.2f}x the predicted (issue 44: within 10 %)"
+    return out
+
+
 # name, GPUs, overrides beyond base_overrides("bf16") (parallel.* there are replaced)
 MULTI_GPU_RUNS = [
     ("M_D2", 2, ["parallel.data=2"]),
@@ -331,7 +366,8 @@ def _reshard(ctx: Ctx) -> dict:
 
 CHECKS = [("A_bf16", check_a_bf16), ("B_compile", check_b_compile), ("C_fp16", check_c_fp16),
           ("D_fp32", check_d_fp32), ("E_offload", check_e_offload), ("F_resume", check_f_resume),
-          ("G_sdpa", check_g_sdpa), ("multi_gpu", check_multi_gpu)]
+          ("G_sdpa", check_g_sdpa), ("H_memory_snapshot", check_h_memory_snapshot), ("I_emulate", check_i_emulate),
+          ("multi_gpu", check_multi_gpu)]
 HEADLINE = ("tokens_per_s", "mfu", "peak_mem_bytes", "host_syncs_after_step1", "compile_ratio", "recompiles")
 
 

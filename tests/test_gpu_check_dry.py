@@ -27,6 +27,8 @@ def test_gpu_check_dry_run_writes_only_the_summary_and_metrics(tmp_path):
     assert summary["recompiles"] <= 2 and summary["compile_ratio"] > 0
     checks = summary["checks"]
     assert checks["C_fp16"]["status"] == checks["G_sdpa"]["status"] == "skipped: no CUDA"
+    assert checks["H_memory_snapshot"]["status"] == "skipped: no CUDA"
+    assert checks["I_emulate"]["comm_bytes"]["data"] > 0 and checks["I_emulate"]["predicted_peak_bytes"] > 0
     assert checks["E_offload"]["max_loss_rel_diff"] <= 1e-3
     assert checks["F_resume"]["resumed_from"] == "step_5"
     assert checks["F_resume"]["max_loss_rel_diff_steps_6_10"] <= 0.01
