@@ -209,6 +209,34 @@ def test_zero_bubble_order_has_the_formula_s_bubble_and_in_flight():
         assert -(-alive // V) == zero_bubble_in_flight(P, V, A) == P
 
 
+def _trainer_prediction(cfg):
+    """This rank's predicted memory as the trainer makes it, beside the planner's for the same rank."""
+    from gridshard.config import load_config
+    from gridshard.planner.cost_memory import rank_memories
+    from gridshard.planner.fit import config_layout
+
+    trainer = Trainer(cfg, progress=False)
+    loaded = load_config(cfg)
+    planner = rank_memories(loaded.model.resolve(), config_layout(loaded), loaded.data.seq_len,
+                            loaded.train.global_batch)[trainer.mesh.pipeline.rank]
+    return [(m.activations, m.comm_buffers, m.details["in_flight"], m.details["stage_buffers"])
+            for m in (trainer.predicted_mem, planner)]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_the_trainer_prices_virtual_stages_as_the_planner_does(schedule):
+    """P = 2, V = 2, A = 4: the trainer's own prediction (``predicted_mem_bytes``) holds the schedule's
+    micro-batches in flight and the V − 1 further stages' receive buffers, as the planner's does (one
+    home: :func:`gridshard.theory.memory.predict.with_virtual_stages`); before, it priced 1F1B's."""
+    from gridshard.theory.pipeline import interleaved_in_flight, zero_bubble_in_flight
+
+    for rank, (trainer, planner) in enumerate(run_on_ranks(2, _trainer_prediction, _cfg(1, 2, 1, "none", False,
+                                                                                         schedule, 2))):
+        assert trainer == planner, (rank, trainer, planner)
+        held = interleaved_in_flight(rank, 2, 2, 4) if schedule == "interleaved_1f1b" else zero_bubble_in_flight(2, 2, 4)
+        assert trainer[2] == max(held, 2 - rank)
+
+
 @pytest.mark.parametrize("layout", [(1, 2, 2, "1d", True), (1, 2, 4, "2d", False)], ids=["1d-SP", "2d"])
 def test_stage_sends_match_the_formula(layout):
     """The ledger's pipeline sends per rank equal A·boundary_bytes·(sends per micro-batch) per step."""

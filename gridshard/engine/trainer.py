@@ -124,12 +124,16 @@ class Trainer:
         layers) a rank is priced as 2D on its layer's q² ranks with m/d rows per micro-batch and the
         depth among the D·C·d ranks ZeRO shards over (``JobLayout.layer_mode``, docs/tp2p5d.md). On CPU the
         baseline is the resident set before the model was built plus what loading the data added to it
-        (``Job.data_bytes``: the data's imports, e.g. scikit-learn for the digits, and its resident arrays)."""
+        (``Job.data_bytes``: the data's imports, e.g. scikit-learn for the digits, and its resident arrays).
+        Interleaved 1F1B and zero bubble (V stages per rank): as the planner adapts it
+        (:func:`gridshard.theory.memory.predict.with_virtual_stages`)."""
         if self.cfg.model.unmodelled() is not None:
             return None
         from ..parallel.decoder_layers import decoder_layers
         from ..parallel.rank_blocks import rank_parameter_blocks
         from ..theory.memory import predict_rank_memory
+        from ..theory.memory.predict import with_virtual_stages
+        from ..theory.pipeline import boundary_bytes
 
         p, t = self.cfg.parallel, self.cfg.train
         resident = [x for x in (tokens, val_tokens) if x is not None and not isinstance(x, np.memmap)]
@@ -137,7 +141,7 @@ class Trainer:
         stage = self.mesh.pipeline.rank                # the rank's blocks: its stages, first / last ends
         mode, T, depth = self.layout.layer_mode, self.layout.layer_tensor, self.layout.depth
         blocks = rank_parameter_blocks(self.model_cfg, mode, T, ids, stage == 0, stage == p.pipeline - 1, p.expert)
-        return predict_rank_memory(
+        mem = predict_rank_memory(
             self.model_cfg, mode=mode, T=T, sequence_parallel=self.layout.sequence_parallel,
             data=p.data * p.context * depth, data_rank=self.mesh.data_context.rank, zero=t.zero, recompute=t.recompute,
             micro_batch=t.micro_batch // depth,
@@ -148,6 +152,10 @@ class Trainer:
             overlap_grad_reduce=t.overlap_grad_reduce, expert=p.expert,
             extra_bytes=max(self.data_bytes, sum(int(getattr(x, "nbytes", 0)) for x in resident))
             if self.device.type == "cpu" else 0)
+        return with_virtual_stages(mem, schedule=p.pipeline_schedule, rank=stage, P=p.pipeline, V=p.virtual_stages,
+                                   A=self.layout.micro_batches, per_boundary=boundary_bytes(
+                                       mode, self.layout.sequence_parallel, T, t.micro_batch // depth,
+                                       self.cfg.data.seq_len // p.context, self.model_cfg.hidden, t.precision))
 
     # ---- checkpoints (resume and model.init_from are the composer's: gridshard.engine.job) ----
     def save_checkpoint(self, step: int, blocking: bool = False) -> None:

@@ -22,8 +22,9 @@ Interleaved 1F1B (an adapter: the memory model counts one stage per rank): rank 
 with 2·(P − r − 1) + (V − 1)·P + 1 forward chunks of 1/V of its layers before its first
 backward (Narayanan et al. 2021's interleaved schedule), so it holds about
 ⌈(2·(P − r − 1) + (V − 1)·P + 1) / V⌉ micro-batches of its layers (at most A) instead of
-min(A, P − r); :func:`interleaved_in_flight` gives the count and the planner adds the
-difference × the rank's activation bytes per micro-batch; each of its V − 1 further stages is
+min(A, P − r); :func:`gridshard.theory.pipeline.interleaved_in_flight` gives the count and
+:func:`gridshard.theory.memory.predict.with_virtual_stages` (which the trainer's prediction applies
+too) adds the difference × the rank's activation bytes per micro-batch; each of its V − 1 further stages is
 a middle stage, with its own receive buffers for the A micro-batches' inputs and output gradients
 (:func:`gridshard.theory.pipeline.stage_buffer_bytes`): + (V − 1)·2·A·B in comm buffers. Zero bubble
 (``zero_bubble``, V stages per rank as interleaving) the same, with
@@ -41,12 +42,10 @@ softmax, and autocast's bf16 copies of the fp32 weights), as the trainer's predi
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-
 from ..job_layout import StageSplit, micro_batches_per_step
 from ..theory.memory import predict_rank_memory
-from ..theory.pipeline import boundary_bytes, zero_bubble_in_flight
+from ..theory.memory.predict import with_virtual_stages
+from ..theory.pipeline import boundary_bytes, interleaved_in_flight
 from .layouts import Layout
 from .memo import rank_blocks
 
@@ -56,11 +55,6 @@ def stage_layers_of_rank(layers: int, P: int, V: int, explicit=None) -> list:
     the layout's ``stage_layers`` (None: the default split)."""
     split = StageSplit.of(layers, P, V, explicit)
     return [split.rank_layer_ids(r) for r in range(P)]
-
-
-def interleaved_in_flight(rank: int, P: int, V: int, A: int) -> int:
-    """Micro-batches (of the rank's whole layer set) rank ``rank`` holds under interleaved 1F1B."""
-    return min(A, math.ceil((2 * (P - rank - 1) + (V - 1) * P + 1) / V))
 
 
 def ranks_to_check(layer_ids: list) -> list:
@@ -102,18 +96,11 @@ def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
             overlap_grad_reduce=layout.overlap_grad_reduce, expert=layout.expert,
             blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1,
                                layout.expert))
-        if layout.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") and P > 1:
-            held = interleaved_in_flight(r, P, V, A) if layout.pipeline_schedule == "interleaved_1f1b" \
-                else zero_bubble_in_flight(P, V, A)
-            extra = max(0, held - mem.details["in_flight"])
-            buffers = (V - 1) * 2 * A * boundary_bytes(layout.tensor_mode, layout.sequence_parallel, layout.tensor,
-                                                       layout.micro_batch, seq_len // layout.context,
-                                                       model_cfg.hidden, precision)
-            mem = dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
-                                      comm_buffers=mem.comm_buffers + buffers,
-                                      details={**mem.details, "in_flight": mem.details["in_flight"] + extra,
-                                               "stage_buffers": mem.details["stage_buffers"] + buffers})
-        out[r] = mem
+        out[r] = with_virtual_stages(mem, schedule=layout.pipeline_schedule, rank=r, P=P, V=V, A=A,
+                                     per_boundary=boundary_bytes(layout.tensor_mode, layout.sequence_parallel,
+                                                                 layout.tensor, layout.micro_batch,
+                                                                 seq_len // layout.context, model_cfg.hidden,
+                                                                 precision))
     return out
 
 

@@ -60,6 +60,8 @@ with the activations), so a stage holds beyond its activations, with A micro-bat
 """
 from __future__ import annotations
 
+import math
+
 from ..job_layout import TensorMode
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}     # element size of a ``train.precision`` value
@@ -97,6 +99,13 @@ def zero_bubble_in_flight(P: int, V: int, n_microbatches: int) -> int:
     A = n_microbatches
     per_round = A // max(1, A // P)
     return -(-min((V - 1) * per_round + P, V * A) // V)
+
+
+def interleaved_in_flight(rank: int, P: int, V: int, A: int) -> int:
+    """Micro-batches (of the rank's whole layer set) rank ``rank`` holds under interleaved 1F1B: it warms
+    up with 2·(P − r − 1) + (V − 1)·P + 1 forward chunks of 1/V of its layers before its first backward
+    (Narayanan et al. 2021's interleaved schedule): ⌈(2·(P − r − 1) + (V − 1)·P + 1) / V⌉, at most A."""
+    return min(A, math.ceil((2 * (P - rank - 1) + (V - 1) * P + 1) / V))
 
 
 def peak_in_flight(stage: int, P: int, n_microbatches: int, schedule: str = "1f1b") -> int:

@@ -23,12 +23,15 @@ for allocator slack.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from ...job_layout import StageSplit
 from ..context import context_transient_bytes
-from ..pipeline import boundary_bytes, peak_in_flight, stage_buffer_bytes
+from ..pipeline import (boundary_bytes, interleaved_in_flight, peak_in_flight, stage_buffer_bytes,
+                        zero_bubble_in_flight)
 from ..zero import reduces_in_backward
 from .activations import _rank_shape, activation_bytes, activation_element_bytes, logits_workspace_bytes
 from .model_state import (model_state_bytes, param_element_bytes, zero_accumulator_bytes, zero_gradient_transient,
@@ -166,3 +169,24 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                       details={"activation_per_microbatch": acts.per_microbatch, "in_flight": in_flight,
                                "logits_workspace": workspace, "per_layer": acts.per_layer,
                                "stage_buffers": stage_buffers, "context_transient": ring})
+
+
+def with_virtual_stages(mem: RankMemory, *, schedule: str, rank: int, P: int, V: int, A: int,
+                        per_boundary: int) -> RankMemory:
+    """``mem`` (one stage per rank, as :func:`predict_rank_memory` prices it) for a rank that runs V
+    stages: interleaved 1F1B holds :func:`gridshard.theory.pipeline.interleaved_in_flight`
+    micro-batches of its layers, zero bubble :func:`gridshard.theory.pipeline.zero_bubble_in_flight`,
+    instead of min(A, P − r) (the difference × the activation bytes per micro-batch is added); each of
+    its V − 1 further stages is a middle stage with receive buffers for the A micro-batches' inputs and
+    output gradients: + (V − 1)·2·A·``per_boundary`` bytes of comm buffers
+    (:func:`gridshard.theory.pipeline.stage_buffer_bytes`). Other schedules, or P = 1: ``mem`` as it is.
+    The one home of this adaptation: the trainer's prediction and the planner's both apply it."""
+    if P == 1 or schedule not in ("interleaved_1f1b", "zero_bubble"):
+        return mem
+    held = interleaved_in_flight(rank, P, V, A) if schedule == "interleaved_1f1b" else zero_bubble_in_flight(P, V, A)
+    extra = max(0, held - mem.details["in_flight"])
+    buffers = (V - 1) * 2 * A * per_boundary
+    return dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
+                               comm_buffers=mem.comm_buffers + buffers,
+                               details={**mem.details, "in_flight": mem.details["in_flight"] + extra,
+                                        "stage_buffers": mem.details["stage_buffers"] + buffers})
