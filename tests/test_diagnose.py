@@ -28,7 +28,7 @@ def _train(cfg, run_dir):
 
     def counted(k):                      # rank 0's ledger bytes by axis after each step
         out = step(k)
-        marks.append(trainer._axis_bytes())
+        marks.append(trainer.ledger.by_axis())
         return out
 
     trainer.step = counted

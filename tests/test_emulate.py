@@ -29,11 +29,8 @@ def _real_rank(cfg, steps):
     job = Trainer(cfg, progress=False).job
     for k in range(steps):
         train_step(job, job.batch(k))
-    comm: dict = {}
-    for (_, axis), entry in job.ledger.entries.items():
-        comm[axis] = comm.get(axis, 0) + entry.payload_bytes / steps
     state = model_state_tensor_bytes(job.model, job.optimizer, job.reducer.memory_tensors())
-    return {a: b for a, b in sorted(comm.items()) if b}, sum(state.values())
+    return {a: b / steps for a, b in sorted(job.ledger.by_axis().items()) if b}, sum(state.values())
 
 
 def _compare(cfg: dict, world: int):

@@ -170,6 +170,13 @@ class CommLedger:
         return sum(getattr(e, field_name) for (o, a), e in self.entries.items()
                    if (op is None or o == op) and (axis is None or a == axis))
 
+    def by_axis(self, field_name: str = "payload_bytes") -> dict:
+        """{axis: sum of ``field_name`` over that axis's entries} (e.g. payload bytes, seconds)."""
+        out: dict = {}
+        for (_, axis), entry in self.entries.items():
+            out[axis] = out.get(axis, 0) + getattr(entry, field_name)
+        return out
+
     def count(self, op: str | None = None, axis: str | None = None) -> int:
         return self.total("count", op, axis)
 

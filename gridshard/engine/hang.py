@@ -88,25 +88,23 @@ def explain_timeout(error: BaseException, ledger, ranges, rank: int, timeout_s: 
     if answers is None:
         return CollectiveTimeout(f"{text}. The other members' positions are unknown (no store to ask): see each "
                                  f"rank's log. Backend: {error}")
-    missing, notes = [], []
+    notes = []
     for m in members:
         theirs = answers.get(m)
         if theirs is None:
-            missing.append(m)
             notes.append(f"rank {m}, which did not answer in {min(answer_s, timeout_s):g} s (dead, stopped, or busy "
                          f"outside any collective)")
             continue
         issued, at = _count(theirs, call), theirs.get("call") or {}
         if [at.get(k) for k in ("op", "axis", "ranks", "number")] == [call[k] for k in ("op", "axis", "ranks", "number")]:
             continue                                              # it is in this call too
-        missing.append(m)
         if issued < call["number"]:
             how = f"never issued call #{call['number']} on this group (it has issued {issued})"
         else:
             how = f"issued it (it has issued {issued} on this group)"
         notes.append(f"rank {m}, which {how} and is in {_call(at)}" + (f", its call #{at['number']} there" if at else "")
                      + f", {_where(theirs)}")
-    if not missing:
+    if not notes:
         return CollectiveTimeout(f"{text}. Every member is in this call: the transfer itself stalled (a slow or "
                                  f"broken link between them, or an overloaded network). Backend: {error}")
     return CollectiveTimeout(f"{text}. Did not arrive: " + "; ".join(notes) + f". Backend: {error}")

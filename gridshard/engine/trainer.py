@@ -364,16 +364,8 @@ class Trainer:
 
     def _window(self, now: float, steps: int) -> "_LogWindow":
         """A log interval starting now, after ``steps`` steps."""
-        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks(), self.data_s, self._axis_bytes(),
-                          self._axis_bytes("seconds"))
-
-    def _axis_bytes(self, field_name: str = "payload_bytes") -> dict:
-        """This rank's recorded collective payload bytes so far (or another ledger field: ``seconds``), by mesh
-        axis (the ledger's convention)."""
-        out: dict = {}
-        for (_, axis), entry in self.ledger.entries.items():
-            out[axis] = out.get(axis, 0) + getattr(entry, field_name)
-        return out
+        return _LogWindow(now, steps, self.ledger.seconds(), self._meter_marks(), self.data_s,
+                          self.ledger.by_axis(), self.ledger.by_axis("seconds"))
 
     def _log(self, k: int, window: "_LogWindow", norm, lr: float, is_eval: bool, all_losses: list, bar):
         """Log step ``k``: the interval's global losses (appended to ``all_losses``), rank
@@ -420,9 +412,9 @@ class Trainer:
         named (:mod:`gridshard.engine.rank_timing`)."""
         if verdict is None or self.rank != 0:
             return
-        per_axis = {a: (b - window.axis_bytes.get(a, 0)) / n_steps for a, b in sorted(self._axis_bytes().items())}
+        per_axis = {a: (b - window.axis_bytes.get(a, 0)) / n_steps for a, b in sorted(self.ledger.by_axis().items())}
         seconds = {a: (s - window.axis_seconds.get(a, 0.0)) / n_steps
-                   for a, s in sorted(self._axis_bytes("seconds").items())}
+                   for a, s in sorted(self.ledger.by_axis("seconds").items())}
         self.files.append_ranks({"step": k + 1, "step_time_s": verdict.step_s, "rank_wait_max": verdict.rank_wait_max,
                                  "straggler_rank": verdict.straggler_rank,
                                  "ranks": [t.row() for t in verdict.ranks],

@@ -134,9 +134,6 @@ def emulate_rank(config: dict, world: int, rank: int, steps: int, hardware: str 
         state = model_state_tensor_bytes(job.model, job.optimizer, job.reducer.memory_tensors())
         mem = trainer.predicted_mem
         peak = int(torch.cuda.max_memory_allocated(job.device)) if job.device.type == "cuda" else process_peak_rss()
-        comm: dict = {}
-        for (_, axis), entry in job.ledger.entries.items():
-            comm[axis] = comm.get(axis, 0) + entry.payload_bytes / steps
         m = job.mesh
         return {"rank": rank, "world": world,
                 "coords": {"data": m.data.rank, "pipeline": m.pipeline.rank, "context": m.context.rank,
@@ -147,7 +144,7 @@ def emulate_rank(config: dict, world: int, rank: int, steps: int, hardware: str 
                     mem.params + mem.grads + mem.optimizer + mem.comm_buffers - mem.details.get("stage_buffers", 0)),
                 "compute_s": statistics.median(walls[1:] or walls), "phases_s": phases,
                 "predicted_compute_s": _predicted_compute(trainer.cfg, world, nodes, hardware),
-                "comm_bytes": {a: b for a, b in sorted(comm.items()) if b}}
+                "comm_bytes": {a: b / steps for a, b in sorted(job.ledger.by_axis().items()) if b}}
     finally:
         dist.destroy_process_group()
 
