@@ -153,9 +153,11 @@ class DataSection(BaseModel):
     is a ``gridshard prepare-data`` folder (its vocabulary sets ``model.vocab_size``)."""
 
     model_config = _STRICT
-    kind: Literal["stdlib", "text", "tokens", "prepared", "digits", "images"] = Field(
-        "stdlib", description="stdlib | text | tokens | prepared (token data) | digits | images (labelled images "
-                              "for model.kind=vit: scikit-learn's bundled digits, or a class-per-subfolder folder)")
+    kind: Literal["stdlib", "text", "tokens", "prepared", "hf", "chat", "digits", "images"] = Field(
+        "stdlib", description="stdlib | text | tokens | prepared (token data) | hf (a local Hugging Face dataset) | "
+                              "chat (records with messages, loss on the assistant's tokens) | digits | images "
+                              "(labelled images for model.kind=vit: scikit-learn's bundled digits, or a "
+                              "class-per-subfolder folder)")
     path: Optional[str] = Field(None, description="text file/folder, token file (tokens), or a prepare-data folder "
                                                   "(prepared)")
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="dtype of a tokens file (prepared: from "
@@ -169,6 +171,22 @@ class DataSection(BaseModel):
     ignore_token: Optional[int] = Field(None, description="targets equal to this token id are left out of the "
                                                           "loss (padding); the loss is normalised by the valid "
                                                           "targets of the whole global batch")
+    packing: Literal["none", "concat", "first_fit"] = Field(
+        "none", description="none: windows at uniform offsets, blind to documents | concat: the same windows, "
+                            "documents known | first_fit: whole documents placed into windows (longer ones cut), "
+                            "the rest padding (gridshard.data.packing)")
+    document_mask: bool = Field(False, description="attend only within a document and restart rotary positions "
+                                                   "per document; a document's last target is not trained "
+                                                   "(needs packing concat or first_fit)")
+    hf_split: str = Field("train", description="hf/chat: the dataset split to train on")
+    hf_text_field: str = Field("text", description="hf: the record field holding the text")
+    hf_streaming: bool = Field(False, description="hf/chat: read the split as a stream (records in order, nothing "
+                                                  "cached) instead of a memory-mapped dataset")
+    tokenizer: Optional[str] = Field(None, description="hf/chat: a Hugging Face tokenizer.json to encode with "
+                                                       "(null: bytes)")
+    eod_token: Optional[int] = Field(None, description="the token that ends a document (default: a prepared "
+                                                       "folder's record boundaries; stdlib/text: e.g. 10, a "
+                                                       "newline)")
 
 
 class TrainSection(BaseModel):

@@ -19,6 +19,8 @@ Order of checks (the first failure is raised as one :class:`ConfigError`):
    validation part (if any; ``val_fraction`` in [0, 1), not with ``val_path``), byte corpora
    need vocab ≥ 256, ignore_token (if set) a token id in [0, vocab_size) (a prepared
    folder's vocabulary is applied when loading, :func:`gridshard.config.load.apply_prepared`);
+   packing: document masks need packing concat/first_fit and gridshard's Llama, packing needs
+   document boundaries (``eod_token``, or a prepared folder's records), ``eod_token`` a token id;
 6. optimizer: lr ≥ 0, min_lr ≤ lr, intervals ≥ 1;
    precision fp16 needs CUDA; checkpoint settings (keep ≥ 0, a resume path that exists);
    eval_interval ≥ 0, eval_batches ≥ 1.
@@ -204,6 +206,8 @@ def _image_data(cfg: TrainConfig) -> None:
     _first_broken([
         ("data.kind", d.kind, cfg.model.kind != "vit", "labelled images train a Vision Transformer",
          "set model.kind: vit"),
+        ("data.packing", d.packing, d.packing != "none" or d.document_mask,
+         "images are whole examples, not documents to pack", "use data.packing=none, data.document_mask=false"),
         ("data.path", d.path, d.kind == "images" and not d.path,
          "data.kind=images needs a folder with one subfolder of images per class", "set data.path"),
         ("data.path", d.path, d.kind == "digits" and d.path is not None,
@@ -223,6 +227,8 @@ def _data(cfg: TrainConfig):
     d, m = cfg.data, cfg.model.resolve()
     if d.kind in _IMAGE_DATA:
         return _image_data(cfg)
+    if d.kind in _RECORD_DATA:
+        return _record_data(cfg)
     _first_broken([
         ("data.path", d.path, d.kind == "stdlib" and d.path is not None,
          "data.kind=stdlib reads Python's own library and takes no path",
@@ -241,6 +247,7 @@ def _data(cfg: TrainConfig):
         ("data.ignore_token", d.ignore_token, d.ignore_token is not None and not 0 <= d.ignore_token < m.vocab_size,
          f"it must be a token id in [0, model.vocab_size={m.vocab_size}) (it is also fed to the model as an input "
          f"token)", "set it to the padding id of the tokenizer, or null to use every target")])
+    _packing(cfg)
     n_tokens, n_val = split_sizes(d)
     _first_broken([
         ("data.path" if d.path else "data.kind", d.path or d.kind, n_tokens < d.seq_len + 1,
@@ -250,6 +257,47 @@ def _data(cfg: TrainConfig):
          0 < n_val < d.seq_len + 1,
          f"the validation data holds {n_val} tokens but one sequence needs data.seq_len+1 = {d.seq_len + 1}",
          "hold out more data (a larger val_fraction) or set data.val_fraction=0")])
+
+
+_RECORD_DATA = ("hf", "chat")
+
+
+def _record_data(cfg: TrainConfig) -> None:
+    """hf / chat (:mod:`gridshard.data.records`): a path, no validation part yet, a vocabulary that
+    holds the tokenizer's, the packing rules, then the dataset itself (opened, its first record read)."""
+    from ..data.records import check_records, run_tokenizer_of
+
+    d, m = cfg.data, cfg.model.resolve()
+    _first_broken([
+        ("data.path", d.path, not d.path, f"data.kind={d.kind} reads a local dataset",
+         "set data.path to a saved dataset folder, a folder of data files or one data file"),
+        ("data.val_fraction" if d.val_fraction else "data.val_path", d.val_fraction or d.val_path,
+         bool(d.val_fraction) or d.val_path is not None,
+         f"data.kind={d.kind} holds no validation part yet", "remove data.val_fraction / data.val_path")])
+    vocab = run_tokenizer_of(d).vocab_size
+    _first_broken([
+        ("model.vocab_size", m.vocab_size, m.vocab_size < vocab,
+         f"data.tokenizer={d.tokenizer!r} has {vocab} ids", f"set model.vocab_size >= {vocab}")])
+    _packing(cfg)
+    check_records(d)
+
+
+def _packing(cfg: TrainConfig):
+    """data.packing / document_mask / eod_token (:mod:`gridshard.data.packing`)."""
+    d, m = cfg.data, cfg.model.resolve()
+    _first_broken([
+        ("data.document_mask", True, d.document_mask and d.packing == "none",
+         "document masks need to know where documents start, and data.packing=none does not",
+         "set data.packing=concat (the same windows) or first_fit"),
+        ("data.document_mask", True, d.document_mask and cfg.model.hf_config is not None,
+         "Hugging Face models (model.hf_config) attend with their own attention code, which gridshard does not "
+         "give document masks", "use gridshard's Llama (model.kind=llama), or data.document_mask=false"),
+        ("data.eod_token", d.eod_token, d.eod_token is not None and not 0 <= d.eod_token < m.vocab_size,
+         f"it must be a token id in [0, model.vocab_size={m.vocab_size})", "use the tokenizer's end-of-text id"),
+        ("data.eod_token", d.eod_token, d.packing != "none" and d.eod_token is None
+         and d.kind not in ("prepared",) + _RECORD_DATA,
+         f"data.kind={d.kind} has no record boundaries, so data.packing={d.packing} needs the token that ends a "
+         f"document", "set data.eod_token (e.g. 10, a newline, for stdlib/text bytes)")])
 
 
 def _optim(cfg: TrainConfig, cuda_available: bool, world_size: int):

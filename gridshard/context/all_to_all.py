@@ -16,6 +16,12 @@ The backward of an all-to-all is the inverse all-to-all, so the layer moves, per
 direction: forward q, k, v in and the output back (4 calls), backward the same four in reverse.
 Payload per call = the rank's whole local tensor b·h·2c·d·bytes (the ledger's ``all_to_all``
 entries; (C − 1)/C of it leaves the rank).
+
+**Document masks** (``documents``, int [b, S]: the ids of the whole sequence, which every context
+rank holds, :mod:`gridshard.nn.documents`): after the trade a rank has its heads over the whole
+sequence in order, so the document-causal mask is ``attention_mask(docs, docs)`` [b, 1, S, S]
+(broadcast over heads), given to SDPA as ``attn_mask`` instead of ``is_causal``. The ids are never
+sent: the trades and their bytes are the same as without them.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 
 from ..comm.ledger import record
 from ..job_layout import ContextMode, traded_kv_heads
+from ..nn.documents import attention_mask, check_documents
 from .sequence_split import shard_sequence, unshard_sequence
 
 
@@ -63,17 +70,25 @@ def _to_heads(x, axis):
     return _exchange(rank_ordered, axis, split_dim=2, cat_dim=1)
 
 
-def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, scale=None) -> torch.Tensor:
+def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, scale=None,
+                         documents=None) -> torch.Tensor:
     """Causal attention over a sequence split on ``axis`` by trading sequence for heads (module doc).
 
     ``q`` [b, H, 2c, d], ``k``/``v`` [b, H_kv, 2c, d] as for
-    :func:`gridshard.context.ring_attention.ring_attention`; returns this rank's [b, H, 2c, d]."""
+    :func:`gridshard.context.ring_attention.ring_attention`; returns this rank's [b, H, 2c, d].
+    ``documents``: int [b, S] ids of the whole sequence (S = 2c·C): document-causal attention."""
     C, kv = axis.size, k.shape[1]
     ContextMode.ALL_TO_ALL.check_heads(q.shape[1], kv, C)      # LayoutError naming the heads and a fix
+    mask = None
+    if documents is not None:
+        check_documents(documents, (q.shape[0], q.shape[2] * C))
+        documents = documents.to(q.device)
+        mask = attention_mask(documents, documents)
     if C > 1:                                                  # C = 1: plain causal attention
         repeat = traded_kv_heads(kv, C) // kv
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         q, k, v = (_Trade.apply(t, axis, True) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
     return _Trade.apply(out, axis, False) if C > 1 else out

@@ -42,6 +42,7 @@ from ..checkpoint.resume import check_compatible, describe, resume_folder
 from ..comm.ledger import CommLedger
 from ..config import TrainConfig, load_config, resolve_config
 from ..data import BatchPlan, load_split
+from ..data.packing import split_packers
 from ..device import rank_device
 from ..errors import ConfigError
 from ..job_layout import JobLayout
@@ -107,6 +108,7 @@ class Job:
     precision: Optional[Precision] = None
     checkpointer: Optional[Checkpointer] = None
     start_step: int = 0                      # completed steps (train.resume: the checkpoint's)
+    data_position: Optional[list] = None     # the checkpoint's record-row positions (data.kind hf / chat)
     ignore_index: int = -100
     pipeline: Any = None                     # P > 1: the PipelineRunner
     tied: Any = None                         # P > 1: the TiedEmbeddingSync
@@ -342,6 +344,7 @@ def _resume(job: Job, folder: str) -> None:
     if hasattr(job.optimizer, "reload_from_device"):
         job.optimizer.reload_from_device()
     job.start_step = int(meta["step"])
+    job.data_position = meta.get("data_position")      # record sources' row positions (data.record_rows)
     G = job.cfg.train.global_batch
     if int(meta["samples"]) != job.start_step * G:
         raise CheckpointError(f"checkpoint {describe(folder)}: data position {meta['samples']} samples is not "
@@ -390,8 +393,47 @@ def _data(job: Job) -> None:
 
         job.plan, job.val_plan = image_plans(cfg, cfg.parallel.data, job.mesh.data.rank)
         return
+    if d.kind in ("hf", "chat"):                       # record sources: a stream per global row
+        job.plan, job.val_plan = _record_plan(job), None
+        return
     tokens, val_tokens = load_split(d)
     rank, D, V = job.mesh.data.rank, cfg.parallel.data, job.model_cfg.vocab_size
-    job.plan = BatchPlan(tokens, d.seq_len, t.global_batch, t.micro_batch, D, rank, t.seed, V, d.ignore_token)
+    packer, val_packer = split_packers(d, tokens, val_tokens)
+    job.plan = BatchPlan(tokens, d.seq_len, t.global_batch, t.micro_batch, D, rank, t.seed, V, d.ignore_token,
+                         packer=packer)
     job.val_plan = None if val_tokens is None else BatchPlan(
-        val_tokens, d.seq_len, t.global_batch, t.micro_batch, D, rank, t.seed, V, d.ignore_token, stream=1)
+        val_tokens, d.seq_len, t.global_batch, t.micro_batch, D, rank, t.seed, V, d.ignore_token, stream=1,
+        packer=val_packer)
+
+
+def _record_plan(job: Job):
+    """``data.kind`` hf / chat: the :class:`gridshard.data.record_rows.RecordRows` of this data rank,
+    at the checkpoint's data position when resuming; N summed over the data axis (ledger paused)."""
+    import functools
+
+    from ..comm import collectives as C
+    from ..data.record_rows import RecordRows
+    from ..data.records import RecordSource, record_tokens, run_tokenizer_of
+
+    cfg, t, d = job.cfg, job.cfg.train, job.cfg.data
+    tokenizer = run_tokenizer_of(d)
+    eod = d.eod_token if d.eod_token is not None else tokenizer.eos_id
+
+    def sum_over_data(n):
+        with job.ledger.paused():
+            x = torch.as_tensor(n, dtype=torch.int64, device=job.device)
+            return C.all_reduce(x.reshape(x.shape or (1,)), job.mesh.data, inplace=True).cpu().reshape(x.shape)
+
+    plan = RecordRows(RecordSource(d.path, d.hf_split, d.hf_streaming),
+                      functools.partial(record_tokens, kind=d.kind, field=d.hf_text_field, tokenizer=tokenizer, eod=eod),
+                      d.seq_len, t.global_batch, t.micro_batch, cfg.parallel.data, job.mesh.data.rank, d.packing,
+                      d.document_mask, pad=0 if eod is None else eod, vocab_size=job.model_cfg.vocab_size,
+                      sum_over_data=lambda n: int(sum_over_data(n)), ignore_token=d.ignore_token)
+    plan.sum_table = sum_over_data
+    if job.data_position is not None:
+        plan.load_position(job.data_position, job.start_step)
+    elif job.start_step:
+        raise CheckpointError(f"checkpoint {describe(job.resume_from)} holds no data position, and data.kind="
+                              f"{d.kind} needs one to continue its record streams. Fix: resume a checkpoint written "
+                              f"by a data.kind={d.kind} run, or start again.")
+    return plan

@@ -5,7 +5,7 @@ One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
     lr ← schedule(k)                                         (train.schedule: warm-up, decay)
     N  ← valid targets of step k's whole global batch       (batch.valid_targets: every
                                                               rank counts it, no communication)
-    for each of my A micro-batches a (tokens, targets) [m, s]:  (2D: context.shard_tokens → [m/q, s])
+    for each of my A micro-batches a (tokens, targets[, document ids]) [m, s]:  (2D: context.shard_tokens → [m/q, s])
         L_da = context.model_loss(..., reduction="sum")      Σ ℓ_i over the micro-batch's valid
                                                               targets (the tensor group's, same on
                                                               every tensor rank; 0 if none is valid)
@@ -104,21 +104,24 @@ class MicroBatchLoop:
         self.reducer, self.ignore_index, self.device = reducer, ignore_index, device
         self.ranges = ranges if ranges is not None else Ranges()     # profiler ranges (engine.profiling)
 
-    def _loss_sum(self, tokens, targets) -> torch.Tensor:
+    def _loss_sum(self, tokens, targets, documents=None) -> torch.Tensor:
         tokens = batch_to_device(self.context.shard_tokens(tokens), self.device)   # 2D: this grid row's rows
         targets = batch_to_device(self.context.shard_targets(targets), self.device)   # 3D: the logits' rows
+        if documents is not None:                                                  # packed windows' ids
+            documents = batch_to_device(self.context.shard_documents(documents), self.device)
         with self.precision.autocast():
-            return self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum")
+            return self.context.model_loss(self.model, tokens, targets, self.ignore_index, reduction="sum",
+                                           documents=documents)
 
     def forward_backward(self, micro: list, weight: float) -> list:
         """Forward and backward of every micro-batch (the backward of loss sum × ``weight``),
         the reducer armed for the last one; returns the detached loss sums."""
         sums = []
-        for a, (tokens, targets) in enumerate(micro):
+        for a, batch in enumerate(micro):
             if a == len(micro) - 1:
                 self.reducer.arm()                     # reduce buckets/units during the last backward
             with self.ranges("gridshard.forward", a):
-                loss_sum = self._loss_sum(tokens, targets)
+                loss_sum = self._loss_sum(*batch)
             with self.ranges("gridshard.backward", a):
                 self.precision.scale(loss_sum * weight).backward()
             sums.append(loss_sum.detach())
@@ -126,7 +129,7 @@ class MicroBatchLoop:
 
     def forward(self, micro: list) -> list:
         """Forward only: the loss sums of ``micro`` (call under ``torch.no_grad``)."""
-        return [self._loss_sum(tokens, targets) for tokens, targets in micro]
+        return [self._loss_sum(*batch) for batch in micro]
 
 
 class PipelineSchedule:

@@ -95,7 +95,8 @@ class Trainer:
         self.skipped_recent: set = set()               # their step numbers since the last log step
         self.flops_token = model_flops_per_token(self.cfg.model.kind, mc, seq)
         self.peak_flops = device_peak_flops(self.device, t.precision, t.tf32, t.peak_flops)
-        self.predicted_mem = self._predict_memory(self.plan.tokens, getattr(self.val_plan, "tokens", None))
+        self.predicted_mem = self._predict_memory(getattr(self.plan, "tokens", None),
+                                                  getattr(self.val_plan, "tokens", None))
         self.profiler = StepProfiler(t, self.rank, self.run_dir, self.device, self.ranges)   # train.profile_*
         self.data_s = 0.0                              # seconds producing batches so far (engine.rank_timing)
         self.straggler_named: Optional[int] = None     # the straggler last warned about
@@ -149,7 +150,7 @@ class Trainer:
             pipeline=p.pipeline, pipeline_rank=self.mesh.pipeline.rank, schedule=p.pipeline_schedule,
             layer_ids=ids, baseline_bytes=self.mem_baseline, precision=t.precision, blocks=blocks,
             grad_reduce_dtype=t.grad_reduce_dtype, context=p.context, context_mode=p.context_mode,
-            overlap_grad_reduce=t.overlap_grad_reduce, expert=p.expert,
+            overlap_grad_reduce=t.overlap_grad_reduce, expert=p.expert, documents=self.cfg.data.document_mask,
             extra_bytes=max(self.data_bytes, sum(int(getattr(x, "nbytes", 0)) for x in resident))
             if self.device.type == "cpu" else 0)
         return with_virtual_stages(mem, schedule=p.pipeline_schedule, rank=stage, P=p.pipeline, V=p.virtual_stages,
@@ -168,6 +169,8 @@ class Trainer:
                            "tensor_depth": p.tensor_depth, "sequence_parallel": p.sequence_parallel,
                            "context": p.context, "context_mode": p.context_mode},
                 "config": self.cfg.resolved(), "saved_unix_time": time.time()}
+        if hasattr(self.plan, "position"):             # record sources: every row's stream position
+            meta["data_position"] = self.plan.position(self.plan.sum_table)
         self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking, reducer=self.reducer)
 
     # ---- one optimizer step -----------------------------------------------------------

@@ -43,7 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..context.sequence_split import global_positions
 from ..moe.layer import MoEBlock
+from ..nn.documents import document_inputs
 from ..nn.norm import RMSNorm
 from .rope import RopeTableCache, apply_rope
 
@@ -156,21 +158,29 @@ class Attention(nn.Module):
         (``gridshard.parallelize`` on a mesh with a context axis)."""
         self.context_attention = attend
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        o = _recomputed(self.core, q, k, v, cos, sin) if self.recompute_core else self.core(q, k, v, cos, sin)
+        o = _recomputed(self.core, q, k, v, cos, sin, documents) if self.recompute_core \
+            else self.core(q, k, v, cos, sin, documents)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
-    def core(self, q, k, v, cos, sin) -> torch.Tensor:
+    def core(self, q, k, v, cos, sin, documents=None) -> torch.Tensor:
         """RoPE on q, k and causal softmax attention: [b, H, s, d] → [b, H, s, d] (cos, sin: the
         tables at the tokens' global positions; under context parallelism the attention crosses
-        the context axis, :attr:`context_attention`)."""
+        the context axis, :attr:`context_attention`). With ``documents``
+        (:class:`gridshard.nn.documents.DocumentMask`, packed windows) the attention is
+        document-causal: SDPA with the shared boolean mask, or the context attention given the
+        whole sequence's document ids."""
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = q.shape[1] != k.shape[1]
         if self.context_attention is not None:
-            return self.context_attention(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            return self.context_attention(q, k, v) if documents is None else \
+                self.context_attention(q, k, v, documents=documents.ids)
+        if documents is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 def _recomputed(fn, *args) -> torch.Tensor:
@@ -235,8 +245,8 @@ class DecoderLayer(nn.Module):
                             layer=index) \
             if cfg.is_moe_layer(index) else SwiGLUMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -288,15 +298,27 @@ class Transformer(nn.Module):
         (:func:`gridshard.context.sequence_split.global_positions`; set by ``gridshard.parallelize``)."""
         self.context_split = (context_size, context_rank)
 
-    def layer_inputs(self, x: torch.Tensor, seq_len: int) -> tuple:
+    def layer_inputs(self, x: torch.Tensor, seq_len: int, documents=None) -> tuple:
         """What every decoder layer reads besides the hidden states: the RoPE tables (cos, sin)
         [s, d] of the whole sequence (``seq_len``; under sequence parallelism ``x`` holds a block)
         in x's dtype, built (in fp32) on the first call for this length, device and dtype and
         reused (``self.rope_cache``): one pair per model, shared by every layer and micro-batch.
         Under context parallelism ``seq_len`` = 2c is this rank's part and the rows are those of
-        its tokens' global positions (:meth:`split_sequence`)."""
-        return self.rope_cache.get(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype,
-                                   context=self.context_split)
+        its tokens' global positions (:meth:`split_sequence`).
+
+        With ``documents`` (the document ids [b, S] of the micro-batch's whole sequences, packed
+        windows: :mod:`gridshard.nn.documents`) the tables are per token, [b, s, d], at each token's
+        position within its document, and a third input, the
+        :class:`gridshard.nn.documents.DocumentMask`, makes attention document-causal; both are
+        built once per micro-batch and shared by every layer."""
+        if documents is None:
+            return self.rope_cache.get(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype,
+                                       context=self.context_split)
+        cos, sin = self.rope_cache.get(documents.shape[-1], self.cfg.head_dim, self.cfg.rope_theta, x.device,
+                                       x.dtype)
+        C, rank = self.context_split
+        local = global_positions(seq_len, C, rank, device=x.device) if C > 1 else None
+        return document_inputs(documents.to(x.device), cos, sin, local)
 
     @staticmethod
     def run_layer(layer: nn.Module, x: torch.Tensor, inputs: tuple) -> torch.Tensor:
@@ -306,9 +328,11 @@ class Transformer(nn.Module):
         """Final norm and LM head: hidden states → logits."""
         return self.lm_head(self.norm(x))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [b, s] → logits; ``documents`` [b, S]: the document ids of packed windows
+        (:meth:`layer_inputs`)."""
         x = self.embed(tokens)
-        inputs = self.layer_inputs(x, tokens.shape[-1])
+        inputs = self.layer_inputs(x, tokens.shape[-1], documents)
         for layer in self.layers:
             x = self.run_layer(layer, x, inputs)
         return self.head(x)

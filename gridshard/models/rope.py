@@ -15,9 +15,14 @@ def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, device=None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, s, d] rotated by position: x·cos + rotate_half(x)·sin."""
+    """x [b, heads, s, d] rotated by position: x·cos + rotate_half(x)·sin; cos, sin [≥ s, d] (rows
+    0 … s − 1 used) or [b, s, d] (each token's own rows: packed windows' positions per document)."""
     s = x.shape[-2]
-    cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    else:
+        cos, sin = cos[:s], sin[:s]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 

@@ -90,9 +90,17 @@ class ParallelContext:
         return self._shard(targets, self.mesh.batch_index if self.objective == "classify" else
                            self.mesh.logits_batch_index)
 
-    def _shard(self, tokens: torch.Tensor, index: int) -> torch.Tensor:
+    def shard_documents(self, documents: torch.Tensor) -> torch.Tensor:
+        """Global document ids [b, S] of packed windows → the rows of this rank's attention, whole
+        sequences even under context parallelism (every context rank reads the masks of every
+        chunk from them, :mod:`gridshard.nn.documents`). Attention reads q, k, v, projections of
+        the residual stream, whose rows are in the orientation the head's logits are in
+        (``mesh.logits_batch_index``: the tokens' block but in 3D, i·q + l)."""
+        return self._shard(documents, self.mesh.logits_batch_index, whole_sequences=True)
+
+    def _shard(self, tokens: torch.Tensor, index: int, whole_sequences: bool = False) -> torch.Tensor:
         context = self.mesh.context
-        if context.size > 1:
+        if context.size > 1 and not whole_sequences:
             tokens = shard_sequence(tokens, context.size, context.rank, dim=1).contiguous()
         n = self.mesh.batch_blocks                 # 2D: q grid rows; 2.5D: d·q, block k·q + i; 3D: q²
         if n == 1:
@@ -101,9 +109,12 @@ class ParallelContext:
                         f"use a batch that is a multiple of {n}")
         return tokens.chunk(n, 0)[index].contiguous()
 
-    def logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: torch.nn.Module, tokens: torch.Tensor, documents=None) -> torch.Tensor:
         """This rank's logits for this rank's tokens (a Hugging Face model under context
-        parallelism is given their global positions: :func:`gridshard.models.hf.position_ids`)."""
+        parallelism is given their global positions: :func:`gridshard.models.hf.position_ids`);
+        ``documents``: this rank's :meth:`shard_documents` of packed windows (gridshard's Llama)."""
+        if documents is not None:
+            return model(tokens, documents=documents)
         if self.hf:
             context = self.mesh.context
             if context.size == 1:
@@ -126,8 +137,9 @@ class ParallelContext:
             return self.mode.classification_loss(logits, targets, self.mesh, ignore_index, reduction)
         return self.mode.lm_loss(logits, targets, self, ignore_index, reduction)
 
-    def model_loss(self, model, tokens, targets, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-        return self.loss(self.logits(model, tokens), targets, ignore_index, reduction)
+    def model_loss(self, model, tokens, targets, ignore_index: int = -100, reduction: str = "mean",
+                   documents=None) -> torch.Tensor:
+        return self.loss(self.logits(model, tokens, documents), targets, ignore_index, reduction)
 
 
 def context_of(model: torch.nn.Module) -> ParallelContext:

@@ -123,13 +123,18 @@ class PipelineRunner:
 
     def _schedule_inputs(self, micro: list, device) -> tuple:
         """(args, kwargs) of the schedule's step or eval: this rank's tokens of every micro-batch,
-        concatenated, where it has the first stage; their targets where it has the last."""
+        concatenated, where it has the first stage; their targets where it has the last; packed
+        windows' document ids on every rank (the schedule cuts them per micro-batch and hands each
+        stage its chunk, ``StageModule.forward(x, documents)``)."""
         args, kwargs = (), {}
         if self.has_first:
-            args = (batch_to_device(torch.cat([self.ctx.shard_tokens(t) for t, _ in micro]), device),)
+            args = (batch_to_device(torch.cat([self.ctx.shard_tokens(mb[0]) for mb in micro]), device),)
         if self.has_last:
-            kwargs = {"target": batch_to_device(torch.cat([self.ctx.shard_targets(y) for _, y in micro]), device),
+            kwargs = {"target": batch_to_device(torch.cat([self.ctx.shard_targets(mb[1]) for mb in micro]), device),
                       "losses": []}
+        if len(micro[0]) > 2:              # packed windows: every stage reads the document ids (a stage kwarg)
+            kwargs["documents"] = batch_to_device(torch.cat([self.ctx.shard_documents(mb[2]) for mb in micro]),
+                                                  device)
         return args, kwargs
 
     def evaluate(self, micro: list, device, measure=None) -> list:

@@ -6,7 +6,7 @@ the ones its single-device forward is composed of) on this rank's tensor-paralle
 parallelism, [b/q, s, h/q] in 2D)::
 
     first stage:  x = embed(tokens)
-    every stage:  inputs = layer_inputs(x, s)                         (RoPE tables / positions and mask of length s)
+    every stage:  inputs = layer_inputs(x, s[, document ids])         (RoPE tables / positions and mask of length s)
                   x = run_layer(layer_i, x, inputs) for i in its layers
     last stage:   logits = head(x)                                     (this rank's logits block)
 
@@ -31,10 +31,13 @@ class StageModule(nn.Module):
         self.embed, self.layer_inputs = rank_model.embed, rank_model.layer_inputs
         self.run_layer, self.head = rank_model.run_layer, rank_model.head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        """``documents``: the micro-batch's document ids of packed windows (every stage gets them
+        from the schedule; its layers' inputs are built from them, :meth:`Transformer.layer_inputs`)."""
         if self.first:
             x = self.embed(x)
-        inputs = self.layer_inputs(x, self.seq_len)
+        inputs = self.layer_inputs(x, self.seq_len) if documents is None else \
+            self.layer_inputs(x, self.seq_len, documents)
         for layer in self.layers:
             x = self.run_layer(layer, x, inputs)
         if self.last:

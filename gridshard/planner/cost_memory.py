@@ -66,17 +66,18 @@ def ranks_to_check(layer_ids: list) -> list:
 
 
 def layout_memory(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,
-                  margin_fraction: float = 0.10, precision: str = "fp32"):
+                  margin_fraction: float = 0.10, precision: str = "fp32", documents: bool = False):
     """(worst RankMemory, pipeline rank it belongs to) of ``layout`` (module docstring): the largest
     of :func:`rank_memories` (the lowest rank on a tie). Not memoised: a search prices each
     layout's memory once (measured: no repeated call in ``plan`` of configs/llama_7b.yaml on 64 GPUs)."""
-    mems = rank_memories(model_cfg, layout, seq_len, global_batch, baseline_bytes, margin_fraction, precision)
+    mems = rank_memories(model_cfg, layout, seq_len, global_batch, baseline_bytes, margin_fraction, precision,
+                         documents)
     r = max(mems, key=lambda k: (mems[k].total_with_margin, -k))
     return mems[r], r
 
 
 def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, baseline_bytes: int = 0,
-                  margin_fraction: float = 0.10, precision: str = "fp32") -> dict:
+                  margin_fraction: float = 0.10, precision: str = "fp32", documents: bool = False) -> dict:
     """Pipeline rank → its RankMemory, for the ranks that can be the largest (:func:`ranks_to_check`;
     rank 0 without a pipeline), interleaving adapted as the module docstring says. A 2.5D layout is
     priced as the 2D layout each of its ranks runs (:meth:`~gridshard.planner.layouts.Layout.layer_layout`)."""
@@ -93,7 +94,7 @@ def rank_memories(model_cfg, layout: Layout, seq_len: int, global_batch: int, ba
             schedule=layout.pipeline_schedule, layer_ids=per_rank[r], baseline_bytes=int(baseline_bytes),
             margin_fraction=float(margin_fraction), precision=precision,
             context=layout.context, context_mode=layout.context_mode,
-            overlap_grad_reduce=layout.overlap_grad_reduce, expert=layout.expert,
+            overlap_grad_reduce=layout.overlap_grad_reduce, expert=layout.expert, documents=documents,
             blocks=rank_blocks(model_cfg, layout.tensor_mode, layout.tensor, per_rank[r], r == 0, r == P - 1,
                                layout.expert))
         out[r] = with_virtual_stages(mem, schedule=layout.pipeline_schedule, rank=r, P=P, V=V, A=A,

@@ -126,7 +126,7 @@ def predicted_peak(cfg, budget: MemoryBudget):
     hw = _hardware(budget)
     baseline = hw.reserved_bytes + (image_data_resident_bytes(cfg) if not budget.cuda else 0)
     mem, rank = layout_memory(cfg.model.resolve(), config_layout(cfg), cfg.data.seq_len, cfg.train.global_batch,
-                              baseline, hw.margin_fraction, cfg.train.precision)
+                              baseline, hw.margin_fraction, cfg.train.precision, cfg.data.document_mask)
     if budget.cuda and cfg.train.offload == "optimizer":
         mem = dataclasses.replace(mem, optimizer=0)
     return mem, rank

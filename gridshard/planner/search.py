@@ -134,7 +134,8 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
     cand.reason = layout_problem(cfg, layout, world) or ""
     if cand.reason:
         return cand
-    cand.memory, cand.memory_rank = layout_memory(mc, layout, s, G, hw.reserved_bytes, hw.margin_fraction, prec)
+    cand.memory, cand.memory_rank = layout_memory(mc, layout, s, G, hw.reserved_bytes, hw.margin_fraction, prec,
+                                                  cfg.data.document_mask)
     if cand.memory.total_with_margin > hw.device_memory_bytes:
         cand.reason = (f"memory: {gib(cand.memory.total_with_margin)} per rank (with the "
                        f"{cand.memory.margin_fraction:.0%} margin) > {gib(hw.device_memory_bytes)} on {hw.name}")

@@ -14,6 +14,21 @@ and its gradient travels in fp32: B_dkv = 2 · b · H_kv · 2c · d · 4. Per ra
 Every send is also a receive of the same size from the other neighbour; the ledger records the
 send (op ``send``, payload = wire bytes). C = 1 moves nothing.
 
+With document masks the ring sends chunks (half a block: c tokens) only as far as they are needed
+(:mod:`gridshard.context.ring_attention`, "Document masks"). Chunk b (global index; owner
+o_b = b for b < C, 2C − 1 − b otherwise) has the route (f_b, L_b): the ring distances of its first
+and furthest consumer ((1, 0): none). With B_c = 2·b·H_kv·c·d·bytes_per_elem, G_c = 2·b·H_kv·c·d·4
+and d_b(r) = (r − o_b) mod C, rank r sends
+
+* forward: B_c · #{b : d_b(r) < L_b}                       (it forwards b at step d_b(r));
+* backward: the same k/v sends again, plus G_c · #{b : L_b ≥ 1, f_b ≤ d_b(r) ≤ L_b}
+  (the gradient partial rides from the first consumer to the route's end, which sends it home).
+
+Calls: one message per step and kind that carries a chunk (the two chunks of one source travel
+together): forward #{j : some b of source r − j has j < L_b}; backward that, plus
+#{j : some b has f_b ≤ j < L_b} (partials on) and #{j : some b has j = L_b ≥ 1} (sums home).
+Without documents every route is (0, C − 1) and this is :func:`ring_attention_sends` exactly.
+
 All-to-all attention (:mod:`gridshard.context.all_to_all`) trades sequence for heads: forward one
 all-to-all each for q (b·H·2c·d elements), k and v (b·H_kv·2c·d each) and the output (b·H·2c·d);
 backward the same four, inverted. Payload = the rank's local tensor; (C − 1)/C of it leaves the
@@ -39,6 +54,29 @@ def ring_attention_sends(C: int, b: int, local_tokens: int, heads: int, kv_heads
     kv = ring_block_bytes(b, local_tokens, kv_heads, head_dim, bytes_per_elem)
     dkv = ring_block_bytes(b, local_tokens, kv_heads, head_dim, 4)
     return {"forward": (C - 1, (C - 1) * kv), "backward": (2 * C - 1, (C - 1) * kv + C * dkv)}
+
+
+def ring_route_sends(C: int, b: int, local_tokens: int, kv_heads: int, head_dim: int, routes: list,
+                     bytes_per_elem: int = 4) -> list:
+    """Per context rank r = 0 … C − 1: {"forward": (calls, bytes), "backward": (calls, bytes)} of one
+    layer's ring sends under document masks, from ``routes`` [(f_b, L_b)] per global chunk b = 0 … 2C − 1
+    (:func:`gridshard.context.ring_attention.chunk_routes` of the ids; formula in the module docstring)."""
+    if len(routes) != 2 * C:
+        raise ValueError(f"{len(routes)} chunk routes for C={C}: need one per chunk, 2·C = {2 * C}. Fix: pass "
+                         f"gridshard.context.ring_attention.chunk_routes(documents, C).")
+    kv = ring_block_bytes(b, local_tokens // 2, kv_heads, head_dim, bytes_per_elem)
+    grad = ring_block_bytes(b, local_tokens // 2, kv_heads, head_dim, 4)
+    out = []
+    for r in range(C):
+        steps = [[routes[(r - j) % C], routes[2 * C - 1 - (r - j) % C]] for j in range(C)]   # source r − j's chunks
+        fwd = [sum(j < L for _, L in steps[j]) for j in range(C)]
+        on = [sum(f <= j < L for f, L in steps[j]) for j in range(C)]
+        home = [sum(j == L >= 1 for _, L in steps[j]) for j in range(C)]
+        calls = sum(n > 0 for n in fwd)
+        out.append({"forward": (calls, sum(fwd) * kv),
+                    "backward": (calls + sum(n > 0 for n in on) + sum(n > 0 for n in home),
+                                 sum(fwd) * kv + (sum(on) + sum(home)) * grad)})
+    return out
 
 
 def all_to_all_attention_volume(C: int, b: int, local_tokens: int, heads: int, kv_heads: int, head_dim: int,

@@ -160,6 +160,7 @@ class ActivationBytes:
     weight_copies: int = 0
     moe_layers: int = 0              # of ``layers``, the MoE ones (:func:`gridshard.theory.moe.moe_layer_saved_tensors`)
     per_moe_layer: int = 0
+    documents: int = 0               # packed windows' per-token tables and mask (:func:`document_mask_bytes`)
 
     @property
     def decoder(self) -> int:
@@ -167,8 +168,9 @@ class ActivationBytes:
 
     @property
     def per_microbatch(self) -> int:
-        """What each micro-batch in flight adds: decoder layers, embedding, final norm, head + loss."""
-        return self.decoder + self.embedding + self.final_norm + self.head_and_loss
+        """What each micro-batch in flight adds: decoder layers, embedding, final norm, head + loss
+        (and, on packed windows, their document tables and mask)."""
+        return self.decoder + self.embedding + self.final_norm + self.head_and_loss + self.documents
 
     @property
     def held_once(self) -> int:
@@ -273,11 +275,31 @@ def head_and_loss_saved_bytes(cfg, mode: str, T: int, tokens: int, e: int = FP32
     return TensorMode.parse(mode).head_and_loss_saved_bytes(cfg, T, _rank_shape(cfg, mode, T, False, tokens), e)
 
 
+def document_mask_bytes(cfg, token_rows: int, seq_len: int, context: int, context_mode: str, layers: int,
+                        e: int) -> int:
+    """What a micro-batch of packed windows (``data.document_mask``) adds on one rank whose attention
+    reads N_r = ``token_rows`` tokens, s_r = S/C per sequence (m_r = N_r/s_r sequences;
+    :func:`gridshard.nn.documents.document_inputs`): the rotary tables at each token's position,
+    2·N_r·d·e (kept by every layer's RoPE, once: the model's shared [S, d] tables are then not what
+    the layers keep), plus the additive mask, held until the micro-batch's backward: on the whole
+    sequence (C = 1) one m_r·S²·e mask shared by the layers (saved by SDPA, or held by the recompute's
+    inputs); under all-to-all each layer's own over the whole sequence, ``layers``·m_r·S²·e (the
+    sequences are whole after the trade, m_r·S²·e each); the ring's block masks live only while
+    their block computes."""
+    if not token_rows:
+        return 0
+    m, S = token_rows // (seq_len // context), seq_len
+    tables = 2 * token_rows * cfg.head_dim * e
+    if context == 1:
+        return tables + m * S * S * e
+    return tables + (layers * m * S * S * e if context_mode == "all_to_all" else 0)
+
+
 def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T: int = 1,
                      sequence_parallel: bool = False, recompute: str = "none", layers: Optional[int] = None,
                      has_embedding: bool = True, has_head: bool = True, precision: str = "fp32",
                      param_bytes: int = FP32, context: int = 1, moe_layers: Optional[int] = None,
-                     expert: int = 1, context_mode: str = "ring") -> ActivationBytes:
+                     expert: int = 1, context_mode: str = "ring", documents: bool = False) -> ActivationBytes:
     """Activation bytes one micro-batch keeps on one rank (module docstring §2).
 
     ``micro_batch``: sequences of the tensor group's micro-batch (2D splits them over grid
@@ -289,7 +311,8 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
     b·S/C tokens, plus the C > 1 attention term
     (:func:`gridshard.theory.context.context_attention_saved_bytes`). An MoE model (``cfg.experts``):
     ``moe_layers`` of the rank's layers are MoE (default: those of all ``cfg.layers``), each keeping
-    :func:`gridshard.theory.moe.moe_layer_saved_tensors` (``expert``: E). A Vision Transformer's config
+    :func:`gridshard.theory.moe.moe_layer_saved_tensors` (``expert``: E). ``documents``: packed windows with
+    document masks (:func:`document_mask_bytes`). A Vision Transformer's config
     (``micro_batch`` images; ``seq_len`` unused): :func:`gridshard.theory.memory.vision.vit_activation_terms`."""
     e = activation_element_bytes(precision)
     if is_vision(cfg):                           # a ViT: its own layers (gridshard.theory.memory.vision)
@@ -309,7 +332,9 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, mode: str = "none", T:
     return ActivationBytes(
         per_layer=sum(dense.values()),
         layers=L, moe_layers=moe or 0, per_moe_layer=per_moe,
-        rope_tables=2 * s_r * cfg.head_dim * e if L else 0,
+        rope_tables=2 * s_r * cfg.head_dim * e if L and not documents else 0,
+        documents=document_mask_bytes(cfg, _rank_shape(cfg, mode, T, False, N).token_rows, seq_len, context,
+                                      str(context_mode), L, e) if L and documents else 0,
         embedding=embedding_saved_bytes(mode, T, N) if has_embedding else 0,
         final_norm=norm_saved_bytes(cfg, mode, T, sp, N, e) if has_head else 0,
         head_and_loss=head_and_loss_saved_bytes(cfg, mode, T, N, e) if has_head else 0,

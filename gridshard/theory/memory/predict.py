@@ -74,7 +74,8 @@ class RankMemory:
 
 
 def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last,
-                      precision, pb, P, n_microbatches, in_flight, context, context_mode, expert=1) -> tuple:
+                      precision, pb, P, n_microbatches, in_flight, context, context_mode, expert=1,
+                      documents=False) -> tuple:
     """(:class:`ActivationBytes`, logits workspace, stage buffers, attention backward buffers) of
     one rank (:func:`predict_rank_memory`). At C > 1 (``context``) every per-token term holds the
     rank's s_r = S/C tokens of each sequence (activations, logits workspace, stage buffers), the
@@ -86,7 +87,7 @@ def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, s
     moe = sum(map(cfg.is_moe_layer, layer_ids)) if getattr(cfg, "experts", 0) else 0
     acts = activation_bytes(cfg, micro_batch, seq_len, mode, T, sequence_parallel, recompute, len(layer_ids),
                             has_embedding=first, has_head=last, precision=precision, param_bytes=pb, context=context,
-                            moe_layers=moe, expert=expert, context_mode=context_mode)
+                            moe_layers=moe, expert=expert, context_mode=context_mode, documents=documents)
     workspace = logits_workspace_bytes(cfg, micro_batch, s_r, mode, T, precision) if last else 0
     stage_buffers = 0 if P == 1 else stage_buffer_bytes(first, last, n_microbatches, in_flight, boundary_bytes(
         mode, sequence_parallel, T, micro_batch, s_r, cfg.hidden, precision))
@@ -115,7 +116,7 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
                         baseline_bytes: int = 0, extra_bytes: int = 0, margin_fraction: float = 0.10,
                         blocks: Sequence, precision: str = "fp32",
                         grad_reduce_dtype: str = "fp32", context: int = 1, context_mode: str = "ring",
-                        overlap_grad_reduce: bool = True, expert: int = 1) -> RankMemory:
+                        overlap_grad_reduce: bool = True, expert: int = 1, documents: bool = False) -> RankMemory:
     """Peak bytes of one rank = ``baseline_bytes`` (measured before the model is built) +
     model state (:func:`model_state_bytes`) + activations of the micro-batches in flight
     (:attr:`ActivationBytes.per_microbatch` × :func:`gridshard.theory.pipeline.peak_in_flight`; one
@@ -140,7 +141,9 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
 
     Context parallelism (``context`` C > 1, ``context_mode``): :func:`_activation_terms`; the caller
     passes ``data`` = D·C and the rank's index among them (ZeRO shards over data × context).
-    ``expert``: E, an MoE model's expert ranks (split experts sharded over D·C/E ranks, §1)."""
+    ``expert``: E, an MoE model's expert ranks (split experts sharded over D·C/E ranks, §1).
+    ``documents``: packed windows with document masks (``data.document_mask``,
+    :func:`gridshard.theory.memory.activations.document_mask_bytes`)."""
     P = pipeline
     if layer_ids is None:
         layer_ids = StageSplit.of(cfg.layers, P).rank_layer_ids(pipeline_rank) if P > 1 else range(cfg.layers)
@@ -151,7 +154,7 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     in_flight = peak_in_flight(pipeline_rank, P, n_microbatches, schedule) if P > 1 else 1
     acts, workspace, stage_buffers, ring = _activation_terms(
         cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last, precision, pb,
-        P, n_microbatches, in_flight, context, context_mode, expert)
+        P, n_microbatches, in_flight, context, context_mode, expert, documents)
     overlap = reduces_in_backward(zero, data, P, schedule, overlap_grad_reduce)
     grads, late = _reduction_terms(blocks, zero, data, n_microbatches, P, overlap, pb,
                                    param_element_bytes(grad_reduce_dtype), expert)
