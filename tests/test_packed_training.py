@@ -6,7 +6,8 @@ document: many short documents per window (7 on average), a few longer than a wi
 concat in one layout) with ``data.document_mask: true``, fp32, grouped-query heads (4 query heads,
 2 k/v heads). The reference is the same config in one process, whose model is checked against each
 document run alone in tests/test_packing.py; a layout differs from it only in summation order, so
-1e-5 on losses and gradient norms per step.
+1e-5 on losses and gradient norms per step. Recompute (full with ZeRO-3, selective with
+``train.compile``) keeps the masks and tables exact too.
 
 Before training, the batches are checked to hold what the test is about: several documents per
 window, padding, and documents that cross the context chunks' boundaries.
@@ -26,7 +27,8 @@ LAYOUTS = {  # name: (world size, parallel section, train overrides, data overri
     "C4-ring": (4, {"context": 4, "context_mode": "ring"}, {}, {}),
     "C2-all_to_all": (2, {"context": 2, "context_mode": "all_to_all"}, {}, {"packing": "concat"}),
     "P2-interleaved": (2, {"pipeline": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2}, {}, {}),
-    "D2-zero3": (2, {"data": 2}, {"zero": 3}, {}),
+    "D2-zero3-full": (2, {"data": 2}, {"zero": 3, "recompute": "full"}, {}),
+    "T1-selective-compile": (1, {}, {"recompute": "selective", "compile": True}, {}),
 }
 QUICK = ("1d-SP", "C4-ring", "P2-interleaved")
 

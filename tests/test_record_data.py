@@ -193,3 +193,18 @@ def test_bad_record_data_is_refused_before_launch(tmp_path):
     empty.write_text("")
     refused({"path": str(empty)}, "holds no record")
     resolve_config(base, world_size=1)                             # the good one passes
+
+
+def _hf_config(path, D, streaming):
+    cfg = _chat_config(path, D=D, steps=3)
+    cfg["data"] = {"kind": "hf", "path": path, "seq_len": 64, "packing": "first_fit", "document_mask": True,
+                   "hf_streaming": streaming}
+    return cfg
+
+
+def test_hf_data_trains_the_same_streamed_at_D2_as_read_at_D1(tmp_path):
+    path = _write(tmp_path, "parquet")
+    one = run_on_ranks(1, _train_body, _hf_config(path, 1, False), str(tmp_path / "one"), timeout=300)[0]
+    two = run_on_ranks(2, _train_body, _hf_config(path, 2, True), str(tmp_path / "two"), timeout=300)[0]
+    assert one[1] == two[1] and all(v > 0 for v in one[1])
+    np.testing.assert_allclose(two[0], one[0], rtol=1e-5)
