@@ -208,3 +208,27 @@ def test_hf_data_trains_the_same_streamed_at_D2_as_read_at_D1(tmp_path):
     two = run_on_ranks(2, _train_body, _hf_config(path, 2, True), str(tmp_path / "two"), timeout=300)[0]
     assert one[1] == two[1] and all(v > 0 for v in one[1])
     np.testing.assert_allclose(two[0], one[0], rtol=1e-5)
+
+
+def test_a_tokenizer_folder_s_chat_template_renders_and_masks_the_answers(tmp_path):
+    """A ChatML template in a transformers tokenizer folder: the rendering is the template's, and the
+    trained tokens are exactly each answer with its end marker."""
+    pytest.importorskip("transformers")
+    from gridshard.data.chat import TemplateTokenizer
+    from gridshard.data.tokenizer import train_bpe
+
+    tok = train_bpe(["what is two plus two four system be brief"] * 20, 300)
+    tok.tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    t = TemplateTokenizer(str(tmp_path))
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus two"},
+            {"role": "assistant", "content": "four"}, {"role": "user", "content": "two plus two"},
+            {"role": "assistant", "content": "four"}]
+    ids, trained = render(msgs, t, eod=t.eos_id)
+    assert t.tok.decode(ids[:-1].tolist()) == t.tok.apply_chat_template(msgs, tokenize=False)
+    assert t.tok.decode(ids[trained].tolist()) == "four<|im_end|>\nfour<|im_end|>\n"
+    assert ids[-1] == t.eos_id and not trained[-1]

@@ -182,7 +182,8 @@ class DataSection(BaseModel):
     hf_text_field: str = Field("text", description="hf: the record field holding the text")
     hf_streaming: bool = Field(False, description="hf/chat: read the split as a stream (records in order, nothing "
                                                   "cached) instead of a memory-mapped dataset")
-    tokenizer: Optional[str] = Field(None, description="hf/chat: a Hugging Face tokenizer.json to encode with "
+    tokenizer: Optional[str] = Field(None, description="hf/chat: a Hugging Face tokenizer.json to encode with, or "
+                                                       "a tokenizer folder whose chat_template renders chat records "
                                                        "(null: bytes)")
     eod_token: Optional[int] = Field(None, description="the token that ends a document (default: a prepared "
                                                        "folder's record boundaries; stdlib/text: e.g. 10, a "

@@ -16,7 +16,7 @@ each other in the same order). :meth:`RecordSource.records` yields them from any
 ``Dataset`` reads record i directly, a stream reads (and skips) its way there.
 
 A record becomes (token ids, trained flags): ``hf``, its ``data.hf_text_field`` encoded with the
-run's tokenizer (``data.tokenizer``: a ``tokenizer.json``, else bytes) and the end-of-document id
+run's tokenizer (``data.tokenizer``: a ``tokenizer.json`` or a tokenizer folder, else bytes) and the end-of-document id
 appended (``data.eod_token``, else the tokenizer's ``<|endoftext|>``; bytes have none: record
 boundaries are known anyway), every target trained; ``chat``, its ``messages`` rendered by
 :func:`gridshard.data.chat.render`, only the assistant's tokens trained.
@@ -119,10 +119,17 @@ def record_tokens(record: dict, kind: str, field: str, tokenizer, eod: Optional[
 
 
 def run_tokenizer_of(data):
-    """The tokenizer ``data.kind`` hf/chat encodes with: ``data.tokenizer``'s file, else bytes."""
+    """The tokenizer ``data.kind`` hf/chat encodes with: ``data.tokenizer``'s file, a tokenizer folder with
+    a chat template (:class:`gridshard.data.chat.TemplateTokenizer`), else bytes."""
     from .tokenizer import ByteTokenizer, HFTokenizer
 
-    return HFTokenizer.from_file(data.tokenizer) if data.tokenizer else ByteTokenizer()
+    if not data.tokenizer:
+        return ByteTokenizer()
+    if os.path.isdir(data.tokenizer):
+        from .chat import TemplateTokenizer
+
+        return TemplateTokenizer(data.tokenizer)
+    return HFTokenizer.from_file(data.tokenizer)
 
 
 def check_records(data) -> None:
