@@ -110,7 +110,7 @@ def test_a_resume_at_another_D_feeds_exactly_the_uninterrupted_batches(packing, 
     whole = _digest(_plans(path, 1, True, packing), 9, start=5)
     first = _plans(path, 2, False, packing)
     _digest(first, 5)
-    table = sum(np.asarray(p.position(lambda t: t)) for p in first)     # each rank fills its rows
+    table = sum(np.asarray(p.position()) for p in first)               # each rank fills its rows
     for D, streaming in ((1, True), (4, False)):
         again = _plans(path, D, streaming, packing)
         for p in again:

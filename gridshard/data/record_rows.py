@@ -18,7 +18,8 @@ A row's windows (w = s + 1 tokens; tokens = window[:-1], targets = window[1:]):
 A target counts when its token's trained flag is set (hf: every token; chat: the assistant's),
 and — with ``data.document_mask`` — when it lies in its input token's document. N, the valid
 targets of the whole global batch, is the sum of each data rank's own count: one all-reduce of an
-integer over the data axis per step (``sum_over_data``), the only communication of the data.
+integer over the data axis per step (``sum_over_data``: an int64 tensor summed over the data axis),
+the only communication of the data.
 
 **Position.** A row's position is two integers: (record in hand, offset into it) for concat,
 (first record of the 16 in hand, next window among theirs) for first_fit. :meth:`RecordRows.position`
@@ -94,13 +95,13 @@ class RecordRows:
         self.next_step, self.hand = step, {}
         self.feed = _Feed(self.source, self.rows, self.G, {g: p[0] for g, p in self.pos.items()})
 
-    def position(self, sum_table: Callable) -> list:
-        """The [G, 2] position table of every row (``sum_table``: sums a [G, 2] int64 tensor over the
-        data axis; each rank fills its own rows)."""
+    def position(self) -> list:
+        """The [G, 2] position table of every row: each rank fills its own rows, the table is summed
+        over the data axis (collective: every rank calls it)."""
         table = torch.zeros(self.G, 2, dtype=torch.int64)
         for g, (a, b) in self.pos.items():
             table[g] = torch.tensor([a, b])
-        return sum_table(table).tolist()
+        return self.sum_over_data(table).tolist()
 
     # ---- windows ---------------------------------------------------------------------------
     def _record(self, g: int, at: int) -> tuple:
@@ -164,5 +165,5 @@ class RecordRows:
         tokens = _checked(w.astype(np.int64), self.vocab_size)
         targets = tokens[:, 1:].masked_fill(torch.from_numpy(~trained), self.ignored)
         parts = [tokens[:, :-1], targets] + ([torch.from_numpy(docs[:, :-1])] if self.document_mask else [])
-        n_valid = self.sum_over_data(int(trained.sum()))
+        n_valid = int(self.sum_over_data(torch.tensor([int(trained.sum())]))[0])
         return list(zip(*(p.split(self.micro_batch, dim=0) for p in parts))), n_valid

@@ -419,17 +419,15 @@ def _record_plan(job: Job):
     tokenizer = run_tokenizer_of(d)
     eod = d.eod_token if d.eod_token is not None else tokenizer.eos_id
 
-    def sum_over_data(n):
+    def sum_over_data(x: torch.Tensor) -> torch.Tensor:
         with job.ledger.paused():
-            x = torch.as_tensor(n, dtype=torch.int64, device=job.device)
-            return C.all_reduce(x.reshape(x.shape or (1,)), job.mesh.data, inplace=True).cpu().reshape(x.shape)
+            return C.all_reduce(x.to(job.device), job.mesh.data, inplace=True).cpu()
 
     plan = RecordRows(RecordSource(d.path, d.hf_split, d.hf_streaming),
                       functools.partial(record_tokens, kind=d.kind, field=d.hf_text_field, tokenizer=tokenizer, eod=eod),
                       d.seq_len, t.global_batch, t.micro_batch, cfg.parallel.data, job.mesh.data.rank, d.packing,
                       d.document_mask, pad=0 if eod is None else eod, vocab_size=job.model_cfg.vocab_size,
-                      sum_over_data=lambda n: int(sum_over_data(n)), ignore_token=d.ignore_token)
-    plan.sum_table = sum_over_data
+                      sum_over_data=sum_over_data, ignore_token=d.ignore_token)
     if job.data_position is not None:
         plan.load_position(job.data_position, job.start_step)
     elif job.start_step:

@@ -4,7 +4,9 @@ One optimizer step k, on data rank d of D with A = G/(m·D) micro-batches::
 
     lr ← schedule(k)                                         (train.schedule: warm-up, decay)
     N  ← valid targets of step k's whole global batch       (batch.valid_targets: every
-                                                              rank counts it, no communication)
+                                                              rank counts it, no communication;
+                                                              record sources: one all-reduce over
+                                                              data ranks, data.record_rows)
     for each of my A micro-batches a (tokens, targets[, document ids]) [m, s]:  (2D: context.shard_tokens → [m/q, s])
         L_da = context.model_loss(..., reduction="sum")      Σ ℓ_i over the micro-batch's valid
                                                               targets (the tensor group's, same on

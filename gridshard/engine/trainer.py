@@ -170,7 +170,7 @@ class Trainer:
                            "context": p.context, "context_mode": p.context_mode},
                 "config": self.cfg.resolved(), "saved_unix_time": time.time()}
         if hasattr(self.plan, "position"):             # record sources: every row's stream position
-            meta["data_position"] = self.plan.position(self.plan.sum_table)
+            meta["data_position"] = self.plan.position()
         self.checkpointer.save(step, self.model, self.optimizer, meta, blocking=blocking, reducer=self.reducer)
 
     # ---- one optimizer step -----------------------------------------------------------

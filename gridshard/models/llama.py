@@ -171,7 +171,7 @@ class Attention(nn.Module):
         tables at the tokens' global positions; under context parallelism the attention crosses
         the context axis, :attr:`context_attention`). With ``documents``
         (:class:`gridshard.nn.documents.DocumentMask`, packed windows) the attention is
-        document-causal: SDPA with the shared boolean mask, or the context attention given the
+        document-causal: SDPA with the shared additive mask, or the context attention given the
         whole sequence's document ids."""
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
