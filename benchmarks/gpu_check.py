@@ -23,6 +23,9 @@ Single-GPU checks (``docs/gpu.md`` lists what each asserts):
 * F ``resume``: 10 steps saving at 5; a second run resumes from step 5: steps 6–10 within
   ``RESUME_RTOL`` of the first run's.
 * G ``sdpa``: flash-attention kernel only (``sdpa_kernel(FLASH_ATTENTION)``), MHA and GQA.
+* J ``document_masks``: the bf16 step with packed, document-masked windows beside A's; on CUDA the
+  ring's masked block kernel against the matmul one and the mask kernels' times
+  (:func:`check_j_document_masks`).
 
 Multi-GPU: :data:`MULTI_GPU_RUNS` through ``torch.distributed.run`` when at least the run's GPU
 count is visible; otherwise skipped with a message. ``GPU_CHECK_DRY=1``: the same steps on the
@@ -364,9 +367,76 @@ def _reshard(ctx: Ctx) -> dict:
         return {"error": str(e)[-800:]}
 
 
+_MASK_KERNELS = """
+import json, time, torch
+from gridshard.context.blocks import CUDA_EFFICIENT, MATMUL
+from gridshard.nn.documents import attention_mask
+F = torch.nn.functional.scaled_dot_product_attention
+out, g = {}, torch.Generator(device="cuda").manual_seed(0)
+q = torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+k, v = (torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+docs = (torch.arange(1024, device="cuda") // 100).unsqueeze(0)
+pos = torch.arange(512, device="cuda")
+mask = attention_mask(docs[:, 512:], docs[:, :512], pos + 512, pos)
+o1, l1 = CUDA_EFFICIENT.forward(q, k, v, 0.125, False, mask)
+o2, l2 = MATMUL.forward(q, k, v, 0.125, False, mask)
+out["ring_block_forward_max_abs_diff"] = float((o1.float() - o2.float()).abs().max())
+d1 = CUDA_EFFICIENT.backward(o1, q, k, v, o1, l2, 0.125, False, mask)
+d2 = MATMUL.backward(o1, q, k, v, o1, l2, 0.125, False, mask)
+out["ring_block_backward_max_abs_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(d1, d2))
+S = 4096
+q = torch.randn(1, 16, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+docs = (torch.arange(S, device="cuda") // 256).unsqueeze(0)
+add = torch.zeros(1, 1, S, S, device="cuda", dtype=torch.bfloat16).masked_fill_(~attention_mask(docs, docs), float("-inf"))
+rows = {"causal": lambda: F(q, k, v, is_causal=True, enable_gqa=True),
+        "sdpa_additive_mask": lambda: F(q, k, v, attn_mask=add, enable_gqa=True)}
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    block = create_block_mask(lambda b, h, i, j: (docs[b, i] == docs[b, j]) & (j <= i), 1, None, S, S, device="cuda")
+    flex = torch.compile(flex_attention)
+    rows["flex_compiled"] = lambda: flex(q, k, v, block_mask=block, enable_gqa=True)
+except Exception as e:
+    out["flex"] = str(e).splitlines()[0][:200]
+for name, fn in rows.items():
+    for _ in range(3):
+        fn().sum().backward()
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(10):
+        fn().sum().backward()
+    torch.cuda.synchronize(); out[name + "_ms"] = (time.perf_counter() - t0) * 100
+print(json.dumps(out))
+"""
+
+
+def check_j_document_masks(ctx: Ctx) -> dict:
+    """Packed windows with document masks (issue 41): the bf16 step with first_fit packing and masks
+    beside A's (``mask_step_ratio``, finite losses); on CUDA the ring's masked efficient-attention
+    block against the matmul block (forward and backward), and fwd+bwd milliseconds of causal SDPA,
+    SDPA with the additive document mask and compiled flex_attention at S = 4096, documents of 256."""
+    plain = ctx.train("A_bf16", base_overrides("bf16"))
+    packed = ctx.train("J_packed", base_overrides("bf16") + ["data.packing=first_fit", "data.document_mask=true",
+                                                             "data.eod_token=10"])
+    out = {"mask_step_ratio": _median(packed["records"], "step_time_s") / _median(plain["records"], "step_time_s"),
+           "losses": packed["losses"]}
+    if not all(x is not None and math.isfinite(x) for x in packed["losses"]):
+        out["error"] = "non-finite losses with document masks"
+    if not ctx.cuda_count:
+        return {**out, "kernels": NO_CUDA}
+    proc = subprocess.run([sys.executable, "-c", _MASK_KERNELS], capture_output=True, text=True, timeout=180,
+                          cwd=REPO)
+    if proc.returncode:
+        return {**out, "error": "mask kernels: " + proc.stderr[-1500:]}
+    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    if max(kernels["ring_block_forward_max_abs_diff"], kernels["ring_block_backward_max_abs_diff"]) > 0.05:
+        out["error"] = "the masked efficient-attention block differs from the matmul block"
+    return {**out, "kernels": kernels}
+
+
 CHECKS = [("A_bf16", check_a_bf16), ("B_compile", check_b_compile), ("C_fp16", check_c_fp16),
           ("D_fp32", check_d_fp32), ("E_offload", check_e_offload), ("F_resume", check_f_resume),
           ("G_sdpa", check_g_sdpa), ("H_memory_snapshot", check_h_memory_snapshot), ("I_emulate", check_i_emulate),
+          ("J_document_masks", check_j_document_masks),
           ("multi_gpu", check_multi_gpu)]
 HEADLINE = ("tokens_per_s", "mfu", "peak_mem_bytes", "host_syncs_after_step1", "compile_ratio", "recompiles")
 

@@ -29,9 +29,10 @@ def test_gpu_check_dry_run_writes_only_the_summary_and_metrics(tmp_path):
     assert checks["C_fp16"]["status"] == checks["G_sdpa"]["status"] == "skipped: no CUDA"
     assert checks["H_memory_snapshot"]["status"] == "skipped: no CUDA"
     assert checks["I_emulate"]["comm_bytes"]["data"] > 0 and checks["I_emulate"]["predicted_peak_bytes"] > 0
+    assert checks["J_document_masks"]["kernels"] == "skipped: no CUDA" and checks["J_document_masks"]["mask_step_ratio"] > 0
     assert checks["E_offload"]["max_loss_rel_diff"] <= 1e-3
     assert checks["F_resume"]["resumed_from"] == "step_5"
     assert checks["F_resume"]["max_loss_rel_diff_steps_6_10"] <= 0.01
     tagged = {json.loads(line)["check"] for line in (out / "metrics.jsonl").read_text().splitlines()}
-    assert {"A_bf16", "B_compile", "D_fp32", "E_offload", "F_first", "F_resumed", "M_D2"} <= tagged
+    assert {"A_bf16", "B_compile", "D_fp32", "E_offload", "F_first", "F_resumed", "J_packed", "M_D2"} <= tagged
     assert "loss" in checks["multi_gpu"]["M_D2"]
