@@ -1,7 +1,8 @@
 """``train.compile``: each decoder layer's forward under ``torch.compile`` gives the eager
 run's losses (relative 1e-5) and parameters, on one device and with 1D tensor parallelism
 (whose collectives are graph breaks that run eagerly: the ledger's calls are unchanged), and
-(wide) with context parallelism at C = 2, ring and all-to-all, gridshard's and a Hugging Face Llama.
+(wide) with context parallelism at C = 2, ring and all-to-all, gridshard's and a Hugging Face Llama,
+and the ring on packed windows with document masks.
 Nothing compiles again after the first step (``torch._dynamo.config.error_on_recompile`` from the
 second step on: a recompile fails the run), and no code object reaches torch's recompile limit in the
 first (``fail_on_recompile_limit_hit``: a frame past the limit would silently run eagerly from then on)."""
@@ -74,7 +75,8 @@ def test_compiled_layers_train_like_eager(layout):
 
 
 @pytest.mark.wide
-@pytest.mark.parametrize("model,mode", [("llama", "ring"), ("llama", "all_to_all"), ("hf", "ring")])
+@pytest.mark.parametrize("model,mode", [("llama", "ring"), ("llama", "all_to_all"), ("hf", "ring"),
+                                        ("llama+documents", "ring")])
 def test_compiled_layers_train_like_eager_at_context_2(model, mode, tmp_path):
     """Context parallelism (C = 2, grouped-query attention; gridshard's Llama, and a Hugging Face
     Llama whose attention reaches the ring through transformers' attention interface): the ring's
@@ -91,7 +93,10 @@ def test_compiled_layers_train_like_eager_at_context_2(model, mode, tmp_path):
                                     "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
                                     "num_key_value_heads": 4, "max_position_embeddings": 32}))
         spec = {"hf_config": str(path)}
-    cfgs = [{**BASE, "model": spec, "parallel": {"data": 1, "context": 2, "context_mode": mode},
+    data = BASE["data"]
+    if model == "llama+documents":                   # packed windows: the ring reads the ids every layer
+        data = {**data, "packing": "first_fit", "document_mask": True, "eod_token": 32}
+    cfgs = [{**BASE, "model": spec, "data": data, "parallel": {"data": 1, "context": 2, "context_mode": mode},
              "train": {**BASE["train"], "compile": c}} for c in (False, True)]
     eager, compiled = (run_on_ranks(2, _body, cfg, timeout=600)[0] for cfg in cfgs)
     rel = max(abs(a - b) / abs(a) for a, b in zip(eager[0], compiled[0]))

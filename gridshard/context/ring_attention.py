@@ -71,6 +71,10 @@ forward B_c·#{b : d_b(r) < L_b}, backward that again plus G_c·#{b : f_b ≤ d_
 (:func:`gridshard.theory.context.ring_route_sends`). Without documents every chunk has the route
 f = 0, L = C − 1 (the owner's share rides too): exactly the whole-block ring above.
 
+Under ``train.compile`` the ring runs eagerly (``torch.compiler.disable``): its point-to-point calls
+break the graph anyway, and with document masks which blocks it computes, with or without a mask,
+depends on the batch, so a traced ring would compile again for new batches.
+
 Why hand-written: PyTorch's ring attention (``torch.distributed.tensor.experimental``) is a
 private, experimental API that patches ``scaled_dot_product_attention`` process-wide and has no
 CPU kernel path; this one is a plain autograd function over a gridshard axis, recorded in the
@@ -342,6 +346,7 @@ def _collect(pending, dkv: Optional[_Chunks], own: _HomeSum) -> None:
             dkv.get(i).add_(ch.get(i))
 
 
+@torch.compiler.disable
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis, scale: Optional[float] = None,
                    documents: Optional[torch.Tensor] = None):
     """Causal attention over a sequence split on ``axis`` (the context axis, C ranks).
