@@ -159,7 +159,7 @@ class RecordRows:
         self.next_step += 1
         make = self._first_fit if self.packing == "first_fit" else self._concat
         w, flags, docs = map(np.stack, zip(*(make(g) for g in self.rows)))
-        trained = flags[:, 1:].copy()                  # padding's flags are unset
+        trained = flags[:, 1:] & (w[:, 1:] != self.ignored)       # padding's flags are unset
         if self.document_mask:
             trained &= docs[:, 1:] == docs[:, :-1]
         tokens = _checked(w.astype(np.int64), self.vocab_size)

@@ -65,7 +65,8 @@ def open_dataset(path: str, split: str, streaming: bool):
         return datasets.load_dataset(builder, data_files=path, split=split, streaming=streaming)
     except (KeyError, ValueError) as e:
         if "split" not in str(e).lower() and not isinstance(e, KeyError):
-            raise
+            raise ConfigError(f"data.path={path!r} could not be read as a dataset: {e}. Fix: check the files (a "
+                              f"parquet / json / jsonl / csv / arrow / txt file, or a save_to_disk folder).") from None
         raise ConfigError(f"data.hf_split={split!r} is not a split of {path!r} ({e}). Fix: set data.hf_split to "
                           f"one of its splits (a single data file has only 'train').") from None
     except StopIteration:                        # datasets' json/csv readers on an empty file
