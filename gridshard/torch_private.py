@@ -39,6 +39,11 @@ wrapper                    private name (why no public one does)       without i
                            ``_warmup_backward_result`` (the stages'    cannot run a pipeline
                            metadata vote goes through the group,
                            which the fake backend cannot answer)
+``receive_just_in_time``   ``PipelineStage.args_recv_info`` /          error: a pipeline stage cannot
+                           ``grad_recv_info`` / ``_prepare_*_infra``   be built
+                           (the receive buffers, allocated for every
+                           micro-batch up front and kept;
+                           pytorch/pytorch#136380)
 ``skip_under_compile``     ``_dynamo.decorators.skip`` (Dynamo         the wrapper frames compile per
                            neither inlines nor compiles the frame;     argument shape (torch's
                            ``torch.compiler.disable`` would wrap it    recompile-limit warnings),
@@ -192,6 +197,93 @@ def answer_stage_votes(stage) -> None:
     stage._warmup_backward_result = lambda received_result=None: torch.ones(1, dtype=torch.int32)
 
 
+_RECEIVE_NAMES = ("args_recv_info", "grad_recv_info", "_prepare_forward_infra", "_prepare_backward_infra",
+                  "get_fwd_recv_ops", "get_bwd_recv_ops", "set_local_bwd_input", "forward_one_chunk",
+                  "backward_one_chunk", "has_backward", "device")
+
+
+def receive_just_in_time(stage) -> None:
+    """A ``PipelineStage`` whose receive buffers exist only while a micro-batch needs them.
+
+    torch's stage allocates, when its schedule first runs, one buffer per micro-batch for its input
+    and one for its output's gradient, and keeps all 2·A of them for good (pytorch/pytorch#136380):
+    at Narayanan et al.'s 1T layout (A = 512 micro-batches of 105 MB blocks) that is 100 GiB per
+    GPU. Here the stage lays its buffers out on the meta device (no memory) and each becomes a real
+    tensor when its receive is posted (``get_fwd_recv_ops`` / ``get_bwd_recv_ops``) and a meta
+    tensor again once the micro-batch's backward has run (its forward, where the stage runs no
+    backward). An input buffer then lives exactly while its micro-batch is in flight (it is the
+    tensor the stage's first layer keeps), and an output-gradient buffer from its receive to its
+    micro-batch's backward: what Megatron allocates (:func:`gridshard.theory.pipeline.stage_buffer_bytes`).
+    A stage's own, same-rank passes (V-shaped schedules: ``set_local_fwd_input`` / ``set_local_bwd_input``)
+    hand over real tensors as before. Only a stage built with its input and output shapes (every
+    gridshard stage) lays out its buffers without running the module."""
+    missing = [name for name in _RECEIVE_NAMES if not hasattr(stage, name)]
+    if missing:
+        raise _missing(f"PipelineStage.{missing[0]}", "the pipeline's receive buffers")
+    meta = torch.device("meta")
+
+    def materialize(infos, fill=None) -> None:
+        for info in infos:
+            buffer = None if info.is_root_arg else info.buffer
+            if buffer is not None and buffer.device == meta:
+                info.buffer = torch.empty_like(buffer, device=stage.device)
+                if fill is not None:
+                    info.buffer.fill_(fill)
+
+    def release(infos) -> None:
+        for info in infos:
+            buffer = None if info.is_root_arg else info.buffer
+            if buffer is not None and buffer.device != meta:
+                info.buffer = torch.empty_like(buffer, device=meta)
+
+    def laid_out_on_meta(prepare):
+        def run(*args, **kwargs):
+            device, stage.device = stage.device, meta
+            try:
+                return prepare(*args, **kwargs)
+            finally:
+                stage.device = device
+        return run
+
+    def before(method, infos_of):
+        def run(chunk, *args, **kwargs):
+            materialize(infos_of().get(chunk, ()))
+            return method(chunk, *args, **kwargs)
+        return run
+
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(chunk, *args, **kwargs):
+        out = forward(chunk, *args, **kwargs)
+        if not (stage.has_backward and torch.is_grad_enabled()):
+            release(stage.args_recv_info.get(chunk, ()))
+        return out
+
+    def backward_one_chunk(chunk, *args, **kwargs):
+        out = backward(chunk, *args, **kwargs)
+        release(stage.args_recv_info.get(chunk, ()))
+        release(stage.grad_recv_info.get(chunk, ()))
+        return out
+
+    stage._prepare_forward_infra = laid_out_on_meta(stage._prepare_forward_infra)
+    stage._prepare_backward_infra = laid_out_on_meta(stage._prepare_backward_infra)
+    stage.get_fwd_recv_ops = before(stage.get_fwd_recv_ops, lambda: stage.args_recv_info)
+    stage.get_bwd_recv_ops = before(stage.get_bwd_recv_ops, lambda: stage.grad_recv_info)
+    stage.set_local_bwd_input = _local_bwd_input(stage, materialize)
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+
+def _local_bwd_input(stage, materialize):
+    """``set_local_bwd_input`` of :func:`receive_just_in_time`: a gradient the same-rank next stage did
+    not produce is zeros in a real buffer (torch zeroes the kept one)."""
+    local = stage.set_local_bwd_input
+
+    def run(grads, chunk):
+        materialize(stage.grad_recv_info.get(chunk, ()), fill=0)
+        return local(grads, chunk)
+    return run
+
+
 def skip_under_compile(fn) -> None:
     """Dynamo graph-breaks at a call of ``fn`` instead of inlining it, and leaves ``fn``'s own
     frame uncompiled (frames that ``fn`` calls are treated as usual). Imports Dynamo."""
@@ -213,5 +305,6 @@ except ImportError as e:                        # pragma: no cover - the pinned 
 
 
 __all__ = ["in_backward", "will_execute", "outer_saved_hooks", "assert_async", "foreach_norm", "foreach_mul_",
-           "flatten_mesh", "set_group_timeout", "skip_under_compile", "tree_flatten", "tree_map_only", "TorchDispatchMode",
+           "flatten_mesh", "set_group_timeout", "receive_just_in_time", "skip_under_compile", "tree_flatten",
+           "tree_map_only", "TorchDispatchMode",
            "PrivateTorchMissing"]

@@ -237,6 +237,60 @@ def test_the_trainer_prices_virtual_stages_as_the_planner_does(schedule):
         assert trainer[2] == max(held, 2 - rank)
 
 
+def _receive_buffers(cfg):
+    """The most input receive buffers, output-gradient receive buffers and kept stage outputs this
+    rank's stages held at once over the run (sampled around every chunk's forward and backward),
+    and the rank's micro-batches in flight."""
+    trainer = Trainer(cfg, progress=False)
+    schedule = trainer.pipeline.schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    most = [0, 0, 0]
+
+    def real(infos):
+        return sum(not i.is_root_arg and i.buffer is not None and i.buffer.device.type != "meta"
+                   for chunk in infos.values() for i in chunk)
+
+    def sample():
+        now = [sum(real(s.args_recv_info) for s in stages), sum(real(s.grad_recv_info) for s in stages),
+               sum(len(s.fwd_cache) for s in stages if not s.is_last)]
+        most[:] = map(max, most, now)
+
+    for stage in stages:
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            def probed(*args, _run=getattr(stage, name), **kwargs):
+                sample()
+                out = _run(*args, **kwargs)
+                sample()
+                return out
+            setattr(stage, name, probed)
+    trainer.run()
+    return tuple(most), trainer.pipeline.meter.peak_in_flight
+
+
+@pytest.mark.parametrize("schedule,P,V", [("1f1b", 4, 1), ("interleaved_1f1b", 2, 2)])
+def test_receive_buffers_live_only_while_in_flight(schedule, P, V):
+    """A = 16 micro-batches (two steps): torch's PipelineStage would hold 16 input and 16
+    output-gradient receive buffers per stage; gridshard's stages receive just in time
+    (``torch_private.receive_just_in_time``), so a stage holds an input buffer per micro-batch in
+    flight (the first layer's input), one output gradient, and one kept output per micro-batch in
+    flight: the memory model's [not last]·(in_flight + 1)·B
+    (:func:`gridshard.theory.pipeline.stage_buffer_bytes`; V stages: V·held + 1)."""
+    from gridshard.theory.pipeline import interleaved_in_flight, stage_buffer_bytes
+
+    A = 16
+    cfg = _cfg(1, P, 1, "none", False, schedule, V, steps=2, log_interval=1, global_batch=2 * A)
+    for rank, ((inputs, grads, kept), in_flight) in enumerate(run_on_ranks(P, _receive_buffers, cfg)):
+        if V == 1:
+            assert in_flight == peak_in_flight(rank, P, A) == P - rank
+            first, last = rank == 0, rank == P - 1
+            assert (inputs, grads, kept) == (0 if first else in_flight, 0 if last else 1, 0 if last else in_flight)
+            assert (grads + kept) * 1 == stage_buffer_bytes(last, in_flight, 1)
+        else:
+            held = interleaved_in_flight(rank, P, V, A)
+            assert inputs <= V * held and grads + kept <= stage_buffer_bytes(False, V * held, 1), \
+                (rank, inputs, grads, kept)
+
+
 @pytest.mark.parametrize("layout", [(1, 2, 2, "1d", True), (1, 2, 4, "2d", False)], ids=["1d-SP", "2d"])
 def test_stage_sends_match_the_formula(layout):
     """The ledger's pipeline sends per rank equal A·boundary_bytes·(sends per micro-batch) per step."""

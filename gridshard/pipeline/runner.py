@@ -46,7 +46,7 @@ from ..device import batch_to_device
 from ..errors import ConfigError
 from ..job_layout import StageSplit
 from ..parallel.parallelize import model_dims
-from ..torch_private import answer_stage_votes
+from ..torch_private import answer_stage_votes, receive_just_in_time
 from .meter import StageMeter
 from .stage_module import StageModule
 
@@ -88,6 +88,7 @@ class PipelineRunner:
             out = rank_model.stage_output_meta(micro_local, seq_len, mesh) if last else act
             stages.append(PipelineStage(module, s, S, device, input_args=(tokens if first else act,),
                                         output_args=(out,), group=mesh.pipeline.group))
+            receive_just_in_time(stages[-1])          # a receive buffer only while its micro-batch needs it
             if dist.get_backend() == "fake":           # gridshard emulate: no peer answers the start-up vote
                 answer_stage_votes(stages[-1])
             self.meter.attach(stages[-1])

@@ -24,9 +24,9 @@ backward (Narayanan et al. 2021's interleaved schedule), so it holds about
 ⌈(2·(P − r − 1) + (V − 1)·P + 1) / V⌉ micro-batches of its layers (at most A) instead of
 min(A, P − r); :func:`gridshard.theory.pipeline.interleaved_in_flight` gives the count and
 :func:`gridshard.theory.memory.predict.with_virtual_stages` (which the trainer's prediction applies
-too) adds the difference × the rank's activation bytes per micro-batch; each of its V − 1 further stages is
-a middle stage, with its own receive buffers for the A micro-batches' inputs and output gradients
-(:func:`gridshard.theory.pipeline.stage_buffer_bytes`): + (V − 1)·2·A·B in comm buffers. Zero bubble
+too) adds the difference × the rank's activation bytes per micro-batch; its stages keep one output per
+chunk in flight and one output gradient received, (V·held + 1)·B in comm buffers
+(:func:`gridshard.theory.pipeline.stage_buffer_bytes`). Zero bubble
 (``zero_bubble``, V stages per rank as interleaving) the same, with
 :func:`gridshard.theory.pipeline.zero_bubble_in_flight` micro-batches held (P on every rank when P
 divides A: each chunk's activations kept until its deferred weight pass; fewer than 1F1B's P − r on

@@ -49,14 +49,20 @@ a loss: stage i holds at most min(A, P−i) (:func:`peak_in_flight`).
 
 **Stage buffers** (:func:`stage_buffer_bytes`). ``torch.distributed.pipelining.PipelineStage``
 allocates, when the schedule first runs, one receive buffer per micro-batch for the stage's
-input (every stage but the first) and one for the gradient of its output (every stage but the
-last), B = :func:`boundary_bytes` each, and keeps them; it also keeps each micro-batch's stage
-output from its forward to its backward (``fwd_cache``; Megatron frees that storage once sent).
-The input buffer of a micro-batch in flight is the tensor the stage's first layer keeps (counted
-with the activations), so a stage holds beyond its activations, with A micro-batches of which
-``in_flight`` are in flight::
+input and one for the gradient of its output, and keeps all 2·A (pytorch/pytorch#136380).
+gridshard's stages receive just in time (:func:`gridshard.torch_private.receive_just_in_time`):
+an input buffer lives from its receive to its micro-batch's backward, an output-gradient buffer
+from its receive to that backward, as Megatron allocates them. The input buffer of a micro-batch
+in flight is the tensor the stage's first layer keeps (counted with the activations); the stage
+also keeps each micro-batch's output from its forward to its backward (``fwd_cache``; Megatron
+frees that storage once sent). So a stage with ``in_flight`` micro-batches in flight holds, beyond
+its activations, B = :func:`boundary_bytes` each::
 
-    [not first]·(A − in_flight)·B + [not last]·(A + in_flight)·B
+    [not last]·(in_flight + 1)·B          (kept outputs, and the one output gradient received)
+
+whatever the number of micro-batches A (``tests/test_pipeline.py`` counts the buffers a P = 4
+run of A = 16 holds). A rank of V stages (interleaved, zero bubble) holds one kept output per
+chunk in flight: at most V·held + 1 blocks, held its micro-batches in flight.
 """
 from __future__ import annotations
 
@@ -115,8 +121,7 @@ def peak_in_flight(stage: int, P: int, n_microbatches: int, schedule: str = "1f1
     return min(n_microbatches, P - stage)
 
 
-def stage_buffer_bytes(first: bool, last: bool, n_microbatches: int, in_flight: int, per_boundary: int) -> int:
+def stage_buffer_bytes(last: bool, in_flight: int, per_boundary: int) -> int:
     """Bytes a pipeline stage holds in receive buffers and kept stage outputs beyond its
-    activations (module docstring, "Stage buffers")."""
-    A = n_microbatches
-    return (0 if first else (A - in_flight) * per_boundary) + (0 if last else (A + in_flight) * per_boundary)
+    activations (module docstring, "Stage buffers"): [not last]·(in_flight + 1)·B."""
+    return 0 if last else (in_flight + 1) * per_boundary

@@ -74,7 +74,7 @@ class RankMemory:
 
 
 def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last,
-                      precision, pb, P, n_microbatches, in_flight, context, context_mode, expert=1,
+                      precision, pb, P, in_flight, context, context_mode, expert=1,
                       documents=False) -> tuple:
     """(:class:`ActivationBytes`, logits workspace, stage buffers, attention backward buffers) of
     one rank (:func:`predict_rank_memory`). At C > 1 (``context``) every per-token term holds the
@@ -89,7 +89,7 @@ def _activation_terms(cfg, mode, T, sequence_parallel, recompute, micro_batch, s
                             has_embedding=first, has_head=last, precision=precision, param_bytes=pb, context=context,
                             moe_layers=moe, expert=expert, context_mode=context_mode, documents=documents)
     workspace = logits_workspace_bytes(cfg, micro_batch, s_r, mode, T, precision) if last else 0
-    stage_buffers = 0 if P == 1 else stage_buffer_bytes(first, last, n_microbatches, in_flight, boundary_bytes(
+    stage_buffers = 0 if P == 1 else stage_buffer_bytes(last, in_flight, boundary_bytes(
         mode, sequence_parallel, T, micro_batch, s_r, cfg.hidden, precision))
     r = _rank_shape(cfg, mode, T, sequence_parallel, micro_batch * s_r)
     ring = context_transient_bytes(context, context_mode, r.token_rows // s_r, s_r, r.heads, r.kv_heads, cfg.head_dim,
@@ -154,7 +154,7 @@ def predict_rank_memory(cfg, *, mode: str = "none", T: int = 1, sequence_paralle
     in_flight = peak_in_flight(pipeline_rank, P, n_microbatches, schedule) if P > 1 else 1
     acts, workspace, stage_buffers, ring = _activation_terms(
         cfg, mode, T, sequence_parallel, recompute, micro_batch, seq_len, layer_ids, first, last, precision, pb,
-        P, n_microbatches, in_flight, context, context_mode, expert, documents)
+        P, in_flight, context, context_mode, expert, documents)
     overlap = reduces_in_backward(zero, data, P, schedule, overlap_grad_reduce)
     grads, late = _reduction_terms(blocks, zero, data, n_microbatches, P, overlap, pb,
                                    param_element_bytes(grad_reduce_dtype), expert)
@@ -179,16 +179,16 @@ def with_virtual_stages(mem: RankMemory, *, schedule: str, rank: int, P: int, V:
     """``mem`` (one stage per rank, as :func:`predict_rank_memory` prices it) for a rank that runs V
     stages: interleaved 1F1B holds :func:`gridshard.theory.pipeline.interleaved_in_flight`
     micro-batches of its layers, zero bubble :func:`gridshard.theory.pipeline.zero_bubble_in_flight`,
-    instead of min(A, P − r) (the difference × the activation bytes per micro-batch is added); each of
-    its V − 1 further stages is a middle stage with receive buffers for the A micro-batches' inputs and
-    output gradients: + (V − 1)·2·A·``per_boundary`` bytes of comm buffers
+    instead of min(A, P − r) (the difference × the activation bytes per micro-batch is added); its
+    stages keep one output per chunk in flight, at most V·held, and one output gradient received:
+    (V·held + 1)·``per_boundary`` bytes of comm buffers in place of the one stage's
     (:func:`gridshard.theory.pipeline.stage_buffer_bytes`). Other schedules, or P = 1: ``mem`` as it is.
     The one home of this adaptation: the trainer's prediction and the planner's both apply it."""
     if P == 1 or schedule not in ("interleaved_1f1b", "zero_bubble"):
         return mem
     held = interleaved_in_flight(rank, P, V, A) if schedule == "interleaved_1f1b" else zero_bubble_in_flight(P, V, A)
     extra = max(0, held - mem.details["in_flight"])
-    buffers = (V - 1) * 2 * A * per_boundary
+    buffers = stage_buffer_bytes(False, V * held, per_boundary) - mem.details["stage_buffers"]
     return dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
                                comm_buffers=mem.comm_buffers + buffers,
                                details={**mem.details, "in_flight": mem.details["in_flight"] + extra,
