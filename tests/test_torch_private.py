@@ -89,6 +89,8 @@ def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
         warnings.simplefilter("always")
         assert tp.record_memory_history(True) is False
     assert "profile_memory" in str(caught[0].message) and tp.dump_memory_snapshot("/nonexistent") is False
+    with pytest.raises(tp.PrivateTorchMissing, match="PipelineStage.args_recv_info"):
+        tp.receive_just_in_time(object())
 
 
 def test_skip_under_compile_keeps_a_function_out_of_dynamo(monkeypatch):
