@@ -34,7 +34,9 @@ says whether the planner's memory model accepts the published layout.
 
 Run: ``python benchmarks/planner_published.py`` (about a minute; prints a Markdown table,
 quoted in docs/planner.md); ``--breakdown``: the 405B rank's predicted bytes term by term next
-to the published accounting (:func:`breakdown`, also quoted there).
+to the published accounting (:func:`breakdown`, also quoted there); ``--fig13``: Narayanan et al.
+2021's Fig. 13 (t, p) sweep on 64 A100 (:func:`fig13`; issue 43,
+``tests/test_planner_published_ranking.py``).
 """
 from __future__ import annotations
 
@@ -258,9 +260,36 @@ def _rank_table(run: PublishedRun, mc, recompute: str, pub_layer: int) -> None:
           f"{pub_acts / GIB:.2f} GiB → {(published_state + pub_acts) / GIB:.2f} GiB, nothing reserved, no margin\n")
 
 
+FIG13 = [(2, 32), (4, 16), (8, 8), (16, 4), (32, 2)]          # (t, p) of Narayanan et al. 2021, Fig. 13
+
+
+def fig13(shapes=(("162.2B (Fig. 13's model)", 20480, 32, 128), ("GPT-3 175B shape", 12288, 96, 96)),
+          batches=(128, 32)) -> None:
+    """Narayanan et al. 2021, Fig. 13: the (t, p) sweep on 64 A100 (8 nodes) under 2021's rules (full
+    recompute, no SP, ZeRO-0, 1F1B, micro-batch 1), at the figure's batch sizes, on its model (Megatron-LM's
+    ``examples/sc21/run_figure_13.sh``: 32 layers, h 20480, 128 heads) and on the GPT-3 175B shape; predicted
+    step seconds, fastest marked. Measured: (8, 8) the fastest at both batch sizes."""
+    print("| model | batch | " + " | ".join(f"T{t} P{p}" for t, p in FIG13) + " | predicted order |")
+    print("|---|---|" + "---|" * len(FIG13) + "---|")
+    for name, h, layers, heads in shapes:
+        for B in batches:
+            step = {}
+            for t, p in FIG13:
+                run = PublishedRun(NARAYANAN, name, h, layers, heads, heads, round(8 * h / 3 / t) * t, 51200, 2048, B,
+                                   1, p, t, 0.0, "a100")
+                step[(t, p)] = price(run).predicted_step_s
+            best = min(step, key=step.get)
+            cells = [f"**{v:.2f}**" if k == best else f"{v:.2f}" for k, v in step.items()]
+            order = " < ".join(f"T{t}P{p}" for t, p in sorted(step, key=step.get))
+            print(f"| {name} | {B} | " + " | ".join(cells) + f" | {order} |")
+
+
 def main() -> None:
     if "--breakdown" in sys.argv[1:]:
         breakdown()
+        return
+    if "--fig13" in sys.argv[1:]:
+        fig13()
         return
     print("| source | model | GPUs | D P T | schedule | published TFLOP/s/GPU | predicted step s | "
           "predicted ÷ published tokens/s | fits (predicted GiB) |")

@@ -173,7 +173,10 @@ def test_step_time_components():
     across = step_time(mc, lay, h100, seq_len=4096, global_batch=64, precision="bf16", nodes=2)
     assert inside.details["regime"] == across.details["regime"] == "latency"     # a GPU per rank
     assert inside.details["links"]["tensor"] == "intra" and across.details["links"]["tensor"] == "inter"
-    assert across.tensor_comm_s > 5 * inside.tensor_comm_s       # IB vs NVLink
+    # issue 43: across 2 nodes the 16-rank group's ring uses all 8 NICs of each node (h100.json: the published
+    # 8-member bus bandwidth, the NVLink ring's 370 GB/s), so only the longer latencies are left; one NIC was 5× before
+    assert across.tensor_comm_s > inside.tensor_comm_s
+    assert h100.link("inter", "all_gather").bus_bandwidth(8) == h100.link("intra", "all_gather").bandwidth
 
 
 def _skewed(skew: float):
@@ -705,8 +708,8 @@ def test_context_memory_and_time_terms():
 
 def test_7b_at_131072_on_64_h100_chooses_context_parallelism():
     """Issue 25: a 7B model at sequence length 131072 on 64 H100 (8 nodes of 8), bf16, global batch
-    64 sequences: the planner proposes C > 1, it fits, and --explain says why (C = 1 needs full
-    recompute to fit, and is slower). ZeRO-1 and micro-batch 1 only, to stay fast."""
+    64 sequences: the planner proposes C > 1, it fits, and --explain says why (C = 1 is slower).
+    ZeRO-1 and micro-batch 1 only, to stay fast."""
     from gridshard.planner.report import explain
 
     r = plan(None, 64, hardware="h100", overrides=LONG_7B, zero_stages=(1,), max_micro_batch=1)
@@ -716,4 +719,6 @@ def test_7b_at_131072_on_64_h100_chooses_context_parallelism():
     text = explain(r)
     assert f"why C = {best.layout.context}" in text and "the fastest C = 1 layout" in text
     plain = next(c for c in r.candidates if c.layout.context == 1)
-    assert plain.layout.recompute == "full" and plain.predicted_step_s > 1.1 * best.predicted_step_s
+    # issue 43: C = 1 also fits without recompute at T = 16 across two nodes (its ring priced at the published
+    # 8-NIC bus bandwidth), where it needed full recompute at one NIC's; either way it is slower
+    assert plain.predicted_step_s > 1.1 * best.predicted_step_s

@@ -187,7 +187,7 @@ def rank_cost(cfg, layout: Layout, hw: Hardware, *, seq_len: int, global_batch: 
     moe_layers = moe_layer_count(cfg, layer_ids)
     busy_compute_mb, flops = _compute_mb(cfg, layout, hw, s, layers, last, precision, activation_bytes, moe_layers)
     compute_mb = busy_compute_mb * pr.stretch
-    t_tensor_mb, busy_tensor_mb = _tensor_mb(cfg, layout, pr, s_r, layers, first, last)
+    t_tensor_mb, busy_tensor_mb = _tensor_mb(cfg, layout, pr, s_r, layers, first, last, precision)
     t_p2p_mb, busy_p2p_mb = _pipeline_mb(cfg, layout, pr, s_r, first, last, precision)
     t_ctx_mb, busy_ctx_mb = _context_mb(cfg, layout, pr, s, layers, precision)
     t_exp_mb, busy_exp_mb = _expert_mb(cfg, layout, pr, s, layer_ids, precision)

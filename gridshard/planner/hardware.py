@@ -31,8 +31,29 @@ broadcast, reduce, send (``default`` for any op not listed). One collective on a
 n ranks moving wire bytes W (:func:`gridshard.comm.ledger.ring_wire_bytes`, the bytes a rank
 sends on a ring) costs ``latency_s + latency_per_rank_s·(n − 2) + W / bandwidth`` (the α–β
 model, latency measured at n = 2 and growing with the ring's steps; ``bandwidth`` is the *achieved*
-algorithm bandwidth per rank, not the raw link rate: the data files derate the
-datasheet's link rate by ``link_efficiency``).
+bus bandwidth of the op, not the raw link rate: the GPU files take it from published nccl-tests
+figures, below; a calibrated profile measures it).
+
+Bus bandwidth
+-------------
+The packaged GPU profiles take ``bandwidth`` from published nccl-tests figures (each file's
+``sources``). nccl-tests (``doc/PERFORMANCE.md``) reports for a collective of S bytes on n ranks
+taking t seconds the *algorithm* bandwidth ``algbw = S / t`` and the *bus* bandwidth
+``busbw = algbw · 2(n − 1)/n`` (all-reduce) or ``algbw · (n − 1)/n`` (all-gather, reduce-scatter;
+S the whole gathered / reduced buffer), the rate of the slowest link of a ring, the same for every
+n. The ring wire bytes above are exactly ``W = S · 2(n − 1)/n`` (all-reduce) and
+``S · (n − 1)/n`` (all-gather, reduce-scatter), so ``W / bandwidth = S / algbw`` when
+``bandwidth = busbw``: the file's ``bandwidth`` *is* the published bus bandwidth, with no
+further derating (a send's: its algorithm bandwidth, S / t).
+
+Across nodes the bus bandwidth of a group depends on how many of its members share a node: a ring
+through k members of each node uses their k NICs at once, so ``links.inter.<op>`` may carry
+``"bandwidth_by_ranks_per_node": {"8": B/s, ...}`` — the published bus bandwidth with k members
+per node (e.g. 8 GPUs of each DGX A100, 8 HDR NICs: 192 GB/s), ``bandwidth`` being the one-member
+figure (one NIC); between the points it is interpolated linearly in k and clamped at the largest k
+(:meth:`LinkCost.bus_bandwidth`). The planner passes k for a 1D tensor group (its T consecutive
+ranks: min(T, ranks per node)) and for the data × context group (:func:`.price_links.group_ranks_per_node`);
+pipeline and context sends are point-to-point, one NIC each (k = 1), as are the rest.
 
 Over-subscribed nodes
 ---------------------
@@ -85,18 +106,33 @@ class LinkCost:
     cpu_bandwidth: Optional[float] = None          # wire bytes per CPU second of one rank
     cpu_latency_s: Optional[float] = None          # CPU seconds of one rank per call, on 2 ranks
     cpu_latency_per_rank_s: float = 0.0
+    bandwidth_by_ranks_per_node: dict = field(default_factory=dict)   # k members per node -> bus bandwidth
 
-    def seconds(self, wire_bytes: float, calls: int = 1, group_size: int = 2) -> float:
+    def bus_bandwidth(self, ranks_per_node: int = 1) -> float:
+        """Bus bandwidth of a group with ``ranks_per_node`` members in each node (module docstring,
+        "Bus bandwidth"): ``bandwidth`` at 1, the file's ``bandwidth_by_ranks_per_node`` points
+        above, linear in k between them, clamped at the largest k."""
+        pts = [(1, self.bandwidth)] + sorted((int(k), float(b)) for k, b in self.bandwidth_by_ranks_per_node.items()
+                                             if int(k) > 1)
+        k = max(1, int(ranks_per_node))
+        if k >= pts[-1][0]:
+            return pts[-1][1]
+        for (k0, b0), (k1, b1) in zip(pts, pts[1:]):
+            if k0 <= k <= k1:
+                return b0 + (k - k0) / (k1 - k0) * (b1 - b0)
+        return self.bandwidth
+
+    def seconds(self, wire_bytes: float, calls: int = 1, group_size: int = 2, ranks_per_node: int = 1) -> float:
         if not calls:
             return 0.0
         latency = self.latency_s + self.latency_per_rank_s * max(0, group_size - 2)
-        return calls * latency + wire_bytes / self.bandwidth
+        return calls * latency + wire_bytes / self.bus_bandwidth(ranks_per_node)
 
-    def cpu_seconds(self, wire_bytes: float, calls: int = 1, group_size: int = 2) -> float:
+    def cpu_seconds(self, wire_bytes: float, calls: int = 1, group_size: int = 2, ranks_per_node: int = 1) -> float:
         """CPU seconds one rank spends in ``calls`` such calls moving ``wire_bytes`` in all
         (module docstring, over-subscribed nodes); the wall time when the CPU cost is unknown."""
         if self.cpu_latency_s is None or not self.cpu_bandwidth:
-            return self.seconds(wire_bytes, calls, group_size)
+            return self.seconds(wire_bytes, calls, group_size, ranks_per_node)
         if not calls:
             return 0.0
         latency = self.cpu_latency_s + self.cpu_latency_per_rank_s * max(0, group_size - 2)
@@ -174,7 +210,9 @@ def _from_fields(cls, raw: dict, given: dict):
 def _link_table(raw: dict) -> dict:
     out = {}
     for level, ops in raw.items():
-        out[level] = {op: _from_fields(LinkCost, v, {}) for op, v in ops.items() if isinstance(v, dict)}
+        out[level] = {op: _from_fields(LinkCost, v, {"bandwidth_by_ranks_per_node": {
+            int(k): float(b) for k, b in (v.get("bandwidth_by_ranks_per_node") or {}).items()}})
+            for op, v in ops.items() if isinstance(v, dict)}
         if "default" not in out[level]:
             raise ConfigError(f"hardware links.{level} has no 'default' entry. Fix: add "
                               f"\"default\": {{\"bandwidth\": ..., \"latency_s\": ...}}.")

@@ -81,15 +81,15 @@ def _data_step(cfg, layout: Layout, pr: _Pricing, layer_ids, first: bool, last: 
     reduce, gather, units = data_comm(cfg, layout, layer_ids, first, last, A, bucket_bytes)
     ex_reduce, ex_gather, ex_units = data_comm(cfg, layout, layer_ids, first, last, A, bucket_bytes, experts=True)
     reduce, gather, units = [reduce, ex_reduce], [gather, ex_gather], units + ex_units
-    level, hw = pr.levels["data"], pr.hw
-    out = _DataCost(busy_s=comm_cpu_seconds(gather + reduce, hw, level))     # (None: no such calls)
+    level, hw, k = pr.levels["data"], pr.hw, pr.members_of("data")
+    out = _DataCost(busy_s=comm_cpu_seconds(gather + reduce, hw, level, k))     # (None: no such calls)
     if any(g is not None for g in gather):
-        t_gather = comm_seconds(gather, hw, level, pr.skew)
+        t_gather = comm_seconds(gather, hw, level, pr.skew, k)
         if layout.zero == 3:
             out.gather_per_mb_s = t_gather / A          # per micro-batch (its layer gathers)
         else:
             out.gather_after_s = t_gather
-    out.reduce_s = comm_seconds(reduce, hw, level, pr.skew)
+    out.reduce_s = comm_seconds(reduce, hw, level, pr.skew, k)
     D = layout.data * layout.context
     ov = layout.overlap_grad_reduce                 # train.overlap_grad_reduce (the planner enumerates it)
     in_backward = reduces_in_backward(layout.zero, D, layout.pipeline, layout.pipeline_schedule, ov)

@@ -1,7 +1,8 @@
 """How long bytes take on the planner's links: which link each mesh dim uses, and the seconds (and
 CPU seconds) of the collectives priced on it.
 
-Each collective costs ``latency + ring wire bytes / bandwidth`` on its group's link,
+Each collective costs ``latency + ring wire bytes / bus bandwidth`` on its group's link (across
+nodes the bus bandwidth of the group's members per node: :func:`group_ranks_per_node`),
 plus ``Hardware.sync_skew_s`` per call: every collective the step prices here is synchronous
 (tensor, ZeRO-3 gathers, exposed reductions, pipeline sends), and inside a step the ranks reach it
 at different times — on an over-subscribed CPU about a scheduler slice per call, measured by
@@ -36,17 +37,19 @@ def _ops(vols):
             yield op, ring_wire_bytes(op, payload, v.group_size), v.calls[op], v.group_size
 
 
-def comm_seconds(vols, hw: Hardware, level: str, skew: Optional[float] = None) -> float:
-    """Σ over ops of calls·(latency + sync skew) + ring wire bytes / bandwidth (hardware module
+def comm_seconds(vols, hw: Hardware, level: str, skew: Optional[float] = None, ranks_per_node: int = 1) -> float:
+    """Σ over ops of calls·(latency + sync skew) + ring wire bytes / bus bandwidth (hardware module
     docstring): the collectives are synchronous, each exposed. ``skew``: per call, default
-    ``hw.sync_skew_s``."""
+    ``hw.sync_skew_s``; ``ranks_per_node``: the group's members in each node (the bus bandwidth
+    across nodes grows with the NICs they use: :meth:`~.hardware.LinkCost.bus_bandwidth`)."""
     skew = hw.sync_skew_s if skew is None else skew
-    return sum(hw.link(level, op).seconds(wire, n, group) + n * skew for op, wire, n, group in _ops(vols))
+    return sum(hw.link(level, op).seconds(wire, n, group, ranks_per_node) + n * skew
+               for op, wire, n, group in _ops(vols))
 
 
-def comm_cpu_seconds(vols, hw: Hardware, level: str) -> float:
+def comm_cpu_seconds(vols, hw: Hardware, level: str, ranks_per_node: int = 1) -> float:
     """Σ over ops of the CPU seconds one rank spends in them (``LinkCost.cpu_seconds``)."""
-    return sum(hw.link(level, op).cpu_seconds(wire, n, group) for op, wire, n, group in _ops(vols))
+    return sum(hw.link(level, op).cpu_seconds(wire, n, group, ranks_per_node) for op, wire, n, group in _ops(vols))
 
 
 def call_seconds(hw: Hardware, level: str, op: str, payload: int, group: int, calls: int = 1,
@@ -78,6 +81,19 @@ def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
     return levels
 
 
+def group_ranks_per_node(layout: Layout, per_node: int) -> dict:
+    """Members of each collective group in one node of ``per_node`` consecutive ranks (mesh order
+    data, pipeline, context, tensor; tensor innermost), for the bus bandwidth across nodes
+    (hardware module docstring, "Bus bandwidth"): a 1D tensor group is T consecutive ranks,
+    min(T, per_node); the data × context group has C context members T apart and D data members
+    P·C·T apart, those of each inside one node multiplied. Other groups (2D/3D tensor axes,
+    pipeline and context sends, experts): 1."""
+    T, C, P, D = layout.layer_tensor, layout.context, layout.pipeline, layout.data
+    inside = lambda count, stride: min(count, max(1, per_node // stride)) if stride < per_node else 1  # noqa: E731
+    return {"tensor": min(T, per_node) if layout.tensor_mode == "1d" else 1,
+            "data": inside(C, T) * inside(D, P * C * T)}
+
+
 def expert_span(layout: Layout) -> int:
     """Global ranks an expert group spans: E consecutive members of a data × context group
     (:mod:`gridshard.mesh_expert`), context members T ranks apart and data members P·C·T (mesh order
@@ -102,13 +118,19 @@ class _Pricing:
     stretch: float
     skew: float
     ranks_per_node: int
+    members: dict = None          # group -> its members in one node (group_ranks_per_node)
+
+    def members_of(self, group: str) -> int:
+        return (self.members or {}).get(group, 1)
 
 
 def _pricing(layout: Layout, hw: Hardware, nodes: int) -> _Pricing:
     ranks_per_node = max(1, layout.world // max(1, nodes))
     throughput_node = hw.oversubscribed(ranks_per_node)
     return _Pricing(hw, link_levels(layout, hw, nodes), 1.0 if throughput_node else hw.contention(ranks_per_node),
-                    0.0 if throughput_node else hw.sync_skew_s, ranks_per_node)
+                    0.0 if throughput_node else hw.sync_skew_s, ranks_per_node,
+                    group_ranks_per_node(layout, ranks_per_node))
 
 
-__all__ = ["comm_seconds", "comm_cpu_seconds", "call_seconds", "link_levels", "expert_span", "expert_level"]
+__all__ = ["comm_seconds", "comm_cpu_seconds", "call_seconds", "link_levels", "expert_span", "expert_level",
+           "group_ranks_per_node"]
