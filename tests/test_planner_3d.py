@@ -144,7 +144,7 @@ def test_3d_memory_is_one_over_t_and_the_meta_model_s():
     N, q, d = CUBE.micro_batch * s, 2, mc.head_dim
     Nr, Hr, Kr, fr, R = N // 4, mc.heads // q, mc.kv_heads // q, f // q, N * h // 8
     norm = 2 * R * 4 + Nr * 4 + h // q * 4
-    want = 2 * norm + Nr * d * (2 * Hr + 2 * Kr) * 4 + Nr * Hr * 4 + 4 * Nr * fr * 4
+    want = 2 * norm + Nr * d * (2 * Hr + 2 * Kr) * 4 + Nr * Hr * 4 + 3 * Nr * fr * 4
     assert layer_saved_bytes(mc, "3d", 8, False, N) == mem.details["per_layer"] == want
     assert layer_saved_bytes(mc, "3d", 8, False, N, "full") == R * 4
     # a tied head keeps one more tensor: its product's copy of the weight slice [V_p/q, h/q²] (V_p = 256)

@@ -191,16 +191,42 @@ def _recomputed(fn, *args) -> torch.Tensor:
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) · up(x)). Kept for backward: gate's output g (for SiLU), silu(g) and
-    up's output u (for the product), and the product (down's input): four f-wide tensors; with
-    :meth:`recompute_activation_in_backward`, g and u (the recomputed region's inputs) and the
-    product, three — silu(g) is rebuilt from g in backward; with :meth:`rebuild_output_in_backward`
-    as well, two: down keeps the recipe (g, u) of the product, not the product
-    (:mod:`gridshard.nn.rebuild`)."""
+class _SwiGLU(torch.autograd.Function):
+    """silu(g)·u keeping g and u for backward, not silu(g): the backward computes silu(g) again from
+    g (Megatron's fused ``bias_swiglu`` keeps the same two). The ops are the ones autograd runs for
+    ``F.silu(g) * u`` (mul's backward: grad·u and grad·silu(g); silu's: ``aten.silu_backward``), so
+    the gradients are that expression's bit for bit; no RNG, no checkpoint region."""
 
-    #: recompute silu(g)·u in backward (``train.recompute: selective``); off by default
-    recompute_activation: bool = False
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        need_gate, need_up = ctx.needs_input_grad[:2]
+        grad_up = grad * F.silu(gate) if need_up else None
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if need_gate else None
+        return grad_gate, grad_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate)·up, keeping gate and up for backward and rebuilding silu(gate) there
+    (:class:`_SwiGLU`); operands of different shapes or dtypes (broadcasting, promotion) take the
+    plain expression, which keeps silu(gate) too."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        return F.silu(gate) * up
+    return _SwiGLU.apply(gate, up)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) · up(x)). Kept for backward, in every recompute mode (:func:`swiglu`): gate's
+    output g and up's output u (silu(g) is rebuilt from g in backward, as Megatron's fused
+    ``bias_swiglu`` does) and the product (down's input): three f-wide tensors; with
+    :meth:`rebuild_output_in_backward` (``train.recompute: selective``), two: down keeps the recipe
+    (g, u) of the product, not the product (:mod:`gridshard.nn.rebuild`)."""
+
     #: the decoder layer's :class:`gridshard.nn.rebuild.RebuildRegion` the product is offered to
     #: (``train.recompute: selective``); None unless :meth:`rebuild_output_in_backward` sets it
     rebuild = None
@@ -211,21 +237,19 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = _linear(cfg.hidden, cfg.ffn_hidden)
         self.down_proj = _linear(cfg.ffn_hidden, cfg.hidden)
 
-    def recompute_activation_in_backward(self) -> None:
-        """Keep g and u, not silu(g), and compute silu(g)·u again in backward (no collective)."""
-        self.recompute_activation = True
-
     def rebuild_output_in_backward(self, region) -> None:
         """Offer silu(g)·u to ``region`` with its recipe (g, u): down_proj keeps that, not the product."""
         self.rebuild = region
 
     @staticmethod
     def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(g)·u as a plain expression: the rebuild's recipe (run with gradients off; the same
+        ops, so the same bits, as :func:`swiglu`'s forward)."""
         return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        act = _recomputed(self.activation, gate, up) if self.recompute_activation else self.activation(gate, up)
+        act = swiglu(gate, up)
         if self.rebuild is not None:
             self.rebuild.offer(act, self.activation, gate, up)
         return self.down_proj(act)

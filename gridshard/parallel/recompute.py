@@ -2,7 +2,9 @@
 
 ``train.recompute``:
 
-* ``none``: every activation a backward needs is kept.
+* ``none``: every activation a backward needs is kept — except SwiGLU's silu(g), which in every
+  mode is computed again from g in backward (:func:`gridshard.models.llama.swiglu`: the SwiGLU keeps
+  g and u, as Megatron's fused ``bias_swiglu`` does; a pointwise op, no checkpoint region).
 * ``full``: each decoder layer keeps only its input; in backward its forward runs again
   (``torch.utils.checkpoint``, non-reentrant) and then its backward. The layer's
   tensor-parallel *forward* collectives therefore run twice per step (forward and
@@ -11,16 +13,18 @@
   needs (PyTorch stops the recomputation there: :func:`gridshard.tensor.tp1d.theory.block_recompute_comm`).
 * ``selective``: the cheap, memory-heavy parts of each layer are recomputed, as Korthikanti
   et al. (2022) recompute the attention core and Megatron-core / torchtitan also the MLP
-  activation; the projections (the FLOPs) and the norms keep their activations. Exactly:
+  activation (in gridshard's Llama that is so in every mode, above); the projections (the FLOPs)
+  and the norms keep their activations. Exactly:
 
   - **attention core** (:meth:`gridshard.models.llama.Attention.core`: RoPE on q and k and the
     causal softmax attention) — kept: q, k, v as the projections made them (before RoPE) and
     the shared cos/sin tables; recomputed: rotated q and k and SDPA's saved tensors (the
     rotated q, k, v, its output and the log-sum-exp; an unfused softmax would keep its s×s
     probabilities here). The core's output stays kept by ``o_proj`` (its input).
-  - **MLP activation** (:meth:`gridshard.models.llama.SwiGLUMLP.activation`, silu(g)·u) —
-    kept: g = gate(x) and u = up(x); recomputed: silu(g). The product is ``down_proj``'s input,
-    rebuilt (below).
+  - **MLP activation** (silu(g)·u, :func:`gridshard.models.llama.swiglu`) — kept: g = gate(x)
+    and u = up(x); recomputed: silu(g) — as under ``none``, so nothing is switched on for it
+    (the ViT's GELU, :class:`gridshard.models.vit.ViTLayer`, is a checkpoint region here). The
+    product is ``down_proj``'s input, rebuilt (below).
 
   - **rebuildable saved tensors** (:mod:`gridshard.nn.rebuild`, :func:`rebuild_module`) — the
     outputs of both RMSNorms, which q|k|v and gate|up keep for their weight gradients, and the
@@ -28,8 +32,8 @@
     tensors kept anyway (x̂ and w, or x, rstd and w; g and u) and backward rebuilds them, bit for
     bit, with one or two pointwise ops.
 
-  Per layer that is the log-sum-exp (N·H_r·4 bytes), two f-wide tensors (silu(g) and the
-  product) and the two norm outputs (R·e each) less than ``none``
+  Per layer that is the log-sum-exp (N·H_r·4 bytes), one f-wide tensor (the product) and the
+  two norm outputs (R·e each) less than ``none``
   (:func:`gridshard.theory.memory.layer_saved_bytes`). All of it runs on the rank's own heads /
   MLP columns / blocks with no collective and no matmul, so nothing is communicated again —
   except under context parallelism (``parallel.context`` > 1), where the recomputed attention
@@ -73,7 +77,8 @@ MODES = ("none", "full", "selective")
 
 #: what ``selective`` turns on, in any module that has it: the attention core
 #: (:class:`gridshard.models.llama.Attention`, :class:`gridshard.models.vit.ViTSelfAttention`) and
-#: the MLP activation (:class:`gridshard.models.llama.SwiGLUMLP`, :class:`gridshard.models.vit.ViTLayer`)
+#: the MLP activation (:class:`gridshard.models.vit.ViTLayer`; the Llama's SwiGLU rebuilds silu(g)
+#: in every mode, :func:`gridshard.models.llama.swiglu`)
 SELECTIVE_SWITCHES = ("recompute_core_in_backward", "recompute_activation_in_backward")
 
 

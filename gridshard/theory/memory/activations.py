@@ -51,25 +51,27 @@ every recompute mode, fp32 and bf16, tied and untied (``tests/test_planner_3d.py
   Korthikanti's 5·a·s²·b term belongs to an unfused softmax (and dropout, which we lack).
 * **o_proj** (row/2D): keeps its input, which is the attention output already counted
   (a view of the same storage).
-* **MLP**: gate output g (for SiLU), silu(g) and up output u (for the product), and the
-  product (down's input): 4·N_r·f_r·e.
+* **MLP** (:func:`gridshard.models.llama.swiglu`, in every recompute mode): gate output g and up
+  output u (the SwiGLU's inputs; silu(g) is rebuilt from g in backward, as Megatron's fused
+  ``bias_swiglu`` does) and the product (down's input): 3·N_r·f_r·e. (Written plainly,
+  ``F.silu(g) * u`` would keep silu(g) as a fourth.)
 * Residual additions keep nothing.
 
 Per layer, recompute ``none``::
 
-    2·norm + N_r·d·(2·H_r + 2·K_r)·e + N_r·H_r·4 + 4·N_r·f_r·e
+    2·norm + N_r·d·(2·H_r + 2·K_r)·e + N_r·H_r·4 + 3·N_r·f_r·e
     norm = R·e + R·4 + R/h·4 + R·e      fp32: x, x̂, rstd, y   (none, 1D, 1D + SP; y the block under SP)
          = R·e + R/h·4 + R·e            bf16/fp16: x, rstd, y
          = 2R·e + N_r·4 + h/q·4         2D, any precision
 
-``selective`` (:mod:`gridshard.parallel.recompute`: the attention core and the MLP activation
-are non-reentrant checkpoints, and the norm outputs and the product silu(g)·u are *rebuilt*,
+``selective`` (:mod:`gridshard.parallel.recompute`: the attention core is a non-reentrant
+checkpoint, and the norm outputs and the product silu(g)·u are *rebuilt*,
 :mod:`gridshard.nn.rebuild`): the core keeps its inputs — q, k, v before RoPE (same sizes as
 after) and the shared cos/sin — instead of its activations, and its output stays kept by
-o_proj; the MLP region keeps g and u; the consumers of the two norm outputs (q|k|v, gate|up)
-and of the product (down) keep recipes over tensors kept anyway (x̂ and w, or x, rstd and w;
-g and u), not the tensors. The layer saves the log-sum-exp N_r·H_r·4, silu(g) and the product
-(2·N_r·f_r·e) and the two norm outputs (2·R·e) less::
+o_proj; the SwiGLU keeps g and u (as under ``none``); the consumers of the two norm outputs
+(q|k|v, gate|up) and of the product (down) keep recipes over tensors kept anyway (x̂ and w, or x,
+rstd and w; g and u), not the tensors. The layer saves the log-sum-exp N_r·H_r·4, the product
+(N_r·f_r·e) and the two norm outputs (2·R·e) less::
 
     2·norm_r + N_r·d·(2·H_r + 2·K_r)·e + 2·N_r·f_r·e
     norm_r = norm − R·e            (x, x̂, rstd fp32; x, rstd bf16/fp16; 2D: x, the rms, the w block)
@@ -221,8 +223,10 @@ def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens:
                         e: int = FP32, context: int = 1, context_mode: str = "ring") -> dict:
     """What one decoder layer keeps for backward, tensor by tensor (module docstring §2): name →
     bytes, in forward order; the two norms as one entry each (:func:`norm_saved_bytes`). Under
-    ``selective`` q, k, v are the core's inputs (before RoPE, same sizes), ``lse``, ``silu(g)``
-    and ``silu(g)·u`` are absent and the norms keep x and rstd (+ x̂ in fp32) but not y (rebuilt
+    ``none`` the SwiGLU keeps g and u, not silu(g) (rebuilt from g in backward:
+    :func:`gridshard.models.llama.swiglu`), and down_proj the product. Under
+    ``selective`` q, k, v are the core's inputs (before RoPE, same sizes), ``lse`` and
+    ``silu(g)·u`` are absent and the norms keep x and rstd (+ x̂ in fp32) but not y (rebuilt
     in backward, :mod:`gridshard.nn.rebuild`); ``full`` keeps the layer input only. ``context`` C > 1
     (``tokens`` already the rank's b·2c): the attention output o_proj keeps is a copy
     (:func:`gridshard.theory.context.context_attention_saved_bytes`)."""
@@ -232,7 +236,7 @@ def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens:
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     n, d, f = r.token_rows, cfg.head_dim, r.token_rows * r.ffn * e
-    if recompute == "selective":    # the core's log-sum-exp and silu(g) recomputed, y and silu(g)·u rebuilt
+    if recompute == "selective":    # the core's log-sum-exp recomputed, y and silu(g)·u rebuilt
         norm = norm_saved_bytes(cfg, mode, T, sequence_parallel, tokens, e, rebuilt=True)
         return {"attn_norm (x, rstd)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
                 "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e,
@@ -240,7 +244,7 @@ def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens:
     norm = norm_saved_bytes(cfg, mode, T, sequence_parallel, tokens, e)
     out = {"attn_norm (x, rstd, y)": norm, "q": n * r.heads * d * e, "k": n * r.kv_heads * d * e,
            "v": n * r.kv_heads * d * e, "attention output": n * r.heads * d * e, "lse": n * r.heads * FP32,
-           "mlp_norm (x, rstd, y)": norm, "gate g": f, "silu(g)": f, "up u": f, "silu(g)·u": f}
+           "mlp_norm (x, rstd, y)": norm, "gate g": f, "up u": f, "silu(g)·u": f}
     extra = context_attention_saved_bytes(context, n, r.heads, d, e, recompute, r.kv_heads, str(context_mode))
     return {**out, "o_proj input (C > 1 copy)": extra} if extra else out
 
