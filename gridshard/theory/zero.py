@@ -58,7 +58,8 @@ element), S_u = L_u:
 Clipping adds one 8-byte all-reduce over data (the shards' sum of squares).
 
 Bytes per element: fp32 runs b = 4 for both. bf16 storage (``train.precision: bf16``): the
-all-gathers move bf16 parameters, b_gather = 2; the reduce-scatters move
+all-gathers move bf16 parameters, b_gather = 2 (ZeRO-3: each rank's fp32 master chunk, its
+parameter chunk, cast to bf16 just before the gather); the reduce-scatters move
 ``train.grad_reduce_dtype``'s elements, b = 4 (fp32: each unit's bf16 gradient buffer cast to
 fp32 first) or 2 (bf16).
 

@@ -138,7 +138,7 @@ class ZeroDataParallel(ReadsSettings):
         out = [u.reduced for u in self.units] + [u.grad_buffer for u in self.units]
         out += [u.master for u in self.units] if self.mixed else []
         out += [u.accum for u in self.units] if self.stage == 1 and self.fp32_accumulation else []
-        return out + ([u.param_chunk for u in self.units] if self.stage == 3 else [])
+        return out + ([u.param_chunk for u in self.units if u.param_chunk is not u.master] if self.stage == 3 else [])
 
     def released_tensors(self) -> list:
         """The buffers whose memory is released now — ZeRO-3 parameter buffers of units not

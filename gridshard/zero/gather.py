@@ -3,13 +3,13 @@
 its own mapping with its pages handed back (:class:`~.pages.FlatPages`; the unit's ``gathered``
 flag says which, and :meth:`~.data_parallel.ZeroDataParallel.released_tensors` lets memory
 accounting count it 0). The parameter objects, their names and autograd identity stay; every view
-sees the memory when it is back. With host pages the long-lived chunks (parameter, reduced,
-master) and AdamW's moments of them are views of one arena mapping (:class:`~.pages.ChunkArena`,
-:meth:`~.data_parallel.ZeroDataParallel.adam_moments`), and gloo's all-gather and reduce-scatter
-transients are slots of a resident pool the reducer owns (:class:`~.pages.StagingPool`: 2 gathers
-and ``MAX_IN_FLIGHT + 1`` reductions): glibc's heap then holds only a step's activations
-(docs/memory.md "Resident memory on CPU"). And the heap is trimmed (``malloc_trim(0)``,
-:meth:`ParameterGather.trim_before_regather`) as backward reaches each of its first
+sees the memory when it is back. With host pages the long-lived chunks (parameter — under bf16
+storage the fp32 master —, reduced) and AdamW's moments of them are views of one arena mapping
+(:class:`~.pages.ChunkArena`, :meth:`~.data_parallel.ZeroDataParallel.adam_moments`), and gloo's
+all-gather and reduce-scatter transients are slots of a resident pool the reducer owns
+(:class:`~.pages.StagingPool`: 2 gathers and ``MAX_IN_FLIGHT + 1`` reductions): glibc's heap then
+holds only a step's activations (docs/memory.md "Resident memory on CPU"). And the heap is trimmed
+(``malloc_trim(0)``, :meth:`ParameterGather.trim_before_regather`) as backward reaches each of its first
 ``TRIMMED_LAYERS`` = ``MAX_IN_FLIGHT + 1`` decoder layers, before the regather. Over those layers
 the backward's own memory, outside the heap, grows to its steady state — the regathered layer and
 the prefetched one, the gradient buffers of up to ``MAX_IN_FLIGHT + 1`` reductions, each
@@ -19,7 +19,9 @@ that growth comes; later ones would only make the backward's own temporaries fau
 (measured: a trim at every layer gave the same peak at 2.4× the extra page faults).
 
 A forward pre-hook on the unit's module gathers it (memory back, one all-gather of the parameter
-chunks into the buffer); after
+chunks into the buffer; under bf16 storage each rank first casts its fp32 master chunk into its own
+slice of the bf16 buffer and all-gathers that in place: sharded fp32 parameters, bf16 all-gathers,
+as FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``); after
 the forward the layer is freed again; an identity autograd function on the layer's outputs
 gathers it again when backward reaches the layer (the saved activations refer to the same
 storage, so they see the same values; the parameters' version counters are their own, not the
@@ -142,8 +144,12 @@ class ParameterGather(StagingSlots):
         if u.gathered or u.prefetch is not None:
             return
         u.param_pages.restore()
+        send = u.param_chunk
+        if send.dtype != u.param_buffer.dtype:         # bf16 storage: the fp32 master, cast into its own slice
+            lo, hi = u.layout.chunk(u.part)
+            send = u.param_buffer[lo:hi].copy_(send)
         u.send_slot = self._take_slot("gather")
-        u.prefetch = C.all_gather_into(u.param_buffer, u.param_chunk, u.axis, async_op=True,
+        u.prefetch = C.all_gather_into(u.param_buffer, send, u.axis, async_op=True,
                                        staging=self._slot_view(u.send_slot, u.param_buffer.dtype))
         u.gathered = True
 

@@ -34,11 +34,11 @@ fragmented heap. Three owners here take ZeRO-3's own memory out of that heap:
   (``mallinfo2``). Released after each use (the previous attempt) they were faulted in and
   zeroed again at every collective; kept resident they are faulted in once.
 * :class:`ChunkArena`: every long-lived chunk of the reducer — per unit the parameter chunk
-  ``C·s_p`` bytes, the reduced gradient chunk ``4C``, the fp32 master ``4C`` under bf16 storage,
-  AdamW's two moments ``2·C·s_m`` (``s_m`` the stepped dtype's size) — carved, each aligned to
-  64 bytes, from one anonymous mapping of
+  ``C·s_m`` bytes (under bf16 storage the fp32 master itself), the reduced gradient chunk ``4C``,
+  AdamW's two moments ``2·C·s_m`` (``s_m`` the stepped dtype's size: 4 under fp32 and bf16
+  storage) — carved, each aligned to 64 bytes, from one anonymous mapping of
 
-      Σ_units ⌈C·s_p⌉₆₄ + ⌈4C⌉₆₄ [+ ⌈4C⌉₆₄] + 2·⌈C·s_m⌉₆₄   bytes,
+      Σ_units ⌈C·s_m⌉₆₄ + ⌈4C⌉₆₄ + 2·⌈C·s_m⌉₆₄   bytes,
 
   made once when the reducer is built (:meth:`ChunkArena.plan` sums it), before any of them is
   written. The optimizer's state is seeded with the moment views

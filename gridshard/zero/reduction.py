@@ -4,9 +4,10 @@ complete, the step's communication. The units and buffers it acts on: :mod:`.uni
 gathering: :mod:`.gather`.
 
 bf16 storage (``param_dtype`` bf16, ``train.precision: bf16``): the parameter and gradient
-buffers (and ZeRO-3's parameter chunk) are bf16; each unit also holds its *master chunk* [C_u]
-fp32 (ZeRO-0: the whole unit), copied from the fp32 values before the parameters are cast —
-that is what the optimizer steps, its ``.grad`` the fp32 reduced chunk. ``grad_reduce_dtype``
+buffers are bf16; each unit also holds its *master chunk* [C_u] fp32 (ZeRO-0: the whole unit;
+ZeRO-3: it is the unit's parameter chunk, no bf16 copy is kept), copied from the fp32 values
+before the parameters are cast — that is what the optimizer steps, its ``.grad`` the fp32
+reduced chunk. ``grad_reduce_dtype``
 fp32: ZeRO-0 casts each bucket into its fp32 reduced buffer and all-reduces that in place;
 ZeRO ≥ 1 reduce-scatters an fp32 cast of the gradient buffer (alive while in flight). bf16: the
 bf16 buffer is reduced (all-reduced in place; reduce-scattered into a bf16 chunk) and cast into
@@ -15,7 +16,9 @@ bf16 buffer is reduced (all-reduced in place; reduce-scattered into a bf16 chunk
 (given its storage back, for the next step, in :meth:`after_step`): per parameter between steps
 2 (param) + 2 (grad) + 4 (master) + 8 (moments) = 16 bytes, from the reduction to the step
 2 + 4 + 4 (reduced) + 8 = 18. :meth:`after_step` first copies each master chunk into the bf16
-parameter chunk, so the all-gathers (and ZeRO-3's gathers) move bf16.
+parameter chunk (ZeRO-1/2), so the all-gathers move bf16; ZeRO-3's gathers cast the master chunk
+into the bf16 buffer's own slice and all-gather bf16 from there (:mod:`.gather`): the same
+rounding of the same fp32 values, 16 bytes per parameter over D.
 
 bf16 storage with A > 1 micro-batches (ZeRO-0/1 with ``overlap``: P = 1, D > 1): the micro-batches
 are summed in fp32, as ZeRO-2/3's sharded accumulation and Megatron's fp32 main gradient do, not
@@ -297,12 +300,14 @@ class GradientReduction(ReadsSettings, StagingSlots):
     @torch.no_grad()
     def after_step(self) -> None:
         """bf16 storage: copy every master chunk into the bf16 parameter chunk (ZeRO ≤ 2: this
-        rank's chunk of the parameter buffer; ZeRO-3: the parameter chunk); ZeRO-0 frees the
+        rank's chunk of the parameter buffer; ZeRO-3: nothing, the master is its parameter chunk,
+        cast to bf16 by each gather); ZeRO-0 frees the
         reduced buffers and gives the gradient buffers their storage back. ZeRO-1/2: all-gather
         every unit's updated chunk into its parameter buffer, in place."""
         if self.mixed:
             for u in self.units:
-                u.param_chunk.copy_(u.master)
+                if u.param_chunk is not u.master:      # ZeRO-3: the master is the chunk, cast at each gather
+                    u.param_chunk.copy_(u.master)
             self._end_reduction()
         if self.stage not in (1, 2):
             return

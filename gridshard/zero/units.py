@@ -28,7 +28,8 @@ ZeRO-0, whose every rank owns everything (:class:`~.flat_layout.FlatLayout`,
 * the *reduced chunk* [C_u = L_u/parts]: this rank's chunk of the summed gradient, ÷ D —
   ZeRO ≥ 1: a reduce-scatter's output; ZeRO-0: the gradient buffer itself, all-reduced in place;
 * ZeRO-3: the *parameter chunk* [C_u]: this rank's chunk of the parameters, which lives on
-  while the parameter buffer's storage is freed.
+  while the parameter buffer's storage is freed — under bf16 storage the fp32 master chunk
+  itself (no bf16 copy: a gather casts it into the buffer's own slice, then all-gathers bf16).
 
 Data rank r owns elements ``[r·C_u, (r+1)·C_u)`` of each unit (ZeRO-0: all of them). What the
 optimizer steps (:class:`~.stepped.SteppedTensor`) is, per parameter, the part of that chunk
@@ -80,7 +81,8 @@ class Unit:
     part: int = 0                                   # this rank's chunk
     layout: Optional[FlatLayout] = None
     param_buffer: Optional[torch.Tensor] = None     # [L]: the parameters are views of it
-    param_chunk: Optional[torch.Tensor] = None      # [C]: this rank's chunk (ZeRO ≤ 2: a view of param_buffer)
+    param_chunk: Optional[torch.Tensor] = None      # [C]: this rank's chunk (ZeRO ≤ 2: a view of param_buffer;
+                                                    # ZeRO-3 bf16 storage: the fp32 master itself)
     grad_buffer: Optional[torch.Tensor] = None      # [L]: the .grad are views of it
     grad_views: list = field(default_factory=list)
     reduced: Optional[torch.Tensor] = None          # [C]: the reduced gradient chunk, ÷ D (ZeRO-0 fp32: grad_buffer)
@@ -193,11 +195,12 @@ class UnitLayout(ReadsSettings):
         return units
 
     def _chunk_pieces(self, u: Unit) -> list:
-        """ZeRO-3: (numel, dtype) of ``u``'s long-lived chunks in arena order — parameter chunk,
-        reduced chunk, fp32 master (bf16 storage), AdamW's two moments of the stepped chunk."""
-        c, stored = u.layout.padded // u.parts, self._stored_dtype(u)
-        stepped = torch.float32 if self.mixed else stored
-        return [(c, stored), (c, torch.float32)] + ([(c, torch.float32)] if self.mixed else []) + [(c, stepped)] * 2
+        """ZeRO-3: (numel, dtype) of ``u``'s long-lived chunks in arena order — parameter chunk
+        (bf16 storage: the fp32 master itself, no bf16 copy), reduced chunk, AdamW's two moments
+        of the stepped chunk."""
+        c = u.layout.padded // u.parts
+        stepped = torch.float32 if self.mixed else self._stored_dtype(u)
+        return [(c, stepped), (c, torch.float32)] + [(c, stepped)] * 2
 
     def _stored_dtype(self, u: Unit) -> torch.dtype:
         """The dtype ``u``'s parameters are stored in (bf16 storage: ``param_dtype``)."""
@@ -215,7 +218,10 @@ class UnitLayout(ReadsSettings):
     @torch.no_grad()
     def _lay_out_zero3(self, u: Unit, shapes) -> None:
         """ZeRO-3: ``u``'s parameter and gradient buffers as :class:`~.pages.FlatPages`, its chunks
-        carved from the arena in :meth:`_chunk_pieces` order (zeros), the values copied in."""
+        carved from the arena in :meth:`_chunk_pieces` order (zeros), the values copied in. bf16
+        storage: the parameter chunk *is* the fp32 master (FSDP2's sharded fp32 parameters under
+        ``MixedPrecisionPolicy(param_dtype=bf16)``); a gather casts it into the buffer's own slice
+        and all-gathers bf16 from there (:meth:`~.gather.ParameterGather._prefetch`)."""
         first, stored, (lo, hi) = u.params[0], self._stored_dtype(u), u.layout.chunk(u.part)
         # a zero [C] chunk: carved from the arena (host pages), else its own tensor
         chunk = lambda dtype: (self.arena.take(hi - lo, dtype) if self.arena is not None     # noqa: E731
@@ -226,12 +232,13 @@ class UnitLayout(ReadsSettings):
                   else u.param_pages.tensor)
         for p, view in zip(u.params, u.layout.views(values, shapes)):
             view.copy_(p.detach())
-        u.param_chunk, u.reduced = chunk(stored), chunk(torch.float32)
-        if self.mixed:                                 # the fp32 values → the master chunk, then bf16 storage
-            u.master = chunk(torch.float32).copy_(values[lo:hi])
-            u.param_pages.tensor.copy_(values)
+        u.param_chunk, u.reduced = chunk(torch.float32 if self.mixed else stored), chunk(torch.float32)
         u.param_buffer, u.grad_buffer = u.param_pages.tensor, u.grad_pages.tensor
-        u.param_chunk.copy_(u.param_buffer[lo:hi])
+        if self.mixed:                                 # the fp32 values → the master (= parameter) chunk, bf16 storage
+            u.master = u.param_chunk.copy_(values[lo:hi])
+            u.param_buffer.copy_(values)
+        else:
+            u.param_chunk.copy_(u.param_buffer[lo:hi])
         stepped_dtype = torch.float32 if self.mixed else stored
         u.moments = (chunk(stepped_dtype), chunk(stepped_dtype)) if self.arena is not None else ()
 

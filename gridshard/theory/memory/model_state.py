@@ -21,7 +21,10 @@ fp32 parameters, autocast and loss scaling) keep everything fp32, 16 bytes per p
 bf16 runs (``param_bytes`` = 2: parameters and their gradient buffers in bf16, fp32 master
 weights owned by the reducer, :mod:`gridshard.zero`) — the ZeRO paper's 16Ψ / 2Ψ+2Ψ+12Ψ/D /
 2Ψ+14Ψ/D / 16Ψ/D, except that our reduced gradient chunk (the sharded accumulator) is fp32:
-+4Ψ/D at ZeRO-1, +2Ψ/D at ZeRO-2/3 (``tests/test_bf16_storage.py``)::
++4Ψ/D at ZeRO-1, +2Ψ/D at ZeRO-2; ZeRO-3 is the paper's 16Ψ/D: its parameter chunk is the fp32
+master itself (no bf16 chunk; each gather casts it into the bf16 buffer and all-gathers bf16, as
+FSDP2's sharded fp32 parameters with ``param_dtype`` bf16), which pays for the fp32 gradient chunk
+(``tests/test_bf16_storage.py``)::
 
     stage   params (bf16 + fp32 master)   grads                    optimizer   comm buffers
     0       2n + 4n                       2n (bf16 buffer)         8n          —   (+ 2n step transient: the
@@ -31,10 +34,10 @@ weights owned by the reducer, :mod:`gridshard.zero`) — the ZeRO paper's 16Ψ /
                                                                                     micro-batch, below)
     1       2·ΣL_u + 4·ΣC_u               2·ΣL_u (bf16 buffer)     8·Σs_u      4·ΣC_u (fp32 reduced chunk)
     2       2·ΣL_u + 4·ΣC_u               4·ΣC_u (fp32 chunk)      8·Σs_u      —
-    3       2·ΣC_u + 4·ΣC_u               4·ΣC_u (fp32 chunk)      8·Σs_u      —   (+ transient below, 2-byte)
+    3       4·ΣC_u (the fp32 master)      4·ΣC_u (fp32 chunk)      8·Σs_u      —   (+ transient below, 2-byte)
 
 Per parameter at ZeRO-0: 2 + 2 + 4 + 8 = 16 bytes (Ψ = n); ZeRO-1: 2 + 2 + (4 + 8 + 4)/D;
-ZeRO-2: 2 + (4 + 8 + 4)/D; ZeRO-3: (2 + 4 + 8 + 4)/D — the fp32 reduced chunk (4/D) is the
+ZeRO-2: 2 + (4 + 8 + 4)/D; ZeRO-3: (4 + 8 + 4)/D = 16/D — the fp32 reduced chunk (4/D) is the
 fp32 main-grad of Megatron's distributed optimizer, sharded.
 
 (ZeRO ≥ 1: the parameters are views into the units' buffers, padding included; the
@@ -254,7 +257,8 @@ def model_state_bytes(blocks: Sequence, zero: int = 0, data: int = 1, data_rank:
     layers = [v for u, v in L.items() if u != "root"]
     pairs = [a + b for a, b in zip(layers, layers[1:])] or layers
     transient = p * L.get("root", 0) + p * max(pairs, default=0)
-    return ModelState(p * C + master, FP32 * C, opt, transient=transient)
+    # the parameter chunk: fp32, and under bf16 storage the master itself (gathers cast it to bf16)
+    return ModelState(FP32 * C, FP32 * C, opt, transient=transient)
 
 
 def _units_padded(blocks: Sequence, data: int, expert: int = 1) -> dict:
