@@ -18,7 +18,9 @@ Per rank it reports, beside the trainer's own memory model and the planner's ste
 layout (:func:`gridshard.planner.evaluate`, ``--hardware``):
 
 * ``peak_bytes``: CUDA ``max_memory_allocated``; CPU the process's peak resident set (the
-  trainer's own ``peak_mem_bytes`` convention), against ``predicted_peak_bytes``
+  trainer's own ``peak_mem_bytes`` convention) with every freed block of 1 MiB or more handed back
+  to the OS (:func:`gridshard.engine.memory_meter.unmap_large_frees`: the live bytes, as CUDA's
+  figure), against ``predicted_peak_bytes``
   (:func:`gridshard.theory.memory.predict_rank_memory`, with this process's baseline);
 * ``model_state_bytes``: parameters, gradients, optimizer state and ZeRO's own buffers as the
   rank holds them after its steps (:func:`gridshard.engine.memory_meter.model_state_tensor_bytes`,
@@ -107,7 +109,7 @@ def emulate_rank(config: dict, world: int, rank: int, steps: int, hardware: str 
     import torch
     import torch.distributed as dist
 
-    from ..engine.memory_meter import model_state_tensor_bytes, process_peak_rss
+    from ..engine.memory_meter import model_state_tensor_bytes, process_peak_rss, unmap_large_frees
     from ..engine.step import train_step
     from ..engine.trainer import Trainer
     from ..torch_private import register_fake_backend
@@ -115,6 +117,7 @@ def emulate_rank(config: dict, world: int, rank: int, steps: int, hardware: str 
     register_fake_backend()
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world // max(1, nodes))))
+        unmap_large_frees()                 # the resident peak follows the live tensors, not freed heap
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
     try:
         trainer = Trainer(config, progress=False)
