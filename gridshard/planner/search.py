@@ -157,7 +157,7 @@ def evaluate(cfg, layout: Layout, hw: Hardware, world: int, nodes: int = 1, stop
             run = layout.layer_layout()          # 2.5D: the 2D layout each rank runs (m/d rows, q² ranks)
             acts = activation_bytes(mc, run.micro_batch, s, run.tensor_mode, run.tensor,
                                     run.sequence_parallel, "none", key[0], first, last,
-                                    context=run.context, moe_layers=key[3], expert=run.expert,
+                                    precision=prec, context=run.context, moe_layers=key[3], expert=run.expert,
                                     context_mode=run.context_mode).total
             seen[key] = rank_cost(mc, layout, hw, seq_len=s, global_batch=G, precision=prec, nodes=nodes,
                                   layer_ids=ids, first=first, last=last, activation_bytes=acts,
