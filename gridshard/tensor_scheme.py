@@ -241,11 +241,13 @@ class TensorScheme(str, metaclass=_SchemeNames):
                           f"plan=<plan>.with_rules({{{name!r}: 'column' | 'row' | 'norm' | 'replicate' ...}}).")
 
     # ---- cost (the planner) --------------------------------------------------------------------
-    def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool) -> dict:
+    def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool, e: int = 4) -> dict:
         """The tensor group's collectives of one micro-batch on a rank of ``layout`` (a planner layout:
         ``micro_batch``, ``tensor``, ``sequence_parallel``, ``recompute``) holding ``layers`` decoder layers
         (``first`` / ``last``: the end stages' pieces): axis name → list of
-        :class:`gridshard.theory.CommVolume`, one entry per link the planner prices separately."""
+        :class:`gridshard.theory.CommVolume`, one entry per link the planner prices separately. ``e``:
+        the activations' element bytes (the compute dtype); 1D prices its activation collectives in
+        it, 2D / 2.5D / 3D in fp32 (their products' blocks, not yet priced per dtype)."""
         return {}
 
     def tensor_axis_levels(self, T: int, world: int, per_node: int):

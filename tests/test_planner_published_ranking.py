@@ -54,7 +54,7 @@ def test_a100_eight_way_all_reduce_prices_the_published_bus_bandwidth():
     across nodes a tensor group of 16 (8 per node, 8 HDR NICs) the published 192 GB/s, one member per
     node (one NIC) 24 GB/s."""
     from gridshard.planner.price_links import comm_seconds
-    from gridshard.planner.price_tensor import tensor_comm_1d_dtype
+    from gridshard.tensor.tp1d.cost import tensor_comm_1d
     from gridshard.theory import CommVolume
 
     hw = load_hardware("a100")
@@ -68,7 +68,7 @@ def test_a100_eight_way_all_reduce_prices_the_published_bus_bandwidth():
     # a bf16 run's 1D activation collectives carry 2-byte elements (the compute dtype), fp32 runs 4
     cfg = load_config(None, ["model.preset=7b"]).model.resolve()
     lay = Layout(1, 1, 8, "1d", False, 0, "none", 1)
-    two, four = (tensor_comm_1d_dtype(cfg, lay, 2048, 1, False, False, e)[0] for e in (2, 4))
+    two, four = (tensor_comm_1d(cfg, lay, 2048, 1, False, False, e)[0] for e in (2, 4))
     assert two.payload["all_reduce"] * 2 == four.payload["all_reduce"]
 
 

@@ -19,24 +19,16 @@ Tensor-parallel layers also cost CPU work around each collective that neither th
 the α–β see (autograd nodes, dispatch, copies): ``Hardware.tensor_call_overhead_s[mode]`` per
 call of :mod:`~gridshard.theory` 's counts, measured by ``--calibrate`` (0 in the GPU files).
 
-1D's activation collectives move elements of the run's **compute dtype** (:func:`tensor_comm_1d_dtype`):
-under bf16/fp16 autocast gridshard's residual stream, the norms' outputs and the projections are in
-that dtype (:mod:`gridshard.models.llama`, "Precision"), so the row layers' output all-reduces and the
-column layers' input-gradient all-reduces (and SP's gathers / reduce-scatters) carry 2-byte elements,
-as Megatron's do; the cross-entropy statistics and the parameter-gradient all-reduces (norm weights
-under SP, replicated k/v weights) stay fp32. :func:`gridshard.tensor.tp1d.cost.tensor_comm_1d` builds
-the fp32 volumes (``bytes_per_elem`` 4); the planner priced them at 4 bytes under bf16 until issue 43,
-twice the bytes: an 8-way all-reduce of a bf16 block then cost 2 × 1.75·S / bandwidth, half the
-published bus bandwidth per byte moved. The call counts are the theory's (:func:`tensor_volumes`).
+1D's activation collectives move elements of the run's **compute dtype** (2 bytes under bf16/fp16
+autocast: the scheme's ``tensor_comm(..., e)``, :func:`gridshard.tensor.tp1d.cost.tensor_comm_1d`),
+as the runtime and Megatron send them; until issue 43 the planner priced them at 4 bytes, so an
+8-way all-reduce of a bf16 block cost half the published bus bandwidth per byte moved.
 """
 from __future__ import annotations
 
-from ..tensor.tp1d import theory as tp1d
 from ..theory.memory.activations import activation_element_bytes
 from .layouts import Layout
 from .price_links import _Pricing, comm_cpu_seconds, comm_seconds
-
-FP32 = 4
 
 
 def tensor_volumes(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool) -> list:
@@ -46,37 +38,13 @@ def tensor_volumes(cfg, layout: Layout, seq: int, layers: int, first: bool, last
     return [v for vols in layout.mode.tensor_comm(cfg, layout, seq, layers, first, last).values() for v in vols]
 
 
-def tensor_comm_1d_dtype(cfg, layout: Layout, seq: int, layers: int, first: bool, last: bool, e: int) -> list:
-    """:func:`gridshard.tensor.tp1d.cost.tensor_comm_1d`'s volumes with the activations in ``e``-byte
-    elements (module docstring): the column/row pairs, embedding and head in ``e`` bytes; the norm-weight
-    and replicated k/v weight-gradient all-reduces and the cross-entropy statistics in fp32. At e = 4 the
-    same volumes as ``tensor_comm_1d``."""
-    T, sp, m, h = layout.tensor, layout.sequence_parallel, layout.micro_batch, cfg.hidden
-    pair = tp1d.column_row_comm(m, seq, h, T, sp, e)
-    norm = tp1d.norm_comm(h, T, sp, FP32)
-    block = pair + pair + norm + norm
-    gqa = tp1d._gqa(h, cfg.heads, cfg.kv_heads)
-    if gqa is not None and T > gqa[1]:
-        block.add("all_reduce", gqa[0] * h * FP32, 2)
-    vols = [block] * layers
-    if layout.recompute == "full":
-        vols += [tp1d.block_recompute_comm(m, seq, h, T, sp, e)] * layers
-    if first:
-        vols.append(tp1d.embedding_comm(m, seq, h, T, sp, e))
-    if last:
-        vols += [tp1d.norm_comm(h, T, sp, FP32), tp1d.head_comm(m, seq, h, T, sp, e), tp1d.cross_entropy_comm(m * seq, T)]
-    return vols
-
-
 def _tensor_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, first: bool, last: bool,
                precision: str = "fp32") -> tuple:
     """(critical-path seconds, busy CPU seconds) of one micro-batch's tensor-parallel collectives
     (1D's activations in the compute dtype of ``precision``: module docstring)."""
     hw = pr.hw
-    per_axis = layout.mode.tensor_comm(cfg, layout, seq, layers, first, last)       # axis → CommVolumes
-    e = activation_element_bytes(precision)
-    if layout.tensor_mode == "1d" and layout.tensor > 1 and e != FP32:
-        per_axis = {"tensor": tensor_comm_1d_dtype(cfg, layout, seq, layers, first, last, e)}
+    per_axis = layout.mode.tensor_comm(cfg, layout, seq, layers, first, last,      # axis → CommVolumes
+                                       activation_element_bytes(precision))
     levels = pr.levels.get("tensor_axes", {})                                          # 3D: each axis its own link
     around = sum(sum(v.calls.values()) for vols in per_axis.values() for v in vols) * \
         hw.tensor_call_overhead_s.get(layout.tensor_mode, 0.0)
@@ -87,4 +55,4 @@ def _tensor_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, first: 
             + around)
 
 
-__all__ = ["tensor_volumes", "tensor_comm_1d_dtype"]
+__all__ = ["tensor_volumes"]

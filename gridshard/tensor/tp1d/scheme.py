@@ -116,9 +116,9 @@ class OneDScheme(Scheme):
         copy = cfg.hidden * cfg.num_classes * e if e < pb else 0
         return batch * T * cfg.hidden * e + copy + self.class_loss_bytes(cfg, r, batch)
 
-    def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool) -> dict:
+    def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool, e: int = 4) -> dict:
         """:func:`gridshard.tensor.tp1d.cost.tensor_comm_1d` on the tensor group's one link."""
-        return {"tensor": tensor_comm_1d(cfg, layout, seq, layers, first, last)} if layout.tensor > 1 else {}
+        return {"tensor": tensor_comm_1d(cfg, layout, seq, layers, first, last, e)} if layout.tensor > 1 else {}
 
     def shared_input_fusion(self, children):
         """q|k|v (gate|up) as one column product of x prepared once (:mod:`gridshard.tensor.tp1d.fused_input`)."""

@@ -121,18 +121,21 @@ def _gqa(hidden: int, heads, kv_heads):
 
 
 def block_comm(batch: int, seq: int, hidden: int, T: int, sequence_parallel: bool,
-               bytes_per_elem: int = 4, heads: int | None = None, kv_heads: int | None = None) -> CommVolume:
-    """One decoder block forward + backward: attention and MLP pairs plus two norms.
+               bytes_per_elem: int = 4, heads: int | None = None, kv_heads: int | None = None,
+               grad_bytes: int | None = None) -> CommVolume:
+    """One decoder block forward + backward: attention and MLP pairs plus two norms; activations in
+    ``bytes_per_elem``-byte elements, the weight gradients in ``grad_bytes`` (default the same).
 
     Grouped-query attention (``heads`` H and ``kv_heads`` K given, K < H; module
     docstring): when T > K the replicated k and v weight gradients add 2 all-reduces of
     K·d·h·e (d = h/H); when T ≤ K nothing changes."""
+    g = bytes_per_elem if grad_bytes is None else grad_bytes
     pair = column_row_comm(batch, seq, hidden, T, sequence_parallel, bytes_per_elem)
-    norm = norm_comm(hidden, T, sequence_parallel, bytes_per_elem)
+    norm = norm_comm(hidden, T, sequence_parallel, g)
     v = pair + pair + norm + norm
     gqa = _gqa(hidden, heads, kv_heads)
     if gqa is not None and T > gqa[1]:
-        v.add("all_reduce", gqa[0] * hidden * bytes_per_elem, 2)
+        v.add("all_reduce", gqa[0] * hidden * g, 2)
     return v
 
 

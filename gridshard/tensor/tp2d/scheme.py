@@ -160,7 +160,7 @@ class TwoDScheme(Scheme):
                                  f"in 2D the MLP's first bias is stored in q²={q * q} blocks",
                                  fix=f"use a multiple of {q * q}")]
 
-    def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool) -> dict:
+    def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool, e: int = 4) -> dict:
         """:func:`gridshard.tensor.tp2d.cost.tensor_comm_2d`: row and column groups share the node's link."""
         return {"tensor": tensor_comm_2d(cfg, layout, seq, layers, first, last)} if layout.tensor > 1 else {}
 

@@ -184,7 +184,7 @@ class ThreeDScheme(Scheme):
                                  f"in 3D the MLP's first bias is stored in q³={q ** 3} blocks",
                                  fix=f"use a multiple of {q ** 3}")]
 
-    def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool) -> dict:
+    def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool, e: int = 4) -> dict:
         """:func:`gridshard.tensor.tp3d.cost.tensor_comm_3d`: each cube axis priced on its own link."""
         return {axis: [v] for axis, v in tensor_comm_3d(cfg, layout, seq, layers, first, last).items()}
 
