@@ -218,7 +218,7 @@ def _rank_rows(run: PublishedRun, mc, rank: int, m, counts: list) -> tuple:
             ("activations: final norm, head, loss (fp32 softmax)", k * (acts.final_norm + acts.head_and_loss)),
             ("activations held once (RoPE tables)", acts.held_once),
             ("logits workspace (bf16 logits + fp32 upcast)", m.details["logits_workspace"]),
-            ("pipeline stage buffers (A inputs and output gradients received, outputs kept)",
+            ("pipeline stage buffers (in-flight outputs kept, one output gradient received)",
              m.details["stage_buffers"]),
             ("backward transient (ZeRO gradient buffers, gathers)", m.transient),
             ("reserved (hardware file)", m.baseline), (f"margin ({m.margin_fraction:.0%} of modelled)", m.margin)]
