@@ -139,3 +139,45 @@ def test_grouped_linear_equals_one_product_per_expert_with_empty_blocks():
     counts = [3, 0, 4, 0]
     want = torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T])
     assert torch.equal(grouped_linear(x, w, counts), want)
+
+
+def _plain_experts(experts, x, counts):
+    """Experts.forward with silu(g)·u written plainly (what it ran before it used ``swiglu``)."""
+    gate, up = grouped_linear(x, experts.gate_up_proj, counts).chunk(2, dim=-1)
+    return grouped_linear(F.silu(gate) * up, experts.down_proj, counts)
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float32, True)])
+def test_experts_keep_g_and_u_not_silu_g_with_the_plain_expression_s_bits(dtype, autocast):
+    """The experts' SwiGLU is models.llama.swiglu (its fast path, an autograd Function): outputs and
+    gradients equal ``F.silu(g) * u``'s bit for bit, and the saved tensors are the rows, the [M, 2f]
+    gate|up output (g and u are its halves) and the product — silu(g), one more [M, f], is not kept."""
+    from gridshard.engine.memory_meter import SavedTensorMeter
+    from gridshard.moe.experts import Experts
+
+    torch.manual_seed(0)
+    n, h, f, counts = 4, 12, 20, [5, 0, 7, 3]
+    M = sum(counts)
+    experts = Experts(n, h, f).to(dtype)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    rows = torch.randn(M, h, dtype=dtype)
+    results = []
+    for fn in (experts.forward, lambda x, c: _plain_experts(experts, x, c)):
+        x = rows.clone().requires_grad_()
+        experts.zero_grad(set_to_none=True)
+        with SavedTensorMeter(exclude=experts.parameters()) as meter, \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = fn(x, counts)
+        y.backward(torch.randn_like(y, generator=torch.Generator().manual_seed(1)))
+        results.append((y, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad, meter))
+    (y, *grads, meter), (y0, *grads0, meter0) = results
+    assert torch.equal(y, y0)
+    for g, g0 in zip(grads, grads0):
+        assert torch.equal(g, g0)
+    e = y.element_size()                                   # the activations' bytes (bf16 under autocast)
+    copies = n * 3 * f * h * e if autocast else 0          # autocast's bf16 copies of the fp32 weights
+    assert meter.bytes == M * (h + 3 * f) * e + copies
+    assert meter0.bytes == meter.bytes + M * f * e         # the plain expression keeps silu(g) too
+    assert sum(shape == (M, f) for shape, _, _ in meter.entries) == 1      # the product only

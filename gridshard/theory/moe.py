@@ -68,9 +68,10 @@ def moe_layer_saved_tensors(cfg, dense: dict, residual: int, tokens: int, sequen
                    + N·h·4 if e < 4 (its fp32 input) + n·h·4 if p < 4 (its fp32 weight)
         aux loss   b·n·4
         dispatch   M·8 (token of each slot) + M·8 (slot of each result)
-        experts    M·(h + 4·f_e)·e          (rows, gate|up, silu(g), the product)
+        experts    M·(h + 3·f_e)·e          (rows, gate|up, the product; silu(g) rebuilt from g in
+                                            backward, :func:`gridshard.models.llama.swiglu`)
         combine    N·k·e (weights) + N·k·h·e (the slots' results)
-        shared     N·4·s·f_e·e
+        shared     N·3·s·f_e·e              (gate|up, the product, as the experts)
 
     and the block's input: kept (N·h·e) where the router reads it in fp32 or the shared experts read
     it, when it is a tensor of its own (gathered from the residual block, T > 1) or under recompute
@@ -93,8 +94,8 @@ def moe_layer_saved_tensors(cfg, dense: dict, residual: int, tokens: int, sequen
         + (n * h * 4 if param_bytes < 4 else 0)
     out["aux loss"] = b * n * 4
     out["dispatch"] = 2 * M * 8 + (2 * M * 8 if expert > 1 else 0)
-    out["experts"] = M * (h + 4 * fe) * e
+    out["experts"] = M * (h + 3 * fe) * e
     out["combine"] = N * k * e + N * k * h * e
     if cfg.shared_experts:
-        out["shared experts"] = N * 4 * cfg.shared_experts * fe * e
+        out["shared experts"] = N * 3 * cfg.shared_experts * fe * e
     return out
