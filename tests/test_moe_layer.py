@@ -150,7 +150,7 @@ def _plain_experts(experts, x, counts):
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
                                             (torch.float32, True)])
 def test_experts_keep_g_and_u_not_silu_g_with_the_plain_expression_s_bits(dtype, autocast):
-    """The experts' SwiGLU is models.llama.swiglu (its fast path, an autograd Function): outputs and
+    """The experts' SwiGLU is nn.swiglu.swiglu (its fast path, an autograd Function): outputs and
     gradients equal ``F.silu(g) * u``'s bit for bit, and the saved tensors are the rows, the [M, 2f]
     gate|up output (g and u are its halves) and the product — silu(g), one more [M, f], is not kept."""
     from gridshard.engine.memory_meter import SavedTensorMeter

@@ -1,4 +1,4 @@
-"""The Llama's SwiGLU (:func:`gridshard.models.llama.swiglu`, every ``train.recompute`` mode): it keeps
+"""The Llama's SwiGLU (:func:`gridshard.nn.swiglu.swiglu`, every ``train.recompute`` mode): it keeps
 g and u for backward, not silu(g), which backward computes again from g (issue 43), and its
 output and gradients are ``F.silu(g) * u``'s under autograd bit for bit (same ops), in fp32,
 bf16 and under autocast; the compiled graph (``train.compile``) traces it."""
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gridshard.engine.memory_meter import SavedTensorMeter
-from gridshard.models.llama import swiglu
+from gridshard.nn.swiglu import swiglu
 
 
 def _grads(fn, gate, up, weight, autocast=False):

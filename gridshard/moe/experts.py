@@ -3,7 +3,7 @@
     gate_up_proj [n, 2f, h] (gate rows, then up rows),  down_proj [n, h, f]    (expert e: row e, as nn.Linear)
     expert_e(x) = down_e(silu(g) · u),   [g | u] = gate_up_e(x)
 
-silu(g)·u is :func:`gridshard.models.llama.swiglu`, as in the dense Llama's MLP: kept for backward
+silu(g)·u is :func:`gridshard.nn.swiglu.swiglu`, as in the dense Llama's MLP: kept for backward
 are g and u (two views of the grouped product's [M, 2f] output) and the product (down's input),
 not silu(g), which the backward computes again from g (Megatron's fused ``bias_swiglu``); the
 gradients are those of ``F.silu(g) * u`` bit for bit.
@@ -26,6 +26,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..nn.swiglu import swiglu
 
 
 def _grouped_kernel_applies(x: torch.Tensor) -> bool:
@@ -54,7 +56,5 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """x [M, h] sorted by expert, ``counts`` [n] rows per expert → [M, h] in the same order."""
-        from ..models.llama import swiglu        # here: gridshard.models.llama imports this module
-
         gate, up = grouped_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)
         return grouped_linear(swiglu(gate, up), self.down_proj, counts)

@@ -14,7 +14,7 @@ decoder layer two such tensors are kept by a consumer matmul for its weight grad
        2D:        y = (x_f · r · w) in x's dtype,       x, r and the gathered w block kept likewise
 
 2. the SwiGLU product p = silu(g) · u, kept by down_proj; g and u are kept anyway, by the
-   SwiGLU itself (:func:`gridshard.models.llama.swiglu`, which rebuilds silu(g) from g).
+   SwiGLU itself (:func:`gridshard.nn.swiglu.swiglu`, which rebuilds silu(g) from g).
 
 No matmul and no collective is computed again: the recipes are one or two pointwise ops on
 tensors already saved, so the bytes dropped per layer are 2·(norm output) + p, and backward

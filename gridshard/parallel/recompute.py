@@ -3,7 +3,7 @@
 ``train.recompute``:
 
 * ``none``: every activation a backward needs is kept — except SwiGLU's silu(g), which in every
-  mode is computed again from g in backward (:func:`gridshard.models.llama.swiglu`: the SwiGLU keeps
+  mode is computed again from g in backward (:func:`gridshard.nn.swiglu.swiglu`: the SwiGLU keeps
   g and u, as Megatron's fused ``bias_swiglu`` does; a pointwise op, no checkpoint region).
 * ``full``: each decoder layer keeps only its input; in backward its forward runs again
   (``torch.utils.checkpoint``, non-reentrant) and then its backward. The layer's
@@ -21,7 +21,7 @@
     the shared cos/sin tables; recomputed: rotated q and k and SDPA's saved tensors (the
     rotated q, k, v, its output and the log-sum-exp; an unfused softmax would keep its s×s
     probabilities here). The core's output stays kept by ``o_proj`` (its input).
-  - **MLP activation** (silu(g)·u, :func:`gridshard.models.llama.swiglu`) — kept: g = gate(x)
+  - **MLP activation** (silu(g)·u, :func:`gridshard.nn.swiglu.swiglu`) — kept: g = gate(x)
     and u = up(x); recomputed: silu(g) — as under ``none``, so nothing is switched on for it
     (the ViT's GELU, :class:`gridshard.models.vit.ViTLayer`, is a checkpoint region here). The
     product is ``down_proj``'s input, rebuilt (below).
@@ -78,7 +78,7 @@ MODES = ("none", "full", "selective")
 #: what ``selective`` turns on, in any module that has it: the attention core
 #: (:class:`gridshard.models.llama.Attention`, :class:`gridshard.models.vit.ViTSelfAttention`) and
 #: the MLP activation (:class:`gridshard.models.vit.ViTLayer`; the Llama's SwiGLU rebuilds silu(g)
-#: in every mode, :func:`gridshard.models.llama.swiglu`)
+#: in every mode, :func:`gridshard.nn.swiglu.swiglu`)
 SELECTIVE_SWITCHES = ("recompute_core_in_backward", "recompute_activation_in_backward")
 
 

@@ -69,7 +69,7 @@ def moe_layer_saved_tensors(cfg, dense: dict, residual: int, tokens: int, sequen
         aux loss   b·n·4
         dispatch   M·8 (token of each slot) + M·8 (slot of each result)
         experts    M·(h + 3·f_e)·e          (rows, gate|up, the product; silu(g) rebuilt from g in
-                                            backward, :func:`gridshard.models.llama.swiglu`)
+                                            backward, :func:`gridshard.nn.swiglu.swiglu`)
         combine    N·k·e (weights) + N·k·h·e (the slots' results)
         shared     N·3·s·f_e·e              (gate|up, the product, as the experts)
 

@@ -51,7 +51,7 @@ every recompute mode, fp32 and bf16, tied and untied (``tests/test_planner_3d.py
   Korthikanti's 5·a·s²·b term belongs to an unfused softmax (and dropout, which we lack).
 * **o_proj** (row/2D): keeps its input, which is the attention output already counted
   (a view of the same storage).
-* **MLP** (:func:`gridshard.models.llama.swiglu`, in every recompute mode): gate output g and up
+* **MLP** (:func:`gridshard.nn.swiglu.swiglu`, in every recompute mode): gate output g and up
   output u (the SwiGLU's inputs; silu(g) is rebuilt from g in backward, as Megatron's fused
   ``bias_swiglu`` does) and the product (down's input): 3·N_r·f_r·e. (Written plainly,
   ``F.silu(g) * u`` would keep silu(g) as a fourth.)
@@ -224,7 +224,7 @@ def layer_saved_tensors(cfg, mode: str, T: int, sequence_parallel: bool, tokens:
     """What one decoder layer keeps for backward, tensor by tensor (module docstring §2): name →
     bytes, in forward order; the two norms as one entry each (:func:`norm_saved_bytes`). Under
     ``none`` the SwiGLU keeps g and u, not silu(g) (rebuilt from g in backward:
-    :func:`gridshard.models.llama.swiglu`), and down_proj the product. Under
+    :func:`gridshard.nn.swiglu.swiglu`), and down_proj the product. Under
     ``selective`` q, k, v are the core's inputs (before RoPE, same sizes), ``lse`` and
     ``silu(g)·u`` are absent and the norms keep x and rstd (+ x̂ in fp32) but not y (rebuilt
     in backward, :mod:`gridshard.nn.rebuild`); ``full`` keeps the layer input only. ``context`` C > 1
