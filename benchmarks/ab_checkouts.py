@@ -12,7 +12,9 @@ checkouts never share a module):
   ``--steps`` steps: the median of the logged ``step_time_s`` after the first log interval
   (``RUN_DIR/metrics.jsonl``), and the final loss (the same in both checkouts when the change
   keeps the arithmetic);
-* ``train1d``: the same at (D, T) = (2, 2), ``tensor_mode: 1d``, on 4 processes.
+* ``train1d``: the same at (D, T) = (2, 2), ``tensor_mode: 1d``, on 4 processes;
+* ``trainpp``: the same at (D, P) = (2, 2), 1F1B, bf16 storage under ZeRO-3, on 4 processes (the
+  pipeline's receive buffers, ZeRO-3's gathers from the fp32 masters).
 
 Runs alternate old/new, the first of each pair alternating too, so slow drifts of the machine's
 load hit both alike. Reported per checkout: the median and range of each figure over the pairs,
@@ -57,6 +59,9 @@ def _run_block(root: str, a) -> dict:
 TRAIN_LAYOUTS = {  # job: (processes, layout overrides)
     "train3d": (8, ["parallel.data=1", "parallel.tensor=8", "parallel.tensor_mode=3d"]),
     "train1d": (4, ["parallel.data=2", "parallel.tensor=2", "parallel.tensor_mode=1d"]),
+    # pipeline stages' receive buffers, bf16 ZeRO-3's gathers from fp32 masters
+    "trainpp": (4, ["parallel.data=2", "parallel.tensor=1", "parallel.pipeline=2", "train.zero=3",
+                    "train.precision=bf16", "train.micro_batch=2"]),
 }
 
 
@@ -77,7 +82,7 @@ def _run_train(root: str, a) -> dict:
     return {"step_ms": statistics.median(r["step_time_s"] for r in steps[1:]) * 1e3, "loss": steps[-1]["loss"]}
 
 
-JOBS = {"block3d": _run_block, "train3d": _run_train, "train1d": _run_train}
+JOBS = {"block3d": _run_block, "train3d": _run_train, "train1d": _run_train, "trainpp": _run_train}
 
 
 def main(argv=None) -> None:
