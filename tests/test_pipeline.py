@@ -267,7 +267,8 @@ def _receive_buffers(cfg):
     return tuple(most), trainer.pipeline.meter.peak_in_flight
 
 
-@pytest.mark.parametrize("schedule,P,V", [("1f1b", 4, 1), ("interleaved_1f1b", 2, 2)])
+@pytest.mark.parametrize("schedule,P,V", [("1f1b", 4, 1),
+                                          pytest.param("interleaved_1f1b", 2, 2, marks=pytest.mark.wide)])
 def test_receive_buffers_live_only_while_in_flight(schedule, P, V):
     """A = 16 micro-batches (two steps): torch's PipelineStage would hold 16 input and 16
     output-gradient receive buffers per stage; gridshard's stages receive just in time
