@@ -250,6 +250,12 @@ class TensorScheme(str, metaclass=_SchemeNames):
         it, 2D / 2.5D / 3D in fp32 (their products' blocks, not yet priced per dtype)."""
         return {}
 
+    def tensor_ring_members_per_node(self, T: int, per_node: int) -> int:
+        """Members of one tensor collective's ring in each node of ``per_node`` consecutive ranks: the
+        NICs a ring across nodes uses at once (:meth:`gridshard.planner.hardware.LinkCost.bus_bandwidth`).
+        1 unless the mode's whole tensor group is one ring of consecutive ranks (1D)."""
+        return 1
+
     def tensor_axis_levels(self, T: int, world: int, per_node: int):
         """axis → ``intra`` / ``inter`` for modes whose axes leave a node one by one; None: the whole
         tensor group's one link."""

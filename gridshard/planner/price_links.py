@@ -84,13 +84,13 @@ def link_levels(layout: Layout, hw: Hardware, nodes: int) -> dict:
 def group_ranks_per_node(layout: Layout, per_node: int) -> dict:
     """Members of each collective group in one node of ``per_node`` consecutive ranks (mesh order
     data, pipeline, context, tensor; tensor innermost), for the bus bandwidth across nodes
-    (hardware module docstring, "Bus bandwidth"): a 1D tensor group is T consecutive ranks,
-    min(T, per_node); the data × context group has C context members T apart and D data members
-    P·C·T apart, those of each inside one node multiplied. Other groups (2D/3D tensor axes,
-    pipeline and context sends, experts): 1."""
+    (hardware module docstring, "Bus bandwidth"): the tensor group's, as its scheme says
+    (``tensor_ring_members_per_node``: 1D's T consecutive ranks, min(T, per_node); 1 for 2D/3D's
+    axes); the data × context group has C context members T apart and D data members P·C·T apart,
+    those of each inside one node multiplied. Other groups (pipeline and context sends, experts): 1."""
     T, C, P, D = layout.layer_tensor, layout.context, layout.pipeline, layout.data
     inside = lambda count, stride: min(count, max(1, per_node // stride)) if stride < per_node else 1  # noqa: E731
-    return {"tensor": min(T, per_node) if layout.tensor_mode == "1d" else 1,
+    return {"tensor": layout.mode.tensor_ring_members_per_node(T, per_node),
             "data": inside(C, T) * inside(D, P * C * T)}
 
 

@@ -120,6 +120,10 @@ class OneDScheme(Scheme):
         """:func:`gridshard.tensor.tp1d.cost.tensor_comm_1d` on the tensor group's one link."""
         return {"tensor": tensor_comm_1d(cfg, layout, seq, layers, first, last, e)} if layout.tensor > 1 else {}
 
+    def tensor_ring_members_per_node(self, T: int, per_node: int) -> int:
+        """The tensor group is T consecutive ranks, one ring: min(T, per_node) of them in each node."""
+        return min(T, per_node)
+
     def shared_input_fusion(self, children):
         """q|k|v (gate|up) as one column product of x prepared once (:mod:`gridshard.tensor.tp1d.fused_input`)."""
         return fusion(children)
