@@ -26,6 +26,8 @@ def test_verdict_by_hand():
     edge = straggler_verdict(1.0, [0.5, 0.5, 0.5, 0.5 - STRAGGLER_SHARE + 1e-9], [0.0] * 4)   # at the share: not named
     assert edge.straggler_rank is None
     assert straggler_verdict(1.0, [0.6, 0.7, 0.1, 0.65], [0.05, 0.0, 0.2, 0.0], n_steps=1).straggler_rank is None
+    # the process's first interval holds each rank's one-time work: nobody is named from it
+    assert straggler_verdict(1.0, [0.6, 0.7, 0.1, 0.65], [0.05, 0.0, 0.2, 0.0], warm_up=True).straggler_rank is None
     tiny = straggler_verdict(0.04, [0.024, 0.026, 0.01, 0.025], [0.0] * 4)   # 0.015 s beyond (38 %): under 20 ms
     assert tiny.straggler_rank is None
 

@@ -81,14 +81,17 @@ class StragglerVerdict:
 
 
 def straggler_verdict(step_s: float, comm_s: List[float], data_s: List[float],
-                      n_steps: int = STRAGGLER_MIN_STEPS) -> StragglerVerdict:
+                      n_steps: int = STRAGGLER_MIN_STEPS, warm_up: bool = False) -> StragglerVerdict:
     """The verdict of one interval of ``n_steps`` steps from each rank's seconds per step in
-    collectives and in data loading (index = rank) and the step time (module docstring)."""
+    collectives and in data loading (index = rank) and the step time (module docstring). ``warm_up``:
+    the process's first interval, whose first step each rank spends partly in one-time work (lazy
+    initialisation, the allocator's first requests, compilation) at its own pace: nobody is named
+    from it (``gridshard diagnose`` reads the intervals after it too)."""
     floor = min(comm_s)
     ranks = [RankTimes(r, max(0.0, step_s - c - d), c, d, c - floor) for r, (c, d) in enumerate(zip(comm_s, data_s))]
     longest = max(t.wait_s for t in ranks)
     named = None
-    if len(ranks) > 1 and step_s > 0 and n_steps >= STRAGGLER_MIN_STEPS:
+    if len(ranks) > 1 and step_s > 0 and n_steps >= STRAGGLER_MIN_STEPS and not warm_up:
         slowest = max(ranks, key=lambda t: t.compute_s)
         others = statistics.median(t.compute_s for t in ranks if t.rank != slowest.rank)
         if slowest.compute_s - others > max(STRAGGLER_SHARE * step_s, STRAGGLER_MIN_S):

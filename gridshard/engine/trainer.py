@@ -264,12 +264,13 @@ class Trainer:
         return (m.busy_s, m.schedule_s) if m is not None else (0.0, 0.0)
 
     def _gather_rank_stats(self, comm_s: float, wall_s: float, busy: tuple = (0.0, 0.0), data_s: float = 0.0,
-                           n_steps: int = 1) -> tuple:
+                           n_steps: int = 1, warm_up: bool = False) -> tuple:
         """(mean communication share, peak memory per rank, pipeline bubble share per rank,
         predicted peak memory per rank, peak reserved memory per rank or None on CPU, the interval's
         :class:`~gridshard.engine.rank_timing.StragglerVerdict` or None without collective timing);
         ``busy``: (time in stage forward/backward, wall time in the schedule) of the interval;
-        ``comm_s`` / ``data_s``: this rank's seconds in collectives / data loading over its ``n_steps``."""
+        ``comm_s`` / ``data_s``: this rank's seconds in collectives / data loading over its ``n_steps``;
+        ``warm_up``: the interval is the process's first (no straggler named from it)."""
         idle = 1.0 - busy[0] / max(busy[1], 1e-12) if self.pipeline is not None else 0.0
         predicted = float(self.predicted_mem.total) if self.predicted_mem is not None else -1.0
         allocated, reserved = interval_memory_peaks(self.device)
@@ -282,7 +283,8 @@ class Trainer:
         predicted = [int(x) for x in allr[:, 3]] if self.predicted_mem is not None else None
         reserved = [int(x) for x in allr[:, 4]] if reserved is not None else None
         verdict = straggler_verdict(wall_s / n_steps, [float(x) / n_steps for x in allr[:, 5]],
-                                    [float(x) / n_steps for x in allr[:, 6]], n_steps) if self.ledger.timing else None
+                                    [float(x) / n_steps for x in allr[:, 6]], n_steps, warm_up) \
+            if self.ledger.timing else None
         return float(allr[:, 0].mean()), [int(x) for x in allr[:, 1]], bubble, predicted, reserved, verdict
 
     # ---- stopping on request (gridshard.engine.control) ---------------------------------
@@ -381,7 +383,7 @@ class Trainer:
         marks = self._meter_marks()
         busy = (marks[0] - window.busy[0], marks[1] - window.busy[1])
         stats = self._gather_rank_stats(self.ledger.seconds() - window.comm_s, wall, busy, self.data_s - window.data_s,
-                                        k + 1 - window.steps)
+                                        k + 1 - window.steps, warm_up=window.steps == self.start_step)
         losses = global_losses(self.job, window.pending)
         all_losses += losses
         # the loss is known globally only here (its sum over data ranks): a non-finite one
