@@ -263,6 +263,15 @@ def _rank_table(run: PublishedRun, mc, recompute: str, pub_layer: int) -> None:
 FIG13 = [(2, 32), (4, 16), (8, 8), (16, 4), (32, 2)]          # (t, p) of Narayanan et al. 2021, Fig. 13
 
 
+def fig13_step(t: int, p: int, batch: int, hidden: int = 20480, layers: int = 32, heads: int = 128,
+               name: str = "162.2B (Fig. 13's model)") -> float:
+    """The predicted step seconds of one (t, p) of the Fig. 13 sweep (:func:`fig13`): GPT's 4h GELU MLP
+    as a SwiGLU of f = 8h/3 (a multiple of t), vocabulary 51200, sequence 2048, micro-batch 1, D = 1."""
+    run = PublishedRun(NARAYANAN, name, hidden, layers, heads, heads, round(8 * hidden / 3 / t) * t, 51200, 2048,
+                       batch, 1, p, t, 0.0, "a100")
+    return price(run).predicted_step_s
+
+
 def fig13(shapes=(("162.2B (Fig. 13's model)", 20480, 32, 128), ("GPT-3 175B shape", 12288, 96, 96)),
           batches=(128, 32)) -> None:
     """Narayanan et al. 2021, Fig. 13: the (t, p) sweep on 64 A100 (8 nodes) under 2021's rules (full
@@ -273,11 +282,7 @@ def fig13(shapes=(("162.2B (Fig. 13's model)", 20480, 32, 128), ("GPT-3 175B sha
     print("|---|---|" + "---|" * len(FIG13) + "---|")
     for name, h, layers, heads in shapes:
         for B in batches:
-            step = {}
-            for t, p in FIG13:
-                run = PublishedRun(NARAYANAN, name, h, layers, heads, heads, round(8 * h / 3 / t) * t, 51200, 2048, B,
-                                   1, p, t, 0.0, "a100")
-                step[(t, p)] = price(run).predicted_step_s
+            step = {(t, p): fig13_step(t, p, B, h, layers, heads, name) for t, p in FIG13}
             best = min(step, key=step.get)
             cells = [f"**{v:.2f}**" if k == best else f"{v:.2f}" for k, v in step.items()]
             order = " < ".join(f"T{t}P{p}" for t, p in sorted(step, key=step.get))

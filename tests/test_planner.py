@@ -41,6 +41,8 @@ from gridshard.planner.report import as_json, write_config
 from gridshard.parallel.rank_blocks import rank_parameter_blocks
 from gridshard.theory.memory import layer_saved_bytes, model_state_bytes, predict_rank_memory
 
+from .published_runs import published_runs
+
 CPU = load_hardware("cpu")
 
 
@@ -590,26 +592,11 @@ def test_interleaved_holds_more_micro_batches():
     assert inter.memory.details["in_flight"] > one.memory.details["in_flight"]
 
 
-def _published_runs():
-    import importlib.util
-    import pathlib
-    import sys
-
-    if "planner_published" in sys.modules:
-        return sys.modules["planner_published"]
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "planner_published.py"
-    spec = importlib.util.spec_from_file_location("planner_published", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["planner_published"] = module                 # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_megatron_published_throughput_at_the_published_layouts():
     """Narayanan et al. 2021, Table 1: at each published layout (D, P, T, full recompute, A100) the
     planner's tokens/s is within 0.8–1.2 of the published ones (issue 23; the table is in
     docs/planner.md, the sources and FLOP counts in benchmarks/planner_published.py)."""
-    pub = _published_runs()
+    pub = published_runs()
     ratios = {run.name: pub.ratio(run, pub.price(run)) for run in pub.RUNS if run.source == pub.NARAYANAN}
     assert len(ratios) == 7
     assert all(0.8 <= r <= 1.2 for r in ratios.values()), ratios
@@ -633,7 +620,7 @@ def test_llama3_405b_published_layout_term_by_term():
     from gridshard.theory.memory import layer_saved_tensors, zero_gradient_transient, zero_units
     from gridshard.theory.zero import unit_padded_numel
 
-    pub = _published_runs()
+    pub = published_runs()
     run = next(r for r in pub.RUNS if r.name == "405B, selective")
     mc = load_config(None, run.overrides()).model.resolve()
     s, t = run.seq, run.T

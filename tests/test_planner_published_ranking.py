@@ -7,10 +7,9 @@ nodes), global batch 32 and 128, micro-batch 1. The model is the one of Megatron
 ``examples/sc21/run_figure_13.sh`` (the script that produced the figure): 32 layers, hidden 20480,
 128 heads (162.2B parameters), full ("uniform") recompute; 2021's rules — no sequence parallelism, no
 distributed optimizer (ZeRO-0), 1F1B. Measured: (t, p) = (8, 8) is the fastest at both batch sizes
-("peak performance when the tensor-parallel size is equal to the number of GPUs in a single node"),
-and throughput falls off on both sides of it — tensor parallelism across nodes (t = 16, 32) and a
+(the tensor group exactly filling one node), and throughput falls off on both sides of it — tensor parallelism across nodes (t = 16, 32) and a
 deep pipeline's bubble (p = 16, 32). GPT's 4h GELU MLP is modelled by SwiGLU with f = 8h/3 rounded to a
-multiple of T (benchmarks/planner_published.py).
+multiple of T (``benchmarks/planner_published.py``: ``fig13_step``, the one home of the sweep's layout).
 """
 from __future__ import annotations
 
@@ -22,27 +21,16 @@ import pytest
 from gridshard.config import load_config
 from gridshard.planner.hardware import HARDWARE_DIR, builtin_hardware, load_hardware
 from gridshard.planner.layouts import Layout
-from gridshard.planner.search import evaluate
 
-FIG13 = [(2, 32), (4, 16), (8, 8), (16, 4), (32, 2)]          # (t, p), the figure's order
-
-
-def _fig13_step(T: int, P: int, batch: int, hidden: int = 20480, layers: int = 32, heads: int = 128) -> float:
-    ffn = round(8 * hidden / 3 / T) * T
-    cfg = load_config(None, ["model.preset=null", "model.vocab_size=51200", f"model.hidden={hidden}",
-                             f"model.layers={layers}", f"model.heads={heads}", f"model.kv_heads={heads}",
-                             f"model.ffn_hidden={ffn}", "model.max_seq_len=2048", "data.seq_len=2048",
-                             f"train.global_batch={batch}", "train.precision=bf16"])
-    c = evaluate(cfg, Layout(1, P, T, "1d", False, 0, "full", 1, "1f1b"), load_hardware("a100"), 64, nodes=8,
-                 price_too_large=True)
-    return c.predicted_step_s
+from .published_runs import published_runs
 
 
 @pytest.mark.parametrize("batch", [128, 32])
 def test_narayanan_fig13_tensor_pipeline_sweep_ranks_as_measured(batch):
     """(8, 8) is the fastest; on each side of it a layout further from (8, 8) is slower (t = 4 before
     t = 2, t = 16 before t = 32), as in the figure at both of its batch sizes."""
-    step = {tp: _fig13_step(*tp, batch) for tp in FIG13}
+    pub = published_runs()
+    step = {tp: pub.fig13_step(*tp, batch) for tp in pub.FIG13}
     assert min(step, key=step.get) == (8, 8), step
     assert step[(8, 8)] < step[(4, 16)] < step[(2, 32)], step            # deeper pipelines: the bubble
     assert step[(8, 8)] < step[(16, 4)] < step[(32, 2)], step            # tensor groups across nodes
