@@ -117,10 +117,8 @@ class LinkCost:
         k = max(1, int(ranks_per_node))
         if k >= pts[-1][0]:
             return pts[-1][1]
-        for (k0, b0), (k1, b1) in zip(pts, pts[1:]):
-            if k0 <= k <= k1:
-                return b0 + (k - k0) / (k1 - k0) * (b1 - b0)
-        return self.bandwidth
+        (k0, b0), (k1, b1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= k <= b[0])
+        return b0 + (k - k0) / (k1 - k0) * (b1 - b0)
 
     def seconds(self, wire_bytes: float, calls: int = 1, group_size: int = 2, ranks_per_node: int = 1) -> float:
         if not calls:
