@@ -221,7 +221,7 @@ def _rank_rows(run: PublishedRun, mc, rank: int, m, counts: list) -> tuple:
             ("pipeline stage buffers (in-flight outputs kept, one output gradient received)",
              m.details["stage_buffers"]),
             ("backward transient (ZeRO gradient buffers, gathers)", m.transient),
-            ("reserved (hardware file)", m.baseline), (f"margin ({m.margin_fraction:.0%} of modelled)", m.margin)]
+            ("reserved (hardware file)", m.baseline), (f"margin ({m.margin_fraction:.0%} of activations, buffers, transients)", m.margin)]
     assert sum(v for _, v in rows if v is not None) == m.total_with_margin, "the rows are every term"
     return [(t, f"{k} × {layers}" if v is None else v) for t, v in rows], psi, layers
 

@@ -445,6 +445,20 @@ MUTANTS = [
              "        pass\n"),),
            ("tests/test_pipeline.py", "-k", "receive_buffers and 1f1b"),
            "pipeline stages keep every micro-batch's receive buffers (torch's default), not the in-flight ones"),
+    Mutant("zero2-bf16-kept-past-its-cast", "gridshard/zero/reduction.py",
+           (("            if self.stage >= 2:                        # the cast is what is sent: the bf16 buffer goes now\n"
+             "                self._free_grad_buffer(u)\n", ""),),
+           ("tests/test_bf16_storage.py::test_bf16_zero2_frees_each_gradient_at_its_cast",),
+           "bf16 ZeRO-2/3: a unit's bf16 gradient buffer lives to the end of its reduce-scatter, beside its fp32 cast"),
+    Mutant("zero-cast-before-waiting", "gridshard/zero/reduction.py",
+           (("        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:\n"
+             "            self._finish(self._in_flight.pop(0))       # first: u's fp32 cast never joins max_in_flight others\n",
+             ""),
+            ("        self._in_flight.append(u)\n\n    def _all_reduce",
+             "        self._in_flight.append(u)\n        while self.max_in_flight is not None and len(self._in_flight) > "
+             "self.max_in_flight:\n            self._finish(self._in_flight.pop(0))\n\n    def _all_reduce")),
+           ("tests/test_bf16_storage.py::test_bf16_zero2_frees_each_gradient_at_its_cast",),
+           "ZeRO >= 1: the next unit is cast and issued before the oldest reduction is waited for (3 casts alive)"),
     Mutant("bf16-zero0-master-grad-not-cast", "gridshard/zero/reduction.py",
            (("            u.reduced.copy_(u.grad_buffer)\n", "            pass\n"),),
            # one micro-batch: with A > 1 the first reaches the reduced buffer through the accumulator (_accumulate)

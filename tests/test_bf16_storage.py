@@ -27,9 +27,10 @@ from gridshard.engine import Trainer
 from gridshard.engine.memory_meter import model_state_tensor_bytes
 from gridshard.errors import ConfigError
 from gridshard.testing import run_on_ranks
-from gridshard.theory.memory import model_state_bytes, zero_accumulator_bytes
+from gridshard.theory.memory import model_state_bytes, zero_accumulator_bytes, zero_gradient_transient
 from gridshard.theory.training import dp_gradient_allreduce
 from gridshard.theory.zero import unit_padded_numel, zero_step_comm
+from gridshard.zero.settings import MAX_IN_FLIGHT
 
 BASE = {"model": {"preset": "tiny"}, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 200_000},
         "train": {"global_batch": 8, "micro_batch": 1, "steps": 10, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2,
@@ -170,6 +171,51 @@ def test_bf16_zero01_accumulate_micro_batches_in_fp32_as_zero2():
             peak, want, consumed = out[stage][6:]
             assert peak == want > 0 and consumed, (stage, peak, want, consumed)
         assert out[2][6:8] == (0, 0)
+
+
+def _reduction_peak_body(cfg, vocabs):
+    """Per vocabulary (bf16 storage, fp32 reduce, ZeRO-2, 4 micro-batches): the most bytes of bf16
+    gradient buffers and fp32 reduce-scatter casts alive at once, sampled at every gradient
+    accumulated and at every buffer freed (a cast unit's is freed right after its cast: the peak's
+    moment), beside :func:`zero_gradient_transient`'s, and the most reductions ever outstanding."""
+    out = {}
+    for vocab in vocabs:
+        trainer = Trainer({**cfg, "model": {**cfg["model"], "vocab_size": vocab},
+                           "train": {**cfg["train"], "zero": 2, "precision": "bf16"}}, progress=False)
+        red, units, seen, flying = trainer.reducer.reduction, trainer.reducer.units, [], []
+
+        def live():
+            casts = sum(u.send.untyped_storage().nbytes() for u in units
+                        if u.send is not None and u.send is not u.grad_buffer)
+            flying.append(len(red._in_flight))
+            return casts + sum(u.grad_buffer.untyped_storage().nbytes() for u in units)
+
+        free = red._free_grad_buffer
+        red._free_grad_buffer = lambda u: seen.append(live()) or free(u)
+        for u in units:
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(lambda _p: seen.append(live()))
+        trainer.run()
+        blocks = [(tuple(p.shape), i if u.name != "root" else None) for i, u in enumerate(units) for p in u.params]
+        A = cfg["train"]["global_batch"] // (trainer.mesh.data.size * cfg["train"]["micro_batch"])
+        out[vocab] = (max(seen), zero_gradient_transient(blocks, 2, trainer.mesh.data.size, A, param_bytes=2),
+                      max(flying), [u.layout.padded for u in units])
+    return out
+
+
+def test_bf16_zero2_frees_each_gradient_at_its_cast():
+    """ZeRO-2 under bf16 with an fp32 reduce: a unit's bf16 gradient buffer goes right after its
+    fp32 cast, and the oldest reduction is finished before the next cast, so the buffers and casts
+    alive peak at exactly the formula's max(6·L_(1) + 4·L_(2) + 2·L_root, 6·L_root + 4·L_(1)) — both
+    cases: the tiny model's root smaller than a layer, and a 2048-token vocabulary's larger (10·L +
+    2·L_root and 18·L + 6·L_root before) — with at most MAX_IN_FLIGHT reductions outstanding."""
+    vocabs = (256, 2048)
+    for out in run_on_ranks(2, _reduction_peak_body, _cfg(2, steps=2, global_batch=8), vocabs, timeout=300):
+        for vocab in vocabs:
+            peak, want, flying, padded = out[vocab]
+            assert peak == want > 0 and flying <= MAX_IN_FLIGHT == 2, (vocab, peak, want, flying, padded)
+        (*small, root_small), (*big, root_big) = out[256][3], out[2048][3]    # decoder layers, then the root
+        assert root_small < min(small) and root_big > 1.5 * max(big), (out[256][3], out[2048][3])
 
 
 def _sp_body(cfg):

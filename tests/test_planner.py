@@ -608,12 +608,13 @@ def test_llama3_405b_published_layout_term_by_term():
     pipeline rank 1: 15 micro-batches in flight × 8 layers. The published accounting (Korthikanti
     et al. 2022's rules on a flash-attention SwiGLU block, 31.8·s·b·h/t) keeps the two norm outputs
     and the SwiGLU product; our ``selective`` rebuilds them in backward (gridshard.nn.rebuild:
-    21.3·s·b·h/t) and ``none`` keeps them and the log-sum-exp. With selective the layout
-    fits the H100's 80 GB — our prediction adds what the published accounting leaves out: ZeRO-2's
-    gradient buffers in the backward (sharded accumulation with pipeline stages: the bf16 buffers of
-    the three largest units in flight and their fp32 casts, 6·(L_(1) + L_(2) + L_(3)), where whole
-    accumulation kept 2·ΣL_u to sync()), torch's stage buffers, the 2 GiB reserved and the 10 %
-    margin (docs/planner.md, "Llama 3 405B"); without recompute it does not."""
+    21.3·s·b·h/t) and ``none`` keeps them and the log-sum-exp. Both fit the H100's 80 GB (79.18
+    GiB as CUDA reports it), as the layout ran without recompute — our prediction adds what the
+    published accounting leaves out: ZeRO-2's gradient buffers in the backward (sharded
+    accumulation with pipeline stages: a unit's bf16 buffer and fp32 cast beside one outstanding
+    cast, 6·L_(1) + 4·L_(2), where whole accumulation kept 2·ΣL_u to sync() and 3 casts
+    18·L), torch's stage buffers, the 2 GiB reserved and the 10 % margin on what the step frees
+    again (docs/planner.md, "Llama 3 405B")."""
     import dataclasses
 
     from gridshard.planner.memo import rank_blocks
@@ -631,17 +632,18 @@ def test_llama3_405b_published_layout_term_by_term():
     assert sum(ours["none"].values()) - sum(ours["selective"].values()) == 2 * y + f + lse
     assert 350e6 < sum(ours["selective"].values()) < 360e6                 # 356.5 MB a layer and micro-batch
     device = load_hardware("h100").device_memory_bytes
-    for c, fits in ((pub.price(run), True), (pub.price(dataclasses.replace(run, recompute="none")), False)):
+    assert 79 * 2**30 < device < 80 * 2**30
+    for c, band in ((pub.price(run), (55, 60)), (pub.price(dataclasses.replace(run, recompute="none")), (78, 79.18))):
         m = c.memory
-        assert (c.memory_rank, m.details["in_flight"], c.feasible) == (1, 15, fits)
+        assert (c.memory_rank, m.details["in_flight"], c.feasible) == (1, 15, True)
+        assert m.margin == int(0.1 * (m.activations + m.comm_buffers + m.transient))
         blocks = rank_blocks(mc, "1d", t, list(range(7, 15)), False, False)
         psi = sum(b.numel for b in blocks)
         L = sorted((unit_padded_numel([b.numel for b in bs], run.D) for bs in zero_units(blocks).values()),
                    reverse=True)
-        assert m.transient == 6 * sum(L[:3]) == zero_gradient_transient(blocks, 2, run.D, 32, True, 2, 4)
-        assert 2 * sum(L) == zero_gradient_transient(blocks, 2, run.D, 32, False, 2, 4) - 4 * sum(L[:3])
-        if fits:
-            assert 60 * 2**30 < m.total_with_margin < 64 * 2**30 < device       # 62.7 GiB of 74.5 usable
+        assert m.transient == 6 * L[0] + 4 * L[1] == zero_gradient_transient(blocks, 2, run.D, 32, True, 2, 4)
+        assert 2 * sum(L) == zero_gradient_transient(blocks, 2, run.D, 32, False, 2, 4) - 4 * sum(L[:2])
+        assert band[0] * 2**30 < m.total_with_margin < band[1] * 2**30 <= device    # 57.1 and 78.9 GiB
     assert 2 * psi + 14 * psi / run.D + 15 * 8 * published < device
 
 

@@ -223,7 +223,7 @@ def test_cli_refuses_a_changed_schedule_before_launch_unless_allowed(run, no_lau
 
 
 # ---- item 13: memory before launch ---------------------------------------------------------------------
-HOST_23GB = fit.MemoryBudget(int(fit.USABLE_FRACTION * 23e9), int(23e9), "21.42 GiB host RAM shared by 1 local "
+HOST_23GB = fit.MemoryBudget(int(fit.HOST_USABLE_FRACTION * 23e9), int(23e9), "21.42 GiB host RAM shared by 1 local "
                              "process")
 ONE = ["--nproc", "1", "parallel.data=1", "parallel.tensor=1", "parallel.tensor_mode=none"]
 
@@ -246,7 +246,7 @@ def test_7b_on_one_process_of_a_23gb_machine_is_refused(check, no_launch, machin
     assert result.exit_code == EXIT_CONFIG, result.output
     out = result.output
     cfg = resolve_config(None, ONE[2:] + ["model.preset=7b"], world_size=1, cuda_available=False)
-    predicted = fit.predicted_peak(cfg, HOST_23GB)[0].total
+    predicted = fit.predicted_peak(cfg, HOST_23GB)[0].total_with_margin
     assert out.count("config error:") == 1 and f"{predicted} bytes" in out and f"{HOST_23GB.per_rank} bytes" in out
     assert "21.42 GiB host RAM" in out and "Fix:" in out and "no layout of 1" in out
     assert machine_23gb == [1] and not os.path.exists(tmp_path / "r")
@@ -274,7 +274,7 @@ def test_the_refusal_names_a_layout_that_fits_and_host_memory_is_shared(monkeypa
     assert "predicted peak memory per rank" in fit.check_memory(better, 4, budget)     # the named layout fits
     # the host's RAM is shared: four local workers get a quarter each
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: 8 << 30)
-    assert fit.machine_budget(4, cuda=False).per_rank == int(fit.USABLE_FRACTION * (8 << 30) / 4)
+    assert fit.machine_budget(4, cuda=False).per_rank == int(fit.HOST_USABLE_FRACTION * (8 << 30) / 4)
 
 
 def test_host_memory_is_read_from_the_machine():

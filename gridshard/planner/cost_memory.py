@@ -14,9 +14,10 @@ arguments, the way the trainer does (:meth:`gridshard.engine.trainer.Trainer._pr
 ``baseline_bytes`` is the hardware's ``reserved_bytes`` (GPU: CUDA context, NCCL buffers,
 allocator; CPU: the Python + torch + gloo resident set measured before the model is built).
 
-Safety margin: ``margin_fraction`` (10 % by default, from the hardware file) of the
-modelled bytes, as :class:`~gridshard.theory.memory.RankMemory` states it; a layout fits
-when ``total_with_margin`` ≤ the device's memory.
+Safety margin: ``margin_fraction`` (10 % by default, from the hardware file) of what the step
+allocates and frees again (activations, buffers, transients; not the model state, laid out once),
+as :class:`~gridshard.theory.memory.RankMemory` states it; a layout fits when
+``total_with_margin`` ≤ the device's memory (for a GPU, what CUDA reports as its total).
 
 Interleaved 1F1B (an adapter: the memory model counts one stage per rank): rank r warms up
 with 2·(P − r − 1) + (V − 1)·P + 1 forward chunks of 1/V of its layers before its first

@@ -5,8 +5,10 @@ Predicted peak per rank: the planner's worst rank of the config's own layout
 (:func:`gridshard.planner.cost_memory.layout_memory`, i.e.
 :func:`gridshard.theory.memory.predict_rank_memory` — what the trainer later logs as
 ``predicted_mem_bytes`` — over data rank 0 and the heaviest pipeline ranks, with the even
-stage split). Its ``total`` is compared, not ``total_with_margin``: the headroom is taken on
-the memory side instead (below). The baseline (what a process holds before the model exists)
+stage split), with the planner's margin: ``total_with_margin`` (10 % of what the step allocates
+and frees again, :attr:`~gridshard.theory.memory.RankMemory.margin`) is compared, the rule
+``gridshard plan`` applies, so a layout the planner accepts is one ``gridshard train`` starts. The
+baseline (what a process holds before the model exists)
 is the packaged hardware file's ``reserved_bytes``: ``cpu`` (Python + torch + gloo, ~350 MiB)
 on the host, plus on the host what loading image data adds to each worker
 (:func:`gridshard.data.images.image_data_resident_bytes`: the digits' scikit-learn import and images),
@@ -14,22 +16,19 @@ on the host, plus on the host what loading image data adds to each worker
 ``train.offload=optimizer`` on a GPU the AdamW state lives in host memory and is left out of
 the device's bytes.
 
-Memory each rank may use: ``USABLE_FRACTION`` (90 %) of
+Memory each rank may use:
 
 * a GPU's memory (``torch.cuda.get_device_properties(i).total_memory``, the smallest of the
-  visible devices) on CUDA — one rank per device;
-* the host's RAM (``/proc/meminfo`` MemTotal, else ``SC_PAGE_SIZE × SC_PHYS_PAGES``) shared
-  by the local worker processes on CPU: ``local`` × per-rank must fit, so each rank gets
+  visible devices) on CUDA — one rank per device; the packaged GPU profiles hold the same figure;
+* ``HOST_USABLE_FRACTION`` (90 %) of the host's RAM (``/proc/meminfo`` MemTotal, else
+  ``SC_PAGE_SIZE × SC_PHYS_PAGES``; the rest is the system's, the launcher's and the page cache's)
+  shared by the local worker processes on CPU: ``local`` × per-rank must fit, so each rank gets
   1/``local`` of it (under torchrun ``local`` is ``LOCAL_WORLD_SIZE``).
-
-The 10 % left is the planner's safety margin in another place (it adds 10 % of the modelled
-bytes and compares with the whole memory): the same order, and a config whose prediction is
-refused here is one the planner rejects too.
 
 When the layout does not fit, the refusal names the nearest layout that does on the same
 number of processes, as ``gridshard plan`` would choose it: :func:`gridshard.planner.search.plan`
 over every layout of the world size, with the device memory set to the per-rank budget
-(margin 0, so its test is this one), best predicted step time first; when none fits, the
+(the same margin, so its test is this one), best predicted step time first; when none fits, the
 planner's own message (the smallest layout, and on GPUs the nearest device count that fits —
 more local CPU processes share the same RAM and do not help).
 
@@ -46,7 +45,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 
-USABLE_FRACTION = 0.9
+HOST_USABLE_FRACTION = 0.9
 GIB = 1 << 30
 
 
@@ -87,12 +86,11 @@ def machine_budget(local: int, cuda: Optional[bool] = None) -> MemoryBudget:
         props = min((torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())),
                     key=lambda p: p.total_memory)
         total = int(props.total_memory)
-        return MemoryBudget(int(USABLE_FRACTION * total), total, f"{gib(total)} on each GPU ({props.name})",
-                            cuda=True, local=local)
+        return MemoryBudget(total, total, f"each GPU's {gib(total)} ({props.name})", cuda=True, local=local)
     total = host_memory_bytes()
-    return MemoryBudget(int(USABLE_FRACTION * total / max(1, local)), total,
-                        f"{gib(total)} host RAM shared by {local} local process{'es' if local > 1 else ''}",
-                        cuda=False, local=local)
+    return MemoryBudget(int(HOST_USABLE_FRACTION * total / max(1, local)), total,
+                        f"{HOST_USABLE_FRACTION:.0%} of {gib(total)} host RAM shared by {local} local "
+                        f"process{'es' if local > 1 else ''}", cuda=False, local=local)
 
 
 def config_layout(cfg):
@@ -111,11 +109,11 @@ def config_layout(cfg):
 
 
 def _hardware(budget: MemoryBudget):
-    """The packaged hardware the baseline comes from, its memory set to the budget, margin 0."""
+    """The packaged hardware the baseline and margin come from, its memory set to the budget."""
     from .hardware import load_hardware
 
     hw = load_hardware("h100" if budget.cuda else "cpu")
-    return dataclasses.replace(hw, device_memory_bytes=budget.per_rank, margin_fraction=0.0)
+    return dataclasses.replace(hw, device_memory_bytes=budget.per_rank)
 
 
 def predicted_peak(cfg, budget: MemoryBudget):
@@ -159,7 +157,8 @@ def nearest_fit(cfg, world: int, budget: MemoryBudget) -> str:
     if result.candidates:
         best = min(result.candidates, key=lambda c: (len(_changed_keys(cfg, c.layout)), c.predicted_step_s))
         procs = f"{world} process{'es' if world > 1 else ''}"
-        return (f"Fix: the nearest layout that fits on {procs} is {best.layout.label()} at {gib(best.memory.total)} "
+        return (f"Fix: the nearest layout that fits on {procs} is {best.layout.label()} at "
+                f"{gib(best.memory.total_with_margin)} with its margin "
                 f"per rank: set {' '.join(_changed_keys(cfg, best.layout))} (`gridshard plan --gpus {world}` ranks "
                 f"every layout that fits), or use a smaller model.")
     msg = no_layout_message(result)
@@ -178,15 +177,16 @@ def check_memory(cfg, world: int, budget: MemoryBudget) -> str:
         return f"predicted peak memory per rank: not modelled for {cfg.model.unmodelled()}"
     mem, rank = predicted_peak(cfg, budget)
     where = f" (pipeline rank {rank})" if cfg.parallel.pipeline > 1 else ""
-    line = (f"predicted peak memory per rank: {gib(mem.total)}{where} ({_parts(mem)}); usable "
-            f"{gib(budget.per_rank)} per rank ({USABLE_FRACTION:.0%} of {budget.where})")
-    if mem.total <= budget.per_rank:
+    line = (f"predicted peak memory per rank: {gib(mem.total_with_margin)}{where} ({_parts(mem)}, margin "
+            f"{gib(mem.margin)}); usable {gib(budget.per_rank)} per rank ({budget.where})")
+    if mem.total_with_margin <= budget.per_rank:
         return line
     raise ConfigError(
-        f"the predicted peak memory per rank is {gib(mem.total)} ({mem.total} bytes{where}: {_parts(mem)}), more "
-        f"than the {gib(budget.per_rank)} ({budget.per_rank} bytes) each rank may use ({USABLE_FRACTION:.0%} of "
-        f"{budget.where}): the run would run out of memory. {nearest_fit(cfg, world, budget)}")
+        f"the predicted peak memory per rank with its margin is {gib(mem.total_with_margin)} ({mem.total_with_margin} "
+        f"bytes{where}: {_parts(mem)}, margin {gib(mem.margin)}: {mem.margin_fraction:.0%} of the activations, "
+        f"buffers and transients), more than the {gib(budget.per_rank)} ({budget.per_rank} bytes) each rank may "
+        f"use ({budget.where}): the run would run out of memory. {nearest_fit(cfg, world, budget)}")
 
 
-__all__ = ["MemoryBudget", "USABLE_FRACTION", "host_memory_bytes", "machine_budget", "config_layout",
+__all__ = ["MemoryBudget", "HOST_USABLE_FRACTION", "host_memory_bytes", "machine_budget", "config_layout",
            "predicted_peak", "nearest_fit", "check_memory"]

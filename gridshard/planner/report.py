@@ -57,8 +57,8 @@ def explain(result: PlanResult) -> str:
              f"Best: {best.layout.label()}",
              f"  memory per rank (worst rank, pipeline rank {best.memory_rank}): params {gib(mem.params)}, grads "
              f"{gib(mem.grads)}, optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)}, buffers "
-             f"{gib(mem.comm_buffers + mem.transient)}, baseline {gib(mem.baseline)}, + {mem.margin_fraction:.0%} "
-             f"margin = {gib(mem.total_with_margin)} of {gib(hw.device_memory_bytes)}",
+             f"{gib(mem.comm_buffers + mem.transient)}, baseline {gib(mem.baseline)}, + margin {gib(mem.margin)} "
+             f"= {gib(mem.total_with_margin)} of {gib(hw.device_memory_bytes)}",
              f"  step {st.total_s:.4g} s = compute {st.compute_s:.3g} + tensor comm {st.tensor_comm_s:.3g} + pipeline "
              f"comm {st.pipeline_comm_s:.3g} + data comm (exposed) {st.data_comm_s:.3g} + bubble {st.bubble_s:.3g} "
              f"+ optimizer {st.optimizer_s:.3g} + overhead {st.overhead_s:.3g}"

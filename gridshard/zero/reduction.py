@@ -60,9 +60,11 @@ One step, ``A`` micro-batches:
    root unit is reduced in :meth:`sync` only, after
    :class:`gridshard.pipeline.tied.TiedEmbeddingSync` summed the copies' whole gradients.
    ZeRO ≥ 1 keep at most ``MAX_IN_FLIGHT`` outstanding
-   (launching another first waits for the oldest) and free a gradient buffer's storage once
+   (launching another first waits for the oldest, *before* the new one's fp32 cast exists, so at
+   most ``MAX_IN_FLIGHT`` casts are ever alive) and free a gradient buffer's storage once
    its reduce-scatter is done (ZeRO-2/3; a new gradient for the unit first finishes a
-   reduce-scatter still in flight). Every data rank runs the same graph, so the units
+   reduce-scatter still in flight) — or, under bf16 storage with an fp32 reduce, right after its
+   fp32 cast, which is what is sent (FSDP2 frees the unsharded gradient at the same point). Every data rank runs the same graph, so the units
    complete, and their collectives are issued, in the same order on every rank;
 3. :meth:`sync` issues what is still pending, waits for the rest, divides by D (the sum over
    data ranks and micro-batches → the mean) and hands each stepped tensor its slice of the
@@ -184,14 +186,14 @@ class GradientReduction(ReadsSettings, StagingSlots):
         """Issue ``u``'s reduction (ZeRO-0: an all-reduce, ZeRO ≥ 1: a reduce-scatter) asynchronously."""
         if not u.grads_live:                           # no gradient reached the unit this step
             self._ensure_grad_buffer(u)
+        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:
+            self._finish(self._in_flight.pop(0))       # first: u's fp32 cast never joins max_in_flight others
         u.pending = self._all_reduce(u) if self.stage == 0 else self._reduce_scatter(u)
         u.reductions, u.unreduced = u.reductions + 1, False
         if self.stage >= 2:
             for p in u.params:
                 p.grad = None                          # the buffer is freed once reduced
         self._in_flight.append(u)
-        while self.max_in_flight is not None and len(self._in_flight) > self.max_in_flight:
-            self._finish(self._in_flight.pop(0))
 
     def _all_reduce(self, u: Unit):
         """ZeRO-0: the bucket's in-place all-reduce — of the gradient buffer, or under bf16 storage
@@ -229,6 +231,8 @@ class GradientReduction(ReadsSettings, StagingSlots):
                 self._drop_accum(u)
         elif self.mixed and self.reduce_fp32:          # bf16 storage, fp32 reduce: a transient fp32 cast
             send = u.send = u.grad_buffer.float()
+            if self.stage >= 2:                        # the cast is what is sent: the bf16 buffer goes now
+                self._free_grad_buffer(u)
         out = u.reduced
         if u.reductions or send.dtype != out.dtype:
             out = u.scratch = torch.empty(out.numel(), dtype=send.dtype, device=out.device)

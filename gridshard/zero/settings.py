@@ -9,7 +9,10 @@ from typing import Optional
 
 import torch
 
-MAX_IN_FLIGHT = 2          # ZeRO ≥ 1: reduce-scatters outstanding in backward; the oldest is waited for beyond it
+from ..theory.memory.model_state import REDUCTIONS_IN_FLIGHT
+
+MAX_IN_FLIGHT = REDUCTIONS_IN_FLIGHT  # ZeRO ≥ 1: reductions outstanding in backward; the oldest is waited for
+                                     # before another is cast and issued (the memory model counts them)
 
 
 @dataclass(frozen=True)

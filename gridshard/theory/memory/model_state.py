@@ -75,10 +75,20 @@ micro-batch; without it every buffer lives from the first backward to the last
     A = 1 or sharded:  4·(L_root + L_(1) + L_(2) + L_(3))  (three largest layers)
     otherwise:         4·Σ_u L_u
 
-Under bf16 the buffers are 2-byte; with ``grad_reduce_dtype`` fp32 each unit in flight also
-holds its fp32 cast (4·L_u, the reduce-scatter's input) — bounded by the same units, at every
-ZeRO ≥ 1 stage: + 4·(L_root + L_(1) + L_(2) + L_(3)); with bf16 reduce a 2-byte output chunk
-per unit in flight: + 2·(L_root + L_(1) + L_(2) + L_(3))/D (an upper bound, not asserted).
+Under bf16 the buffers are 2-byte. With ``grad_reduce_dtype`` fp32 a unit's reduce-scatter
+sends its fp32 cast (4·L_u), made once the oldest of 2 outstanding reductions is done, so at most
+2 casts are alive; at ZeRO-2/3 the bf16 buffer is freed right after its cast (FSDP2 does the same).
+A cast unit x (bf16 + cast, 6·L_x) beside one outstanding cast y (4·L_y), while the root's bf16
+buffer (2·L_root, live from the head's gradient to the embedding's) fills, is the peak::
+
+    bf16, fp32 reduce, ZeRO-2/3:  max(6·L_(1) + 4·L_(2) + 2·L_root, 6·L_(1) + 4·L_root, 6·L_root + 4·L_(1))
+
+(10·L for equal layers away from the root, against 18·L when every bf16 buffer lived to the end
+of its reduction with 3 casts: exact on one stage, an upper bound where the root fills late, the
+first pipeline stage). ZeRO-1 keeps its whole gradients, so the casts alone: + 4·(U_(1) + U_(2)),
+the two largest units, the root among them. With bf16 reduce the buffer itself is sent, as in
+fp32 (2·(L_root + L_(1) + L_(2) + L_(3))), plus a 2-byte output chunk per outstanding reduction:
++ 2·(U_(1) + U_(2))/D (an upper bound, not asserted).
 
 bf16 ZeRO-0/1 with A > 1 micro-batches (P = 1, D > 1, overlap: :func:`zero_accumulator_bytes`)
 sum the micro-batches in an fp32 *accumulator* (Megatron's fp32 main gradient, unsharded), alive
@@ -98,6 +108,7 @@ from ..zero import chunk_range, unit_padded_numel, unit_shard_numel
 
 FP32 = 4
 ADAM_STATES = 2                     # exp_avg, exp_avg_sq
+REDUCTIONS_IN_FLIGHT = 2            # ZeRO ≥ 1 reductions outstanding at once: gridshard.zero.settings.MAX_IN_FLIGHT
 STEP_COUNTER_BYTES = 4              # AdamW's 0-dim fp32 ``step`` per parameter
 INDEX_BYTES = 8                     # int64 token ids / targets
 MASK_BYTES = 1                      # torch.bool
@@ -270,12 +281,13 @@ def _units_padded(blocks: Sequence, data: int, expert: int = 1) -> dict:
 def zero_reduce_cast_bytes(blocks: Sequence, zero: int, data: int, param_bytes: int = FP32,
                            reduce_bytes: int = FP32, expert: int = 1) -> int:
     """What reducing the units in flight adds under bf16 storage at ZeRO ≥ 1 (module docstring
-    §1): each one's fp32 cast, 4·(L_root + L_(1) + L_(2) + L_(3)) with ``reduce_bytes`` 4, or its
-    2-byte output chunk, 2·(…)/D, with 2; 0 at ZeRO-0 or with fp32 storage."""
+    §1): each one's fp32 cast, 4·(U_(1) + U_(2)) with ``reduce_bytes`` 4 — the two largest units,
+    the root among them (at most ``MAX_IN_FLIGHT`` = 2 casts are alive: the oldest reduction is
+    waited for before the next cast) — or its 2-byte output chunk, 2·(…)/D, with 2; 0 at ZeRO-0 or
+    with fp32 storage."""
     if zero == 0 or param_bytes >= FP32:
         return 0
-    L = _units_padded(blocks, data, expert)
-    in_flight = L.get("root", 0) + sum(sorted((v for u, v in L.items() if u != "root"), reverse=True)[:3])
+    in_flight = sum(sorted(_units_padded(blocks, data, expert).values(), reverse=True)[:REDUCTIONS_IN_FLIGHT])
     return FP32 * in_flight if reduce_bytes >= FP32 else param_bytes * in_flight // data
 
 
@@ -309,11 +321,13 @@ def zero_gradient_transient(blocks: Sequence, zero: int, data: int, micro_batche
     if zero == 0:
         return 0
     L = _units_padded(blocks, data, expert)
-    layers = sorted((v for u, v in L.items() if u != "root"), reverse=True)
-    in_flight = L.get("root", 0) + sum(layers[:3])
+    R = L.get("root", 0)
+    l1, l2, l3 = (sorted((v for u, v in L.items() if u != "root"), reverse=True) + [0, 0, 0])[:3]
     cast = zero_reduce_cast_bytes(blocks, zero, data, param_bytes, reduce_bytes, expert)
     if zero < 2:
         return cast
     if micro_batches > 1 and not sharded_accumulation:
         return param_bytes * sum(L.values()) + cast
-    return param_bytes * in_flight + cast
+    if param_bytes < FP32 <= reduce_bytes:             # each bf16 buffer freed at its fp32 cast
+        return max(6 * l1 + 4 * l2 + 2 * R, 6 * l1 + 4 * R, 6 * R + 4 * l1)
+    return param_bytes * (R + l1 + l2 + l3) + cast

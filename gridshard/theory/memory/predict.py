@@ -18,8 +18,9 @@ afterwards; ZeRO-2/3 otherwise reduce every micro-batch inside it,
 (:func:`zero_reduce_cast_bytes`) exceeds the freed activations and workspace; with a pipeline
 also the stage's receive buffers and kept outputs (:func:`gridshard.theory.pipeline.stage_buffer_bytes`,
 in ``comm_buffers``) — a sum of maxima,
-so an upper estimate; ``margin`` is stated separately (default 10 % of the modelled part)
-for allocator slack.
+so an upper estimate; ``margin`` is stated separately for the allocator's slack: 10 % by default
+of what the step allocates and frees again (:attr:`RankMemory.churning`: activations, buffers,
+transients), not of the model state, laid out once and held.
 """
 from __future__ import annotations
 
@@ -65,8 +66,16 @@ class RankMemory:
         return self.baseline + self.modelled
 
     @property
+    def churning(self) -> int:
+        """What the step allocates and frees again: activations, communication and stage buffers,
+        transients. The model state (parameters, gradients, optimizer state) is laid out once in
+        flat buffers at the start and held to the end, predicted to the byte (the ZeRO tests)."""
+        return self.activations + self.comm_buffers + self.transient
+
+    @property
     def margin(self) -> int:
-        return int(self.margin_fraction * self.modelled)
+        """``margin_fraction`` of :attr:`churning`: the allocator's slack lies in what it recycles."""
+        return int(self.margin_fraction * self.churning)
 
     @property
     def total_with_margin(self) -> int:
