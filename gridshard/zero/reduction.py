@@ -64,8 +64,9 @@ One step, ``A`` micro-batches:
    most ``MAX_IN_FLIGHT`` casts are ever alive) and free a gradient buffer's storage once
    its reduce-scatter is done (ZeRO-2/3; a new gradient for the unit first finishes a
    reduce-scatter still in flight) — or, under bf16 storage with an fp32 reduce, right after its
-   fp32 cast, which is what is sent (FSDP2 frees the unsharded gradient at the same point). Every data rank runs the same graph, so the units
-   complete, and their collectives are issued, in the same order on every rank;
+   fp32 cast, which is what is sent (FSDP2 frees the unsharded gradient at the same point).
+   Every data rank runs the same graph, so the units complete, and their collectives are
+   issued, in the same order on every rank;
 3. :meth:`sync` issues what is still pending, waits for the rest, divides by D (the sum over
    data ranks and micro-batches → the mean) and hands each stepped tensor its slice of the
    reduced chunk as ``.grad``;
