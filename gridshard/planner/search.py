@@ -328,7 +328,7 @@ def no_layout_message(result: PlanResult) -> str:
         msg = (f"no layout of {N} × {hw.name} fits: the smallest, {smallest.layout.label()}, needs "
                f"{gib(smallest.predicted_mem_bytes)} per rank (params {gib(smallest.memory.params)}, grads "
                f"{gib(smallest.memory.grads)}, optimizer {gib(smallest.memory.optimizer)}, activations "
-               f"{gib(smallest.memory.activations)}, margin {smallest.memory.margin_fraction:.0%}) against "
+               f"{gib(smallest.memory.activations)}, margin {gib(smallest.memory.margin)}) against "
                f"{gib(hw.device_memory_bytes)}.")
         if alt:
             msg += f" Nearest feasible: {alt[0]} with {alt[1].layout.label()} ({gib(alt[1].predicted_mem_bytes)})."
