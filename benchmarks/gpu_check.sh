@@ -3,6 +3,7 @@
 # machine, within 9 minutes:
 #   bash benchmarks/gpu_check.sh            # results: $OUT/summary.json, $OUT/metrics.jsonl
 #   GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh   # the same steps on the CPU (gloo, tiny shapes)
+#   GPU_CHECK_SCRIPT=benchmarks/bench_gpu_step.py bash benchmarks/gpu_check.sh   # issue 44's step benchmark instead
 # Python: the machine's python3 (the device image's holds CUDA PyTorch), else .venv/bin/python.
 # Packages `import gridshard` needs beyond torch come, when missing, from gpu-wheels/ (`make
 # gpu-wheels` here, then `carry: ["gpu-wheels"]`), installed into a temporary target dir.
@@ -30,4 +31,4 @@ export OUT="${OUT:-$REPO/runs/gpu_check}"
 mkdir -p "$OUT"
 "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda',
 torch.cuda.is_available(), torch.cuda.device_count())"
-exec "$PY" benchmarks/gpu_check.py
+exec "$PY" "${GPU_CHECK_SCRIPT:-benchmarks/gpu_check.py}" "$@"
