@@ -227,8 +227,9 @@ def read_profile(prof, cuda: bool) -> dict:
     """Top kernels (device time; CPU ops' self time without CUDA), host synchronisations, and the
     device's idle gaps between kernels."""
     def self_time(e):
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) if cuda \
-            else e.self_cpu_time_total
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
 
     averages = sorted(prof.key_averages(), key=self_time, reverse=True)
     top = [{"name": e.key[:120], "calls": e.count, "total_ms": self_time(e) / 1e3} for e in averages[:15]]
