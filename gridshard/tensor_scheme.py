@@ -246,8 +246,9 @@ class TensorScheme(str, metaclass=_SchemeNames):
         ``micro_batch``, ``tensor``, ``sequence_parallel``, ``recompute``) holding ``layers`` decoder layers
         (``first`` / ``last``: the end stages' pieces): axis name → list of
         :class:`gridshard.theory.CommVolume`, one entry per link the planner prices separately. ``e``:
-        the activations' element bytes (the compute dtype); 1D prices its activation collectives in
-        it, 2D / 2.5D / 3D in fp32 (their products' blocks, not yet priced per dtype)."""
+        the compute dtype's element bytes: 1D prices its activation collectives in it, 2D / 2.5D / 3D
+        their products' blocks, vectors and embedding (their parameters are stored in it under
+        ``train.precision`` bf16); statistics and losses stay fp32 in every mode."""
         return {}
 
     def tensor_ring_members_per_node(self, T: int, per_node: int) -> int:

@@ -19,10 +19,12 @@ Tensor-parallel layers also cost CPU work around each collective that neither th
 the α–β see (autograd nodes, dispatch, copies): ``Hardware.tensor_call_overhead_s[mode]`` per
 call of :mod:`~gridshard.theory` 's counts, measured by ``--calibrate`` (0 in the GPU files).
 
-1D's activation collectives move elements of the run's **compute dtype** (2 bytes under bf16/fp16
-autocast: the scheme's ``tensor_comm(..., e)``, :func:`gridshard.tensor.tp1d.cost.tensor_comm_1d`),
-as the runtime and Megatron send them; until issue 43 the planner priced them at 4 bytes, so an
-8-way all-reduce of a bf16 block cost half the published bus bandwidth per byte moved.
+Tensor-parallel collectives move elements of the run's **compute dtype** (2 bytes under bf16/fp16
+autocast: the scheme's ``tensor_comm(..., e)``): 1D's activations
+(:func:`gridshard.tensor.tp1d.cost.tensor_comm_1d`), as the runtime and Megatron send them, and the
+2D / 2.5D / 3D products' panels, vectors and embedding blocks (:func:`gridshard.tensor.tp2d.cost.tensor_comm_2d`,
+:func:`gridshard.tensor.tp3d.cost.tensor_comm_3d`); norm statistics and the loss stay fp32. (Priced
+at 4 bytes, a bf16 block would cost twice its time on the link.)
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def tensor_volumes(cfg, layout: Layout, seq: int, layers: int, first: bool, last
 def _tensor_mb(cfg, layout: Layout, pr: _Pricing, seq: int, layers: int, first: bool, last: bool,
                precision: str = "fp32") -> tuple:
     """(critical-path seconds, busy CPU seconds) of one micro-batch's tensor-parallel collectives
-    (1D's activations in the compute dtype of ``precision``: module docstring)."""
+    (in the compute dtype of ``precision``: module docstring)."""
     hw = pr.hw
     per_axis = layout.mode.tensor_comm(cfg, layout, seq, layers, first, last,      # axis → CommVolumes
                                        activation_element_bytes(precision))

@@ -8,6 +8,7 @@ import math
 
 import yaml
 
+from ..theory.memory.activations import activation_element_bytes
 from ..tensor_scheme import tensor_schemes
 from .search import Candidate, PlanResult, gib
 
@@ -273,7 +274,8 @@ def _layer_traffic(result: PlanResult, c: Candidate) -> tuple:
     runs: the scheme's ``tensor_comm``; at 3D each cube axis on its own link)."""
     L, links = c.layout.layer_layout(), c.step.details["links"]
     mc, s = result.config.model.resolve(), result.config.data.seq_len // L.context
-    per_axis = L.mode.tensor_comm(mc, L, s, 1, False, False)          # axis → CommVolumes
+    e = activation_element_bytes(result.config.train.precision)        # the compute dtype's bytes
+    per_axis = L.mode.tensor_comm(mc, L, s, 1, False, False, e)       # axis → CommVolumes
     levels = links.get("tensor_axes", {})
     wire = {a: sum(v.wire_bytes() for v in vols) for a, vols in per_axis.items()}
     return (sum(wire.values()), sum(w for a, w in wire.items() if levels.get(a, links["tensor"]) == "inter"),

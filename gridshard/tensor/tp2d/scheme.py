@@ -162,7 +162,7 @@ class TwoDScheme(Scheme):
 
     def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool, e: int = 4) -> dict:
         """:func:`gridshard.tensor.tp2d.cost.tensor_comm_2d`: row and column groups share the node's link."""
-        return {"tensor": tensor_comm_2d(cfg, layout, seq, layers, first, last)} if layout.tensor > 1 else {}
+        return {"tensor": tensor_comm_2d(cfg, layout, seq, layers, first, last, e)} if layout.tensor > 1 else {}
 
     def gemm_split(self, T: int) -> int:
         """One SUMMA panel step: [N/q, h/q]·[h/q, f/q], so 2·N·h·f/q³."""

@@ -128,11 +128,12 @@ def linear2d_comm(tokens: int, in_features: int, out_features: int, q: int, byte
 def rmsnorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, vector_gathers: int = 1) -> dict:
     """RMSNorm2D forward + backward: weight all-gather (h/q·e) forward when stale
     (``vector_gathers``, see :func:`linear2d_comm`) and reduce-scatter backward on the
-    column; Σx² forward and Σ(g·w·x) backward all-reduced on the row ([N/q, 1] each)."""
+    column; Σx² forward and Σ(g·w·x) backward all-reduced on the row ([N/q, 1] each, fp32
+    whatever e: the norm computes in fp32, :mod:`gridshard.tensor.tp2d.norm`)."""
     e = bytes_per_elem
     v = _zero(q)
     v["col"].add("all_gather", hidden // q * e, vector_gathers).add("reduce_scatter", hidden // q * e)
-    v["row"].add("all_reduce", tokens // q * e, 2)
+    v["row"].add("all_reduce", tokens // q * 4, 2)
     return v
 
 

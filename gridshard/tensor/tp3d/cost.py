@@ -8,19 +8,22 @@ import functools
 from . import theory as tp3d
 
 
-def tensor_comm_3d(cfg, layout, seq: int, layers: int, first: bool, last: bool) -> dict:
+def tensor_comm_3d(cfg, layout, seq: int, layers: int, first: bool, last: bool, e: int = 4) -> dict:
     """Per-axis volumes (axis → CommVolume, :data:`gridshard.tensor.tp3d.theory.AXES`) of one micro-batch on a
     3D rank holding ``layers`` decoder layers: :func:`~gridshard.tensor.tp3d.theory.block3d_comm` per layer
     (+ :func:`~gridshard.tensor.tp3d.theory.block3d_recompute_comm` with full recompute) and
     :func:`~gridshard.tensor.tp3d.theory.ends3d_comm` on the end stages. The axes keep their own group sizes
-    (q or q²) and are priced on their own links (:func:`link_levels`, ``tensor_axes``)."""
+    (q or q²) and are priced on their own links (:func:`link_levels`, ``tensor_axes``). ``e``: the bytes of
+    the compute dtype, which the products' blocks (cast before their gathers,
+    :func:`gridshard.tensor.tp3d.matmul.compute_dtype`), the vectors and the embedding carry under
+    ``train.precision`` bf16; the norms' statistics and the cross-entropy stay fp32, the tokens int64."""
     q = layout.mode.side(layout.tensor)
     m, h, f = layout.micro_batch, cfg.hidden, cfg.ffn_hidden
-    block = tp3d.block3d_comm(m, seq, h, f, q, heads=cfg.heads, kv_heads=cfg.kv_heads)
+    block = tp3d.block3d_comm(m, seq, h, f, q, e, heads=cfg.heads, kv_heads=cfg.kv_heads)
     parts = [block] * layers
     if layout.recompute == "full":
-        parts += [tp3d.block3d_recompute_comm(m, seq, h, f, q, heads=cfg.heads, kv_heads=cfg.kv_heads)] * layers
-    parts.append(tp3d.ends3d_comm(m, seq, h, cfg.vocab_size, q, first=first, last=last,
+        parts += [tp3d.block3d_recompute_comm(m, seq, h, f, q, e, heads=cfg.heads, kv_heads=cfg.kv_heads)] * layers
+    parts.append(tp3d.ends3d_comm(m, seq, h, cfg.vocab_size, q, e, first=first, last=last,
                                   tied=bool(cfg.tie_embeddings)))
     return tp3d.combine(*parts)
 

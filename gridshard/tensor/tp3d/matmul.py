@@ -34,12 +34,12 @@ the q partial products and hands out sub-blocks; its adjoint hands every member 
 (keeping them would store q× the input block and q× the weight block per rank); the backward
 products are :func:`abt_3d` and :func:`atb_3d`.
 
-Per rank, e bytes per element (ledger payloads: gathered output, unscattered input):
-forward input K·M/q²·e, weight K·N/q²·e (gather), output M·N/q²·e (reduce-scatter); backward
-output M·N/q²·e, weight K·N/q²·e (gather; for dX only), input 2·M·K/q²·e (gather + dX
-reduce-scatter; the reduce-scatter for dX only), weight K·N/q²·e (dA reduce-scatter). With
-every gradient: 8 calls, payload (3·M·K + 2·M·N + 3·K·N)/q²·e, ring wire (q − 1)/q of it
-(:func:`gridshard.tensor.tp3d.theory.linear3d_comm`).
+Per rank, e bytes per element of the compute dtype (:func:`compute_dtype`; ledger payloads:
+gathered output, unscattered input): forward input K·M/q²·e, weight K·N/q²·e (gather), output
+M·N/q²·e (reduce-scatter); backward output M·N/q²·e, weight K·N/q²·e (gather; for dX only),
+input 2·M·K/q²·e (gather + dX reduce-scatter; the reduce-scatter for dX only), weight K·N/q²·e
+(dA reduce-scatter). With every gradient: 8 calls, payload (3·M·K + 2·M·N + 3·K·N)/q²·e, ring
+wire (q − 1)/q of it (:func:`gridshard.tensor.tp3d.theory.linear3d_comm`).
 """
 from __future__ import annotations
 
@@ -71,6 +71,16 @@ def atb_3d(x: torch.Tensor, g: torch.Tensor, mesh, g_full: torch.Tensor = None) 
     return C.reduce_scatter(x_full.t() @ g_full, mesh.weight, 0)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product runs in: autocast's where it is on for ``x``'s device (as autocast runs a
+    matmul), else ``x``'s. The product casts its operands to it *before* their gathers, so X and A
+    travel in it (2 bytes under bf16/fp16 autocast over fp32 parameters, as under bf16 storage), and
+    its backward runs in it too: autograd calls a backward outside autocast, where a bf16 dY would
+    meet the fp32 parameter block it saved (the casts' gradients go back to the saved dtypes)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
 def _joined(parts) -> torch.Tensor:
     """The parts' blocks side by side [K/q², Σ N_k/q] (the one part itself, no copy)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
@@ -80,23 +90,24 @@ class _MatmulAB3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, *parts):
         ctx.save_for_backward(x, *parts)          # the parts themselves, not their concatenation
-        ctx.mesh = mesh
-        x_full = C.all_gather(x, mesh.input, 0)
-        a_full = C.all_gather(_joined(parts), mesh.weight, 0)
+        ctx.mesh, ctx.dtype = mesh, compute_dtype(x)
+        x_full = C.all_gather(x.to(ctx.dtype), mesh.input, 0)
+        a_full = C.all_gather(_joined(parts).to(ctx.dtype), mesh.weight, 0)
         return C.reduce_scatter(x_full @ a_full, mesh.output, 0)
 
     @staticmethod
     def backward(ctx, g):
         x, *parts = ctx.saved_tensors
-        mesh = ctx.mesh
-        g = g.contiguous()
+        mesh, dtype = ctx.mesh, ctx.dtype
+        g = g.contiguous().to(dtype)
         g_full = C.all_gather(g, mesh.output, 0)
         dx, dparts = None, [None] * len(parts)
         if ctx.needs_input_grad[0]:
-            dx = abt_3d(g, _joined(parts), mesh, g_full)
+            dx = abt_3d(g, _joined(parts).to(dtype), mesh, g_full).to(x.dtype)
         if any(ctx.needs_input_grad[2:]):
-            da = atb_3d(x, g, mesh, g_full)
+            da = atb_3d(x.to(dtype), g, mesh, g_full)
             dparts = [da] if len(parts) == 1 else [d.contiguous() for d in da.split([p.shape[1] for p in parts], 1)]
+            dparts = [d.to(p.dtype) for d, p in zip(dparts, parts)]
         return dx, None, *dparts
 
 

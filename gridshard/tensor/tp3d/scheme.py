@@ -186,7 +186,7 @@ class ThreeDScheme(Scheme):
 
     def tensor_comm(self, cfg, layout, seq: int, layers: int, first: bool, last: bool, e: int = 4) -> dict:
         """:func:`gridshard.tensor.tp3d.cost.tensor_comm_3d`: each cube axis priced on its own link."""
-        return {axis: [v] for axis, v in tensor_comm_3d(cfg, layout, seq, layers, first, last).items()}
+        return {axis: [v] for axis, v in tensor_comm_3d(cfg, layout, seq, layers, first, last, e).items()}
 
     def tensor_axis_levels(self, T: int, world: int, per_node: int):
         return cube_axis_levels(self.side(T), world, per_node)
