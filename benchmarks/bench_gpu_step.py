@@ -369,7 +369,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=float(os.environ.get("BENCH_GPU_BUDGET_S", "420")),
                     help="no child starts after this many seconds")
-    ap.add_argument("--skip", default="", help="comma-separated: plain, profile, emulate, 1b")
+    ap.add_argument("--skip", default="", help="comma-separated: plain, profile, emulate, 3b, 1b")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = os.environ.get("OUT") or os.path.join(REPO, "runs", "bench_gpu_step")

@@ -35,10 +35,10 @@ wrapper                    private name (why no public one does)       without i
 ``register_fake_backend``  ``testing._internal.distributed.fake_pg``   error: ``gridshard emulate``
                            (importing it registers torch's "fake"      cannot run
                            process-group backend)
-``answer_stage_votes``     ``PipelineStage._warmup_forward_vote`` /    error: ``gridshard emulate``
-                           ``_warmup_backward_result`` (the stages'    cannot run a pipeline
-                           metadata vote goes through the group,
-                           which the fake backend cannot answer)
+``answer_stage_votes``     ``PipelineStage._warmup_forward_vote`` /    both gone (torch ≤ 2.11, no
+                           ``_warmup_backward_result`` (the stages'    vote): nothing to answer; one
+                           metadata vote goes through the group,       gone: error, ``gridshard
+                           which the fake backend cannot answer)       emulate`` cannot run a pipeline
 ``receive_just_in_time``   ``PipelineStage.args_recv_info`` /          error: a pipeline stage cannot
                            ``grad_recv_info`` / ``_prepare_*_infra``   be built
                            (the receive buffers, allocated for every
@@ -189,10 +189,15 @@ def answer_stage_votes(stage) -> None:
     """Under the fake process group (``gridshard emulate``): answer a ``PipelineStage``'s start-up vote
     on static or dynamic tensor metadata locally with "static" — what every stage of a gridshard job
     votes, since each is built with its input and output shapes — instead of through the group,
-    whose fake receive would read as "dynamic" and start a metadata exchange no one answers."""
-    for name in ("_warmup_forward_vote", "_warmup_backward_result"):
-        if not hasattr(stage, name):
-            raise _missing(f"PipelineStage.{name}", "gridshard emulate of a pipeline layout")
+    whose fake receive would read as "dynamic" and start a metadata exchange no one answers. A torch
+    without the vote (2.11 and before: a stage built with its shapes exchanges no metadata) has
+    nothing to answer; one with half of it cannot be answered."""
+    names = ("_warmup_forward_vote", "_warmup_backward_result")
+    present = [hasattr(stage, name) for name in names]
+    if not any(present):
+        return
+    if not all(present):
+        raise _missing(f"PipelineStage.{names[present.index(False)]}", "gridshard emulate of a pipeline layout")
     stage._warmup_forward_vote = lambda has_backward, received_acc=None: torch.ones(1, dtype=torch.int32)
     stage._warmup_backward_result = lambda received_result=None: torch.ones(1, dtype=torch.int32)
 
@@ -224,7 +229,7 @@ def receive_just_in_time(stage) -> None:
 
     def materialize(infos, fill=None) -> None:
         for info in infos:
-            buffer = None if info.is_root_arg else info.buffer
+            buffer = _recv_buffer(info)
             if buffer is not None and buffer.device == meta:
                 info.buffer = torch.empty_like(buffer, device=stage.device)
                 if fill is not None:
@@ -232,7 +237,7 @@ def receive_just_in_time(stage) -> None:
 
     def release(infos) -> None:
         for info in infos:
-            buffer = None if info.is_root_arg else info.buffer
+            buffer = _recv_buffer(info)
             if buffer is not None and buffer.device != meta:
                 info.buffer = torch.empty_like(buffer, device=meta)
 
@@ -271,6 +276,12 @@ def receive_just_in_time(stage) -> None:
     stage.get_bwd_recv_ops = before(stage.get_bwd_recv_ops, lambda: stage.grad_recv_info)
     stage.set_local_bwd_input = _local_bwd_input(stage, materialize)
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+
+def _recv_buffer(info):
+    """A stage input's receive buffer; None for a model-level input, which is handed in, not received
+    (torch 2.13: a ``_RecvInfo`` with ``is_root_arg``; 2.11: a ``_RootArgPlaceholder``, no buffer)."""
+    return None if getattr(info, "is_root_arg", False) else getattr(info, "buffer", None)
 
 
 def _local_bwd_input(stage, materialize):

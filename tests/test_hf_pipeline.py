@@ -93,6 +93,23 @@ def test_pipelined_hf_llama_equals_one_process(hf_runs, name):
     _assert_same_run(_run(_cfg(path, D, P, T, mode, sp, schedule, V)), ref, name)
 
 
+def test_pipelined_hf_llama_in_bf16_equals_one_process_in_bf16(tmp_path_factory):
+    """bf16 storage: the residual stream a stage sends is the embedding's output, bf16 (its parameters'
+    dtype). The stages declared it fp32, so the next stage read each bf16 send into an fp32 buffer, half
+    of it garbage: gradient norms of 10⁴ where one process has 4, different at each run. Now the run at
+    P = 2 is the one-process bf16 run (the same operations in the same order), and every stage checks
+    its first output against what it declared (:func:`gridshard.pipeline.stage_module.check_declared_output`)."""
+    path, runs = _hf_json(tmp_path_factory, False), {}
+    for P in (1, 2):
+        cfg = _cfg(path, 1, P, 1, "none")
+        cfg["train"].update(precision="bf16", steps=3)
+        runs[P] = _run(cfg)
+    (loss, norm), (ref_loss, ref_norm) = runs[2], runs[1]
+    for what, a, b in (("loss", loss, ref_loss), ("grad_norm", norm, ref_norm)):
+        rel = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+        assert len(a) == 3 and rel <= 1e-3, f"bf16 P=2: {what} differs from one process by {rel:.2e} ({a} vs {b})"
+
+
 @pytest.mark.wide
 def test_checkpoint_of_pipelined_hf_model_resumes_at_one_process(hf_runs, tmp_path):
     """Names do not depend on P: saved at (1, 2, 2) 1D+SP at step 5, resumed on one process,

@@ -91,6 +91,14 @@ def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
     assert "profile_memory" in str(caught[0].message) and tp.dump_memory_snapshot("/nonexistent") is False
     with pytest.raises(tp.PrivateTorchMissing, match="PipelineStage.args_recv_info"):
         tp.receive_just_in_time(object())
+    tp.answer_stage_votes(object())               # a torch before the vote (2.11): nothing to answer
+    buffer = torch.ones(2)                        # a receive's buffer; a model-level input has none (2.11: no flag)
+    assert tp._recv_buffer(type("RecvInfo", (), {"is_root_arg": False, "buffer": buffer})()) is buffer
+    assert tp._recv_buffer(type("RootArg213", (), {"is_root_arg": True, "buffer": buffer})()) is None
+    assert tp._recv_buffer(type("RootArgPlaceholder211", (), {"meta": buffer})()) is None
+    half = type("HalfVote", (), {"_warmup_forward_vote": None})()
+    with pytest.raises(tp.PrivateTorchMissing, match="PipelineStage._warmup_backward_result"):
+        tp.answer_stage_votes(half)
 
 
 def test_skip_under_compile_keeps_a_function_out_of_dynamo(monkeypatch):

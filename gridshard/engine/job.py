@@ -61,7 +61,7 @@ from .memory_meter import rss_now
 from .profiling import Ranges
 from .warmup import start_warmup
 from .optim import build_optimizer
-from .precision import DTYPES, Precision, apply_math_modes
+from .precision import DTYPES, Precision, apply_math_modes, param_dtype
 from .step import MicroBatchLoop, PipelineSchedule, StepBatch
 
 COMPOSITION_ORDER = ("model on meta", "stage split", "parallelize", "recompute", "compile", "reducer",
@@ -293,7 +293,7 @@ def _reducer(job: Job) -> None:
     job.reducer = build_reducer(job.model, job.mesh.data_context, t.zero, int(t.bucket_mb * 2**20),
                                 overlap=overlap, defer_root=tied_copy,
                                 host_pages=_host_pages(job),
-                                param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+                                param_dtype=param_dtype(t.precision),
                                 grad_reduce_dtype=DTYPES[t.grad_reduce_dtype],
                                 expert_axes=(job.mesh.expert, job.mesh.expert_data) if p.expert > 1 else None)
 

@@ -55,10 +55,17 @@ def apply_math_modes(precision: str, tf32: bool, deterministic: bool, device: to
     return modes
 
 
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype the parameters (and their gradients) are stored in under ``train.precision``: bf16 for
+    ``bf16`` (the reducer keeps fp32 masters), fp32 otherwise (module docstring)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 class Precision:
     def __init__(self, precision: str, device: torch.device):
         self.name, self.device = precision, device
-        self.dtype = DTYPES[precision]
+        self.dtype = DTYPES[precision]                 # the compute dtype (autocast's)
+        self.param_dtype = param_dtype(precision)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     def autocast(self):

@@ -74,9 +74,11 @@ class PipelineRunner:
         block = mesh.job_mode.boundary_block(mesh.sizes[2], ctx.sequence_parallel, micro_batch, seq_len, hidden,
                                              mesh.tensor_depth)
         micro_local = block[0]
-        # hidden states between stages: the compute dtype for gridshard's model (Transformer.hidden_dtype),
-        # fp32 for a family that keeps an fp32 residual stream under autocast (Hugging Face's)
-        hidden_dtype = getattr(rank_model, "hidden_dtype", lambda compute: torch.float32)(precision.dtype)
+        # hidden states between stages: the compute dtype for gridshard's model (Transformer.hidden_dtype); the
+        # parameters' for a family whose residual stream is its embedding's output under autocast (Hugging
+        # Face's: fp32 over fp32 parameters, bf16 under bf16 storage; declared fp32 there, the receiving stage
+        # read a bf16 send into an fp32 buffer, half of it garbage)
+        hidden_dtype = getattr(rank_model, "hidden_dtype", lambda compute: precision.param_dtype)(precision.dtype)
         act = torch.empty(block, dtype=hidden_dtype, device="meta", requires_grad=True)
         tokens = rank_model.stage_input_meta(micro_local, seq_len)
         self.meter = StageMeter(mesh.pipeline if mesh.ledger is not None else ctx.mesh.pipeline,
@@ -84,8 +86,8 @@ class PipelineRunner:
         stages = []
         for s in self.stage_indices:
             first, last = s == 0, s == S - 1
-            module = StageModule(rank_model, ids[s], first, last, seq_len)
-            out = rank_model.stage_output_meta(micro_local, seq_len, mesh) if last else act
+            out = rank_model.stage_output_meta(micro_local, seq_len, mesh, precision.dtype) if last else act
+            module = StageModule(rank_model, ids[s], first, last, seq_len, declared=out)
             stages.append(PipelineStage(module, s, S, device, input_args=(tokens if first else act,),
                                         output_args=(out,), group=mesh.pipeline.group))
             receive_just_in_time(stages[-1])          # a receive buffer only while its micro-batch needs it

@@ -94,18 +94,20 @@ class _RankPart(nn.Module):
         """The first stage's input per micro-batch on this rank (meta): tokens [b', s]."""
         return torch.empty((micro_local, seq_len), dtype=torch.long, device="meta")
 
-    def stage_output_meta(self, micro_local: int, seq_len: int, mesh) -> torch.Tensor:
+    def stage_output_meta(self, micro_local: int, seq_len: int, mesh,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The last stage's output per micro-batch on this rank (meta): this rank's logits
         block [b', s, V_local] (V_local: the output layer's ``out_local`` where it says it, e.g. a 3D
         tied head, whose weight is the embedding table in the embedding's layout; else from the
-        output weight's layout)."""
+        output weight's layout), in ``dtype``: the run's compute dtype, which the head's product
+        gives under autocast."""
         vocab_local = getattr(self.get_submodule(self.OUTPUT), "out_local", None)
         if vocab_local is None:
             spec = self.parallel_context.layouts[self.OUTPUT + ".weight"]
             _, sizes = mesh_coords(mesh)
             local = spec.local_shape(sizes)
             vocab_local = local[1] if spec.transposed else local[0]
-        return torch.empty((micro_local, seq_len, vocab_local), device="meta", requires_grad=True)
+        return torch.empty((micro_local, seq_len, vocab_local), dtype=dtype, device="meta", requires_grad=True)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline rank's model runs through its stages (gridshard.pipeline.StageModule)")
@@ -184,6 +186,7 @@ class ViTRankModel(_RankPart):
         c = self.cfg
         return torch.empty((micro_local, c.channels, c.image_size, c.image_size), device="meta")
 
-    def stage_output_meta(self, micro_local: int, seq_len: int, mesh) -> torch.Tensor:
-        """Logits [b', K], whole on every tensor rank."""
-        return torch.empty((micro_local, self.cfg.num_classes), device="meta", requires_grad=True)
+    def stage_output_meta(self, micro_local: int, seq_len: int, mesh,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Logits [b', K], whole on every tensor rank, in the compute dtype ``dtype``."""
+        return torch.empty((micro_local, self.cfg.num_classes), dtype=dtype, device="meta", requires_grad=True)

@@ -21,10 +21,27 @@ import torch
 from torch import nn
 
 
+def check_declared_output(declared: torch.Tensor, out: torch.Tensor, stage: str) -> None:
+    """A stage's output as declared to its ``PipelineStage`` (``output_args``: what the next stage
+    allocates to receive it, or the last stage's logits) against one it produced. torch 2.11's stage
+    compares dtype, shape and stride of every forward output with the declaration and stops the run on
+    a difference; 2.13 does not, and a send of another dtype than the receiver's buffer then fills part
+    of it. So a wrong declaration fails here, on every torch and in the CPU tests."""
+    want = (declared.dtype, tuple(declared.shape), declared.stride())
+    got = (out.dtype, tuple(out.shape), out.stride())
+    if want != got:
+        raise RuntimeError(f"pipeline {stage} produced (dtype, shape, stride) {got} but was declared to produce "
+                           f"{want}; the stages would disagree on the bytes sent. This is a gridshard bug: please "
+                           f"report it with the config.")
+
+
 class StageModule(nn.Module):
-    def __init__(self, rank_model, layer_ids: Sequence[int], first: bool, last: bool, seq_len: int):
+    def __init__(self, rank_model, layer_ids: Sequence[int], first: bool, last: bool, seq_len: int,
+                 declared: torch.Tensor | None = None):
+        """``declared``: the output described to the stage's ``PipelineStage`` (meta), checked against
+        the first real one (:func:`check_declared_output`)."""
         super().__init__()
-        self.first, self.last, self.seq_len = first, last, seq_len
+        self.first, self.last, self.seq_len, self.declared = first, last, seq_len, declared
         self.held = nn.ModuleList(rank_model.stage_modules(layer_ids, first, last))
         self.layers = [rank_model.decoder_layer(i) for i in layer_ids]      # in self.held already
         # the family's pieces, bound to the rank model (plain attributes: nothing registered twice)
@@ -40,6 +57,9 @@ class StageModule(nn.Module):
             self.layer_inputs(x, self.seq_len, documents)
         for layer in self.layers:
             x = self.run_layer(layer, x, inputs)
-        if self.last:
-            return self.head(x)
-        return x.contiguous()      # sent to the next stage: SP activations are stored sequence-first
+        # the last stage's logits; else sent to the next stage (SP activations are stored sequence-first)
+        out = self.head(x) if self.last else x.contiguous()
+        if self.declared is not None:
+            check_declared_output(self.declared, out, "last stage's logits" if self.last else "stage output")
+            self.declared = None
+        return out
