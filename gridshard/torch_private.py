@@ -231,7 +231,7 @@ def receive_just_in_time(stage) -> None:
         for info in infos:
             buffer = _recv_buffer(info)
             if buffer is not None and buffer.device == meta:
-                info.buffer = torch.empty_like(buffer, device=stage.device)
+                info.buffer = _same_buffer_on(buffer, stage.device)
                 if fill is not None:
                     info.buffer.fill_(fill)
 
@@ -239,7 +239,7 @@ def receive_just_in_time(stage) -> None:
         for info in infos:
             buffer = _recv_buffer(info)
             if buffer is not None and buffer.device != meta:
-                info.buffer = torch.empty_like(buffer, device=meta)
+                info.buffer = _same_buffer_on(buffer, meta)
 
     def laid_out_on_meta(prepare):
         def run(*args, **kwargs):
@@ -276,6 +276,14 @@ def receive_just_in_time(stage) -> None:
     stage.get_bwd_recv_ops = before(stage.get_bwd_recv_ops, lambda: stage.grad_recv_info)
     stage.set_local_bwd_input = _local_bwd_input(stage, materialize)
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+
+def _same_buffer_on(buffer: torch.Tensor, device) -> torch.Tensor:
+    """An uninitialised tensor like ``buffer`` on ``device``, keeping whether it requires a gradient:
+    torch 2.11's stage marks an input buffer ``requires_grad`` once, when it lays it out, and reads the
+    input gradient from it after backward (2.13 sets the flag at each forward); ``empty_like`` alone
+    drops the flag, and the stage then had no gradient to send back."""
+    return torch.empty_like(buffer, device=device).requires_grad_(buffer.requires_grad)
 
 
 def _recv_buffer(info):

@@ -96,6 +96,11 @@ def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
     assert tp._recv_buffer(type("RecvInfo", (), {"is_root_arg": False, "buffer": buffer})()) is buffer
     assert tp._recv_buffer(type("RootArg213", (), {"is_root_arg": True, "buffer": buffer})()) is None
     assert tp._recv_buffer(type("RootArgPlaceholder211", (), {"meta": buffer})()) is None
+    laid_out = torch.empty(2, 3, device="meta", requires_grad=True)     # an input buffer of a stage with backward
+    real = tp._same_buffer_on(laid_out, "cpu")
+    assert real.requires_grad and real.device.type == "cpu" and real.shape == (2, 3)
+    assert tp._same_buffer_on(real, "meta").requires_grad
+    assert not tp._same_buffer_on(torch.empty(2, device="meta"), "cpu").requires_grad
     half = type("HalfVote", (), {"_warmup_forward_vote": None})()
     with pytest.raises(tp.PrivateTorchMissing, match="PipelineStage._warmup_backward_result"):
         tp.answer_stage_votes(half)
