@@ -28,7 +28,8 @@ from .netutil import free_port
 # After a worker fails, the agent sends SIGTERM to the others and kills (SIGKILL) those still
 # alive this many seconds later: a worker blocked in a collective runs its SIGTERM handler only
 # when the collective returns, and a stopped (SIGSTOP) one never does. A Ctrl-C does not go
-# through this wait (workers stop on their own and return: gridshard.engine.control).
+# through this wait (workers stop on their own and return: gridshard.engine.control). torch 2.11's
+# agent cannot be told: it waits its own 30 s.
 SHUTDOWN_TIMEOUT_S = 5
 
 
@@ -58,10 +59,11 @@ def launch_local(nproc: int, entry, *args, max_restarts: int = 0,
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torch ≥ 2.12 takes the agent's shutdown wait; 2.11's LaunchConfig has no such field (its agent waits 30 s)
+    wait = {"shutdown_timeout": SHUTDOWN_TIMEOUT_S} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gridshard-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-                          start_method="spawn", monitor_interval=0.1,
-                          shutdown_timeout=SHUTDOWN_TIMEOUT_S, signals_to_handle=agent_signals)
+                          start_method="spawn", monitor_interval=0.1, signals_to_handle=agent_signals, **wait)
     return elastic_launch(config, _worker_main)(os.getpid(), entry, *args)
 
 
