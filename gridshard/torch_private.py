@@ -4,7 +4,8 @@ A private name can change or vanish in any torch release. Each wrapper below loo
 the torch it runs on; where the name is missing it falls back to public API that gives the same
 result (slower, or without an overlap), or, where no public API can, raises one error naming the
 torch version, what needs the name and the fix. ``tests/test_torch_private.py`` runs every wrapper
-on the pinned torch (2.13) and every fallback with its private name hidden. This module imports
+on the pinned torch (2.13) and every fallback with its private name hidden; the whole suite was also
+run under torch 2.11, a lent GPU machine's (docs/gpu.md, "On the device's torch"). This module imports
 nothing of gridshard.
 
 =========================  ==========================================  ================================

@@ -21,6 +21,7 @@ from gridshard.parallel import gathered_state_dict
 from gridshard.testing import run_on_ranks
 from gridshard.testing.train_cache import train_on_ranks
 from gridshard.theory.pipeline import boundary_bytes, peak_in_flight, step_send_bytes
+from gridshard.torch_private import _recv_buffer
 from gridshard.zero.data_parallel import MAX_IN_FLIGHT
 
 BASE = {"model": {"preset": "tiny", "layers": 4}, "data": {"kind": "stdlib", "seq_len": 32, "max_bytes": 200_000},
@@ -246,9 +247,9 @@ def _receive_buffers(cfg):
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
     most = [0, 0, 0]
 
-    def real(infos):
-        return sum(not i.is_root_arg and i.buffer is not None and i.buffer.device.type != "meta"
-                   for chunk in infos.values() for i in chunk)
+    def real(infos):                 # a model-level input has no buffer (torch_private._recv_buffer: 2.11 and 2.13)
+        buffers = (_recv_buffer(i) for chunk in infos.values() for i in chunk)
+        return sum(b is not None and b.device.type != "meta" for b in buffers)
 
     def sample():
         now = [sum(real(s.args_recv_info) for s in stages), sum(real(s.grad_recv_info) for s in stages),
