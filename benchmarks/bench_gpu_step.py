@@ -287,15 +287,15 @@ def _device_name(device) -> str:
 
 def child_main(argv) -> None:
     kind, result, *args = argv
-    work = tempfile.mkdtemp(prefix="bench_gpu_step_")
-    if kind == "ours":
-        out = child_ours(args[0], args[1] == "1", work)
-    elif kind == "plain":
-        out = child_plain(args[0], int(args[1]), args[2])
-    elif kind == "profile":
-        out = child_profile(args[0], work)
-    else:
-        out = child_emulate(int(args[0]))
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_step_child_") as work:   # run dirs: nothing is kept
+        if kind == "ours":
+            out = child_ours(args[0], args[1] == "1", work)
+        elif kind == "plain":
+            out = child_plain(args[0], int(args[1]), args[2])
+        elif kind == "profile":
+            out = child_profile(args[0], work)
+        else:
+            out = child_emulate(int(args[0]))
     with open(result, "w") as f:
         json.dump(out, f)
 

@@ -121,9 +121,9 @@ class Scheme(TensorScheme):
 
     @staticmethod
     def grid_layer_norm_saved_bytes(cfg, r: RankShape, q: int, e: int, pb: int, output_bytes: int) -> int:
-        """2D's LayerNorm function (3D: on the cube's output axis): x̂ (R·e), the rstd per row (N_r·e),
-        the gathered weight block (h/q·pb) and ``output_bytes``, what its consumer keeps of y."""
-        return r.residual * e + r.token_rows * e + cfg.hidden // q * pb + output_bytes
+        """2D's LayerNorm function (3D: on the cube's output axis): x̂ (R·e), the fp32 rstd per row
+        (N_r·4), the gathered weight block (h/q·pb) and ``output_bytes``, what its consumer keeps of y."""
+        return r.residual * e + r.token_rows * FP32 + cfg.hidden // q * pb + output_bytes
 
     @staticmethod
     def grid_image_embedding_saved_bytes(cfg, batch: int, blocks: int, q: int, e: int) -> int:

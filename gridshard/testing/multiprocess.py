@@ -27,6 +27,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import sys
 import tempfile
@@ -201,6 +202,7 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)   # the stack files: read by _fail before it closes
         _GROUPS.pop(self.world_size, None) if _GROUPS.get(self.world_size) is self else None
 
 

@@ -19,8 +19,9 @@ LayerNorm (μ = Σx/h, x̂ = (x − μ)·r, r = (Σ(x − μ)²/h + ε)^(−1/2)
 
 where Σ_global / mean run over the full hidden dim (all-reduce along the row).
 Communication per forward+backward: RMSNorm 2 row all-reduces of [b/q, s, 1];
-LayerNorm 3 (two for μ and var, one for the two backward means stacked). Saved for
-backward per rank: x (or x̂) [b/q, s, h/q] and r [b/q, s, 1].
+LayerNorm 3 (two for μ and var, one for the two backward means stacked), all in fp32 whatever
+x's dtype (the statistics are computed in fp32, as autocast computes ``layer_norm``). Saved for
+backward per rank: x (or x̂) [b/q, s, h/q] in x's dtype and r [b/q, s, 1] in fp32.
 """
 from __future__ import annotations
 
@@ -65,27 +66,35 @@ def _scale(x, r, w):
 
 
 class _LayerNorm2DFn(torch.autograd.Function):
+    """In fp32 whatever x's dtype, as autocast runs ``layer_norm``: a bf16/fp16 x gets fp32 μ, r and
+    all-reduced sums (a bf16 Σx over h/q values of mean 100 is off by units); x̂ is kept in x's
+    dtype, as x would be; y comes back in the promotion of x's and w's dtypes (x̂·w + b's), dx in
+    x's dtype (fp32: every cast a no-op)."""
+
     @staticmethod
     def forward(ctx, x, w, b, row, hidden, eps):
-        mu = C.all_reduce(x.sum(-1, keepdim=True), row, inplace=True) / hidden
-        xc = x - mu
+        xf = x.float()
+        mu = C.all_reduce(xf.sum(-1, keepdim=True), row, inplace=True) / hidden
+        xc = xf - mu
         var = C.all_reduce(xc.pow(2).sum(-1, keepdim=True), row, inplace=True) / hidden
         r = torch.rsqrt(var + eps)
         xhat = xc * r
-        ctx.save_for_backward(xhat, r, w)
-        ctx.row, ctx.hidden = row, hidden
-        return xhat * w + b
+        ctx.save_for_backward(xhat.to(x.dtype), r, w)
+        ctx.row, ctx.hidden, ctx.param_dtype = row, hidden, b.dtype
+        return (xhat * w + b).to(torch.promote_types(x.dtype, w.dtype))
 
     @staticmethod
     def backward(ctx, g):
-        xhat, r, w = ctx.saved_tensors
-        gw = g * w
+        xhat_saved, r, w = ctx.saved_tensors
+        xhat, gf = xhat_saved.float(), g.float()
+        gw = gf * w
         sums = C.all_reduce(torch.cat([gw.sum(-1, keepdim=True), (gw * xhat).sum(-1, keepdim=True)], -1), ctx.row,
                             inplace=True)
         m1, m2 = (sums / ctx.hidden).split(1, -1)
         dx = r * (gw - m1 - xhat * m2)
         flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-        return dx, flat(g * xhat).sum(0), flat(g).sum(0), None, None, None
+        return (dx.to(xhat_saved.dtype), flat(gf * xhat).sum(0).to(ctx.param_dtype),
+                flat(gf).sum(0).to(ctx.param_dtype), None, None, None)
 
 
 class GridNorm(nn.Module):

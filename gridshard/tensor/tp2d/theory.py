@@ -140,11 +140,12 @@ def rmsnorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, ve
 def layernorm2d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, vector_gathers: int = 1) -> dict:
     """LayerNorm2D forward + backward: weight and bias all-gathered (h/q·e each) forward when
     stale (``vector_gathers``) and reduce-scattered backward on the column; Σx and Σ(x−μ)²
-    forward ([N/q, 1] each) and (Σ g·w, Σ g·w·x̂) backward ([N/q, 2]) all-reduced on the row."""
+    forward ([N/q, 1] each) and (Σ g·w, Σ g·w·x̂) backward ([N/q, 2]) all-reduced on the row, fp32
+    whatever e (:mod:`gridshard.tensor.tp2d.norm`)."""
     e = bytes_per_elem
     v = _zero(q)
     v["col"].add("all_gather", hidden // q * e, 2 * vector_gathers).add("reduce_scatter", hidden // q * e, 2)
-    v["row"].add("all_reduce", tokens // q * e, 2).add("all_reduce", 2 * tokens // q * e)
+    v["row"].add("all_reduce", tokens // q * 4, 2).add("all_reduce", 2 * tokens // q * 4)
     return v
 
 

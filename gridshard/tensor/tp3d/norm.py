@@ -16,8 +16,8 @@ h/q³ per rank, all-gathered over ``mesh.batch`` (the q² ranks holding hidden b
 [h/q]; backward reduce-scatters its gradient over the same q² ranks, which sums the q² batch
 blocks' contributions (every token of the micro-batch once).
 
-Communication per forward + backward, N = b·s tokens (stats in fp32 for RMSNorm, in x's dtype for
-LayerNorm): RMSNorm 2 all-reduces of N/q² elements on ``output``; LayerNorm 3 (N/q², N/q², 2N/q²);
+Communication per forward + backward, N = b·s tokens (statistics in fp32 whatever x's dtype):
+RMSNorm 2 all-reduces of N/q² elements on ``output``; LayerNorm 3 (N/q², N/q², 2N/q²);
 each vector one all-gather and one reduce-scatter of h/q·e on ``batch``
 (:func:`gridshard.tensor.tp3d.theory.rmsnorm3d_comm`). Saved per rank: x (or x̂) [b/q², s, h/q] and r.
 """

@@ -101,10 +101,11 @@ def rmsnorm3d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, sw
 def layernorm3d_comm(tokens: int, hidden: int, q: int, bytes_per_elem: int = 4, swapped: bool = False,
                      vector_gathers: int = 1) -> dict:
     """LayerNorm3D forward + backward: Σx, Σ(x−μ)² ([N/q²] each) and the two backward means
-    ([N/q², 2]) all-reduced on ``output`` in x's dtype; weight and bias on ``batch``."""
+    ([N/q², 2]) all-reduced on ``output`` in fp32 whatever e (the 2D norm's function,
+    :mod:`gridshard.tensor.tp2d.norm`); weight and bias on ``batch`` in e."""
     _blocks(q, tokens=(tokens, q * q), hidden=(hidden, q ** 3))
     e, r, v = bytes_per_elem, roles(swapped), _zero(q)
-    v[r["output"]].add("all_reduce", tokens // q ** 2 * e, 2).add("all_reduce", 2 * tokens // q ** 2 * e)
+    v[r["output"]].add("all_reduce", tokens // q ** 2 * 4, 2).add("all_reduce", 2 * tokens // q ** 2 * 4)
     return _vectors(v, r["batch"], hidden, q, e, 2, vector_gathers)
 
 

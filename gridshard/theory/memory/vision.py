@@ -13,8 +13,8 @@ Per encoder layer, recompute ``none``::
     2·LN + 3·N_r·H_r·d·e (q, k, v) + N_r·H_r·4 (log-sum-exp) + N_r·H_r·d·e (attention output)
          + 2·N_r·f_r·e (u, gelu(u))  [+ N_r·H_r·d·e under 1D + SP: o_proj's sequence-first copy]
     LN = x + statistics + y:  R·e + 2·(R/h)·pb + R·e           none, 1D, 1D + SP (y the block)
-                              R·e + N_r·e + h/q·pb + R·e       2D (x̂, rstd, gathered w, SUMMA's y)
-                              R·e + N_r·e + h/q·pb + R·max(e, pb)   3D (y as the norm computes it)
+                              R·e + N_r·4 + h/q·pb + R·e       2D (x̂, fp32 rstd, gathered w, SUMMA's y)
+                              R·e + N_r·4 + h/q·pb + R·max(e, pb)   3D (y as the norm returns it)
 
 ``selective`` (the attention core and GELU in checkpoints): the same less the log-sum-exp (the
 core's output is recomputed and kept by o_proj; under SP only o_proj's sequence-first copy of it;
