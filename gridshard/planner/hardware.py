@@ -112,6 +112,8 @@ class LinkCost:
         """Bus bandwidth of a group with ``ranks_per_node`` members in each node (module docstring,
         "Bus bandwidth"): ``bandwidth`` at 1, the file's ``bandwidth_by_ranks_per_node`` points
         above, linear in k between them, clamped at the largest k."""
+        if ranks_per_node <= 1 or not self.bandwidth_by_ranks_per_node:
+            return self.bandwidth
         pts = [(1, self.bandwidth)] + sorted((int(k), float(b)) for k, b in self.bandwidth_by_ranks_per_node.items()
                                              if int(k) > 1)
         k = max(1, int(ranks_per_node))

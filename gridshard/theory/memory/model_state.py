@@ -99,6 +99,7 @@ early: 20 bytes per parameter during the backward, the step's 18 within it), + 4
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -132,8 +133,9 @@ class ParamBlock:
     #: expert-data ranks, in a unit of their own (:mod:`gridshard.zero.units`)
     expert: bool = False
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
+        """∏ shape, computed once (the planner asks it millions of times per plan)."""
         return math.prod(self.shape)
 
     @property
