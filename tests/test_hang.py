@@ -160,3 +160,4 @@ def test_a_timeout_without_peers_names_the_call_alone():
     assert "Did not arrive: rank 2, which did not answer in 0.3 s (dead, stopped, or busy outside any collective)" \
            in silent, silent
     assert json.loads(store.kv["gridshard/timeout/rank0"])["call"]["number"] == 1
+

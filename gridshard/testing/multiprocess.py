@@ -42,6 +42,9 @@ from ..netutil import free_port
 # size, bounded by the sizes tests use; a failed group is removed and rebuilt on the next call,
 # and shutdown_all() (at exit) closes them all.
 _GROUPS: dict = {}
+# Live workers kept at most (idle ones hold 0.3-1 GiB each): starting a group that would exceed it
+# first closes the groups used least recently, so a wide run touching every size stays in memory.
+MAX_LIVE_WORKERS = 32      # the sizes most tests use, 1 + 2 + 4 + 8 + 16, stay
 
 
 class RankFailure(AssertionError):
@@ -209,12 +212,21 @@ class WorkerGroup:
 def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, fresh: bool = False, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return per-rank results.
     ``fresh``: on new worker processes (e.g. to measure a peak RSS that no earlier test raised)."""
-    group = _GROUPS.get(world_size)
+    group = _GROUPS.pop(world_size, None)
     if group is None or not group.alive() or fresh:
         if group is not None:
             group.close(force=True)
-        group = _GROUPS[world_size] = WorkerGroup(world_size)
+        _make_room(world_size)
+        group = WorkerGroup(world_size)
+    _GROUPS[world_size] = group                  # last in the dict: the most recently used
     return group.run(fn, *args, timeout=timeout, **kwargs)
+
+
+def _make_room(world_size: int) -> None:
+    """Close the least recently used groups until ``world_size`` more workers fit in
+    :data:`MAX_LIVE_WORKERS` (a group larger than that on its own still starts)."""
+    while _GROUPS and sum(_GROUPS) + world_size > MAX_LIVE_WORKERS:
+        next(iter(_GROUPS.values())).close()
 
 
 def shutdown_all():

@@ -1,0 +1,29 @@
+"""The test harness's pool of worker groups (:mod:`gridshard.testing.multiprocess`): it keeps at most
+``MAX_LIVE_WORKERS`` live workers, so a wide run that touches every world size stays in memory."""
+import os
+
+from gridshard.testing import run_on_ranks
+
+
+def _my_pid():
+    return os.getpid()
+
+
+def test_worker_groups_beyond_the_live_budget_close_the_least_recently_used(monkeypatch):
+    """The pool keeps at most ``MAX_LIVE_WORKERS`` workers: starting a group that would exceed it
+    closes the least recently used groups first (their processes exit), a group used again is
+    kept."""
+    from gridshard.testing import multiprocess as mp_pool
+
+    monkeypatch.setattr(mp_pool, "MAX_LIVE_WORKERS", 5)
+    monkeypatch.setattr(mp_pool, "_GROUPS", {})
+    try:
+        one = run_on_ranks(1, _my_pid)
+        run_on_ranks(2, _my_pid)
+        assert run_on_ranks(1, _my_pid) == one            # 1 + 2 ≤ 5: both kept, 1 now the most recent
+        old_two = mp_pool._GROUPS[2]
+        run_on_ranks(3, _my_pid)                          # 1 + 2 + 3 > 5: the 2-group (least recent) goes
+        assert sorted(mp_pool._GROUPS) == [1, 3] and not any(p.is_alive() for p in old_two.procs)
+        assert run_on_ranks(1, _my_pid) == one
+    finally:
+        mp_pool.shutdown_all()
