@@ -30,6 +30,8 @@ wrapper                    private name (why no public one does)       without i
 ``default_store``          ``distributed_c10d._get_default_store``     None: a collective timeout
                            (the world's rendezvous store; no public    names this rank's call only,
                            getter)                                     not the peers that missed it
+``live_subgroups``          ``distributed_c10d._world.pg_map`` (the     an empty list: the test
+                           process's groups; no public list of them)   harness keeps every group
 ``record_memory_history``, ``cuda.memory._record_memory_history``,    a warning; traces are
 ``dump_memory_snapshot``   ``_dump_snapshot`` (the allocator's         written, memory snapshots
                            history; no public API in 2.13)             are not
@@ -147,6 +149,17 @@ def default_store():
         return getter()
     except (RuntimeError, ValueError):
         return None
+
+
+def live_subgroups() -> list:
+    """The process groups this process holds other than the default one (empty when none, when not
+    initialised, or where the private registry is gone)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = getattr(world, "pg_map", None)
+    if groups is None or not dist.is_initialized():
+        return []
+    default = dist.group.WORLD
+    return [pg for pg in list(groups) if pg is not default]
 
 
 def record_memory_history(enabled: bool, max_entries: int = 100_000) -> bool:
@@ -325,6 +338,6 @@ except ImportError as e:                        # pragma: no cover - the pinned 
 
 
 __all__ = ["in_backward", "will_execute", "outer_saved_hooks", "assert_async", "foreach_norm", "foreach_mul_",
-           "flatten_mesh", "set_group_timeout", "receive_just_in_time", "skip_under_compile", "tree_flatten",
+           "flatten_mesh", "set_group_timeout", "live_subgroups", "receive_just_in_time", "skip_under_compile", "tree_flatten",
            "tree_map_only", "TorchDispatchMode",
            "PrivateTorchMissing"]

@@ -16,7 +16,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "gridshard")
 
 
 def test_no_private_torch_name_outside_the_gated_module():
-    pattern = re.compile(r"torch\.\w*\._\w|torch\._(?!_)\w|\._flatten\(|_set_pg_timeout|_get_default_store")
+    pattern = re.compile(r"torch\.\w*\._\w|torch\._(?!_)\w|\._flatten\(|_set_pg_timeout|_get_default_store|\._world\b")
     found = []
     for folder, _, files in os.walk(ROOT):
         for name in files:
@@ -83,6 +83,8 @@ def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
     assert "collective_timeout_s" in str(caught[0].message)
     monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
     assert tp.default_store() is None
+    monkeypatch.delattr(dist.distributed_c10d, "_world")
+    assert tp.live_subgroups() == []
     monkeypatch.delattr(torch.cuda.memory, "_record_memory_history")
     monkeypatch.delattr(torch.cuda.memory, "_dump_snapshot")
     with warnings.catch_warnings(record=True) as caught:

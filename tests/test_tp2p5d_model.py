@@ -6,7 +6,7 @@ the job lays the model out as 2D on its layer's q² ranks and reduces the gradie
 context × depth (the mesh's ``data_context``; docs/tp2p5d.md "In training"). Model: grouped-query
 attention (4 heads over 2 kv heads), an odd vocabulary (259: padded in 2D), data: Python's standard
 library as bytes with ``data.ignore_token: 32`` (about one target in six masked, unevenly over the
-d·q = 4 batch blocks), 10 steps of AdamW with clipping active. Compared with one process: loss
+d·q = 4 batch blocks), 6 steps of AdamW with clipping active. Compared with one process: loss
 and global gradient norm within 1e-5 relative per step, the final gathered parameters within
 1e-5 (relative Frobenius).
 
@@ -15,8 +15,8 @@ shared 2 cores). Wide (``-m wide``): (D, P, T) = (1, 1, 8) q = 2, d = 2 at ZeRO-
 with selective recompute (ZeRO then shards over the depth replicas: each rank steps half of its
 layer's block), 16 ranks: (2, 1, 8) at ZeRO-2 and context C = 2 (ring) × (1, 1, 8); the (1, 1, 8)
 ZeRO-0 run's
-step-5 checkpoint resumed at 2D (T = 4) and 1D (T = 2), and the one-process run's at 2.5D: steps
-6-10 as the uninterrupted run; a Hugging Face Llama (GQA, vocabulary 259, tied) at (1, 1, 8) 2.5D;
+step-3 checkpoint resumed at 2D (T = 4) and 1D (T = 2), and the one-process run's at 2.5D: steps
+4-6 as the uninterrupted run; a Hugging Face Llama (GQA, vocabulary 259, tied) at (1, 1, 8) 2.5D;
 pipeline stages, (1, 2, 8) on 16 ranks, tied embeddings, validation through the stages: 1F1B,
 interleaved 1F1B, GPipe at ZeRO-3 and zero bubble at ZeRO-2 (docs/tp2p5d.md "Pipeline").
 """
@@ -24,13 +24,12 @@ import json
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from gridshard.testing.compare import max_rel
 
-from .tp_model_runs import (BASE, HF, TOL, check_pipeline_run, config, config_error, model_runs, param_rel,
-                            reference_fixtures)
+from .tp_model_runs import (BASE, HF, SAVE_AT, STEPS, TOL, check_pipeline_run, config, config_error, model_runs,
+                            param_rel, reference_fixtures)
 
 
 def _facts(trainer) -> dict:
@@ -53,7 +52,7 @@ reference_run, reference = reference_fixtures(_run, config())
 
 @pytest.fixture(scope="module")
 def run_2p5d(tmp_path_factory):
-    """The 2.5D (q = 2, d = 2) ZeRO-0 run, checkpointing at steps 5 and 10, and its run directory."""
+    """The 2.5D (q = 2, d = 2) ZeRO-0 run, checkpointing at steps 3 and 6, and its run directory."""
     run_dir = tmp_path_factory.mktemp("tp2p5d") / "run"
     return run_dir, _run(config(8, "2.5d", 2), str(run_dir))
 
@@ -98,25 +97,25 @@ def test_2p5d_training_gives_the_one_process_run(reference, run_2p5d, zero, D, C
 @pytest.mark.parametrize("source,target", [("2.5d", (4, "2d", 1)), ("2.5d", (2, "1d", 1)), ("one", (8, "2.5d", 2))],
                          ids=["2.5d-to-2d-T4", "2.5d-to-1d-T2", "one-to-2.5d"])
 def test_2p5d_checkpoint_resumes_at_2d_and_1d(run_2p5d, reference_run, source, target, tmp_path):
-    """A 2.5D checkpoint is the 2D placement replicated over depth: resumed from step 5 at another
-    layout, steps 6-10 and the final parameters are the uninterrupted run's; and a one-process
+    """A 2.5D checkpoint is the 2D placement replicated over depth: resumed from step 3 at another
+    layout, steps 4-6 and the final parameters are the uninterrupted run's; and a one-process
     checkpoint resumes at 2.5D the same way."""
     from gridshard.checkpoint.files import checkpoints_root
 
     run_dir, (full_loss, _, _, full_params, _) = run_2p5d if source == "2.5d" else reference_run
-    step5 = os.path.join(checkpoints_root(str(run_dir)), "step_5")
+    step3 = os.path.join(checkpoints_root(str(run_dir)), f"step_{SAVE_AT}")
     T, mode, depth = target
-    loss, _, _, params, _ = _run(config(T, mode, depth, resume=step5), str(tmp_path / "resumed"))
-    assert len(loss) == 5
-    dl, dp = max_rel(loss, full_loss[5:]), param_rel(params, full_params)
-    print(f"{source} step 5 → {mode} T={T}: loss {dl:.1e}, final params {dp:.1e}")
+    loss, _, _, params, _ = _run(config(T, mode, depth, resume=step3), str(tmp_path / "resumed"))
+    assert len(loss) == STEPS - SAVE_AT
+    dl, dp = max_rel(loss, full_loss[SAVE_AT:]), param_rel(params, full_params)
+    print(f"{source} step 3 → {mode} T={T}: loss {dl:.1e}, final params {dp:.1e}")
     assert dl <= TOL and dp <= TOL, (dl, dp)
 
 
 @pytest.mark.wide
 def test_2p5d_hugging_face_llama_gives_the_one_process_run(tmp_path):
     """A Hugging Face ``LlamaForCausalLM`` (GQA, odd vocabulary, tied embeddings) at 2.5D through the
-    same HF plan table: 10 steps as one process."""
+    same HF plan table: 6 steps as one process."""
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**HF, "tie_word_embeddings": True}))

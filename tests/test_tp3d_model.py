@@ -8,15 +8,15 @@ head on the residual one; the logits come out in the swapped orientation, so a r
 batch block i·q + l (``ParallelContext.shard_targets``) while its tokens are block i·q + j. Model:
 grouped-query attention (4 heads over 2 kv heads), an odd vocabulary (259: padded to 260 in 3D),
 data: Python's standard library as bytes with ``data.ignore_token: 32`` (about one target in six
-masked, unevenly over the q² = 4 batch blocks), 10 steps of AdamW with clipping active. Compared
+masked, unevenly over the q² = 4 batch blocks), 6 steps of AdamW with clipping active. Compared
 with one process: loss and global gradient norm within 1e-5 relative per step, the final gathered
 parameters within 1e-5 (relative Frobenius).
 
 make test: the config rules and layout facts (no ranks), and ONE 8-rank test: (D, P, T) = (1, 1, 8)
-q = 2 at ZeRO-0 against one process, and its step-5 checkpoint resumed at 2.5D (q = 2, d = 2) in
+q = 2 at ZeRO-0 against one process, and its step-3 checkpoint resumed at 2.5D (q = 2, d = 2) in
 the same 8-rank worker pool; ``gridshard export`` and ``gridshard generate`` from that run's directory
 in one process (no new ranks). Wide (``-m wide``): ZeRO-3 with selective recompute; ``train.compile``;
-the step-5 checkpoint resumed at 2D (T = 4) and 1D + sequence parallelism (T = 2), and the one-process
+the step-3 checkpoint resumed at 2D (T = 4) and 1D + sequence parallelism (T = 2), and the one-process
 run's at 3D; Hugging Face ``LlamaForCausalLM`` (GQA, vocabulary 259) tied and untied; 16 ranks: pipeline
 (1, 2, 8) under 1F1B, GPipe, interleaved 1F1B and zero bubble with tied embeddings and validation, data
 (2, 1, 8) at ZeRO-3, context (1, C = 2, 8) with ring attention for our Llama and the Hugging Face one.
@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from gridshard.testing.compare import max_rel
 
-from .tp_model_runs import (HF, MODEL, TOL, check_pipeline_run, config, config_error, model_runs, param_rel,
-                            reference_fixtures)
+from .tp_model_runs import (HF, MODEL, SAVE_AT, STEPS, TOL, check_pipeline_run, config, config_error, model_runs,
+                            param_rel, reference_fixtures)
 
 
 def _config(T=1, mode="none", depth=1, zero=0, D=1, sp=False, C=1, **train):
@@ -63,11 +63,11 @@ reference_run, reference = reference_fixtures(_run, _config())
 
 @pytest.fixture(scope="module")
 def run_3d(tmp_path_factory):
-    """The 3D (q = 2) ZeRO-0 run, checkpointing at steps 5 and 10, and its run directory."""
+    """The 3D (q = 2) ZeRO-0 run, checkpointing at steps 3 and 6, and its run directory."""
     run_dir = tmp_path_factory.mktemp("tp3d") / "run"
     start = time.perf_counter()
     out = _run(_config(8, "3d"), str(run_dir))
-    print(f"3D (1, 1, 8) 10 steps: {time.perf_counter() - start:.1f} s wall")
+    print(f"3D (1, 1, 8) 6 steps: {time.perf_counter() - start:.1f} s wall")
     return run_dir, out
 
 
@@ -92,23 +92,23 @@ def _check_against(ref, got, what):
 
 
 def _resume(run_dir, full, target, tmp_path, what):
-    """Resume ``run_dir``'s step-5 checkpoint at ``target`` = (T, mode, depth, sp): steps 6-10 and the
+    """Resume ``run_dir``'s step-3 checkpoint at ``target`` = (T, mode, depth, sp): steps 4-6 and the
     final parameters are the uninterrupted run's ``full``."""
     from gridshard.checkpoint.files import checkpoints_root
 
-    step5 = os.path.join(checkpoints_root(str(run_dir)), "step_5")
+    step3 = os.path.join(checkpoints_root(str(run_dir)), f"step_{SAVE_AT}")
     T, mode, depth, sp = target
-    loss, _, _, params, _ = _run(_config(T, mode, depth, sp=sp, resume=step5), str(tmp_path / "resumed"))
-    assert len(loss) == 5
-    dl, dp = max_rel(loss, full[0][5:]), param_rel(params, full[3])
+    loss, _, _, params, _ = _run(_config(T, mode, depth, sp=sp, resume=step3), str(tmp_path / "resumed"))
+    assert len(loss) == STEPS - SAVE_AT
+    dl, dp = max_rel(loss, full[0][SAVE_AT:]), param_rel(params, full[3])
     print(f"{what}: loss {dl:.1e}, final params {dp:.1e}")
     assert dl <= TOL and dp <= TOL, (what, dl, dp)
 
 
 def test_3d_training_gives_the_one_process_run_and_resumes_at_2p5d(reference, run_3d, tmp_path):
-    """make test's one 8-rank case: (1, 1, 8) q = 2 at ZeRO-0, 10 steps as one process (GQA, odd
+    """make test's one 8-rank case: (1, 1, 8) q = 2 at ZeRO-0, 6 steps as one process (GQA, odd
     vocabulary, masked targets, clipping active), every parameter stepped whole on its rank (1/8 of
-    the model); its step-5 checkpoint resumed at 2.5D (q = 2, d = 2) in the same worker pool."""
+    the model); its step-3 checkpoint resumed at 2.5D (q = 2, d = 2) in the same worker pool."""
     _check_against(reference, run_3d[1], "3D (1, 1, 8) q=2 ZeRO-0")
     facts = run_3d[1][4]
     _check_layout_facts(facts)
@@ -116,7 +116,7 @@ def test_3d_training_gives_the_one_process_run_and_resumes_at_2p5d(reference, ru
     assert sum(f["local_numel"] for f in facts) == sum(v.numel() for v in reference[3].values()) + padding
     for f in facts:
         assert f["stepped_numel"] == f["local_numel"], f
-    _resume(run_3d[0], run_3d[1], (8, "2.5d", 2, False), tmp_path, "3D step 5 → 2.5D q=2 d=2")
+    _resume(run_3d[0], run_3d[1], (8, "2.5d", 2, False), tmp_path, "3D step 3 → 2.5D q=2 d=2")
 
 
 @pytest.mark.wide
@@ -154,7 +154,7 @@ def test_3d_context_parallel_gives_the_one_process_run(reference):
 @pytest.mark.wide
 def test_3d_compiled_layers_train_like_eager_and_one_process(reference, run_3d):
     """``train.compile: true`` at (1, 1, 8) q = 2: each decoder layer's forward compiled, the 3D products'
-    collectives graph breaks that run eagerly; the 10 steps are the one-process run's (1e-5) and the eager 3D
+    collectives graph breaks that run eagerly; the 6 steps are the one-process run's (1e-5) and the eager 3D
     run's, with the same collectives in number (the ledger)."""
     got = _run(_config(8, "3d", compile=True))
     _check_against(reference, got, "3D (1, 1, 8) compiled")
@@ -173,17 +173,17 @@ def test_3d_compiled_layers_train_like_eager_and_one_process(reference, run_3d):
                          ids=["3d-to-2d-T4", "3d-to-1d-SP-T2", "one-to-3d"])
 def test_3d_checkpoint_resumes_at_other_layouts(run_3d, reference_run, source, target, tmp_path):
     """A 3D checkpoint is the canonical tensors' boxes (``ShardSpec.canonical_box`` of the cube
-    coordinates): resumed from step 5 at 2D and at 1D with sequence parallelism, steps 6-10 and the
+    coordinates): resumed from step 3 at 2D and at 1D with sequence parallelism, steps 4-6 and the
     final parameters are the uninterrupted run's; a one-process checkpoint resumes at 3D the same way."""
     run_dir, full = run_3d if source == "3d" else (reference_run[0], reference_run[1])
-    _resume(run_dir, full, target, tmp_path, f"{source} step 5 → {target[1]} T={target[0]}")
+    _resume(run_dir, full, target, tmp_path, f"{source} step 3 → {target[1]} T={target[0]}")
 
 
 @pytest.mark.wide
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_3d_hugging_face_llama_gives_the_one_process_run(tmp_path, tied):
     """A Hugging Face ``LlamaForCausalLM`` (GQA, odd vocabulary, tied or untied embeddings) at 3D
-    through the same HF plan table: 10 steps as one process."""
+    through the same HF plan table: 6 steps as one process."""
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**HF, "tie_word_embeddings": tied}))
@@ -347,7 +347,7 @@ def test_3d_run_generates_and_exports_as_the_one_process_run(reference_run, run_
     for k, v in final_3d.items():
         assert torch.equal(exported["3d"][k], v), k
     dp = param_rel(exported["3d"], exported["one"])
-    models = {name: load_model(os.path.join(checkpoints_root(str(d)), "step_10"))[0] for name, d in runs.items()}
+    models = {name: load_model(os.path.join(checkpoints_root(str(d)), f"step_{STEPS}"))[0] for name, d in runs.items()}
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, MODEL["vocab_size"], (2, MODEL["max_seq_len"]), generator=gen)
     with torch.no_grad():

@@ -12,12 +12,15 @@ from gridshard.testing import run_on_ranks
 from gridshard.testing.compare import max_rel, max_rel_tensors
 from gridshard.testing.train_cache import TrainCache
 
+STEPS = 6           # steps of every run here; checkpoints (and validation passes) every SAVE_AT
+SAVE_AT = 3
 MODEL = {"preset": None, "vocab_size": 259, "hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2,
          "ffn_hidden": 64, "max_seq_len": 16}
 BASE = {"model": MODEL,
         "data": {"kind": "stdlib", "seq_len": 16, "max_bytes": 50_000, "ignore_token": 32},
-        "train": {"global_batch": 8, "micro_batch": 4, "steps": 10, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3,
-                  "grad_clip": 0.5, "log_interval": 1, "seed": 7, "precision": "fp32", "save_interval": 5}}
+        "train": {"global_batch": 8, "micro_batch": 4, "steps": STEPS, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 2, "grad_clip": 0.5, "log_interval": 1, "seed": 7, "precision": "fp32",
+                  "save_interval": SAVE_AT}}
 TOL = 1e-5
 # a Hugging Face Llama of the same shape (GQA, vocabulary 259); the tests add tie_word_embeddings
 HF = {"model_type": "llama", "vocab_size": 259, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -70,7 +73,7 @@ def param_rel(got, ref):
 
 def reference_fixtures(run, cfg):
     """The module-scoped fixtures ``reference_run`` (the one-process run of ``cfg`` through ``run``,
-    checkpointing at steps 5 and 10, and its run directory; some targets masked, clipping active)
+    checkpointing every SAVE_AT steps, and its run directory; some targets masked, clipping active)
     and ``reference`` (its result), for a test module to bind under those names."""
 
     @pytest.fixture(scope="module")
@@ -89,8 +92,8 @@ def reference_fixtures(run, cfg):
 
 
 def pipeline_config(P=1, T=1, mode="none", depth=1, schedule="1f1b", V=1, layers=2, zero=0, sp=None):
-    """Tied embeddings, a validation pass every 5 steps (through the stages at P > 1)."""
-    cfg = config(T, mode, depth, zero=zero, sp=sp, eval_interval=5, eval_batches=1)
+    """Tied embeddings, a validation pass every SAVE_AT steps (through the stages at P > 1)."""
+    cfg = config(T, mode, depth, zero=zero, sp=sp, eval_interval=SAVE_AT, eval_batches=1)
     cfg["model"] = {**MODEL, "layers": layers, "tie_embeddings": True}
     cfg["data"] = {**cfg["data"], "val_fraction": 0.1}
     cfg["parallel"] = {**cfg["parallel"], "pipeline": P, "pipeline_schedule": schedule, "virtual_stages": V}
@@ -130,7 +133,7 @@ def check_pipeline_run(mode, depth, schedule, V, layers, zero, what, sp=None, fa
                        timeout=900)
     loss, norm, valid, val, params, _ = got[-1]           # the last stage's rank
     assert valid == ref[2] and min(valid) < 8 * 16 and max(ref[1]) > BASE["train"]["grad_clip"]
-    assert [v is None for v in val] == [v is None for v in ref[3]] and val[4] is not None
+    assert [v is None for v in val] == [v is None for v in ref[3]] and val[SAVE_AT - 1] is not None
     dl, dn, dp = max_rel(loss, ref[0]), max_rel(norm, ref[1]), param_rel(params, ref[4])
     dv = max_rel([v for v in val if v is not None], [v for v in ref[3] if v is not None])
     print(f"{what}: loss {dl:.1e}, grad norm {dn:.1e}, val loss {dv:.1e}, final params {dp:.1e}")
@@ -139,8 +142,8 @@ def check_pipeline_run(mode, depth, schedule, V, layers, zero, what, sp=None, fa
     assert per == 1 * 16 * 16 * 4                          # [m/(d·q), s, h/q] at 2.5D, [m/q², s, h/q] at 3D
     for r, out in enumerate(got):
         f = out[5]
-        # 10 steps' forward and backward sends, and the 2 validation passes' forward sends (A = 2 each)
-        forward_only = 2 * 2 * per * sum(s < 2 * V - 1 for s in f["stages"])
+        # the steps' forward and backward sends, and the validation passes' forward sends (A = 2 each)
+        forward_only = STEPS // SAVE_AT * 2 * per * sum(s < 2 * V - 1 for s in f["stages"])
         assert f["sends"] == BASE["train"]["steps"] * step_send_bytes(f["stages"], 2 * V, 2, per) + forward_only, \
             (r, f["sends"])
     return got

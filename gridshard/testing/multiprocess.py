@@ -83,11 +83,32 @@ def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file)
             # the queue pickles in a feeder thread, where a failure is only printed and the
             # parent would wait for its timeout: pickle here so the error is reported
             ForkingPickler.dumps(out)
+            _release_process_groups()
             result_q.put((rank, "ok", (call_id, out)))
         except BaseException:  # noqa: BLE001 - report everything, the parent decides
             result_q.put((rank, "error", (call_id, traceback.format_exc())))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+
+
+def _release_process_groups() -> None:
+    """Destroy every process group the call created (all but the default one) and forget the
+    layout memos holding some of them (:func:`gridshard.mesh.layout_mesh`,
+    :func:`gridshard.tensor.tp3d.mesh.layout_mesh_3d`); every rank does so after its call.
+
+    Why: a gloo group keeps a socket loop thread that wakes about 20 times a second, and two worker
+    threads. Workers that kept every earlier call's groups held about 60 each, and a wide run's idle
+    pools woke tens of thousands of times a second on 2 cores (65 % of the CPU in the kernel,
+    the running test starved)."""
+    from ..mesh import layout_mesh
+    from ..tensor.tp3d.mesh import layout_mesh_3d
+    from ..torch_private import live_subgroups
+    import torch.distributed as dist
+
+    layout_mesh.cache_clear()
+    layout_mesh_3d.cache_clear()
+    for group in live_subgroups():
+        dist.destroy_process_group(group)
 
 
 class WorkerGroup:
