@@ -27,3 +27,19 @@ def test_worker_groups_beyond_the_live_budget_close_the_least_recently_used(monk
         assert run_on_ranks(1, _my_pid) == one
     finally:
         mp_pool.shutdown_all()
+
+
+def test_a_group_holding_too_many_threads_is_replaced_before_the_next_call(monkeypatch):
+    """Workers report their thread count after each call; a group above ``MAX_WORKER_THREADS`` is
+    replaced by fresh processes before its next call (never under a call)."""
+    from gridshard.testing import multiprocess as mp_pool
+
+    monkeypatch.setattr(mp_pool, "_GROUPS", {})
+    try:
+        first = run_on_ranks(1, _my_pid)
+        assert mp_pool._GROUPS[1].threads >= 1
+        assert run_on_ranks(1, _my_pid) == first              # under the bound: the same process
+        monkeypatch.setattr(mp_pool, "MAX_WORKER_THREADS", 0)
+        assert run_on_ranks(1, _my_pid) != first              # over it: replaced before this call
+    finally:
+        mp_pool.shutdown_all()

@@ -45,6 +45,10 @@ _GROUPS: dict = {}
 # Live workers kept at most (idle ones hold 0.3-1 GiB each): starting a group that would exceed it
 # first closes the groups used least recently, so a wide run touching every size stays in memory.
 MAX_LIVE_WORKERS = 32      # the sizes most tests use, 1 + 2 + 4 + 8 + 16, stay
+# A group whose workers had more threads than this after a call is replaced before the next one:
+# some gloo groups outlive their destruction (one per training call, measured), each with 3
+# threads that wake (a call's own processes are never replaced under it: test_rank_timing's pids).
+MAX_WORKER_THREADS = 100
 
 
 class RankFailure(AssertionError):
@@ -84,11 +88,19 @@ def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file)
             # parent would wait for its timeout: pickle here so the error is reported
             ForkingPickler.dumps(out)
             _release_process_groups()
-            result_q.put((rank, "ok", (call_id, out)))
+            result_q.put((rank, "ok", (call_id, (out, _thread_count()))))
         except BaseException:  # noqa: BLE001 - report everything, the parent decides
             result_q.put((rank, "error", (call_id, traceback.format_exc())))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+
+
+def _thread_count() -> int:
+    """This process's threads, native ones included (0 where ``/proc`` is missing)."""
+    try:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    except OSError:
+        return 0
 
 
 def _release_process_groups() -> None:
@@ -124,6 +136,7 @@ class WorkerGroup:
         self.stack_files = [os.path.join(self.tmpdir, f"rank{r}.stack") for r in range(world_size)]
         self.procs = []
         self._calls = 0
+        self.threads = 0                    # the most threads a worker had after the last call
         for r in range(world_size):
             p = ctx.Process(target=_worker_main, daemon=True,
                             args=(r, world_size, self.port, list(sys.path), self.task_qs[r],
@@ -192,7 +205,7 @@ class WorkerGroup:
                             f"{type(e).__name__}: {e}") from e
         for q in self.task_qs:
             q.put((call_id, fn, args, kwargs))
-        results, errors, answered = {}, {}, set()
+        results, threads, errors, answered = {}, {}, {}, set()
         first_error_at = None
         deadline = time.monotonic() + timeout
         while len(answered) < self.world_size:
@@ -204,13 +217,14 @@ class WorkerGroup:
                 continue
             answered.add(rank)
             if kind == "ok":
-                results[rank] = value
+                results[rank], threads[rank] = value
             else:
                 if not errors:
                     first_error_at = time.monotonic()
                 errors[rank] = value
         if errors:
             self._fail(f"{fn.__qualname__} failed on rank(s) {sorted(errors)} of {self.world_size}", answered, errors)
+        self.threads = max(threads.values())
         return [results[r] for r in range(self.world_size)]
 
     def request_stop(self):
@@ -232,9 +246,11 @@ class WorkerGroup:
 
 def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, fresh: bool = False, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return per-rank results.
-    ``fresh``: on new worker processes (e.g. to measure a peak RSS that no earlier test raised)."""
+    ``fresh``: on new worker processes (e.g. to measure a peak RSS that no earlier test raised);
+    otherwise on the live group of that size unless it died or holds too many threads
+    (:data:`MAX_WORKER_THREADS`)."""
     group = _GROUPS.pop(world_size, None)
-    if group is None or not group.alive() or fresh:
+    if group is None or not group.alive() or fresh or group.threads > MAX_WORKER_THREADS:
         if group is not None:
             group.close(force=True)
         _make_room(world_size)
