@@ -53,7 +53,8 @@ _SHAPE_FIELDS = {"hidden": "model.hidden", "heads": "model.heads", "ffn_hidden":
 
 _AT_LEAST_ONE = ("parallel.data", "parallel.tensor", "parallel.pipeline", "train.global_batch", "train.micro_batch",
                  "train.steps", "train.log_interval", "data.seq_len", "data.max_bytes")
-_AT_LEAST_ZERO = ("train.warmup_steps", "train.save_interval", "train.weight_decay", "train.grad_clip")
+_AT_LEAST_ZERO = ("train.warmup_steps", "train.save_interval", "train.weight_decay", "train.grad_clip",
+                  "train.gc_interval")
 _LLAMA_SIZES = ("vocab_size", "hidden", "layers", "heads", "ffn_hidden", "max_seq_len")
 _VIT_SIZES = ("image_size", "patch_size", "channels", "num_classes", "hidden", "layers", "heads", "ffn_hidden")
 

@@ -18,6 +18,8 @@ read per range and no profiler call):
   payload convention, :mod:`gridshard.comm.ledger`), and the wait of an asynchronous one as
   ``gridshard.wait {op} {axis}``;
 * ``gridshard.checkpoint``: a checkpoint save in the profiled steps;
+* ``gridshard.gc``: the garbage collection after every ``train.gc_interval``-th step
+  (:mod:`gridshard.engine.gc_control`);
 * ``gridshard.log``: a log step's metrics (one all-gather of every rank's figures, evaluation
   when due), and ``gridshard.stop_check``: the all-reduce that agrees on a stop request.
 """

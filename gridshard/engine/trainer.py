@@ -72,6 +72,7 @@ from ..torch_private import default_store
 from . import control
 from .hang import explain_timeout, is_collective_timeout
 from .job import Job, build_job
+from .gc_control import StepCollector
 from .metrics import RunFiles, device_peak_flops, format_postfix, interval_memory_peaks
 from .placement import gather_placement, write_launch_record
 from .profiling import StepProfiler
@@ -98,6 +99,7 @@ class Trainer:
         self.predicted_mem = self._predict_memory(getattr(self.plan, "tokens", None),
                                                   getattr(self.val_plan, "tokens", None))
         self.profiler = StepProfiler(t, self.rank, self.run_dir, self.device, self.ranges)   # train.profile_*
+        self.collector = StepCollector(t.gc_interval)  # Python's cyclic collector, in step (train.gc_interval)
         self.data_s = 0.0                              # seconds producing batches so far (engine.rank_timing)
         self.straggler_named: Optional[int] = None     # the straggler last warned about
         self.files = RunFiles(self.run_dir, active=self.rank == 0,
@@ -326,6 +328,7 @@ class Trainer:
         saving = self.checkpointer is not None and self.checkpointer.root is not None
         stoppable = control.stop_installed()           # the same on every rank (install_stop_handler)
         try:
+            self.collector.start()
             for k in range(self.start_step, t.steps):
                 self.ranges.step, self.ranges.phase, self.ranges.micro_batch = k + 1, None, None   # engine.hang
                 self.profiler.before_step(k)
@@ -336,6 +339,9 @@ class Trainer:
                 if saving and t.save_interval and (k + 1) % t.save_interval == 0:
                     with self.ranges("gridshard.checkpoint"):
                         self.save_checkpoint(k + 1)
+                if self.collector.due(k + 1):
+                    with self.ranges("gridshard.gc"):
+                        self.collector.collect()
                 self.profiler.after_step(k)
                 is_eval = self.val_plan is not None and (
                     (t.eval_interval and (k + 1) % t.eval_interval == 0) or k + 1 == t.steps)
@@ -361,6 +367,7 @@ class Trainer:
                 self.profiler.out_of_memory()                  # train.profile_memory: the history up to here
             raise
         finally:
+            self.collector.stop()
             self.profiler.finish()
             bar.close()
             self.files.close()
