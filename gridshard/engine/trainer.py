@@ -70,9 +70,9 @@ from ..mesh import world_axis
 from ..theory.training import mfu, model_flops_per_token
 from ..torch_private import default_store
 from . import control
+from .gc_control import StepCollector
 from .hang import explain_timeout, is_collective_timeout
 from .job import Job, build_job
-from .gc_control import StepCollector
 from .metrics import RunFiles, device_peak_flops, format_postfix, interval_memory_peaks
 from .placement import gather_placement, write_launch_record
 from .profiling import StepProfiler
