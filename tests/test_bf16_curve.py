@@ -7,7 +7,7 @@ Two regimes of the same 100-step tiny run, (D=4, T=1, none) and (2, 2, 1D+SP):
   run is within 1 % of the fp32 curve at every step (measured ≤ 0.15 %), the ZeRO stages agree
   within 2e-3 relative (ZeRO-1 = ZeRO-2 = ZeRO-3 bit for bit; ZeRO-0, whose all-reduce sums in
   another order, within 1.2e-3), and fp32 agrees across stages to its own rounding (ZeRO-3 against
-  ZeRO-0: 9.1e-6 after 100 steps, asserted < 5e-5).
+  ZeRO-0: 9.1e-6 after 100 steps, asserted < 5e-5; at D = 4 only, where the sums' orders differ).
 * **edge of stability** (lr 3e-3, 2 warm-up steps, the benchmark's default): from step ~33 on the
   run amplifies any perturbation of bf16's size (2⁻⁹ relative) tenfold. An fp32 run whose initial
   weights are rounded to bf16 once — then no bf16 arithmetic at all — leaves the 1 % band itself
@@ -38,7 +38,9 @@ def _bench():
 def _stable_body(layout, zeros):
     bench = _bench()
     cfg = lambda **t: bench.layout_config(layout, STEPS, **STABLE, **t)          # noqa: E731
-    out = {"fp32": bench._run(cfg(zero=zeros[0])), "fp32 ZeRO-3": bench._run(cfg(zero=3))}
+    out = {"fp32": bench._run(cfg(zero=zeros[0]))}
+    if zeros[0] == 0:                 # fp32 across stages: ZeRO-3 against ZeRO-0's other summation order
+        out["fp32 ZeRO-3"] = bench._run(cfg(zero=3))
     out.update({f"bf16 ZeRO-{z}": bench._run(cfg(zero=z, precision="bf16")) for z in zeros})
     return out
 
@@ -50,7 +52,8 @@ def test_bf16_within_one_percent_of_fp32_in_the_stable_regime(layout, zeros):
     out = run_on_ranks(int(d) * int(t), _stable_body, layout, zeros, timeout=900)[0]
     ref = out.pop("fp32")
     assert ref[-1] < 0.6 * ref[0]                                           # it learns
-    assert max(abs(a - b) / b for a, b in zip(out.pop("fp32 ZeRO-3"), ref)) < 5e-5    # 100 steps: 9.1e-6
+    if "fp32 ZeRO-3" in out:
+        assert max(abs(a - b) / b for a, b in zip(out.pop("fp32 ZeRO-3"), ref)) < 5e-5    # 100 steps: 9.1e-6
     for name, losses in out.items():
         worst = max(abs(a - b) / b for a, b in zip(losses, ref))
         assert worst < 1e-2, (name, worst)

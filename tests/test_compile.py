@@ -20,7 +20,8 @@ BASE = {"model": {"preset": "tiny"}, "data": {"kind": "stdlib", "seq_len": 32, "
 
 
 def _cfg(T, mode, sp, compile_, micro_batch=2, depth=1):
-    return {**BASE, "parallel": {"data": 1, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp,
+    model = {"preset": "tiny", "kv_heads": 2} if T >= 4 else BASE["model"]      # 2D, 2.5D, 3D: grouped-query
+    return {**BASE, "model": model, "parallel": {"data": 1, "tensor": T, "tensor_mode": mode, "sequence_parallel": sp,
                                  "tensor_depth": depth},
             "train": {**BASE["train"], "compile": compile_, "global_batch": 2 * micro_batch,
                       "micro_batch": micro_batch}}
@@ -56,9 +57,10 @@ def _body(cfg):
                          ids=["T1", "T2-1d-SP", "T4-2d", "T8-2.5d", "T8-3d"])
 def test_compiled_layers_train_like_eager(layout):
     """(wide) 2D at q = 2, 2.5D at q = 2, d = 2 and 3D at q = 2 (micro-batch 4: q², d·q and q² batch
-    blocks): the layer's collectives and the gathered-vector window break its graph; before the
-    collective wrappers were skipped (``collectives.compile_eagerly``) their frames hit the recompile
-    limit in the first step at 3D."""
+    blocks; 4 heads over 2 kv heads): the layer's collectives and the gathered-vector window break its
+    graph; before the collective wrappers were skipped (``collectives.compile_eagerly``) their frames
+    hit the recompile limit in the first step at 3D. The 3D case is the compiled 3D check (eager 3D
+    against one process: tests/test_tp3d_model.py)."""
     T, mode, sp = layout
     mb, depth = (2, 1) if T < 4 else (4, 2 if mode == "2.5d" else 1)
     eager, compiled = (run_on_ranks(T, _body, _cfg(T, mode, sp, c, mb, depth), timeout=600)[0]

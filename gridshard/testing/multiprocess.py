@@ -53,6 +53,14 @@ MAX_LIVE_WORKERS = 32      # the sizes most tests use, 1 + 2 + 4 + 8 + 16, stay
 MAX_WORKER_THREADS = 100
 
 
+# Workers are forked from multiprocessing's fork server, which imports these once: a spawned worker
+# imported them itself (~4 s of CPU a worker: 27 s to start 16 on 2 cores, 3 s now, 0.1 s once the
+# server runs). The server only imports and forks; torch's import leaves one idle native thread,
+# as in every process that forks DataLoader workers. transformers is left out (its import starts
+# another thread): the workers that use it import it themselves.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "gridshard.engine", "gridshard.testing.multiprocess"]
+
+
 class RankFailure(AssertionError):
     """One or more ranks failed, died or got stuck."""
 
@@ -75,6 +83,7 @@ def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file)
                             timeout=datetime.timedelta(seconds=300))
     from gridshard.comm.ledger import LEDGER
 
+    gc.freeze()                          # the imported modules: out of every later collection
     result_q.put((rank, "ready", None))
     while True:
         item = task_q.get()
@@ -90,6 +99,7 @@ def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file)
             # parent would wait for its timeout: pickle here so the error is reported
             ForkingPickler.dumps(out)
             _release_process_groups()
+            gc.freeze()                  # what outlived the call (modules it imported, memos) as well
             result_q.put((rank, "ok", (call_id, (out, _thread_count()))))
         except BaseException:  # noqa: BLE001 - report everything, the parent decides
             result_q.put((rank, "error", (call_id, traceback.format_exc())))
@@ -141,7 +151,8 @@ class WorkerGroup:
     """``world_size`` worker processes joined in one gloo process group."""
 
     def __init__(self, world_size: int, start_timeout: float = 120.0):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)     # read once, when the server starts
         self.world_size = world_size
         self.port = free_port()
         self.result_q = ctx.Queue()
