@@ -43,3 +43,33 @@ def test_a_group_holding_too_many_threads_is_replaced_before_the_next_call(monke
         assert run_on_ranks(1, _my_pid) != first              # over it: replaced before this call
     finally:
         mp_pool.shutdown_all()
+
+
+def _gc_facts():
+    import gc
+    import sys
+
+    return gc.get_freeze_count(), len(gc.get_objects()), "torch" in sys.modules and "gridshard.engine" in sys.modules
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def _leave_a_cycle_of(n: int):
+    for _ in range(n):
+        _Cycle()
+    return None
+
+
+def test_workers_come_with_their_imports_and_collect_only_what_a_call_made():
+    """Workers are forked from a server that imported torch and gridshard.engine; they freeze what
+    they hold after start-up and after each call's collection, so the next collection scans only the
+    next call's objects (a full collection over torch's ~300,000 objects took 170 ms a rank, 1.4 s a
+    16-rank call on 2 cores). A call's cyclic garbage is still collected before the freeze."""
+    run_on_ranks(2, _leave_a_cycle_of, 20_000)
+    for frozen, young, imported in run_on_ranks(2, _gc_facts):
+        assert imported                                  # preloaded by the fork server
+        assert frozen > 100_000, frozen                  # torch's objects: out of every collection
+        assert young < 20_000, young                     # the last call's 20,000 cycles were collected

@@ -3,7 +3,9 @@
 ``run_on_ranks(n, fn, *args)`` pickles ``fn`` by reference (it must be a module
 level function), runs ``fn(*args)`` on each of n ranks of a live process group,
 and returns the list of per-rank return values. Workers of a given size are
-started once (importing torch costs ~1 s per process) and kept for later calls.
+started once (forked from a fork server that imported torch and gridshard) and kept for later
+calls; after each call a worker collects the call's garbage and freezes what is left
+(``gc.freeze``), so the next collection scans only what the next call makes.
 
 Failure handling:
 
@@ -39,7 +41,7 @@ from multiprocessing.reduction import ForkingPickler
 from ..netutil import free_port
 
 # The test harness's pool of live worker groups, one per world size: the one process-wide
-# mutable state gridshard keeps, on purpose (starting ranks costs ~1 s each). Keyed by world
+# mutable state gridshard keeps, on purpose (a group's start and warm-up outlive a call). Keyed by world
 # size, bounded by the sizes tests use; a failed group is removed and rebuilt on the next call,
 # and shutdown_all() (at exit) closes them all.
 _GROUPS: dict = {}
