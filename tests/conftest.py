@@ -8,6 +8,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _imports_frozen():
+    """torch's and gridshard's objects out of this process's collections: a training run starts with
+    a full one (gridshard.engine.gc_control), which would walk them at every in-process run (~170 ms);
+    the workers do the same (gridshard.testing.multiprocess)."""
+    import gc
+
+    import gridshard.engine  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _stop_workers_at_end():
     yield
     from gridshard.testing import shutdown_all

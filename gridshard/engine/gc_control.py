@@ -9,12 +9,15 @@ rank to rank and step to step. Megatron-LM (``--manual-gc``,
 ``--manual-gc-interval``) and torchtitan (``training.gc_freq``) therefore switch automatic
 collection off for the run and collect at the same step on every rank; gridshard does so too.
 
-With ``gc_interval`` k > 0: automatic collection off when the run starts, and a collection of
-generations 0 and 1 then and after every k-th step on every rank (what a step leaves in reference
-cycles is young; the long-lived objects are not walked again, and no full collection is made: a
-training call in the test suite would pay 160 ms a rank for it). When the run ends, normally or
-not, automatic collection is switched back on if it was on before. k = 0 leaves Python's
-collector alone.
+With ``gc_interval`` k > 0: automatic collection off when the run starts, after one full
+collection then, and a collection of generations 0 and 1 after every k-th step on every rank
+(what a step leaves in reference cycles is young; the long-lived objects are not walked again).
+The full collection at the start frees what earlier work in the process left in reference cycles:
+a model and its gradient reduction refer to each other (``model.grad_reducer``, the reduction's
+hooks on the parameters), so a ``Trainer`` dropped before this one, its parameters, optimizer
+states and process groups, waits for a full collection, which automatic collection being off would
+otherwise put off until the run ends. When the run ends, normally or not, automatic collection is
+switched back on if it was on before. k = 0 leaves Python's collector alone.
 
 The step itself leaves no tensor in a reference cycle (measured with ``gc.DEBUG_SAVEALL`` over
 three steps at 1D + SP with ZeRO-1, 2D, 3D, C = 2 and full recompute: no tensor among the
@@ -38,7 +41,7 @@ class StepCollector:
         if self.interval and self._was_enabled is None:
             self._was_enabled = gc.isenabled()
             gc.disable()
-            gc.collect(1)
+            gc.collect()
 
     def due(self, step: int) -> bool:
         """Whether a collection follows ``step`` (1-based; the same answer on every rank)."""
