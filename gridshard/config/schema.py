@@ -222,8 +222,9 @@ class TrainSection(BaseModel):
                             "precision fp32/fp16 reduce their fp32 gradients and accept only fp32")
     seed: int = Field(0, description="seeds the model initialisation and the batch order")
     log_interval: int = Field(10, description="steps between metrics lines")
-    gc_interval: int = Field(50, description="Python's automatic garbage collection off during the run, and a "
-                                             "collection (generations 0-1) on every rank after every this many "
+    gc_interval: int = Field(50, description="Python's automatic garbage collection off during the run (after "
+                                             "a full collection at its start), and a collection (generations "
+                                             "0-1) on every rank after every this many "
                                              "steps, so its pauses do not make stragglers (Megatron's "
                                              "--manual-gc-interval, torchtitan's gc_freq); 0 = Python's automatic "
                                              "collection")
