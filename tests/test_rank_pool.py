@@ -73,3 +73,14 @@ def test_workers_come_with_their_imports_and_collect_only_what_a_call_made():
         assert imported                                  # preloaded by the fork server
         assert frozen > 100_000, frozen                  # torch's objects: out of every collection
         assert young < 20_000, young                     # the last call's 20,000 cycles were collected
+
+
+def _env(name):
+    return os.environ.get(name)
+
+
+def test_a_new_group_sees_the_environment_of_the_moment_it_starts(monkeypatch):
+    """Workers are forked from a server started earlier in the session: they take the parent's
+    environment of their own start, as spawned processes did (a variable set since reaches them)."""
+    monkeypatch.setenv("GRIDSHARD_POOL_MARK", "set after the fork server started")
+    assert run_on_ranks(2, _env, "GRIDSHARD_POOL_MARK", fresh=True) == ["set after the fork server started"] * 2

@@ -67,10 +67,12 @@ class RankFailure(AssertionError):
     """One or more ranks failed, died or got stuck."""
 
 
-def _worker_main(rank, world_size, port, sys_path, task_q, result_q, stack_file):
+def _worker_main(rank, world_size, port, sys_path, environ, task_q, result_q, stack_file):
     import faulthandler
 
     sys.path[:] = sys_path
+    os.environ.clear()                   # the parent's environment now, not the fork server's at its start
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     fh = open(stack_file, "w")
@@ -166,7 +168,7 @@ class WorkerGroup:
         self.threads = 0                    # the most threads a worker had after the last call
         for r in range(world_size):
             p = ctx.Process(target=_worker_main, daemon=True,
-                            args=(r, world_size, self.port, list(sys.path), self.task_qs[r],
+                            args=(r, world_size, self.port, list(sys.path), dict(os.environ), self.task_qs[r],
                                   self.result_q, self.stack_files[r]))
             p.start()
             self.procs.append(p)
