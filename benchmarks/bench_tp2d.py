@@ -205,6 +205,8 @@ def saved_bytes(model, fn, exclude=()):
     tensors ``exclude`` excluded)."""
     import torch
 
+    from gridshard.nn.saved import as_saved
+
     state = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers()) + list(exclude)}
     seen = {}
 
@@ -212,7 +214,7 @@ def saved_bytes(model, fn, exclude=()):
         s = t.untyped_storage()
         if s.data_ptr() not in state:
             seen[s.data_ptr()] = s.nbytes()
-        return t
+        return as_saved(t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()

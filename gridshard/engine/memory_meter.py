@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from ..nn.saved import as_saved
+
 
 def rss_now() -> int:
     """Resident set size of this process in bytes (where ``/proc`` is missing: the peak,
@@ -97,7 +99,7 @@ class SavedTensorMeter(torch.autograd.graph.saved_tensors_hooks):
         if key is not None and key not in self._excluded and key not in self._seen:
             if key[0] != 0:                                 # empty storages hold nothing
                 self._seen[key] = (tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
-        return t
+        return as_saved(t)
 
     def __enter__(self) -> "SavedTensorMeter":
         super().__enter__()

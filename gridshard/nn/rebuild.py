@@ -56,6 +56,7 @@ from typing import Callable, Optional
 import torch
 
 from ..torch_private import outer_saved_hooks
+from .saved import as_saved
 
 
 class _Recipe:
@@ -151,7 +152,7 @@ class RebuildRegion:
             rebuilt = self._match(t)
             if rebuilt is not None:
                 return rebuilt
-            return t if outer_pack is None else outer_pack(t)
+            return as_saved(t) if outer_pack is None else outer_pack(t)
 
         def unpack(p):
             if isinstance(p, _Rebuild):

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from ..comm import ledger
+from ..nn.saved import as_saved
 
 
 class RegionTimer:
@@ -127,7 +128,7 @@ class StageMeter:
                 if ptr not in self._param_ptrs and ptr not in seen:
                     seen.add(ptr)
                     total[0] += t.untyped_storage().nbytes()
-                return t
+                return as_saved(t)
 
             with self.busy.region(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = fwd(fwd_chunk_id, *args, **kwargs)
