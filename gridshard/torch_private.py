@@ -47,6 +47,13 @@ wrapper                    private name (why no public one does)       without i
                            (the receive buffers, allocated for every
                            micro-batch up front and kept;
                            pytorch/pytorch#136380)
+``lowered_pipeline_order`` ``_PipelineScheduleRuntime.pipeline_      None: sends are given back at
+                           order_with_comms`` and its ``_Action``s     the step's end, as torch does
+                           (each rank's compute, send and receive      (more memory, same results)
+                           actions in run order; no public view)
+``only_holders``           ``Tensor._use_count``, ``_C._storage_Use_   False: nothing is given back
+                           Count`` (who refers to a tensor and its     early (as above)
+                           storage; no public count)
 ``skip_under_compile``     ``_dynamo.decorators.skip`` (Dynamo         the wrapper frames compile per
                            neither inlines nor compiles the frame;     argument shape (torch's
                            ``torch.compiler.disable`` would wrap it    recompile-limit warnings),
@@ -315,6 +322,47 @@ def _local_bwd_input(stage, materialize):
         materialize(stage.grad_recv_info.get(chunk, ()), fill=0)
         return local(grads, chunk)
     return run
+
+
+def lowered_pipeline_order(schedule):
+    """Each pipeline rank's actions in the order ``schedule`` runs them, ``{rank: [(kind, stage,
+    micro-batch)]}`` with kind one of ``F``, ``B`` (full backward), ``I`` (input backward), ``W``,
+    ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B`` (FSDP's own actions left out), plus ``{stage:
+    rank}``; None for a schedule that does not run a lowered list (``gpipe``, ``1f1b``), an action
+    kind not known here, or a torch without the list."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    stage_rank = getattr(schedule, "stage_index_to_group_rank", None)
+    if not isinstance(order, dict) or not isinstance(stage_rank, dict):
+        return None
+    known = {"F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+    out = {}
+    for rank, actions in order.items():
+        rows = []
+        for action in actions:
+            kind = getattr(getattr(action, "computation_type", None), "value", None)
+            if kind in ("UNSHARD", "RESHARD", "REDUCE_GRAD"):
+                continue
+            if kind not in known:
+                return None
+            rows.append((kind, action.stage_index, action.microbatch_index))
+        out[rank] = rows
+    return out, dict(stage_rank)
+
+
+def can_count_holders() -> bool:
+    """Whether :func:`only_holders` can tell on this torch."""
+    return hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
+
+
+def only_holders(tensor: torch.Tensor, references: int) -> bool:
+    """True when at most ``references`` holders refer to ``tensor`` (a Python object counts once, a
+    ``Work`` holding it once more) and no other tensor shares its storage; False where this torch
+    cannot say."""
+    if not can_count_holders():
+        return False
+    storage = tensor.untyped_storage()
+    # the storage's holders less the reference ``storage`` itself holds: ``tensor`` alone
+    return tensor._use_count() <= references and torch._C._storage_Use_Count(storage._cdata) - 1 == 1
 
 
 def skip_under_compile(fn) -> None:

@@ -266,58 +266,86 @@ def test_the_trainer_prices_virtual_stages_as_the_planner_does(schedule):
 
 
 def _receive_buffers(cfg):
-    """The most input receive buffers, output-gradient receive buffers and kept stage outputs this
-    rank's stages held at once over the run (sampled around every chunk's forward and backward),
-    and the rank's micro-batches in flight."""
+    """The most input receive buffers, output-gradient receive buffers and boundary blocks kept
+    after their send (stage outputs the stages keep for their backward, and every sent output or
+    input gradient whose send still holds it: distinct storages) this rank's stages held at once
+    over the run (sampled around every chunk's forward and backward passes), and the rank's
+    micro-batches in flight."""
     trainer = Trainer(cfg, progress=False)
     schedule = trainer.pipeline.schedule
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    most = [0, 0, 0]
+    most, sent = [0, 0, 0], []
 
     def real(infos):                 # a model-level input has no buffer (torch_private._recv_buffer: 2.11 and 2.13)
         buffers = (_recv_buffer(i) for chunk in infos.values() for i in chunk)
         return sum(b is not None and b.device.type != "meta" for b in buffers)
 
+    def kept():
+        outputs = {out.untyped_storage().data_ptr() for s in stages if not s.is_last
+                   for outs, _ in s.fwd_cache.values() for out in (outs if isinstance(outs, tuple) else (outs,))}
+        # a send's tensor is held by this list and, until the schedule lets go of the send, by its Work
+        held = {t.untyped_storage().data_ptr() for t in sent if t._use_count() > 1 and t.untyped_storage().nbytes()}
+        return len(outputs | held)
+
     def sample():
-        now = [sum(real(s.args_recv_info) for s in stages), sum(real(s.grad_recv_info) for s in stages),
-               sum(len(s.fwd_cache) for s in stages if not s.is_last)]
+        now = [sum(real(s.args_recv_info) for s in stages), sum(real(s.grad_recv_info) for s in stages), kept()]
         most[:] = map(max, most, now)
 
     for stage in stages:
-        for name in ("forward_one_chunk", "backward_one_chunk"):
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             def probed(*args, _run=getattr(stage, name), **kwargs):
                 sample()
                 out = _run(*args, **kwargs)
                 sample()
                 return out
             setattr(stage, name, probed)
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+            def recorded(chunk, _get=getattr(stage, name)):
+                ops = _get(chunk)
+                sent.extend(op.tensor for op in ops)
+                return ops
+            setattr(stage, name, recorded)
+
+    def step(*args, _step=schedule.step, **kwargs):
+        sent.clear()                 # the step's last wait let go of every send
+        return _step(*args, **kwargs)
+    schedule.step = step
     trainer.run()
     return tuple(most), trainer.pipeline.meter.peak_in_flight
 
 
-@pytest.mark.parametrize("schedule,P,V", [("1f1b", 4, 1),
-                                          pytest.param("interleaved_1f1b", 2, 2, marks=pytest.mark.wide)])
+@pytest.mark.parametrize("schedule,P,V", [("1f1b", 4, 1), ("zero_bubble", 2, 2),
+                                          pytest.param("interleaved_1f1b", 2, 2, marks=pytest.mark.wide),
+                                          pytest.param("interleaved_1f1b", 4, 2, marks=pytest.mark.wide),
+                                          pytest.param("zero_bubble", 4, 2, marks=pytest.mark.wide)])
 def test_receive_buffers_live_only_while_in_flight(schedule, P, V):
     """A = 16 micro-batches (two steps): torch's PipelineStage would hold 16 input and 16
     output-gradient receive buffers per stage; gridshard's stages receive just in time
     (``torch_private.receive_just_in_time``), so a stage holds an input buffer per micro-batch in
     flight (the first layer's input), one output gradient, and one kept output per micro-batch in
     flight: the memory model's [not last]·(in_flight + 1)·B
-    (:func:`gridshard.theory.pipeline.stage_buffer_bytes`; V stages: V·held + 1)."""
-    from gridshard.theory.pipeline import interleaved_in_flight, stage_buffer_bytes
+    (:func:`gridshard.theory.pipeline.stage_buffer_bytes`). V stages: torch's runtime kept every
+    send to the step's end (2·A·V = 64 blocks here); given back once proven done
+    (:mod:`gridshard.pipeline.send_release`), a rank holds V·held + 1 + ``sends_held`` at most."""
+    from gridshard.theory.pipeline import interleaved_in_flight, sends_held, stage_buffer_bytes, zero_bubble_in_flight
 
     A = 16
     cfg = _cfg(1, P, 1, "none", False, schedule, V, steps=2, log_interval=1, global_batch=2 * A)
+    cfg["model"]["layers"] = max(4, P * V)
     for rank, ((inputs, grads, kept), in_flight) in enumerate(run_on_ranks(P, _receive_buffers, cfg)):
         if V == 1:
             assert in_flight == peak_in_flight(rank, P, A) == P - rank
             first, last = rank == 0, rank == P - 1
-            assert (inputs, grads, kept) == (0 if first else in_flight, 0 if last else 1, 0 if last else in_flight)
-            assert (grads + kept) * 1 == stage_buffer_bytes(last, in_flight, 1)
+            # 1F1B lets go of a send at its next exchange: the output sent last can outlive its backward
+            # by one exchange, below the peak (every micro-batch in flight holds its own output then)
+            assert (inputs, grads) == (0 if first else in_flight, 0 if last else 1)
+            assert kept in ((0,) if last else (in_flight, in_flight + 1)), (rank, kept, in_flight)
+            assert grads + min(kept, in_flight) == stage_buffer_bytes(last, in_flight, 1)
         else:
-            held = interleaved_in_flight(rank, P, V, A)
-            assert inputs <= V * held and grads + kept <= stage_buffer_bytes(False, V * held, 1), \
-                (rank, inputs, grads, kept)
+            held = interleaved_in_flight(rank, P, V, A) if schedule == "interleaved_1f1b" else \
+                zero_bubble_in_flight(P, V, A)
+            bound = stage_buffer_bytes(False, V * held + sends_held(schedule, rank, P), 1)
+            assert inputs <= V * held and grads + kept <= bound, (rank, inputs, grads, kept, bound)
 
 
 @pytest.mark.parametrize("layout", [(1, 2, 2, "1d", True), (1, 2, 4, "2d", False)], ids=["1d-SP", "2d"])

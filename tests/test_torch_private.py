@@ -54,6 +54,18 @@ def test_the_wrappers_on_this_torch():
     tp.foreach_mul_(ts, torch.tensor(2.0))
     assert ts[0].tolist() == [6.0, 8.0]
     assert tp.tree_flatten(([torch.ones(1)], {"a": 2}))[0][1] == 2
+    sent = torch.ones(4)
+    assert tp.can_count_holders() and tp.only_holders(sent, 1)
+    view = sent.view(2, 2)                        # another tensor on the storage
+    assert not tp.only_holders(sent, 2)
+    del view
+    assert tp.only_holders(sent, 1)
+    kind = type("Kind", (), {"value": "F"})()
+    action = type("Action", (), {"computation_type": kind, "stage_index": 1, "microbatch_index": 3})()
+    schedule = type("Runtime", (), {"pipeline_order_with_comms": {0: [action]}, "stage_index_to_group_rank": {1: 0}})()
+    assert tp.lowered_pipeline_order(schedule) == ({0: [("F", 1, 3)]}, {1: 0})
+    kind.value = "OVERLAP_F_B"                   # a kind the replay does not know
+    assert tp.lowered_pipeline_order(schedule) is None
 
 
 def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
@@ -94,6 +106,9 @@ def test_fallbacks_when_a_private_name_is_gone(monkeypatch):
     with pytest.raises(tp.PrivateTorchMissing, match="PipelineStage.args_recv_info"):
         tp.receive_just_in_time(object())
     tp.answer_stage_votes(object())               # a torch before the vote (2.11): nothing to answer
+    assert tp.lowered_pipeline_order(object()) is None          # gpipe / 1f1b, or a torch without the list
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    assert not tp.can_count_holders() and not tp.only_holders(torch.ones(1), 2)
     buffer = torch.ones(2)                        # a receive's buffer; a model-level input has none (2.11: no flag)
     assert tp._recv_buffer(type("RecvInfo", (), {"is_root_arg": False, "buffer": buffer})()) is buffer
     assert tp._recv_buffer(type("RootArg213", (), {"is_root_arg": True, "buffer": buffer})()) is None

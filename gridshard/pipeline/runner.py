@@ -48,6 +48,7 @@ from ..job_layout import StageSplit
 from ..parallel.parallelize import model_dims
 from ..torch_private import answer_stage_votes, receive_just_in_time
 from .meter import StageMeter
+from .send_release import SendRelease
 from .stage_module import StageModule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -108,6 +109,7 @@ class PipelineRunner:
             self.schedule = cls(stages[0], n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
         else:
             raise ConfigError(f"parallel.pipeline_schedule={schedule!r} is not one of {SCHEDULES}.")
+        self.sends = SendRelease(self.schedule, stages, mesh.pipeline.rank)
 
     def _loss_fn(self, logits, targets):
         loss_sum = (self.measure or self.loss)(logits, targets)
@@ -121,7 +123,7 @@ class PipelineRunner:
         self.weight, self.sums = weight, []
         args, kwargs = self._schedule_inputs(micro, device)
         with self.meter.schedule.region(), self.precision.autocast():
-            self.schedule.step(*args, **kwargs)
+            self.sends.step(lambda: self.schedule.step(*args, **kwargs))
         return self.sums
 
     def _schedule_inputs(self, micro: list, device) -> tuple:

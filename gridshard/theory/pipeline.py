@@ -62,7 +62,12 @@ its activations, B = :func:`boundary_bytes` each::
 
 whatever the number of micro-batches A (``tests/test_pipeline.py`` counts the buffers a P = 4
 run of A = 16 holds). A rank of V stages (interleaved, zero bubble) holds one kept output per
-chunk in flight: at most V·held + 1 blocks, held its micro-batches in flight.
+chunk in flight: V·held + 1 blocks, held its micro-batches in flight, and the sends of
+:mod:`gridshard.pipeline.send_release`: torch's runtime for these schedules keeps every send until
+the step's end (2·A·V blocks by then: 48 at P = 2, V = 2, A = 16), and gridshard gives each back
+once the receiving rank is known to have it. What is still held then (a send not yet proven done,
+an output gradient received ahead of its backward) is :func:`sends_held`, an upper bound read off
+the runs (A does not change it), not derived.
 """
 from __future__ import annotations
 
@@ -119,6 +124,21 @@ def peak_in_flight(stage: int, P: int, n_microbatches: int, schedule: str = "1f1
     if schedule == "gpipe":
         return n_microbatches
     return min(n_microbatches, P - stage)
+
+
+def sends_held(schedule: str, rank: int, P: int) -> int:
+    """Boundary blocks a rank of several stages holds beyond its V·held kept outputs and one output
+    gradient (module docstring, "Stage buffers"): its sends not yet proven done and output gradients
+    received early. The most measured at P ∈ {2, 3, 4, 6, 8}, V ∈ {2, 4}, A ≤ 16, rounded up to a
+    rule (``tests/test_pipeline.py``): interleaved 1F1B 1 on rank 0, 2 on a middle rank, ⌈P/2⌉ + 2 on
+    the last; zero bubble (its outputs are kept to the weight pass) P on rank 0, r + 1 on rank r,
+    ⌈3P/2⌉ on the last."""
+    last = rank == P - 1
+    if schedule == "interleaved_1f1b":
+        return -(-P // 2) + 2 if last else (1 if rank == 0 else 2)
+    if schedule == "zero_bubble":
+        return -(-3 * P // 2) if last else (P if rank == 0 else rank + 1)
+    return 0
 
 
 def stage_buffer_bytes(last: bool, in_flight: int, per_boundary: int) -> int:

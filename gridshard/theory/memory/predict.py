@@ -31,7 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 from ...job_layout import StageSplit
 from ..context import context_transient_bytes
-from ..pipeline import (boundary_bytes, interleaved_in_flight, peak_in_flight, stage_buffer_bytes,
+from ..pipeline import (boundary_bytes, interleaved_in_flight, peak_in_flight, sends_held, stage_buffer_bytes,
                         zero_bubble_in_flight)
 from ..zero import reduces_in_backward
 from .activations import _rank_shape, activation_bytes, activation_element_bytes, logits_workspace_bytes
@@ -189,15 +189,17 @@ def with_virtual_stages(mem: RankMemory, *, schedule: str, rank: int, P: int, V:
     stages: interleaved 1F1B holds :func:`gridshard.theory.pipeline.interleaved_in_flight`
     micro-batches of its layers, zero bubble :func:`gridshard.theory.pipeline.zero_bubble_in_flight`,
     instead of min(A, P − r) (the difference × the activation bytes per micro-batch is added); its
-    stages keep one output per chunk in flight, at most V·held, and one output gradient received:
-    (V·held + 1)·``per_boundary`` bytes of comm buffers in place of the one stage's
+    stages keep one output per chunk in flight, at most V·held, one output gradient received and
+    :func:`gridshard.theory.pipeline.sends_held` blocks of sends not yet given back:
+    (V·held + 1 + sends)·``per_boundary`` bytes of comm buffers in place of the one stage's
     (:func:`gridshard.theory.pipeline.stage_buffer_bytes`). Other schedules, or P = 1: ``mem`` as it is.
     The one home of this adaptation: the trainer's prediction and the planner's both apply it."""
     if P == 1 or schedule not in ("interleaved_1f1b", "zero_bubble"):
         return mem
     held = interleaved_in_flight(rank, P, V, A) if schedule == "interleaved_1f1b" else zero_bubble_in_flight(P, V, A)
     extra = max(0, held - mem.details["in_flight"])
-    buffers = stage_buffer_bytes(False, V * held, per_boundary) - mem.details["stage_buffers"]
+    buffers = stage_buffer_bytes(False, V * held + sends_held(schedule, rank, P), per_boundary) \
+        - mem.details["stage_buffers"]
     return dataclasses.replace(mem, activations=mem.activations + extra * mem.details["activation_per_microbatch"],
                                comm_buffers=mem.comm_buffers + buffers,
                                details={**mem.details, "in_flight": mem.details["in_flight"] + extra,
