@@ -14,7 +14,9 @@ checkouts never share a module):
   keeps the arithmetic);
 * ``train1d``: the same at (D, T) = (2, 2), ``tensor_mode: 1d``, on 4 processes;
 * ``trainpp``: the same at (D, P) = (2, 2), 1F1B, bf16 storage under ZeRO-3, on 4 processes (the
-  pipeline's receive buffers, ZeRO-3's gathers from the fp32 masters).
+  pipeline's receive buffers, ZeRO-3's gathers from the fp32 masters);
+* ``trainzb``: the same at (D, P, V) = (2, 2, 2), zero bubble, 4 layers (torch's runtime schedule:
+  the sends given back, the stage meter).
 
 Runs alternate old/new, the first of each pair alternating too, so slow drifts of the machine's
 load hit both alike. Reported per checkout: the median and range of each figure over the pairs,
@@ -62,6 +64,9 @@ TRAIN_LAYOUTS = {  # job: (processes, layout overrides)
     # pipeline stages' receive buffers, bf16 ZeRO-3's gathers from fp32 masters
     "trainpp": (4, ["parallel.data=2", "parallel.tensor=1", "parallel.pipeline=2", "train.zero=3",
                     "train.precision=bf16", "train.micro_batch=2"]),
+    # two stages per rank on torch's runtime (sends given back, the stage meter's saved-tensor hook)
+    "trainzb": (4, ["parallel.data=2", "parallel.tensor=1", "parallel.pipeline=2", "model.layers=4",
+                    "parallel.pipeline_schedule=zero_bubble", "parallel.virtual_stages=2", "train.micro_batch=2"]),
 }
 
 
@@ -82,7 +87,8 @@ def _run_train(root: str, a) -> dict:
     return {"step_ms": statistics.median(r["step_time_s"] for r in steps[1:]) * 1e3, "loss": steps[-1]["loss"]}
 
 
-JOBS = {"block3d": _run_block, "train3d": _run_train, "train1d": _run_train, "trainpp": _run_train}
+JOBS = {"block3d": _run_block, "train3d": _run_train, "train1d": _run_train, "trainpp": _run_train,
+        "trainzb": _run_train}
 
 
 def main(argv=None) -> None:

@@ -23,9 +23,14 @@ later forward (the previous stage sent it after its backward had received the gr
 
 **The release** (:class:`SendRelease`). At that compute's start (its receive already waited), the
 sent tensor's storage is resized to 0 bytes when the send is its only holder: nothing but the Work and
-this record refers to the tensor, and no other tensor shares its storage. A stage output is still held
-by the stage (``fwd_cache``) until its micro-batch's backward, so a proven send waiting for that is
-tried again at every later compute's start and end. The step's final wait then finds empty tensors.
+this record refers to the tensor, and no other tensor shares its storage; a stage output, moreover,
+only once its micro-batch's backward on this stage has run (the stage keeps the output to start that
+backward from, and a torch that sends the output itself rather than a detached alias would leave the
+holder count blind to it). A proven send still held otherwise is tried again at every later
+compute's start and end. The step's final wait then finds empty tensors. On a GPU the order holds
+on the devices too: the receiving rank's computes wait on its receive on their stream, its answering
+send follows them, and this rank's computes wait on that message before any kernel can reuse the
+freed block on this rank's compute stream.
 Nothing else changes: the same sends, receives and waits in the same order (the training runs equal
 one device as before, ``tests/test_pipeline.py``), on any backend.
 
@@ -107,6 +112,7 @@ class SendRelease:
         lowered = lowered_pipeline_order(schedule)
         self.points = None if lowered is None or not can_count_holders() else release_points(*lowered, rank)
         self.sent, self.proven, self.released = {}, [], 0
+        self.backward_done = set()              # (stage, micro-batch) whose backward ran this step
         self.active = False                    # only inside a training step (``step``), not in evaluation
         if self.points is None:
             return
@@ -123,6 +129,7 @@ class SendRelease:
             self.active = False
             self.sent.clear()
             self.proven.clear()
+            self.backward_done.clear()
 
     def _attach(self, stage) -> None:
         index = stage.stage_index
@@ -131,8 +138,9 @@ class SendRelease:
         def recorded(kind, make):
             def get_ops(chunk):
                 ops = make(chunk)
-                if self.active:
-                    self.sent[(kind, index, chunk)] = [op.tensor for op in ops]
+                if self.active:               # a stage output waits for its micro-batch's backward here
+                    after = (index, chunk) if kind == "SEND_F" else None
+                    self.sent[(kind, index, chunk)] = [(op.tensor, after) for op in ops]
                 return ops
             return get_ops
 
@@ -144,6 +152,8 @@ class SendRelease:
                     self._give_back()
                 out = method(chunk, *args, **kwargs)
                 if self.active:
+                    if call == "B":
+                        self.backward_done.add((index, chunk))
                     self._give_back()
                 return out
             return run
@@ -157,10 +167,10 @@ class SendRelease:
     def _give_back(self) -> None:
         """Free each proven send whose only holders are its Work and this record; keep the others."""
         kept = []
-        for tensor in self.proven:
-            if only_holders(tensor, 2):            # this record and the Work
+        for tensor, after in self.proven:
+            if (after is None or after in self.backward_done) and only_holders(tensor, 2):   # this record, the Work
                 tensor.untyped_storage().resize_(0)
                 self.released += 1
             elif tensor.untyped_storage().nbytes():
-                kept.append(tensor)
+                kept.append((tensor, after))
         self.proven = kept
