@@ -325,7 +325,7 @@ def test_receive_buffers_live_only_while_in_flight(schedule, P, V):
     flight (the first layer's input), one output gradient, and one kept output per micro-batch in
     flight: the memory model's [not last]·(in_flight + 1)·B
     (:func:`gridshard.theory.pipeline.stage_buffer_bytes`). V stages: torch's runtime kept every
-    send to the step's end (2·A·V = 64 blocks here); given back once proven done
+    send to the step's end (up to 2·A·V = 64 blocks here; 48 measured at P = 2); given back once proven done
     (:mod:`gridshard.pipeline.send_release`), a rank holds V·held + 1 + ``sends_held`` at most."""
     from gridshard.theory.pipeline import interleaved_in_flight, sends_held, stage_buffer_bytes, zero_bubble_in_flight
 

@@ -64,7 +64,7 @@ whatever the number of micro-batches A (``tests/test_pipeline.py`` counts the bu
 run of A = 16 holds). A rank of V stages (interleaved, zero bubble) holds one kept output per
 chunk in flight: V·held + 1 blocks, held its micro-batches in flight, and the sends of
 :mod:`gridshard.pipeline.send_release`: torch's runtime for these schedules keeps every send until
-the step's end (2·A·V blocks by then: 48 at P = 2, V = 2, A = 16), and gridshard gives each back
+the step's end (up to 2·A·V blocks by then: 48 on rank 0 at P = 2, V = 2, A = 16), and gridshard gives each back
 once the receiving rank is known to have it. What is still held then (a send not yet proven done,
 an output gradient received ahead of its backward) is :func:`sends_held`, an upper bound read off
 the runs (A does not change it), not derived.
