@@ -106,12 +106,12 @@ def release_points(orders: dict, stage_rank: dict, me: int):
 class SendRelease:
     """Gives back this rank's sent tensors at their proven points (module docstring); inactive for a
     schedule without a lowered list (``gpipe``, ``1f1b``: they wait each send themselves) or on a torch
-    where the proof or the holder count cannot be had. Counts: ``released`` sends so far."""
+    where the proof or the holder count cannot be had."""
 
     def __init__(self, schedule, stages, rank: int):
         lowered = lowered_pipeline_order(schedule)
         self.points = None if lowered is None or not can_count_holders() else release_points(*lowered, rank)
-        self.sent, self.proven, self.released = {}, [], 0
+        self.sent, self.proven = {}, []
         self.backward_done = set()              # (stage, micro-batch) whose backward ran this step
         self.active = False                    # only inside a training step (``step``), not in evaluation
         if self.points is None:
@@ -170,7 +170,6 @@ class SendRelease:
         for tensor, after in self.proven:
             if (after is None or after in self.backward_done) and only_holders(tensor, 2):   # this record, the Work
                 tensor.untyped_storage().resize_(0)
-                self.released += 1
             elif tensor.untyped_storage().nbytes():
                 kept.append((tensor, after))
         self.proven = kept
